@@ -1,0 +1,75 @@
+//! Absolute encodings: a vector per position, added to the token embeddings.
+//!
+//! Both share the addition `x + p[positions]` implemented here, so each file only says how its
+//! table is made.
+
+pub mod learned;
+pub mod sinusoidal;
+
+use candle_core::Tensor;
+
+use crate::{Error, Positions, Result};
+
+/// Checks that `x` is `(B, T, d_model)` and that `positions` fit it; returns `(B, T)`.
+pub(crate) fn check_input(
+    x: &Tensor,
+    d_model: usize,
+    positions: &Positions,
+) -> Result<(usize, usize)> {
+    let (b, t, d) = match x.dims() {
+        [b, t, d] => (*b, *t, *d),
+        dims => {
+            return Err(Error::Rank {
+                what: "input x",
+                expected: 3,
+                got: dims.len(),
+                shape: dims.to_vec(),
+            })
+        }
+    };
+    if d != d_model {
+        return Err(Error::shape(
+            "input x",
+            format!("(batch, seq_len, {d_model})"),
+            x.shape(),
+        ));
+    }
+    positions.check(b, t)?;
+    Ok((b, t))
+}
+
+/// Rows of `table` (`(N, D)`) at `positions` for a chunk of `len` tokens: `(1, T, D)` for an
+/// offset, `(B, T, D)` for explicit ids. The caller guarantees the positions are inside the table.
+pub(crate) fn gather_rows(table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
+    match positions {
+        Positions::Offset(start) => Ok(table.narrow(0, *start, len)?.unsqueeze(0)?),
+        Positions::Ids(ids) => {
+            let (b, t) = ids.ids().dims2()?;
+            let rows = table.index_select(&ids.ids().flatten_all()?, 0)?;
+            Ok(rows.reshape((b, t, table.dim(1)?))?)
+        }
+    }
+}
+
+/// Adds `rows` (broadcast over the batch) to `x`, cast to `x`'s dtype, then applies dropout.
+pub(crate) fn add_and_dropout(
+    x: &Tensor,
+    rows: &Tensor,
+    dropout: f32,
+    train: bool,
+) -> Result<Tensor> {
+    let out = x.broadcast_add(&rows.to_dtype(x.dtype())?)?;
+    if train && dropout > 0.0 {
+        Ok(candle_nn::ops::dropout(&out, dropout)?)
+    } else {
+        Ok(out)
+    }
+}
+
+/// Validates a dropout probability.
+pub(crate) fn check_dropout(p: f32) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::config("dropout", p, "a probability in [0, 1)"));
+    }
+    Ok(())
+}

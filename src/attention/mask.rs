@@ -1,0 +1,72 @@
+//! Causal and padding masks, applied by filling masked logits with the dtype's lowest value.
+//!
+//! Filling (instead of adding `-inf`) keeps a fully masked row finite: it gets uniform weights,
+//! as in HF transformers, instead of NaN.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Error, Result};
+
+/// The lowest finite value of a float dtype, used as the fill for masked logits.
+fn lowest(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => -65504.0,
+        DType::BF16 => -3.389_531_389_251_535_5e38,
+        DType::F32 => f32::MIN as f64,
+        _ => f64::MIN,
+    }
+}
+
+/// Keep-mask (`u8`, 1 = attend) broadcastable to `(B, 1, Tq, Tk)`, or `None` when nothing is
+/// masked. Query row `r` of the chunk is cache index `tk − tq + r`; causal keeps keys `j` up to
+/// it. `padding` is `(B, Tk)`, non-zero where a key is a real token.
+pub(crate) fn keep_mask(
+    causal: bool,
+    padding: Option<&Tensor>,
+    batch: usize,
+    tq: usize,
+    tk: usize,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    let causal_mask = if causal && tq > 0 {
+        let first = (tk - tq) as u32;
+        let key_index = Tensor::arange(0u32, tk as u32, device)?.unsqueeze(0)?;
+        let last_visible = Tensor::arange(first, first + tq as u32, device)?.unsqueeze(1)?;
+        Some(
+            key_index
+                .broadcast_le(&last_visible)?
+                .reshape((1, 1, tq, tk))?,
+        )
+    } else {
+        None
+    };
+    let padding_mask = match padding {
+        None => None,
+        Some(p) => {
+            if p.dims() != [batch, tk] {
+                return Err(Error::shape(
+                    "padding mask",
+                    format!("({batch}, {tk}) = (batch, number of keys including cached ones)"),
+                    p.shape(),
+                ));
+            }
+            Some(p.ne(&p.zeros_like()?)?.reshape((batch, 1, 1, tk))?)
+        }
+    };
+    Ok(match (causal_mask, padding_mask) {
+        (None, None) => None,
+        (Some(c), None) => Some(c),
+        (None, Some(p)) => Some(p),
+        (Some(c), Some(p)) => Some(c.broadcast_mul(&p)?),
+    })
+}
+
+/// `scores` where `keep` is 1, the dtype's lowest value elsewhere.
+pub(crate) fn apply_keep_mask(scores: &Tensor, keep: &Tensor) -> Result<Tensor> {
+    let fill = Tensor::new(lowest(scores.dtype()), scores.device())?
+        .to_dtype(scores.dtype())?
+        .broadcast_as(scores.shape())?;
+    Ok(keep
+        .broadcast_as(scores.shape())?
+        .where_cond(scores, &fill)?)
+}

@@ -1,0 +1,397 @@
+//! Multi-head attention with grouped KV heads, masks, a KV cache and the positional plug.
+//!
+//! ```text
+//! x' = enc.add_to_input(x)
+//! q = x' W_qᵀ, k = x' W_kᵀ, v = x' W_vᵀ              split into H (q) and Hkv (k, v) heads
+//! q, k = enc.rotate_queries_keys(q, k)
+//! k, v = cache.append(k, v)                          keys rotated once, at their own position
+//! s = (scale · q) kᵀ + enc.logits_bias(scale · q) + attn_mask,   masked where causal/padding
+//! α = softmax(s),  out = α v + enc.value_term(α),    heads merged, then W_o
+//! ```
+//!
+//! # Shapes
+//! - `x`: `(B, T, d_model)`; output `(B, T, d_model)`; weights `(B, H, T, T_keys)`.
+//!
+//! Weights are named like HF Llama (`q_proj`, `k_proj`, `v_proj`, `o_proj`, each with `weight`
+//! and optional `bias`), so such checkpoints load through a `VarBuilder` prefix.
+//! Reference: Vaswani et al. 2017; grouped-query attention: Ainslie et al. 2023.
+
+use std::sync::Arc;
+
+use candle_core::{Module, Tensor, D};
+use candle_nn::{linear_b, Linear, VarBuilder};
+
+use super::mask::{apply_keep_mask, keep_mask};
+use super::{KvCache, PositionalEncoding};
+use crate::{Error, Positions, Result};
+
+/// Configuration of [`MultiHeadAttention`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    /// Model width (input and output features).
+    pub d_model: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (`num_heads` for MHA, 1 for MQA, a divisor for GQA).
+    pub num_kv_heads: usize,
+    /// Features per head (default `d_model / num_heads`).
+    pub head_dim: usize,
+    /// Whether the projections have biases (default false, as in Llama).
+    pub bias: bool,
+    /// Dropout on the attention weights in training (default 0).
+    pub dropout: f32,
+    /// Whether each query sees only keys at or before it (default false).
+    pub causal: bool,
+    /// Softmax scale (default `1 / √head_dim`; T5 uses 1).
+    pub softmax_scale: f64,
+}
+
+impl AttentionConfig {
+    /// Defaults for `num_heads` heads over `d_model` features: as many KV heads as heads,
+    /// `head_dim = d_model / num_heads` (0 if it does not divide, which `validate` rejects),
+    /// no bias, no dropout, not causal, scale `1 / √head_dim`.
+    pub fn new(d_model: usize, num_heads: usize) -> Self {
+        let head_dim = if num_heads > 0 && d_model.is_multiple_of(num_heads) {
+            d_model / num_heads
+        } else {
+            0
+        };
+        Self {
+            d_model,
+            num_heads,
+            num_kv_heads: num_heads,
+            head_dim,
+            bias: false,
+            dropout: 0.0,
+            causal: false,
+            softmax_scale: if head_dim > 0 {
+                1.0 / (head_dim as f64).sqrt()
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// Sets the number of key/value heads (grouped-query attention).
+    pub fn with_kv_heads(mut self, num_kv_heads: usize) -> Self {
+        self.num_kv_heads = num_kv_heads;
+        self
+    }
+
+    /// Sets the head width (and the default scale `1 / √head_dim`).
+    pub fn with_head_dim(mut self, head_dim: usize) -> Self {
+        self.head_dim = head_dim;
+        self.softmax_scale = if head_dim > 0 {
+            1.0 / (head_dim as f64).sqrt()
+        } else {
+            0.0
+        };
+        self
+    }
+
+    /// Turns projection biases on or off.
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// Sets the attention dropout.
+    pub fn with_dropout(mut self, dropout: f32) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// Makes the attention causal (or not).
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// Sets the softmax scale.
+    pub fn with_softmax_scale(mut self, scale: f64) -> Self {
+        self.softmax_scale = scale;
+        self
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
+    /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, or a
+    /// scale that is not finite and positive.
+    pub fn validate(&self) -> Result<()> {
+        if self.d_model == 0 {
+            return Err(Error::config("d_model", self.d_model, "at least 1"));
+        }
+        if self.num_heads == 0 {
+            return Err(Error::config("num_heads", self.num_heads, "at least 1"));
+        }
+        if self.head_dim == 0 {
+            return Err(Error::config(
+                "head_dim",
+                self.head_dim,
+                format!(
+                    "at least 1; by default d_model / num_heads, which needs num_heads ({}) to divide d_model ({})",
+                    self.num_heads, self.d_model
+                ),
+            ));
+        }
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(Error::config(
+                "num_kv_heads",
+                self.num_kv_heads,
+                format!("a divisor of num_heads ({})", self.num_heads),
+            ));
+        }
+        crate::absolute::check_dropout(self.dropout)?;
+        if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
+            return Err(Error::config(
+                "softmax_scale",
+                self.softmax_scale,
+                "a finite number > 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Per-call options of [`MultiHeadAttention::forward_with`].
+#[derive(Debug, Clone, Default)]
+pub struct AttentionOptions<'a> {
+    /// Positions of the chunk's tokens. Default: continue the cache (`Offset(cache.next_position())`),
+    /// or `Offset(0)` without one.
+    pub positions: Option<&'a Positions>,
+    /// `(B, T_keys)`, non-zero for real tokens and 0 for padding; covers cached keys too.
+    pub padding_mask: Option<&'a Tensor>,
+    /// Additive mask broadcastable to `(B, H, T, T_keys)`, added to the logits.
+    pub attn_mask: Option<&'a Tensor>,
+    /// Whether to return the attention weights.
+    pub return_weights: bool,
+    /// Training mode: dropout on, differentiable softmax.
+    pub train: bool,
+}
+
+/// Output of [`MultiHeadAttention::forward_with`].
+#[derive(Debug, Clone)]
+pub struct AttentionOutput {
+    /// `(B, T, d_model)`.
+    pub output: Tensor,
+    /// `(B, H, T, T_keys)` attention weights before dropout, when asked for.
+    pub weights: Option<Tensor>,
+}
+
+/// Multi-head self-attention that consumes any [`PositionalEncoding`].
+///
+/// # Example
+/// ```
+/// use std::sync::Arc;
+/// use candle_core::{Device, DType, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::{AttentionConfig, MultiHeadAttention, SinusoidalConfig, SinusoidalPositionalEncoding};
+///
+/// let dev = Device::Cpu;
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(32), DType::F32, &dev)?;
+/// let cfg = AttentionConfig::new(32, 4).with_kv_heads(2).with_causal(true);
+/// let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(pe)), vb.pp("self_attn"))?;
+/// let x = Tensor::randn(0f32, 1.0, (2, 7, 32), &dev)?;
+/// assert_eq!(mha.forward(&x)?.dims(), &[2, 7, 32]);
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct MultiHeadAttention {
+    config: AttentionConfig,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    encoding: Option<Arc<dyn PositionalEncoding>>,
+}
+
+impl MultiHeadAttention {
+    /// Loads (or creates) the four projections from `vb` and plugs in `encoding`.
+    ///
+    /// # Errors
+    /// As [`AttentionConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`] for
+    /// checkpoint tensors that are absent or misshapen.
+    pub fn new(
+        config: &AttentionConfig,
+        encoding: Option<Arc<dyn PositionalEncoding>>,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        config.validate()?;
+        let (d, hd) = (config.d_model, config.head_dim);
+        let q_proj = linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?;
+        let k_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?;
+        let v_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("v_proj"))?;
+        let o_proj = linear_b(config.num_heads * hd, d, config.bias, vb.pp("o_proj"))?;
+        Ok(Self {
+            config: config.clone(),
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            encoding,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AttentionConfig {
+        &self.config
+    }
+
+    /// The plugged-in encoding.
+    pub fn encoding(&self) -> Option<&Arc<dyn PositionalEncoding>> {
+        self.encoding.as_ref()
+    }
+
+    /// Replaces the encoding (the projections are kept).
+    pub fn with_encoding(mut self, encoding: Option<Arc<dyn PositionalEncoding>>) -> Self {
+        self.encoding = encoding;
+        self
+    }
+
+    /// `(B, T, heads·hd)` → `(B, heads, T, hd)`.
+    fn split_heads(&self, t: &Tensor, heads: usize) -> Result<Tensor> {
+        let (b, len, _) = t.dims3()?;
+        Ok(t.reshape((b, len, heads, self.config.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    }
+
+    /// Repeats each KV head `num_heads / num_kv_heads` times: `(B, Hkv, T, D)` → `(B, H, T, D)`.
+    fn repeat_kv(&self, t: Tensor) -> Result<Tensor> {
+        let n_rep = self.config.num_heads / self.config.num_kv_heads;
+        if n_rep == 1 {
+            return Ok(t);
+        }
+        let (b, hkv, len, d) = t.dims4()?;
+        Ok(t.unsqueeze(2)?
+            .broadcast_as((b, hkv, n_rep, len, d))?
+            .reshape((b, hkv * n_rep, len, d))?)
+    }
+
+    /// Attention over `x` with positions, masks, an optional cache, and optional weights.
+    ///
+    /// With a cache, the chunk's keys and values are appended first and the queries attend to
+    /// every cached key; feeding a sequence token by token gives the same outputs as one call on
+    /// the whole sequence.
+    ///
+    /// # Shapes
+    /// `x`: `(B, T, d_model)` → output `(B, T, d_model)`, weights `(B, H, T, T_keys)`.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] / [`Error::Shape`] for a malformed input, positions, mask or cache
+    /// chunk; the encoding's own errors (e.g. [`Error::PositionOutOfRange`]).
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        options: &AttentionOptions,
+        cache: Option<&mut KvCache>,
+    ) -> Result<AttentionOutput> {
+        let cfg = &self.config;
+        let (b, t) = match x.dims() {
+            [b, t, d] if *d == cfg.d_model => (*b, *t),
+            [_, _, _] => {
+                return Err(Error::shape(
+                    "attention input x",
+                    format!("(batch, seq_len, {})", cfg.d_model),
+                    x.shape(),
+                ))
+            }
+            dims => {
+                return Err(Error::Rank {
+                    what: "attention input x",
+                    expected: 3,
+                    got: dims.len(),
+                    shape: dims.to_vec(),
+                })
+            }
+        };
+        let default_positions;
+        let positions = match options.positions {
+            Some(p) => p,
+            None => {
+                default_positions =
+                    Positions::Offset(cache.as_ref().map_or(0, |c| c.next_position()));
+                &default_positions
+            }
+        };
+        positions.check(b, t)?;
+        let enc = self.encoding.as_deref();
+
+        let x = match enc {
+            Some(e) => e.add_to_input(x, positions, options.train)?,
+            None => x.clone(),
+        };
+        let q = self.split_heads(&self.q_proj.forward(&x)?, cfg.num_heads)?;
+        let k = self.split_heads(&self.k_proj.forward(&x)?, cfg.num_kv_heads)?;
+        let v = self.split_heads(&self.v_proj.forward(&x)?, cfg.num_kv_heads)?;
+        let (q, k) = match enc {
+            Some(e) => e.rotate_queries_keys(&q, &k, positions, positions)?,
+            None => (q, k),
+        };
+        let (k, v, k_positions) = match cache {
+            Some(cache) => cache.append(&k, &v, positions)?,
+            None => (k, v, positions.clone()),
+        };
+        let tk = k.dim(2)?;
+        let k = self.repeat_kv(k)?;
+        let v = self.repeat_kv(v)?;
+
+        let q = (q * cfg.softmax_scale)?;
+        let mut scores = q.matmul(&k.t()?)?;
+        if let Some(e) = enc {
+            if let Some(bias) = e.logits_bias(&q, positions, &k_positions, tk)? {
+                scores = scores.broadcast_add(&bias.to_dtype(scores.dtype())?)?;
+            }
+        }
+        if let Some(mask) = options.attn_mask {
+            let full = (b, cfg.num_heads, t, tk);
+            let mask = mask.broadcast_as(full).map_err(|_| {
+                Error::shape(
+                    "additive attention mask",
+                    format!("a shape broadcastable to {full:?} = (batch, heads, queries, keys)"),
+                    mask.shape(),
+                )
+            })?;
+            scores = (scores + mask.to_dtype(q.dtype())?)?;
+        }
+        if let Some(keep) = keep_mask(cfg.causal, options.padding_mask, b, t, tk, x.device())? {
+            scores = apply_keep_mask(&scores, &keep)?;
+        }
+        let probs = if options.train {
+            candle_nn::ops::softmax(&scores, D::Minus1)?
+        } else {
+            candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
+        };
+        let dropped = if options.train && cfg.dropout > 0.0 {
+            candle_nn::ops::dropout(&probs, cfg.dropout)?
+        } else {
+            probs.clone()
+        };
+        let mut out = dropped.matmul(&v)?;
+        if let Some(e) = enc {
+            if let Some(term) = e.value_term(&dropped, positions, &k_positions)? {
+                out = out.broadcast_add(&term.to_dtype(out.dtype())?)?;
+            }
+        }
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, t, cfg.num_heads * cfg.head_dim))?;
+        Ok(AttentionOutput {
+            output: self.o_proj.forward(&out)?,
+            weights: options.return_weights.then_some(probs),
+        })
+    }
+}
+
+impl Module for MultiHeadAttention {
+    /// Attention at positions `0..T`, no mask beyond the configured causality, inference mode.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(self
+            .forward_with(x, &AttentionOptions::default(), None)?
+            .output)
+    }
+}

@@ -1,0 +1,100 @@
+//! Attention and the plug through which it consumes any positional encoding.
+//!
+//! Every positional encoding enters attention in one or more of four ways, and
+//! [`PositionalEncoding`] has one hook for each, all no-ops by default:
+//!
+//! | hook | what happens | encodings |
+//! |---|---|---|
+//! | [`add_to_input`](PositionalEncoding::add_to_input) | `x + p[pos]` before the q/k/v projections | sinusoidal, learned |
+//! | [`rotate_queries_keys`](PositionalEncoding::rotate_queries_keys) | `q' = R(pos_q) q`, `k' = R(pos_k) k` after projection | rotary |
+//! | [`logits_bias`](PositionalEncoding::logits_bias) | `scores += b(pos_q, pos_k)`, may read `q` | ALiBi, T5, relative bias, Shaw keys |
+//! | [`value_term`](PositionalEncoding::value_term) | `out += Σ_j α_ij a(i, j)` | Shaw values |
+//!
+//! [`MultiHeadAttention`] calls the four hooks and never looks at the concrete encoding type.
+
+mod kv_cache;
+mod mask;
+mod mha;
+
+pub use kv_cache::KvCache;
+pub use mha::{AttentionConfig, AttentionOptions, AttentionOutput, MultiHeadAttention};
+
+use candle_core::Tensor;
+
+use crate::{Positions, Result};
+
+/// The plug: what an encoding does inside attention. Implement only the hooks you use.
+///
+/// All hooks receive positions as [`Positions`]; `q_positions` are the positions of the current
+/// chunk of queries, `k_positions` those of every key attended to (cached keys included).
+pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
+    /// Input hook: returns `x` with position information added.
+    ///
+    /// # Shapes
+    /// `x`: `(B, T, d_model)` → `(B, T, d_model)`.
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn add_to_input(&self, x: &Tensor, positions: &Positions, train: bool) -> Result<Tensor> {
+        let _ = (positions, train);
+        Ok(x.clone())
+    }
+
+    /// Rotation hook: rotates freshly projected queries and keys (before keys enter a cache).
+    ///
+    /// # Shapes
+    /// `q`: `(B, H, Tq, D)`, `k`: `(B, Hkv, Tk_new, D)`; returns the same shapes.
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn rotate_queries_keys(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+    ) -> Result<(Tensor, Tensor)> {
+        let _ = (q_positions, k_positions);
+        Ok((q.clone(), k.clone()))
+    }
+
+    /// Bias hook: an additive term for the attention logits, or `None`.
+    ///
+    /// `q` is the rotated query already multiplied by the softmax scale, so a bias that reads
+    /// `q` (Shaw keys) is on the same scale as `q·kᵀ`; the returned bias is added to the scaled
+    /// logits as is.
+    ///
+    /// # Shapes
+    /// `q`: `(B, H, Tq, D)`; returns a tensor broadcastable to `(B, H, Tq, Tk)`.
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        k_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let _ = (q, q_positions, k_positions, k_len);
+        Ok(None)
+    }
+
+    /// Value hook: a term added to the attention output before the heads are merged, or `None`.
+    ///
+    /// # Shapes
+    /// `probs`: the attention weights `(B, H, Tq, Tk)`; returns `(B, H, Tq, D)` or a tensor
+    /// broadcastable to it.
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn value_term(
+        &self,
+        probs: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+    ) -> Result<Option<Tensor>> {
+        let _ = (probs, q_positions, k_positions);
+        Ok(None)
+    }
+}

@@ -1,0 +1,239 @@
+//! safetensors checkpoints: save tensors with metadata, load them back with typed errors.
+//!
+//! A [`Checkpoint`] holds every tensor of a file plus its string metadata. Modules load from it
+//! through [`Checkpoint::var_builder`] (so HF-named tensors load by prefix, e.g.
+//! `vb.pp("model.layers.0.self_attn")`), and training code restores a `VarMap` with
+//! [`Checkpoint::load_into`], which checks every variable before changing any.
+//!
+//! Configurations are stored in the metadata under `posenc.*` keys (see
+//! [`crate::EncodingConfig::to_metadata`]), so a file says which encoding it holds.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::{Error, Result};
+
+/// Tensors and metadata read from a safetensors file.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    source: String,
+    tensors: HashMap<String, Tensor>,
+    metadata: HashMap<String, String>,
+}
+
+/// Writes `tensors` and `metadata` to `path` in the safetensors format.
+///
+/// The file is written next to its destination and renamed into place, so a crash never leaves
+/// a half-written checkpoint under the final name.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be written; [`Error::Checkpoint`] when serialisation fails.
+pub fn save<P: AsRef<Path>>(
+    path: P,
+    tensors: &HashMap<String, Tensor>,
+    metadata: &HashMap<String, String>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let shown = path.display().to_string();
+    // safetensors wants contiguous data; make copies only where needed.
+    let mut owned = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        owned.push((name.clone(), t.contiguous()?));
+    }
+    owned.sort_by(|a, b| a.0.cmp(&b.0));
+    let meta = (!metadata.is_empty()).then(|| metadata.clone());
+    let bytes = safetensors::tensor::serialize(owned.iter().map(|(n, t)| (n.as_str(), t)), meta)
+        .map_err(|e| Error::Checkpoint {
+            path: shown.clone(),
+            reason: format!("cannot serialise: {e}"),
+        })?;
+    let tmp = path.with_extension("safetensors.tmp");
+    std::fs::write(&tmp, bytes).map_err(|source| Error::Io {
+        path: tmp.display().to_string(),
+        source,
+    })?;
+    std::fs::rename(&tmp, path).map_err(|source| Error::Io {
+        path: shown,
+        source,
+    })
+}
+
+/// Writes every variable of `varmap` (by its VarMap name) with `metadata`; see [`save`].
+///
+/// # Errors
+/// As [`save`].
+pub fn save_varmap<P: AsRef<Path>>(
+    path: P,
+    varmap: &VarMap,
+    metadata: &HashMap<String, String>,
+) -> Result<()> {
+    let tensors = varmap_tensors(varmap)?;
+    save(path, &tensors, metadata)
+}
+
+fn varmap_tensors(varmap: &VarMap) -> Result<HashMap<String, Tensor>> {
+    let data = varmap.data().lock().map_err(|_| Error::Checkpoint {
+        path: "<varmap>".into(),
+        reason: "VarMap lock poisoned by a panicking thread".into(),
+    })?;
+    Ok(data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect())
+}
+
+impl Checkpoint {
+    /// Reads a safetensors file onto `device`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the file cannot be read; [`Error::Checkpoint`] if it is truncated, its
+    /// header is malformed, or a tensor has a dtype candle does not support.
+    pub fn load<P: AsRef<Path>>(path: P, device: &Device) -> Result<Self> {
+        let path = path.as_ref();
+        let shown = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: shown.clone(),
+            source,
+        })?;
+        Self::from_bytes_named(&bytes, shown, device)
+    }
+
+    /// Parses safetensors bytes onto `device`.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load`].
+    pub fn from_bytes(bytes: &[u8], device: &Device) -> Result<Self> {
+        Self::from_bytes_named(bytes, "<memory>".into(), device)
+    }
+
+    fn from_bytes_named(bytes: &[u8], source: String, device: &Device) -> Result<Self> {
+        let bad = |reason: String| Error::Checkpoint {
+            path: source.clone(),
+            reason,
+        };
+        let (_, header) = safetensors::SafeTensors::read_metadata(bytes)
+            .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+        let st = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+        let mut tensors = HashMap::new();
+        for (name, view) in st.tensors() {
+            let t = candle_core::safetensors::Load::load(&view, device)
+                .map_err(|e| bad(format!("tensor `{name}` cannot be loaded: {e}")))?;
+            tensors.insert(name, t);
+        }
+        Ok(Self {
+            source,
+            tensors,
+            metadata: header.metadata().clone().unwrap_or_default(),
+        })
+    }
+
+    /// Where the checkpoint came from (a path, or `<memory>`).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The string metadata.
+    pub fn metadata(&self) -> &HashMap<String, String> {
+        &self.metadata
+    }
+
+    /// Every tensor by name.
+    pub fn tensors(&self) -> &HashMap<String, Tensor> {
+        &self.tensors
+    }
+
+    /// One tensor, checked against the expected shape.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] or [`Error::TensorShape`].
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<&Tensor> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { name: name.into() })?;
+        if t.dims() != shape {
+            return Err(Error::TensorShape {
+                name: name.into(),
+                expected: shape.to_vec(),
+                got: t.dims().to_vec(),
+            });
+        }
+        Ok(t)
+    }
+
+    /// Renames tensors: `rename(name)` gives the new name, or `None` to keep the old one. Use
+    /// it to map a foreign naming scheme onto this crate's.
+    pub fn renamed(mut self, rename: impl Fn(&str) -> Option<String>) -> Self {
+        self.tensors = self
+            .tensors
+            .into_iter()
+            .map(|(k, v)| (rename(&k).unwrap_or(k), v))
+            .collect();
+        self
+    }
+
+    /// A `VarBuilder` over the tensors, converting to `dtype` on `device`. Missing or
+    /// misshapen tensors surface as [`Error::MissingTensor`] / [`Error::TensorShape`] from the
+    /// constructors that use it.
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_tensors(self.tensors.clone(), dtype, device)
+    }
+
+    /// Copies the checkpoint's values into every variable of `varmap`.
+    ///
+    /// All variables are checked (present, same shape) before any is written, so a failed load
+    /// changes nothing. Tensors the `VarMap` does not have are ignored.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the first offending variable.
+    pub fn load_into(&self, varmap: &VarMap) -> Result<()> {
+        let vars = varmap.data().lock().map_err(|_| Error::Checkpoint {
+            path: self.source.clone(),
+            reason: "VarMap lock poisoned by a panicking thread".into(),
+        })?;
+        let mut names: Vec<&String> = vars.keys().collect();
+        names.sort();
+        let mut staged = Vec::with_capacity(names.len());
+        for name in names {
+            let var = &vars[name];
+            let t = self.get(name, var.dims())?;
+            staged.push((var, t.to_device(var.device())?.to_dtype(var.dtype())?));
+        }
+        for (var, t) in staged {
+            var.set(&t)?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads typed values out of checkpoint metadata, naming the key in every error.
+pub(crate) struct MetadataReader<'a> {
+    pub(crate) source: &'a str,
+    pub(crate) metadata: &'a HashMap<String, String>,
+}
+
+impl MetadataReader<'_> {
+    pub(crate) fn error(&self, key: &str, reason: impl std::fmt::Display) -> Error {
+        Error::Checkpoint {
+            path: self.source.into(),
+            reason: format!("metadata `{key}`: {reason}"),
+        }
+    }
+
+    pub(crate) fn str(&self, key: &str) -> Result<&str> {
+        self.metadata
+            .get(key)
+            .map(String::as_str)
+            .ok_or_else(|| self.error(key, "missing"))
+    }
+
+    pub(crate) fn parse<T: std::str::FromStr>(&self, key: &str, expected: &str) -> Result<T> {
+        let raw = self.str(key)?;
+        raw.parse()
+            .map_err(|_| self.error(key, format!("`{raw}` is not {expected}")))
+    }
+}

@@ -1,0 +1,180 @@
+//! The crate's error type.
+//!
+//! Every failure that depends on the caller's input (a shape, a length, a configuration value, a
+//! checkpoint) is reported as an [`Error`] variant that names the offending value and what was
+//! expected. Failures inside candle's kernels are wrapped as [`Error::Candle`], except the two
+//! that concern checkpoints (a tensor that is missing or has the wrong shape), which are turned
+//! into [`Error::MissingTensor`] and [`Error::TensorShape`] so callers can match on them.
+
+use candle_core::Shape;
+
+/// Result alias used throughout the crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything that can go wrong in candle-posenc.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A configuration value is out of its valid range (zero heads, odd dimension, bad factor).
+    #[error("invalid configuration: {name} = {value}, expected {expected}")]
+    InvalidConfig {
+        /// The configuration field.
+        name: &'static str,
+        /// The value that was given, printed.
+        value: String,
+        /// What a valid value looks like.
+        expected: String,
+    },
+
+    /// A position is past the end of a table that cannot grow (a learned table).
+    #[error(
+        "position {position} is past the end of the {table} table, which holds positions 0..{len}"
+    )]
+    PositionOutOfRange {
+        /// Which table (e.g. "learned positional").
+        table: &'static str,
+        /// The first position that does not fit (exclusive upper bound requested).
+        position: usize,
+        /// Number of positions the table holds.
+        len: usize,
+    },
+
+    /// A tensor has the wrong rank.
+    #[error("{what} has rank {got} (shape {shape:?}), expected rank {expected}")]
+    Rank {
+        /// Which argument.
+        what: &'static str,
+        /// The rank that was expected.
+        expected: usize,
+        /// The rank that was given.
+        got: usize,
+        /// The full shape that was given.
+        shape: Vec<usize>,
+    },
+
+    /// A tensor has the wrong shape.
+    #[error("{what} has shape {got:?}, expected {expected}")]
+    Shape {
+        /// Which argument.
+        what: &'static str,
+        /// What was expected, in words (dimensions may be symbolic).
+        expected: String,
+        /// The shape that was given.
+        got: Vec<usize>,
+    },
+
+    /// A tensor has a dtype the operation does not accept.
+    #[error("{what} has dtype {got:?}, expected {expected}")]
+    DType {
+        /// Which argument.
+        what: &'static str,
+        /// Accepted dtypes, in words.
+        expected: &'static str,
+        /// The dtype that was given.
+        got: candle_core::DType,
+    },
+
+    /// A checkpoint lacks a tensor that a module needs.
+    #[error("checkpoint has no tensor named `{name}`")]
+    MissingTensor {
+        /// Full dotted name of the tensor.
+        name: String,
+    },
+
+    /// A checkpoint tensor has the wrong shape.
+    #[error("checkpoint tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    TensorShape {
+        /// Full dotted name of the tensor.
+        name: String,
+        /// Shape the module needs.
+        expected: Vec<usize>,
+        /// Shape found in the checkpoint.
+        got: Vec<usize>,
+    },
+
+    /// A checkpoint file cannot be read or parsed, or its metadata is inconsistent.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file (or "<memory>" for buffers).
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// An I/O error while reading or writing a file.
+    #[error("i/o error on {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+
+    /// An error raised by candle itself (kernels, devices, dtype conversions).
+    #[error(transparent)]
+    Candle(candle_core::Error),
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidConfig`].
+    pub(crate) fn config(
+        name: &'static str,
+        value: impl std::fmt::Display,
+        expected: impl Into<String>,
+    ) -> Self {
+        Error::InvalidConfig {
+            name,
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Shape`].
+    pub(crate) fn shape(what: &'static str, expected: impl Into<String>, got: &Shape) -> Self {
+        Error::Shape {
+            what,
+            expected: expected.into(),
+            got: got.dims().to_vec(),
+        }
+    }
+}
+
+/// Strips candle's wrappers (backtraces, context, paths) to reach the error that was raised.
+fn innermost(err: &candle_core::Error) -> &candle_core::Error {
+    match err {
+        candle_core::Error::WithBacktrace { inner, .. }
+        | candle_core::Error::Context { inner, .. }
+        | candle_core::Error::WithPath { inner, .. } => innermost(inner),
+        other => other,
+    }
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(err: candle_core::Error) -> Self {
+        match innermost(&err) {
+            candle_core::Error::CannotFindTensor { path } => {
+                Error::MissingTensor { name: path.clone() }
+            }
+            candle_core::Error::UnexpectedShape { msg, expected, got } => {
+                match msg.strip_prefix("shape mismatch for ") {
+                    Some(name) => Error::TensorShape {
+                        name: name.to_string(),
+                        expected: expected.dims().to_vec(),
+                        got: got.dims().to_vec(),
+                    },
+                    None => Error::Candle(err),
+                }
+            }
+            _ => Error::Candle(err),
+        }
+    }
+}
+
+/// Lets our modules implement candle's `Module` trait, whose error type is `candle_core::Error`.
+impl From<Error> for candle_core::Error {
+    fn from(err: Error) -> Self {
+        match err {
+            Error::Candle(inner) => inner,
+            other => candle_core::Error::Wrapped(Box::new(other)),
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! # candle-posenc
+//!
+//! Transformer positional encodings for [candle](https://github.com/huggingface/candle), each a
+//! candle `Module`, plus a multi-head attention block that consumes any of them through one plug.
+//!
+//! | encoding | type | enters attention as |
+//! |---|---|---|
+//! | sinusoidal (Vaswani et al. 2017) | [`SinusoidalPositionalEncoding`] | added to the input |
+//! | learned absolute, optional linear interpolation | [`LearnedPositionalEncoding`] | added to the input |
+//!
+//! The plug is [`PositionalEncoding`]: four hooks (input, q/k rotation, logits bias, value term),
+//! each a no-op by default. [`MultiHeadAttention`] calls them, with causal and padding masks,
+//! grouped KV heads and a [`KvCache`]. Positions are a value of their own, [`Positions`]: an
+//! offset or explicit per-token ids.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use candle_core::{Device, DType, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use candle_posenc::{AttentionConfig, AttentionOptions, KvCache, MultiHeadAttention,
+//!     SinusoidalConfig, SinusoidalPositionalEncoding};
+//!
+//! let dev = Device::Cpu;
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+//! let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(64), DType::F32, &dev)?;
+//! let attn = MultiHeadAttention::new(
+//!     &AttentionConfig::new(64, 8).with_kv_heads(2).with_causal(true),
+//!     Some(Arc::new(pe)),
+//!     vb.pp("self_attn"),
+//! )?;
+//! // Decode token by token: positions continue from the cache.
+//! let x = Tensor::randn(0f32, 1.0, (1, 4, 64), &dev)?;
+//! let mut cache = KvCache::new();
+//! for t in 0..4 {
+//!     let step = attn.forward_with(&x.narrow(1, t, 1)?, &AttentionOptions::default(), Some(&mut cache))?;
+//!     assert_eq!(step.output.dims(), &[1, 1, 64]);
+//! }
+//! assert_eq!(cache.len(), 4);
+//! # Ok::<(), candle_posenc::Error>(())
+//! ```
+
+pub mod absolute;
+pub mod attention;
+pub mod checkpoint;
+pub mod encoding;
+mod error;
+pub mod positions;
+
+pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
+pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
+pub use attention::{
+    AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention,
+    PositionalEncoding,
+};
+pub use checkpoint::Checkpoint;
+pub use encoding::EncodingConfig;
+pub use error::{Error, Result};
+pub use positions::{PositionIds, Positions};

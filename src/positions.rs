@@ -1,0 +1,298 @@
+//! Positions: where each token sits in its sequence.
+//!
+//! Every encoding in this crate takes a [`Positions`] value instead of assuming `0..T`:
+//!
+//! - [`Positions::Offset`]`(s)`: token `t` of every sequence is at position `s + t`. This is the
+//!   common case, and the one a KV cache needs: after `n` cached tokens the next chunk starts at
+//!   `n`.
+//! - [`Positions::Ids`]: explicit per-token positions of shape `(B, T)` (or `(1, T)`, shared by
+//!   the batch), for packed sequences or left padding.
+//!
+//! # Shapes
+//! - position ids: `(B, T)` or `(1, T)`, any integer dtype (`u8`, `u32`, `i64`); stored as `u32`.
+//!
+//! Position ids are checked once, when a [`PositionIds`] is built (rank, dtype, no negative
+//! value, and the largest id, which tables use to grow or to report an out-of-range position).
+//! Forward passes never read them back to the host.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Error, Result};
+
+/// Largest position id accepted (positions are stored as `u32`).
+pub const MAX_POSITION: usize = u32::MAX as usize;
+
+/// Explicit per-token position ids, validated.
+#[derive(Debug, Clone)]
+pub struct PositionIds {
+    ids: Tensor,
+    end: usize,
+}
+
+impl PositionIds {
+    /// Validates `ids` of shape `(B, T)` and integer dtype.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless the rank is 2, [`Error::DType`] for a float dtype, and
+    /// [`Error::InvalidConfig`] for a negative id or one above [`MAX_POSITION`].
+    pub fn new(ids: &Tensor) -> Result<Self> {
+        if ids.rank() != 2 {
+            return Err(Error::Rank {
+                what: "position ids",
+                expected: 2,
+                got: ids.rank(),
+                shape: ids.dims().to_vec(),
+            });
+        }
+        if !matches!(ids.dtype(), DType::U8 | DType::U32 | DType::I64) {
+            return Err(Error::DType {
+                what: "position ids",
+                expected: "an integer dtype (u8, u32 or i64)",
+                got: ids.dtype(),
+            });
+        }
+        if ids.elem_count() == 0 {
+            return Ok(Self {
+                ids: ids.to_dtype(DType::U32)?,
+                end: 0,
+            });
+        }
+        // One host read per construction, never per forward pass.
+        let as_i64 = ids.to_dtype(DType::I64)?.flatten_all()?;
+        let min = as_i64.min(0)?.to_scalar::<i64>()?;
+        let max = as_i64.max(0)?.to_scalar::<i64>()?;
+        if min < 0 {
+            return Err(Error::config("position id", min, "non-negative positions"));
+        }
+        if max as u64 > MAX_POSITION as u64 {
+            return Err(Error::config(
+                "position id",
+                max,
+                format!("positions up to {MAX_POSITION}"),
+            ));
+        }
+        Ok(Self {
+            ids: ids.to_dtype(DType::U32)?,
+            end: max as usize + 1,
+        })
+    }
+
+    /// Builds ids from rows of host positions (one row per sequence).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if the rows differ in length or there are none.
+    pub fn from_rows(rows: &[Vec<u32>], device: &Device) -> Result<Self> {
+        let len = rows.first().map(Vec::len).unwrap_or(0);
+        if rows.is_empty() || rows.iter().any(|r| r.len() != len) {
+            let lens: Vec<usize> = rows.iter().map(Vec::len).collect();
+            return Err(Error::Shape {
+                what: "position id rows",
+                expected: "at least one row, all rows of the same length".into(),
+                got: lens,
+            });
+        }
+        let flat: Vec<u32> = rows.iter().flatten().copied().collect();
+        let end = flat.iter().max().map_or(0, |&m| m as usize + 1);
+        let ids = Tensor::from_vec(flat, (rows.len(), len), device)?;
+        Ok(Self { ids, end })
+    }
+
+    /// The ids, `(B, T)` `u32`.
+    pub fn ids(&self) -> &Tensor {
+        &self.ids
+    }
+
+    /// One past the largest id (0 when empty).
+    pub fn end(&self) -> usize {
+        self.end
+    }
+
+    /// Batch size of the ids (1 when shared by the batch).
+    pub fn batch(&self) -> usize {
+        self.ids.dims()[0]
+    }
+
+    /// Number of tokens per sequence.
+    pub fn len(&self) -> usize {
+        self.ids.dims()[1]
+    }
+
+    /// Whether the ids hold no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Concatenates along the sequence, broadcasting a batch of 1 to the other's batch.
+    fn concat(&self, other: &PositionIds) -> Result<PositionIds> {
+        let batch = self.batch().max(other.batch());
+        let a = broadcast_batch(&self.ids, batch)?;
+        let b = broadcast_batch(&other.ids, batch)?;
+        Ok(PositionIds {
+            ids: Tensor::cat(&[&a, &b], 1)?,
+            end: self.end.max(other.end),
+        })
+    }
+}
+
+fn broadcast_batch(ids: &Tensor, batch: usize) -> Result<Tensor> {
+    let (b, t) = ids.dims2()?;
+    if b == batch {
+        return Ok(ids.clone());
+    }
+    if b != 1 {
+        return Err(Error::shape(
+            "position ids",
+            format!("batch 1 or {batch}"),
+            ids.shape(),
+        ));
+    }
+    Ok(ids.broadcast_as((batch, t))?.contiguous()?)
+}
+
+/// Where the tokens of a chunk sit: a start offset or explicit ids.
+#[derive(Debug, Clone)]
+pub enum Positions {
+    /// Token `t` is at position `start + t` in every sequence of the batch.
+    Offset(usize),
+    /// Explicit per-token positions.
+    Ids(PositionIds),
+}
+
+impl Default for Positions {
+    fn default() -> Self {
+        Positions::Offset(0)
+    }
+}
+
+impl From<PositionIds> for Positions {
+    fn from(ids: PositionIds) -> Self {
+        Positions::Ids(ids)
+    }
+}
+
+impl Positions {
+    /// Positions `start..start + T`.
+    pub fn offset(start: usize) -> Self {
+        Positions::Offset(start)
+    }
+
+    /// Validated explicit ids of shape `(B, T)`; see [`PositionIds::new`].
+    ///
+    /// # Errors
+    /// As [`PositionIds::new`].
+    pub fn ids(ids: &Tensor) -> Result<Self> {
+        Ok(Positions::Ids(PositionIds::new(ids)?))
+    }
+
+    /// Checks that these positions can describe a chunk of `batch` sequences of `len` tokens.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if explicit ids are not `(batch, len)` or `(1, len)`;
+    /// [`Error::InvalidConfig`] if an offset would pass [`MAX_POSITION`].
+    pub fn check(&self, batch: usize, len: usize) -> Result<()> {
+        match self {
+            Positions::Offset(start) => {
+                if start.checked_add(len).is_none_or(|e| e > MAX_POSITION + 1) {
+                    return Err(Error::config(
+                        "position offset",
+                        start,
+                        format!("offset + length ({len}) at most {}", MAX_POSITION + 1),
+                    ));
+                }
+                Ok(())
+            }
+            Positions::Ids(ids) => {
+                if ids.len() != len || (ids.batch() != batch && ids.batch() != 1) {
+                    return Err(Error::shape(
+                        "position ids",
+                        format!("({batch}, {len}) or (1, {len}) to match the input"),
+                        ids.ids().shape(),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// One past the largest position of a chunk of `len` tokens.
+    pub fn end(&self, len: usize) -> usize {
+        match self {
+            Positions::Offset(start) => start.saturating_add(len),
+            Positions::Ids(ids) => ids.end(),
+        }
+    }
+
+    /// The positions as a `(1, len)` or `(B, len)` `u32` tensor.
+    ///
+    /// # Errors
+    /// Propagates device errors.
+    pub fn to_ids(&self, len: usize, device: &Device) -> Result<Tensor> {
+        match self {
+            Positions::Offset(start) => {
+                let start = *start as u32;
+                Ok(Tensor::arange(start, start + len as u32, device)?.unsqueeze(0)?)
+            }
+            Positions::Ids(ids) => Ok(ids.ids().clone()),
+        }
+    }
+
+    /// The positions of `self` (covering `len` tokens) followed by `next` (covering `next_len`):
+    /// used by KV caches to track the positions of every cached key.
+    ///
+    /// Two contiguous offsets stay an offset; anything else becomes explicit ids.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if explicit ids disagree on the batch size.
+    pub fn extend(
+        &self,
+        len: usize,
+        next: &Positions,
+        next_len: usize,
+        device: &Device,
+    ) -> Result<Positions> {
+        if let (Positions::Offset(a), Positions::Offset(b)) = (self, next) {
+            if a + len == *b {
+                return Ok(Positions::Offset(*a));
+            }
+        }
+        let as_ids = |p: &Positions, l: usize| -> Result<PositionIds> {
+            match p {
+                Positions::Ids(ids) => Ok(ids.clone()),
+                Positions::Offset(s) => Ok(PositionIds {
+                    ids: p.to_ids(l, device)?,
+                    end: s + l,
+                }),
+            }
+        };
+        Ok(Positions::Ids(
+            as_ids(self, len)?.concat(&as_ids(next, next_len)?)?,
+        ))
+    }
+
+    /// Relative distances `j - i` between every query and key position, as `i64` of shape
+    /// `(Bq, Tq, Tk)` where `Bq` is 1 unless either side holds per-sequence ids.
+    ///
+    /// This is the one place relative encodings get their distance matrix from.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if explicit ids disagree on the batch size.
+    pub fn relative_distances(
+        queries: &Positions,
+        q_len: usize,
+        keys: &Positions,
+        k_len: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let q = queries.to_ids(q_len, device)?.to_dtype(DType::I64)?;
+        let k = keys.to_ids(k_len, device)?.to_dtype(DType::I64)?;
+        let (qb, kb) = (q.dims()[0], k.dims()[0]);
+        if qb != kb && qb != 1 && kb != 1 {
+            return Err(Error::shape(
+                "key position ids",
+                format!("batch 1 or {qb} to match the query positions"),
+                k.shape(),
+            ));
+        }
+        Ok(k.unsqueeze(1)?.broadcast_sub(&q.unsqueeze(2)?)?)
+    }
+}

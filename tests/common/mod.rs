@@ -1,0 +1,61 @@
+//! Shared test helpers: fixture loading, closeness checks, and the per-device test macro.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+
+/// Loads `tests/fixtures/<name>` onto `device`.
+pub fn fixture(name: &str, device: &Device) -> anyhow::Result<HashMap<String, Tensor>> {
+    let path = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    Ok(candle_core::safetensors::load(path, device)?)
+}
+
+/// One fixture tensor, by name, with a readable failure.
+pub fn get<'a>(map: &'a HashMap<String, Tensor>, name: &str) -> &'a Tensor {
+    map.get(name)
+        .unwrap_or_else(|| panic!("fixture has no tensor `{name}`"))
+}
+
+/// Largest absolute difference between two tensors of the same shape, in f64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F64)?.flatten_all()?;
+    let b = b.to_dtype(DType::F64)?.flatten_all()?;
+    Ok((a - b)?.abs()?.max(0)?.to_scalar::<f64>()?)
+}
+
+/// Asserts `|a - b| <= tol` everywhere.
+pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> anyhow::Result<()> {
+    let d = max_abs_diff(a, b)?;
+    assert!(d <= tol, "{what}: max |diff| = {d:e} > {tol:e}");
+    Ok(())
+}
+
+/// Expands `fn name(dev: &Device) -> anyhow::Result<()>` test bodies into cpu, cuda and metal
+/// test functions (the latter two only with the matching cargo feature).
+#[macro_export]
+macro_rules! device_tests {
+    ($($name:ident),* $(,)?) => {
+        mod cpu {
+            $(#[test]
+            fn $name() -> anyhow::Result<()> {
+                super::$name(&candle_core::Device::Cpu)
+            })*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda {
+            $(#[test]
+            fn $name() -> anyhow::Result<()> {
+                super::$name(&candle_core::Device::new_cuda(0)?)
+            })*
+        }
+        #[cfg(feature = "metal")]
+        mod metal {
+            $(#[test]
+            fn $name() -> anyhow::Result<()> {
+                super::$name(&candle_core::Device::new_metal(0)?)
+            })*
+        }
+    };
+}
