@@ -1,0 +1,678 @@
+//! The attention block and its plug: parity with PyTorch's `scaled_dot_product_attention`,
+//! every hook exercised by small test encodings, masks, grouped heads, the KV cache.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, Error, KvCache, LearnedConfig, LearnedPositionalEncoding,
+    MultiHeadAttention, PositionIds, PositionalEncoding, Positions, Result, SinusoidalConfig,
+    SinusoidalPositionalEncoding,
+};
+use common::{assert_close, fixture, get};
+
+/// Test encoding for the three hooks the foundation encodings do not use, with the formulas the
+/// fixture script gives PyTorch:
+/// - rotation: rotate-half by `pos · 10000^(−2i/D)` (the seeds' RoPE);
+/// - bias: `−2^−(h+1) · |j − i|`;
+/// - value term: `Σ_j α_ij a[clamp(j − i, −2, 2) + 2]`, `a = arange(5·D).view(5, D) / 10`.
+#[derive(Debug)]
+struct HookProbe {
+    num_heads: usize,
+    head_dim: usize,
+}
+
+impl HookProbe {
+    fn rotate(&self, x: &Tensor, positions: &Positions) -> Result<Tensor> {
+        let (_, _, t, d) = x.dims4()?;
+        let half = d / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / 10000f32.powf(i as f32 / half as f32))
+            .collect();
+        let inv_freq = Tensor::new(inv_freq.as_slice(), x.device())?;
+        let pos = positions.to_ids(t, x.device())?.to_dtype(DType::F32)?; // (B|1, T)
+        let ang = pos
+            .unsqueeze(2)?
+            .broadcast_mul(&inv_freq.reshape((1, 1, half))?)?
+            .unsqueeze(1)?;
+        let (cos, sin) = (ang.cos()?, ang.sin()?);
+        let x1 = x.narrow(3, 0, half)?;
+        let x2 = x.narrow(3, half, half)?;
+        let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let r2 = (x1.broadcast_mul(&sin)? + x2.broadcast_mul(&cos)?)?;
+        Ok(Tensor::cat(&[r1, r2], 3)?)
+    }
+}
+
+impl PositionalEncoding for HookProbe {
+    fn rotate_queries_keys(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        qp: &Positions,
+        kp: &Positions,
+    ) -> Result<(Tensor, Tensor)> {
+        Ok((self.rotate(q, qp)?, self.rotate(k, kp)?))
+    }
+
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        qp: &Positions,
+        kp: &Positions,
+        k_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let dist = Positions::relative_distances(qp, q.dim(2)?, kp, k_len, q.device())?;
+        let slopes: Vec<f32> = (0..self.num_heads)
+            .map(|h| -(2f32.powi(-(h as i32 + 1))))
+            .collect();
+        let slopes =
+            Tensor::new(slopes.as_slice(), q.device())?.reshape((1, self.num_heads, 1, 1))?;
+        let dist = dist.abs()?.to_dtype(DType::F32)?.unsqueeze(1)?;
+        Ok(Some(dist.broadcast_mul(&slopes)?))
+    }
+
+    fn value_term(&self, probs: &Tensor, qp: &Positions, kp: &Positions) -> Result<Option<Tensor>> {
+        let (_, _, tq, tk) = probs.dims4()?;
+        let dist = Positions::relative_distances(qp, tq, kp, tk, probs.device())?;
+        let idx = (dist.clamp(-2i64, 2i64)? + 2.0)?.to_dtype(DType::U32)?; // (B|1, Tq, Tk)
+        let a = (Tensor::arange(0f32, (5 * self.head_dim) as f32, probs.device())?
+            .reshape((5, self.head_dim))?
+            / 10.0)?;
+        let (bq, _, _) = idx.dims3()?;
+        let rel =
+            a.index_select(&idx.flatten_all()?, 0)?
+                .reshape((bq, 1, tq, tk, self.head_dim))?;
+        Ok(Some(probs.unsqueeze(4)?.broadcast_mul(&rel)?.sum(3)?))
+    }
+}
+
+const D_MODEL: usize = 16;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 4;
+
+fn prefixed(fx: &HashMap<String, Tensor>, prefix: &str) -> HashMap<String, Tensor> {
+    fx.iter()
+        .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone())))
+        .collect()
+}
+
+fn block(
+    fx: &HashMap<String, Tensor>,
+    case: &str,
+    cfg: &AttentionConfig,
+    enc: Option<Arc<dyn PositionalEncoding>>,
+    dev: &Device,
+) -> anyhow::Result<MultiHeadAttention> {
+    let vb = VarBuilder::from_tensors(prefixed(fx, &format!("{case}.")), DType::F32, dev);
+    Ok(MultiHeadAttention::new(cfg, enc, vb)?)
+}
+
+fn base_cfg() -> AttentionConfig {
+    AttentionConfig::new(D_MODEL, HEADS).with_kv_heads(KV_HEADS)
+}
+
+fn with_weights() -> AttentionOptions<'static> {
+    AttentionOptions {
+        return_weights: true,
+        ..Default::default()
+    }
+}
+
+/// f32 parity after two projections, a softmax and two more products: 1e-5.
+const TOL: f64 = 1e-5;
+
+fn parity_plain(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("attention.safetensors", dev)?;
+    let mha = block(&fx, "plain", &base_cfg(), None, dev)?;
+    let out = mha.forward_with(get(&fx, "x"), &with_weights(), None)?;
+    assert_close(&out.output, get(&fx, "plain.out"), TOL, "plain out")?;
+    assert_close(
+        out.weights.as_ref().expect("weights"),
+        get(&fx, "plain.probs"),
+        TOL,
+        "plain probs",
+    )?;
+    Ok(())
+}
+
+fn parity_sinusoidal_causal_bias(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("attention.safetensors", dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(D_MODEL), DType::F32, dev)?;
+    let cfg = base_cfg().with_bias(true).with_causal(true);
+    let mha = block(&fx, "sinusoidal", &cfg, Some(Arc::new(pe)), dev)?;
+    let out = mha.forward_with(get(&fx, "x"), &with_weights(), None)?;
+    assert_close(
+        &out.output,
+        get(&fx, "sinusoidal.out"),
+        TOL,
+        "sinusoidal out",
+    )?;
+    assert_close(
+        out.weights.as_ref().expect("weights"),
+        get(&fx, "sinusoidal.probs"),
+        TOL,
+        "probs",
+    )?;
+    Ok(())
+}
+
+fn parity_learned_padding(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("attention.safetensors", dev)?;
+    let pe = LearnedPositionalEncoding::from_table(
+        &LearnedConfig::new(D_MODEL).with_max_len(10),
+        get(&fx, "learned.table").clone(),
+    )?;
+    let mha = block(&fx, "learned", &base_cfg(), Some(Arc::new(pe)), dev)?;
+    let pad = get(&fx, "learned.padding");
+    let opts = AttentionOptions {
+        padding_mask: Some(pad),
+        return_weights: true,
+        ..Default::default()
+    };
+    let out = mha.forward_with(get(&fx, "x"), &opts, None)?;
+    assert_close(&out.output, get(&fx, "learned.out"), TOL, "learned out")?;
+    assert_close(
+        out.weights.as_ref().expect("weights"),
+        get(&fx, "learned.probs"),
+        TOL,
+        "probs",
+    )?;
+    Ok(())
+}
+
+fn parity_rotation_bias_value_hooks(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("attention.safetensors", dev)?;
+    let probe = HookProbe {
+        num_heads: HEADS,
+        head_dim: HEAD_DIM,
+    };
+    let mha = block(
+        &fx,
+        "hooks",
+        &base_cfg().with_causal(true),
+        Some(Arc::new(probe)),
+        dev,
+    )?;
+    let out = mha.forward_with(get(&fx, "x"), &with_weights(), None)?;
+    assert_close(&out.output, get(&fx, "hooks.out"), TOL, "hooks out")?;
+    assert_close(
+        out.weights.as_ref().expect("weights"),
+        get(&fx, "hooks.probs"),
+        TOL,
+        "probs",
+    )?;
+    Ok(())
+}
+
+type NamedEncoding = (&'static str, Option<Arc<dyn PositionalEncoding>>);
+
+/// Every encoding kind, in a fresh random block.
+fn encodings(dev: &Device) -> anyhow::Result<Vec<NamedEncoding>> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let learned = LearnedPositionalEncoding::new(
+        &LearnedConfig::new(D_MODEL).with_max_len(32),
+        vb.pp("wpe"),
+    )?;
+    // Make the learned table large enough to matter.
+    let learned =
+        LearnedPositionalEncoding::from_table(learned.config(), (learned.weight() * 50.0)?)?;
+    Ok(vec![
+        ("none", None),
+        (
+            "sinusoidal",
+            Some(Arc::new(SinusoidalPositionalEncoding::new(
+                &SinusoidalConfig::new(D_MODEL),
+                DType::F32,
+                dev,
+            )?)),
+        ),
+        ("learned", Some(Arc::new(learned))),
+        (
+            "hooks",
+            Some(Arc::new(HookProbe {
+                num_heads: HEADS,
+                head_dim: HEAD_DIM,
+            })),
+        ),
+    ])
+}
+
+fn random_block(
+    enc: Option<Arc<dyn PositionalEncoding>>,
+    causal: bool,
+    dev: &Device,
+) -> anyhow::Result<MultiHeadAttention> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    Ok(MultiHeadAttention::new(
+        &base_cfg().with_causal(causal).with_bias(true),
+        enc,
+        vb,
+    )?)
+}
+
+fn kv_cache_decoding_matches_full_forward(dev: &Device) -> anyhow::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (2, 9, D_MODEL), dev)?;
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, true, dev)?;
+        let full = mha.forward(&x)?;
+        // Token by token, then in uneven chunks.
+        for chunks in [vec![1; 9], vec![2, 1, 4, 2]] {
+            let mut cache = KvCache::with_capacity(4); // forces the storage to grow
+            let mut outs = Vec::new();
+            let mut start = 0;
+            for len in chunks {
+                let step = mha.forward_with(
+                    &x.narrow(1, start, len)?,
+                    &AttentionOptions::default(),
+                    Some(&mut cache),
+                )?;
+                outs.push(step.output);
+                start += len;
+            }
+            assert_eq!(cache.len(), 9);
+            assert_close(
+                &Tensor::cat(&outs, 1)?,
+                &full,
+                1e-5,
+                &format!("{name} decode"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn kv_cache_with_position_ids(dev: &Device) -> anyhow::Result<()> {
+    // Left padding: sequence 0 has two pad tokens, so its real tokens sit at positions 0..5.
+    let x = Tensor::randn(0f32, 1.0, (2, 7, D_MODEL), dev)?;
+    let rows = [vec![0u32, 0, 0, 1, 2, 3, 4], vec![0, 1, 2, 3, 4, 5, 6]];
+    let pad = Tensor::new(&[[0u8, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dev)?;
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, true, dev)?;
+        let ids = Positions::from(PositionIds::from_rows(&rows, dev)?);
+        let full = mha.forward_with(
+            &x,
+            &AttentionOptions {
+                positions: Some(&ids),
+                padding_mask: Some(&pad),
+                ..Default::default()
+            },
+            None,
+        )?;
+        let mut cache = KvCache::new();
+        let mut outs = Vec::new();
+        for (t, (&p0, &p1)) in rows[0].iter().zip(&rows[1]).enumerate() {
+            let step_ids = Positions::from(PositionIds::from_rows(&[vec![p0], vec![p1]], dev)?);
+            let step_pad = pad.narrow(1, 0, t + 1)?;
+            let opts = AttentionOptions {
+                positions: Some(&step_ids),
+                padding_mask: Some(&step_pad),
+                ..Default::default()
+            };
+            outs.push(
+                mha.forward_with(&x.narrow(1, t, 1)?, &opts, Some(&mut cache))?
+                    .output,
+            );
+        }
+        let decoded = Tensor::cat(&outs, 1)?;
+        // Rows of real tokens match; the two fully masked pad queries are not compared.
+        assert_close(
+            &decoded.i((0, 2..))?,
+            &full.output.i((0, 2..))?,
+            1e-5,
+            &format!("{name} seq 0"),
+        )?;
+        assert_close(
+            &decoded.i(1)?,
+            &full.output.i(1)?,
+            1e-5,
+            &format!("{name} seq 1"),
+        )?;
+    }
+    Ok(())
+}
+
+fn causal_weights_and_rows(dev: &Device) -> anyhow::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (1, 5, D_MODEL), dev)?;
+    let mha = random_block(None, true, dev)?;
+    let w = mha
+        .forward_with(&x, &with_weights(), None)?
+        .weights
+        .expect("weights");
+    assert_eq!(w.dims(), &[1, HEADS, 5, 5]);
+    let sums = w.sum(3)?;
+    assert_close(&sums, &sums.ones_like()?, 1e-6, "rows sum to 1")?;
+    let w = w.i(0)?.to_vec3::<f32>()?;
+    for head in &w {
+        for (i, row) in head.iter().enumerate() {
+            for (j, &p) in row.iter().enumerate() {
+                if j > i {
+                    assert_eq!(p, 0.0, "future key {j} seen by query {i}");
+                } else {
+                    assert!(p > 0.0);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn padding_hides_keys(dev: &Device) -> anyhow::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (2, 6, D_MODEL), dev)?;
+    let pad = Tensor::new(&[[1f32, 1., 1., 1., 0., 0.], [1., 1., 1., 1., 1., 1.]], dev)?;
+    // Changing what sits in the padded slots changes nothing for the real tokens.
+    let noise = Tensor::randn(0f32, 5.0, (1, 2, D_MODEL), dev)?;
+    let x2 = Tensor::cat(&[&x.i((0..1, ..4))?, &noise], 1)?;
+    let x2 = Tensor::cat(&[&x2, &x.i(1..2)?], 0)?;
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, false, dev)?;
+        let opts = AttentionOptions {
+            padding_mask: Some(&pad),
+            return_weights: true,
+            ..Default::default()
+        };
+        let a = mha.forward_with(&x, &opts, None)?;
+        let b = mha.forward_with(&x2, &opts, None)?;
+        assert_close(&a.output.i((0, ..4))?, &b.output.i((0, ..4))?, 1e-6, name)?;
+        let masked = a
+            .weights
+            .expect("weights")
+            .i((0, .., .., 4..))?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(masked, 0.0, "{name}: weight on a padded key");
+        // An additive mask with -inf on the same keys gives the same result.
+        let additive = ((pad.ones_like()? - &pad)? * -1e30)?.reshape((2, 1, 1, 6))?;
+        let c = mha.forward_with(
+            &x,
+            &AttentionOptions {
+                attn_mask: Some(&additive),
+                ..Default::default()
+            },
+            None,
+        )?;
+        assert_close(&a.output, &c.output, 1e-6, "additive mask")?;
+    }
+    Ok(())
+}
+
+fn order_matters_only_with_an_encoding(dev: &Device) -> anyhow::Result<()> {
+    // Reversing the tokens permutes the outputs exactly when there is no positional information.
+    let x = Tensor::randn(0f32, 1.0, (1, 6, D_MODEL), dev)?;
+    let rev = Tensor::new(&[5u32, 4, 3, 2, 1, 0], dev)?;
+    let x_rev = x.index_select(&rev, 1)?;
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, false, dev)?;
+        let y = mha.forward(&x)?;
+        let y_rev = mha.forward(&x_rev)?.index_select(&rev, 1)?;
+        let diff = common::max_abs_diff(&y, &y_rev)?;
+        if name == "none" {
+            assert!(
+                diff < 1e-5,
+                "no encoding: outputs should be a permutation ({diff})"
+            );
+        } else {
+            assert!(diff > 1e-3, "{name}: order should matter ({diff})");
+        }
+    }
+    Ok(())
+}
+
+fn training_path_is_differentiable(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let probe: Arc<dyn PositionalEncoding> = Arc::new(HookProbe {
+        num_heads: HEADS,
+        head_dim: HEAD_DIM,
+    });
+    let mha = MultiHeadAttention::new(&base_cfg().with_causal(true), Some(probe), vb.pp("attn"))?;
+    let x = Tensor::randn(0f32, 1.0, (2, 5, D_MODEL), dev)?;
+    let train = mha
+        .forward_with(
+            &x,
+            &AttentionOptions {
+                train: true,
+                ..Default::default()
+            },
+            None,
+        )?
+        .output;
+    // Without dropout the training path computes the same values as the fused inference path.
+    assert_close(&train, &mha.forward(&x)?, 1e-6, "train vs eval")?;
+    let grads = train.sqr()?.sum_all()?.backward()?;
+    let data = varmap.data().lock().expect("lock");
+    for name in [
+        "attn.q_proj.weight",
+        "attn.k_proj.weight",
+        "attn.v_proj.weight",
+        "attn.o_proj.weight",
+    ] {
+        let g = grads
+            .get(data[name].as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let norm = g.sqr()?.sum_all()?.to_scalar::<f32>()?;
+        assert!(norm > 0.0, "{name}: zero gradient");
+    }
+    Ok(())
+}
+
+fn attention_dropout_only_in_training(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let mha = MultiHeadAttention::new(&base_cfg().with_dropout(0.5), None, vb)?;
+    let x = Tensor::randn(0f32, 1.0, (1, 8, D_MODEL), dev)?;
+    let eval = mha
+        .forward_with(&x, &AttentionOptions::default(), None)?
+        .output;
+    assert_close(&eval, &mha.forward(&x)?, 0.0, "eval deterministic")?;
+    let train = mha
+        .forward_with(
+            &x,
+            &AttentionOptions {
+                train: true,
+                ..Default::default()
+            },
+            None,
+        )?
+        .output;
+    assert!(
+        common::max_abs_diff(&eval, &train)? > 1e-4,
+        "dropout changed nothing"
+    );
+    Ok(())
+}
+
+fn half_precision_block(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("attention.safetensors", dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(D_MODEL), DType::F32, dev)?;
+    let cfg = base_cfg().with_bias(true).with_causal(true);
+    for dtype in [DType::BF16, DType::F16] {
+        let vb = VarBuilder::from_tensors(prefixed(&fx, "sinusoidal."), dtype, dev);
+        let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(pe.clone())), vb)?;
+        let y = mha.forward(&get(&fx, "x").to_dtype(dtype)?)?;
+        assert_eq!(y.dtype(), dtype);
+        // bf16 keeps 8 mantissa bits: outputs of size ~1 after 4 roundings land within 5e-2.
+        assert_close(&y, get(&fx, "sinusoidal.out"), 5e-2, "half")?;
+    }
+    Ok(())
+}
+
+fn bad_input(dev: &Device) -> anyhow::Result<()> {
+    let vb = VarBuilder::zeros(DType::F32, dev);
+    let cases = [
+        (AttentionConfig::new(16, 0), "num_heads"),
+        (AttentionConfig::new(0, 4), "d_model"),
+        (AttentionConfig::new(16, 3), "head_dim"),
+        (AttentionConfig::new(16, 4).with_kv_heads(3), "num_kv_heads"),
+        (AttentionConfig::new(16, 4).with_kv_heads(0), "num_kv_heads"),
+        (AttentionConfig::new(16, 4).with_dropout(1.5), "dropout"),
+        (
+            AttentionConfig::new(16, 4).with_softmax_scale(f64::INFINITY),
+            "softmax_scale",
+        ),
+    ];
+    for (cfg, field) in cases {
+        match MultiHeadAttention::new(&cfg, None, vb.clone()) {
+            Err(Error::InvalidConfig { name, .. }) => assert_eq!(name, field),
+            other => panic!("{field}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    let mha = MultiHeadAttention::new(&base_cfg(), None, vb.clone())?;
+    let opts = AttentionOptions::default();
+    let err = mha
+        .forward_with(&Tensor::zeros((2, 16), DType::F32, dev)?, &opts, None)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Rank {
+                expected: 3,
+                got: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = mha
+        .forward_with(&Tensor::zeros((2, 3, 15), DType::F32, dev)?, &opts, None)
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Shape { .. }) && err.to_string().contains("16"),
+        "{err}"
+    );
+    let x = Tensor::zeros((2, 3, 16), DType::F32, dev)?;
+    let pad = Tensor::ones((2, 4), DType::U8, dev)?;
+    let err = mha
+        .forward_with(
+            &x,
+            &AttentionOptions {
+                padding_mask: Some(&pad),
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Shape {
+                what: "padding mask",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let mask = Tensor::zeros((3, 3, 3), DType::F32, dev)?;
+    let err = mha
+        .forward_with(
+            &x,
+            &AttentionOptions {
+                attn_mask: Some(&mask),
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Shape {
+                what: "additive attention mask",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let ids = Positions::from(PositionIds::from_rows(&[vec![0, 1]], dev)?);
+    let err = mha
+        .forward_with(
+            &x,
+            &AttentionOptions {
+                positions: Some(&ids),
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Shape {
+                what: "position ids",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // A cache filled with batch 2 refuses a chunk of batch 1.
+    let mut cache = KvCache::new();
+    mha.forward_with(&x, &opts, Some(&mut cache))?;
+    let err = mha
+        .forward_with(
+            &Tensor::zeros((1, 1, 16), DType::F32, dev)?,
+            &opts,
+            Some(&mut cache),
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::Shape { .. }), "{err}");
+    assert_eq!(cache.len(), 3, "a refused chunk leaves the cache as it was");
+    // Decoding past a learned table is a typed error from the encoding.
+    let pe = LearnedPositionalEncoding::new(&LearnedConfig::new(16).with_max_len(4), vb.pp("wpe"))?;
+    let mha = MultiHeadAttention::new(&base_cfg(), Some(Arc::new(pe)), vb.clone())?;
+    let mut cache = KvCache::new();
+    mha.forward_with(
+        &Tensor::zeros((1, 4, 16), DType::F32, dev)?,
+        &opts,
+        Some(&mut cache),
+    )?;
+    let err = mha
+        .forward_with(
+            &Tensor::zeros((1, 1, 16), DType::F32, dev)?,
+            &opts,
+            Some(&mut cache),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::PositionOutOfRange {
+                position: 4,
+                len: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Missing projection weights name the tensor.
+    let empty = VarBuilder::from_tensors(HashMap::new(), DType::F32, dev);
+    let err = MultiHeadAttention::new(&base_cfg(), None, empty.pp("layer")).unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { name } if name == "layer.q_proj.weight"),
+        "{err}"
+    );
+    Ok(())
+}
+
+device_tests!(
+    parity_plain,
+    parity_sinusoidal_causal_bias,
+    parity_learned_padding,
+    parity_rotation_bias_value_hooks,
+    kv_cache_decoding_matches_full_forward,
+    kv_cache_with_position_ids,
+    causal_weights_and_rows,
+    padding_hides_keys,
+    order_matters_only_with_an_encoding,
+    training_path_is_differentiable,
+    attention_dropout_only_in_training,
+    half_precision_block,
+    bad_input,
+);
