@@ -57,3 +57,8 @@ pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;
 pub use error::{Error, Result};
 pub use positions::{PositionIds, Positions};
+
+/// The README's Rust snippets, run as doctests so the quickstart cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

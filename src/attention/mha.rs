@@ -16,6 +16,7 @@
 //! and optional `bias`), so such checkpoints load through a `VarBuilder` prefix.
 //! Reference: Vaswani et al. 2017; grouped-query attention: Ainslie et al. 2023.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{Module, Tensor, D};
@@ -23,6 +24,7 @@ use candle_nn::{linear_b, Linear, VarBuilder};
 
 use super::mask::{apply_keep_mask, keep_mask};
 use super::{KvCache, PositionalEncoding};
+use crate::checkpoint::MetadataReader;
 use crate::{Error, Positions, Result};
 
 /// Configuration of [`MultiHeadAttention`].
@@ -111,6 +113,45 @@ impl AttentionConfig {
     pub fn with_softmax_scale(mut self, scale: f64) -> Self {
         self.softmax_scale = scale;
         self
+    }
+
+    /// The configuration as `attention.*` string metadata for checkpoints.
+    pub fn to_metadata(&self) -> HashMap<String, String> {
+        [
+            ("d_model", self.d_model.to_string()),
+            ("num_heads", self.num_heads.to_string()),
+            ("num_kv_heads", self.num_kv_heads.to_string()),
+            ("head_dim", self.head_dim.to_string()),
+            ("bias", self.bias.to_string()),
+            ("dropout", self.dropout.to_string()),
+            ("causal", self.causal.to_string()),
+            ("softmax_scale", self.softmax_scale.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("attention.{k}"), v))
+        .collect()
+    }
+
+    /// Reads a configuration written by [`Self::to_metadata`] and validates it.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming a missing or unparsable key; as [`Self::validate`].
+    pub fn from_metadata(metadata: &HashMap<String, String>, source: &str) -> Result<Self> {
+        let r = MetadataReader { source, metadata };
+        let int = |k: &str| r.parse::<usize>(&format!("attention.{k}"), "a non-negative integer");
+        let flag = |k: &str| r.parse::<bool>(&format!("attention.{k}"), "true or false");
+        let cfg = Self {
+            d_model: int("d_model")?,
+            num_heads: int("num_heads")?,
+            num_kv_heads: int("num_kv_heads")?,
+            head_dim: int("head_dim")?,
+            bias: flag("bias")?,
+            dropout: r.parse("attention.dropout", "a number")?,
+            causal: flag("causal")?,
+            softmax_scale: r.parse("attention.softmax_scale", "a number")?,
+        };
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     /// Checks every field.

@@ -1,0 +1,287 @@
+//! safetensors checkpoints: round trips, self-describing metadata, HF names, and every way a
+//! file can be wrong.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::checkpoint::{save, save_varmap};
+use candle_posenc::{
+    AttentionConfig, Checkpoint, EncodingConfig, Error, Interpolation, LearnedConfig,
+    LearnedPositionalEncoding, MultiHeadAttention, SinusoidalConfig,
+};
+use common::{assert_close, fixture, get};
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("candle-posenc-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+fn self_describing_round_trip(dev: &Device) -> anyhow::Result<()> {
+    for enc in [
+        EncodingConfig::None,
+        EncodingConfig::Sinusoidal(SinusoidalConfig::new(16).with_base(500.0).with_dropout(0.0)),
+        EncodingConfig::Learned(
+            LearnedConfig::new(16)
+                .with_max_len(12)
+                .with_interpolation(Interpolation::ToLength(48)),
+        ),
+    ] {
+        let attn = AttentionConfig::new(16, 4)
+            .with_kv_heads(2)
+            .with_causal(true)
+            .with_bias(true);
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let mha = MultiHeadAttention::new(&attn, enc.build(vb.pp("pos"))?, vb.pp("attn"))?;
+        let mut meta = enc.to_metadata();
+        meta.extend(attn.to_metadata());
+        let path = tmp(&format!("round_trip_{}.safetensors", enc.kind()));
+        save_varmap(&path, &varmap, &meta)?;
+
+        // Rebuild from the file alone.
+        let ckpt = Checkpoint::load(&path, dev)?;
+        let enc2 = EncodingConfig::from_metadata(ckpt.metadata(), ckpt.source())?;
+        let attn2 = AttentionConfig::from_metadata(ckpt.metadata(), ckpt.source())?;
+        assert_eq!(enc2, enc);
+        assert_eq!(attn2, attn);
+        let vb2 = ckpt.var_builder(DType::F32, dev);
+        let mha2 = MultiHeadAttention::new(&attn2, enc2.build(vb2.pp("pos"))?, vb2.pp("attn"))?;
+        let x = Tensor::randn(0f32, 1.0, (2, 5, 16), dev)?;
+        assert_close(&mha.forward(&x)?, &mha2.forward(&x)?, 0.0, enc.kind())?;
+        // The sinusoidal table is a buffer: it is not in the file.
+        assert!(ckpt
+            .tensors()
+            .keys()
+            .all(|k| !k.starts_with("pos.") || enc.kind() == "learned"));
+    }
+    Ok(())
+}
+
+fn load_into_restores_a_varmap(dev: &Device) -> anyhow::Result<()> {
+    let make = || -> anyhow::Result<(VarMap, LearnedPositionalEncoding)> {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let pe =
+            LearnedPositionalEncoding::new(&LearnedConfig::new(4).with_max_len(6), vb.pp("wpe"))?;
+        Ok((varmap, pe))
+    };
+    let (a, pe_a) = make()?;
+    let path = tmp("load_into.safetensors");
+    save_varmap(&path, &a, &HashMap::new())?;
+    let (b, pe_b) = make()?;
+    assert!(common::max_abs_diff(pe_a.weight(), pe_b.weight())? > 0.0);
+    Checkpoint::load(&path, dev)?.load_into(&b)?;
+    assert_close(pe_a.weight(), pe_b.weight(), 0.0, "restored")?;
+    Ok(())
+}
+
+fn load_into_is_all_or_nothing(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let a = vb.get((2, 2), "a")?;
+    let _b = vb.get((3,), "b")?;
+    let before = a.copy()?;
+    let mut tensors = HashMap::new();
+    tensors.insert("a".to_string(), Tensor::ones((2, 2), DType::F32, dev)?);
+    tensors.insert("b".to_string(), Tensor::ones((4,), DType::F32, dev)?);
+    let path = tmp("partial.safetensors");
+    save(&path, &tensors, &HashMap::new())?;
+    let err = Checkpoint::load(&path, dev)?
+        .load_into(&varmap)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::TensorShape { name, expected, got } if name == "b" && expected == &[3] && got == &[4]),
+        "{err}"
+    );
+    assert_close(&a, &before, 0.0, "a untouched")?;
+    Ok(())
+}
+
+fn hf_named_tensors(dev: &Device) -> anyhow::Result<()> {
+    let path = format!(
+        "{}/tests/fixtures/hf_names.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let ckpt = Checkpoint::load(&path, dev)?;
+    let vb = ckpt.var_builder(DType::F32, dev);
+    // HF Llama attention weights (GQA: 4 heads, 2 KV heads of width 4) load by prefix.
+    let cfg = AttentionConfig::new(16, 4)
+        .with_kv_heads(2)
+        .with_head_dim(4);
+    MultiHeadAttention::new(&cfg, None, vb.pp("model.layers.0.self_attn"))?;
+    // GPT-2's `wpe` is a learned table: our forward equals HF's x + wpe(position_ids).
+    let pe = LearnedPositionalEncoding::new(
+        &LearnedConfig::new(8).with_max_len(12),
+        vb.pp("transformer.wpe"),
+    )?;
+    let fx = fixture("hf_names.safetensors", dev)?;
+    assert_close(
+        &pe.forward(get(&fx, "gpt2_x"))?,
+        get(&fx, "gpt2_out"),
+        1e-6,
+        "gpt2 wpe",
+    )?;
+    // A naming scheme of another model can be mapped onto ours.
+    let renamed = Checkpoint::load(&path, dev)?
+        .renamed(|n| n.strip_prefix("transformer.").map(|s| format!("gpt.{s}")));
+    assert!(renamed.tensors().contains_key("gpt.wpe.weight"));
+    Ok(())
+}
+
+fn missing_and_misshapen_tensors(dev: &Device) -> anyhow::Result<()> {
+    let path = format!(
+        "{}/tests/fixtures/hf_names.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let vb = Checkpoint::load(&path, dev)?.var_builder(DType::F32, dev);
+    let err = LearnedPositionalEncoding::new(
+        &LearnedConfig::new(8).with_max_len(12),
+        vb.pp("bert.position_embeddings"),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { name } if name == "bert.position_embeddings.weight"),
+        "{err}"
+    );
+    let err = LearnedPositionalEncoding::new(
+        &LearnedConfig::new(8).with_max_len(1024),
+        vb.pp("transformer.wpe"),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::TensorShape { name, expected, got } if name == "transformer.wpe.weight" && expected == &[1024, 8] && got == &[12, 8]),
+        "{err}"
+    );
+    // Llama attention read with the wrong number of KV heads.
+    let err = MultiHeadAttention::new(
+        &AttentionConfig::new(16, 4),
+        None,
+        vb.pp("model.layers.0.self_attn"),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::TensorShape { name, .. } if name == "model.layers.0.self_attn.k_proj.weight"),
+        "{err}"
+    );
+    let ckpt = Checkpoint::load(&path, dev)?;
+    assert!(matches!(
+        ckpt.get("nope", &[1]),
+        Err(Error::MissingTensor { .. })
+    ));
+    assert!(matches!(
+        ckpt.get("transformer.wpe.weight", &[1]),
+        Err(Error::TensorShape { .. })
+    ));
+    Ok(())
+}
+
+fn corrupt_files(dev: &Device) -> anyhow::Result<()> {
+    let path = format!(
+        "{}/tests/fixtures/hf_names.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let bytes = std::fs::read(&path)?;
+    // Truncated anywhere: header length, header, data.
+    for cut in [0, 4, 8, 20, bytes.len() / 2, bytes.len() - 1] {
+        let err = Checkpoint::from_bytes(&bytes[..cut], dev).unwrap_err();
+        assert!(
+            matches!(err, Error::Checkpoint { .. }),
+            "cut at {cut}: {err}"
+        );
+    }
+    // A header length far past the file.
+    let mut huge = bytes.clone();
+    huge[..8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+    assert!(matches!(
+        Checkpoint::from_bytes(&huge, dev),
+        Err(Error::Checkpoint { .. })
+    ));
+    // A header that is not JSON.
+    let mut garbage = bytes.clone();
+    for b in garbage.iter_mut().skip(8).take(16) {
+        *b = b'#';
+    }
+    assert!(matches!(
+        Checkpoint::from_bytes(&garbage, dev),
+        Err(Error::Checkpoint { .. })
+    ));
+    // A file that is not there.
+    let err = Checkpoint::load("/nonexistent/x.safetensors", dev).unwrap_err();
+    assert!(
+        matches!(err, Error::Io { .. }) && err.to_string().contains("/nonexistent/x.safetensors"),
+        "{err}"
+    );
+    Ok(())
+}
+
+fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
+    let base = EncodingConfig::Learned(LearnedConfig::new(8)).to_metadata();
+    let cases: Vec<(&str, Option<&str>, &str)> = vec![
+        ("posenc.kind", Some("wavelet"), "unknown encoding `wavelet`"),
+        ("posenc.kind", None, "posenc.kind"),
+        ("posenc.d_model", Some("eight"), "posenc.d_model"),
+        ("posenc.max_len", None, "posenc.max_len"),
+        (
+            "posenc.interpolation",
+            Some("cubic"),
+            "posenc.interpolation",
+        ),
+    ];
+    for (key, value, needle) in cases {
+        let mut m = base.clone();
+        match value {
+            Some(v) => m.insert(key.to_string(), v.to_string()),
+            None => m.remove(key),
+        };
+        let err = EncodingConfig::from_metadata(&m, "f.safetensors").unwrap_err();
+        assert!(
+            matches!(err, Error::Checkpoint { .. }) && err.to_string().contains(needle),
+            "{err}"
+        );
+    }
+    // Parsable but invalid: an odd sinusoidal width.
+    let mut m = EncodingConfig::Sinusoidal(SinusoidalConfig::new(8)).to_metadata();
+    m.insert("posenc.d_model".into(), "7".into());
+    assert!(matches!(
+        EncodingConfig::from_metadata(&m, "f"),
+        Err(Error::InvalidConfig {
+            name: "d_model",
+            ..
+        })
+    ));
+    let mut m = AttentionConfig::new(16, 4).to_metadata();
+    m.insert("attention.causal".into(), "maybe".into());
+    let err = AttentionConfig::from_metadata(&m, "f").unwrap_err();
+    assert!(err.to_string().contains("attention.causal"), "{err}");
+    Ok(())
+}
+
+fn shared_encoding_is_arc(dev: &Device) -> anyhow::Result<()> {
+    // One encoding object can be plugged into several layers.
+    let enc = EncodingConfig::Sinusoidal(SinusoidalConfig::new(16))
+        .build(VarBuilder::zeros(DType::F32, dev))?;
+    let vb = VarBuilder::zeros(DType::F32, dev);
+    let a = MultiHeadAttention::new(&AttentionConfig::new(16, 4), enc.clone(), vb.pp("a"))?;
+    let b = MultiHeadAttention::new(&AttentionConfig::new(16, 4), enc.clone(), vb.pp("b"))?;
+    assert!(Arc::ptr_eq(
+        a.encoding().expect("enc"),
+        b.encoding().expect("enc")
+    ));
+    Ok(())
+}
+
+device_tests!(
+    self_describing_round_trip,
+    load_into_restores_a_varmap,
+    load_into_is_all_or_nothing,
+    hf_named_tensors,
+    missing_and_misshapen_tensors,
+    corrupt_files,
+    lying_metadata,
+    shared_encoding_is_arc,
+);
