@@ -12,6 +12,10 @@ use crate::absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEn
 use crate::absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 use crate::attention::PositionalEncoding;
 use crate::checkpoint::MetadataReader;
+use crate::relative::alibi::{Alibi, AlibiConfig, AlibiMode};
+use crate::relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
+use crate::relative::shaw::{ShawConfig, ShawRelativePosition};
+use crate::relative::t5::{T5Config, T5RelativeBias};
 use crate::Result;
 
 /// Metadata key naming the encoding kind.
@@ -26,15 +30,28 @@ pub enum EncodingConfig {
     Sinusoidal(SinusoidalConfig),
     /// [`LearnedPositionalEncoding`].
     Learned(LearnedConfig),
+    /// [`Alibi`].
+    Alibi(AlibiConfig),
+    /// [`T5RelativeBias`].
+    T5(T5Config),
+    /// [`ClippedRelativeBias`].
+    ClippedBias(ClippedBiasConfig),
+    /// [`ShawRelativePosition`].
+    Shaw(ShawConfig),
 }
 
 impl EncodingConfig {
-    /// A short name for the kind: `none`, `sinusoidal`, `learned`.
+    /// A short name for the kind: `none`, `sinusoidal`, `learned`, `alibi`, `t5`,
+    /// `clipped_bias`, `shaw`.
     pub fn kind(&self) -> &'static str {
         match self {
             EncodingConfig::None => "none",
             EncodingConfig::Sinusoidal(_) => "sinusoidal",
             EncodingConfig::Learned(_) => "learned",
+            EncodingConfig::Alibi(_) => "alibi",
+            EncodingConfig::T5(_) => "t5",
+            EncodingConfig::ClippedBias(_) => "clipped_bias",
+            EncodingConfig::Shaw(_) => "shaw",
         }
     }
 
@@ -52,6 +69,11 @@ impl EncodingConfig {
                 vb.device(),
             )?)),
             EncodingConfig::Learned(c) => Some(Arc::new(LearnedPositionalEncoding::new(c, vb)?)),
+            EncodingConfig::Alibi(c) if c.learnable => Some(Arc::new(Alibi::new_learnable(c, vb)?)),
+            EncodingConfig::Alibi(c) => Some(Arc::new(Alibi::new(c, vb.device())?)),
+            EncodingConfig::T5(c) => Some(Arc::new(T5RelativeBias::new(c, vb)?)),
+            EncodingConfig::ClippedBias(c) => Some(Arc::new(ClippedRelativeBias::new(c, vb)?)),
+            EncodingConfig::Shaw(c) => Some(Arc::new(ShawRelativePosition::new(c, vb)?)),
         })
     }
 
@@ -81,6 +103,33 @@ impl EncodingConfig {
                 };
                 put("interpolation", interp);
             }
+            EncodingConfig::Alibi(c) => {
+                put("num_heads", c.num_heads.to_string());
+                put("first_head", c.first_head.to_string());
+                put("head_count", c.head_count.to_string());
+                let mode = match c.mode {
+                    AlibiMode::Causal => "causal",
+                    AlibiMode::CausalPairwise => "causal_pairwise",
+                    AlibiMode::Symmetric => "symmetric",
+                };
+                put("mode", mode.to_string());
+                put("learnable", c.learnable.to_string());
+            }
+            EncodingConfig::T5(c) => {
+                put("num_heads", c.num_heads.to_string());
+                put("num_buckets", c.num_buckets.to_string());
+                put("max_distance", c.max_distance.to_string());
+                put("bidirectional", c.bidirectional.to_string());
+            }
+            EncodingConfig::ClippedBias(c) => {
+                put("num_heads", c.num_heads.to_string());
+                put("max_distance", c.max_distance.to_string());
+            }
+            EncodingConfig::Shaw(c) => {
+                put("head_dim", c.head_dim.to_string());
+                put("max_distance", c.max_distance.to_string());
+                put("values", c.values.to_string());
+            }
         }
         m
     }
@@ -94,6 +143,7 @@ impl EncodingConfig {
         let r = MetadataReader { source, metadata };
         let usize_of = |k: &str| r.parse::<usize>(&format!("posenc.{k}"), "a non-negative integer");
         let f32_of = |k: &str| r.parse::<f32>(&format!("posenc.{k}"), "a number");
+        let bool_of = |k: &str| r.parse::<bool>(&format!("posenc.{k}"), "true or false");
         let config = match r.str(KIND_KEY)? {
             "none" => EncodingConfig::None,
             "sinusoidal" => {
@@ -133,10 +183,62 @@ impl EncodingConfig {
                 c.validate()?;
                 EncodingConfig::Learned(c)
             }
+            "alibi" => {
+                let raw = r.str("posenc.mode")?;
+                let mode = match raw {
+                    "causal" => AlibiMode::Causal,
+                    "causal_pairwise" => AlibiMode::CausalPairwise,
+                    "symmetric" => AlibiMode::Symmetric,
+                    _ => {
+                        return Err(r.error(
+                            "posenc.mode",
+                            format!("`{raw}` is not causal, causal_pairwise or symmetric"),
+                        ))
+                    }
+                };
+                let c = AlibiConfig {
+                    num_heads: usize_of("num_heads")?,
+                    first_head: usize_of("first_head")?,
+                    head_count: usize_of("head_count")?,
+                    mode,
+                    learnable: bool_of("learnable")?,
+                };
+                c.validate()?;
+                EncodingConfig::Alibi(c)
+            }
+            "t5" => {
+                let c = T5Config {
+                    num_heads: usize_of("num_heads")?,
+                    num_buckets: usize_of("num_buckets")?,
+                    max_distance: usize_of("max_distance")?,
+                    bidirectional: bool_of("bidirectional")?,
+                };
+                c.validate()?;
+                EncodingConfig::T5(c)
+            }
+            "clipped_bias" => {
+                let c = ClippedBiasConfig {
+                    num_heads: usize_of("num_heads")?,
+                    max_distance: usize_of("max_distance")?,
+                };
+                c.validate()?;
+                EncodingConfig::ClippedBias(c)
+            }
+            "shaw" => {
+                let c = ShawConfig {
+                    head_dim: usize_of("head_dim")?,
+                    max_distance: usize_of("max_distance")?,
+                    values: bool_of("values")?,
+                };
+                c.validate()?;
+                EncodingConfig::Shaw(c)
+            }
             other => {
                 return Err(r.error(
                     KIND_KEY,
-                    format!("unknown encoding `{other}`, expected none, sinusoidal or learned"),
+                    format!(
+                        "unknown encoding `{other}`, expected none, sinusoidal, learned, alibi, t5, clipped_bias or shaw"
+                    ),
                 ))
             }
         };

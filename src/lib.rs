@@ -7,6 +7,10 @@
 //! |---|---|---|
 //! | sinusoidal (Vaswani et al. 2017) | [`SinusoidalPositionalEncoding`] | added to the input |
 //! | learned absolute, optional linear interpolation | [`LearnedPositionalEncoding`] | added to the input |
+//! | ALiBi (Press et al. 2022) | [`Alibi`] | bias on the logits |
+//! | T5 bucketed bias (Raffel et al. 2020) | [`T5RelativeBias`] | bias on the logits |
+//! | clipped relative bias | [`ClippedRelativeBias`] | bias on the logits |
+//! | Shaw relative keys and values (Shaw et al. 2018) | [`ShawRelativePosition`] | bias on the logits and term on the values |
 //!
 //! The plug is [`PositionalEncoding`]: four hooks (input, q/k rotation, logits bias, value term),
 //! each a no-op by default. [`MultiHeadAttention`] calls them, with causal and padding masks,
@@ -46,6 +50,7 @@ pub mod checkpoint;
 pub mod encoding;
 mod error;
 pub mod positions;
+pub mod relative;
 
 pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
@@ -57,6 +62,10 @@ pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;
 pub use error::{Error, Result};
 pub use positions::{PositionIds, Positions};
+pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode};
+pub use relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
+pub use relative::shaw::{ShawConfig, ShawRelativePosition};
+pub use relative::t5::{T5Config, T5RelativeBias};
 
 /// The README's Rust snippets, run as doctests so the quickstart cannot rot.
 #[cfg(doctest)]

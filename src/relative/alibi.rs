@@ -1,0 +1,296 @@
+//! ALiBi: attention with linear biases (Press et al. 2022, "Train Short, Test Long").
+//!
+//! ```text
+//! slopes, n heads a power of two:  m_h = 2^(−8h/n),  h = 1..n
+//! otherwise, c = the largest power of two below n:
+//!     the c slopes for c heads, then every other slope for 2c heads (2^(−4h/c), h = 1, 3, 5..),
+//!     n − c of them                                    (as BLOOM's `build_alibi_tensor`)
+//! causal:        bias[h, i, j] = −m_h · (i − j)   for j ≤ i (later keys are masked)
+//!                 ≡ m_h · (j − i_last) per key, i_last = the chunk's last query position: the two
+//!                   differ by a constant along each softmax row, which softmax ignores
+//! bidirectional: bias[h, i, j] = −m_h · |i − j|
+//! ```
+//!
+//! # Shapes
+//! - causal, per-key form: `(1|B, H, 1, Tk)`; pairwise forms: `(1|B, H, Tq, Tk)`.
+//! - slopes: `(H,)`; learnable ones are the `VarBuilder` variable `slopes`.
+//!
+//! The per-key form is what BLOOM uses; it needs no `(H, T, T)` tensor, so decoding costs
+//! O(Tk) per step. A tensor-parallel shard takes its own heads' slopes with
+//! [`AlibiConfig::with_head_range`].
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Init, VarBuilder};
+
+use super::{check_queries, BucketCache};
+use crate::attention::PositionalEncoding;
+use crate::{Error, Positions, Result};
+
+/// How the bias treats keys after the query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlibiMode {
+    /// Decoder: keys after the query are masked by the attention; the bias is `m·(j − i_last)`
+    /// per key.
+    Causal,
+    /// Decoder, written pairwise: `−m·(i − j)` (equal attention to [`AlibiMode::Causal`] under a
+    /// causal mask; kept for checking and for callers who want the paper's matrix).
+    CausalPairwise,
+    /// Encoder: `−m·|i − j|`.
+    Symmetric,
+}
+
+/// Configuration of [`Alibi`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct AlibiConfig {
+    /// Heads of the whole model, > 0 (slopes depend on it).
+    pub num_heads: usize,
+    /// First head this module serves (default 0).
+    pub first_head: usize,
+    /// Heads this module serves (default: all).
+    pub head_count: usize,
+    /// Causal (per-key), causal pairwise, or symmetric (default causal).
+    pub mode: AlibiMode,
+    /// Whether the slopes are a trainable variable `slopes` (default false).
+    pub learnable: bool,
+}
+
+impl AlibiConfig {
+    /// All `num_heads` heads, causal, fixed slopes.
+    pub fn new(num_heads: usize) -> Self {
+        Self {
+            num_heads,
+            first_head: 0,
+            head_count: num_heads,
+            mode: AlibiMode::Causal,
+            learnable: false,
+        }
+    }
+
+    /// Serves heads `first..first + count` of the model (a tensor-parallel shard).
+    pub fn with_head_range(mut self, first: usize, count: usize) -> Self {
+        self.first_head = first;
+        self.head_count = count;
+        self
+    }
+
+    /// Sets the mode.
+    pub fn with_mode(mut self, mode: AlibiMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Makes the slopes trainable.
+    pub fn with_learnable(mut self, learnable: bool) -> Self {
+        self.learnable = learnable;
+        self
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for zero heads or a head range outside `0..num_heads`.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_heads == 0 {
+            return Err(Error::config("num_heads", self.num_heads, "at least 1"));
+        }
+        if self.head_count == 0 || self.first_head.saturating_add(self.head_count) > self.num_heads
+        {
+            return Err(Error::config(
+                "head range",
+                format!(
+                    "{}..{}",
+                    self.first_head,
+                    self.first_head.saturating_add(self.head_count)
+                ),
+                format!("a non-empty range inside 0..{}", self.num_heads),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The ALiBi slopes of a model with `num_heads` heads, in f64 (BLOOM's formula).
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for zero heads.
+pub fn alibi_slopes(num_heads: usize) -> Result<Vec<f64>> {
+    if num_heads == 0 {
+        return Err(Error::config("num_heads", num_heads, "at least 1"));
+    }
+    let closest = 1usize << (usize::BITS - 1 - num_heads.leading_zeros());
+    let base = 2f64.powf(-8.0 / closest as f64);
+    let mut slopes: Vec<f64> = (1..=closest).map(|h| base.powi(h as i32)).collect();
+    if closest != num_heads {
+        let extra_base = 2f64.powf(-4.0 / closest as f64);
+        let remaining = num_heads - closest;
+        slopes.extend((0..remaining).map(|i| extra_base.powi(2 * i as i32 + 1)));
+    }
+    Ok(slopes)
+}
+
+/// ALiBi linear biases for the attention logits.
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, DType};
+/// use candle_posenc::{alibi_slopes, Alibi, AlibiConfig, AlibiMode, Positions};
+///
+/// assert_eq!(alibi_slopes(8)?[0], 0.5);
+/// let alibi = Alibi::new(&AlibiConfig::new(8).with_mode(AlibiMode::Symmetric), &Device::Cpu)?;
+/// let bias = alibi.bias(&Positions::Offset(0), 4, &Positions::Offset(0), 4)?;
+/// assert_eq!(bias.dims(), &[1, 8, 4, 4]);
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Alibi {
+    config: AlibiConfig,
+    /// `(H,)` f32.
+    slopes: Tensor,
+    cache: std::sync::Arc<BucketCache>,
+}
+
+impl Alibi {
+    /// Fixed slopes on `device`.
+    ///
+    /// # Errors
+    /// As [`AlibiConfig::validate`]; [`Error::InvalidConfig`] if `learnable` is set (use
+    /// [`Alibi::new_learnable`]).
+    pub fn new(config: &AlibiConfig, device: &Device) -> Result<Self> {
+        config.validate()?;
+        if config.learnable {
+            return Err(Error::config(
+                "learnable",
+                true,
+                "false here; learnable slopes are created by Alibi::new_learnable",
+            ));
+        }
+        let slopes = Self::initial_slopes(config, device)?;
+        Ok(Self::from_slopes(config, slopes))
+    }
+
+    /// Slopes loaded from `vb` (variable `slopes`, `(head_count,)`), or created there with the
+    /// paper's values when the `VarBuilder` is backed by a `VarMap` that lacks them.
+    ///
+    /// # Errors
+    /// As [`AlibiConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
+    pub fn new_learnable(config: &AlibiConfig, vb: VarBuilder) -> Result<Self> {
+        config.validate()?;
+        let fresh = !vb.contains_tensor("slopes");
+        let slopes =
+            vb.get_with_hints_dtype(config.head_count, "slopes", Init::Const(0.0), DType::F32)?;
+        if fresh {
+            // A VarMap just created the variable with zeros: write the paper's slopes into it
+            // in place (the tensor shares the variable's storage).
+            let init = Self::initial_slopes(config, slopes.device())?;
+            slopes.slice_set(&init, 0, 0)?;
+        }
+        let mut config = config.clone();
+        config.learnable = true;
+        Ok(Self::from_slopes(&config, slopes))
+    }
+
+    fn initial_slopes(config: &AlibiConfig, device: &Device) -> Result<Tensor> {
+        let all = alibi_slopes(config.num_heads)?;
+        let mine: Vec<f32> = all[config.first_head..config.first_head + config.head_count]
+            .iter()
+            .map(|&s| s as f32)
+            .collect();
+        Ok(Tensor::from_vec(mine, config.head_count, device)?)
+    }
+
+    fn from_slopes(config: &AlibiConfig, slopes: Tensor) -> Self {
+        Self {
+            config: config.clone(),
+            slopes,
+            cache: Default::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AlibiConfig {
+        &self.config
+    }
+
+    /// The slopes of the served heads, `(head_count,)`.
+    pub fn slopes(&self) -> &Tensor {
+        &self.slopes
+    }
+
+    /// Bias tensors built so far (fixed slopes: once per shape).
+    pub fn bias_builds(&self) -> usize {
+        self.cache.builds()
+    }
+
+    /// The bias for queries at `queries` and keys at `keys`.
+    ///
+    /// # Shapes
+    /// Causal: `(1|B, H, 1, tk)`; pairwise modes: `(1|B, H, tq, tk)`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if explicit ids disagree on the batch size.
+    pub fn bias(
+        &self,
+        queries: &Positions,
+        tq: usize,
+        keys: &Positions,
+        tk: usize,
+    ) -> Result<Tensor> {
+        let build = || self.build_bias(queries, tq, keys, tk);
+        if self.config.learnable {
+            // Trainable slopes: recompute so gradients reach them.
+            return build();
+        }
+        self.cache.get_or_build(queries, tq, keys, tk, build)
+    }
+
+    fn build_bias(
+        &self,
+        queries: &Positions,
+        tq: usize,
+        keys: &Positions,
+        tk: usize,
+    ) -> Result<Tensor> {
+        let device = self.slopes.device();
+        let h = self.config.head_count;
+        let slopes = self.slopes.reshape((1, h, 1, 1))?;
+        match self.config.mode {
+            AlibiMode::Causal => {
+                // m · (j − i_last) for every key j, where i_last is the chunk's last query
+                // position: the paper's −m·(i − j) plus the row constant m·(i − i_last), kept
+                // near zero so f32 stays exact at large positions. Shape (1|B, H, 1, Tk).
+                let k = keys.to_ids(tk, device)?.to_dtype(DType::I64)?;
+                let q_last = queries
+                    .to_ids(tq, device)?
+                    .narrow(1, tq.saturating_sub(1), tq.min(1))?
+                    .to_dtype(DType::I64)?;
+                let rel = k.broadcast_sub(&q_last)?.to_dtype(DType::F32)?;
+                let (b, _) = rel.dims2()?;
+                Ok(rel.reshape((b, 1, 1, tk))?.broadcast_mul(&slopes)?)
+            }
+            mode => {
+                // d = j − i in f32 (candle has no i64 negation), then −m·|d| or m·d.
+                let d = Positions::relative_distances(queries, tq, keys, tk, device)?
+                    .to_dtype(DType::F32)?
+                    .unsqueeze(1)?;
+                if mode == AlibiMode::Symmetric {
+                    Ok(d.abs()?.broadcast_mul(&slopes)?.neg()?)
+                } else {
+                    Ok(d.broadcast_mul(&slopes)?)
+                }
+            }
+        }
+    }
+}
+
+impl PositionalEncoding for Alibi {
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        k_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let (_, _, tq, _) = check_queries(q, self.config.head_count)?;
+        Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
+    }
+}

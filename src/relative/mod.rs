@@ -1,0 +1,194 @@
+//! Relative encodings: biases on the attention logits that depend on `j − i`, and Shaw's
+//! relative representations.
+//!
+//! The shared mechanics live here: mapping every (query, key) pair to a bucket of its relative
+//! distance ([`relative_buckets`]), caching those buckets per shape ([`BucketCache`]), and a
+//! learned `(num_buckets, num_heads)` table read through them ([`RelativeBiasTable`]), which the
+//! T5 and clipped biases share.
+
+pub mod alibi;
+pub mod clipped_bias;
+pub mod shaw;
+pub mod t5;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Error, Positions, Result};
+
+/// Maps every query/key pair to `bucket(j − i)`: a `u32` tensor of shape `(B|1, Tq, Tk)`.
+///
+/// `bucket` runs on the host once per distinct distance (at most `Tq + Tk − 1` for offsets),
+/// and the lookup is applied on the device; no tensor is read back.
+pub(crate) fn relative_buckets(
+    queries: &Positions,
+    tq: usize,
+    keys: &Positions,
+    tk: usize,
+    device: &Device,
+    bucket: &dyn Fn(i64) -> u32,
+) -> Result<Tensor> {
+    // The smallest and largest distance j − i that can occur.
+    let (q_lo, q_hi) = span(queries, tq);
+    let (k_lo, k_hi) = span(keys, tk);
+    let d_min = k_lo as i64 - q_hi as i64;
+    let d_max = k_hi as i64 - q_lo as i64;
+    if let (Positions::Offset(qs), Positions::Offset(ks)) = (queries, keys) {
+        // Toeplitz: entry (i, j) is bucket(ks + j − qs − i); build it on the host directly.
+        let mut data = Vec::with_capacity(tq * tk);
+        let lookup: Vec<u32> = (d_min..=d_max).map(bucket).collect();
+        for i in 0..tq {
+            for j in 0..tk {
+                let d = (*ks + j) as i64 - (*qs + i) as i64;
+                data.push(lookup[(d - d_min) as usize]);
+            }
+        }
+        return Ok(Tensor::from_vec(data, (1, tq, tk), device)?);
+    }
+    let lookup: Vec<u32> = (d_min..=d_max).map(bucket).collect();
+    let lookup = Tensor::from_vec(lookup, (d_max - d_min + 1) as usize, device)?;
+    let dist = Positions::relative_distances(queries, tq, keys, tk, device)?;
+    let (b, _, _) = dist.dims3()?;
+    let index = dist
+        .broadcast_sub(&Tensor::new(d_min, device)?)?
+        .to_dtype(DType::U32)?;
+    Ok(lookup
+        .index_select(&index.flatten_all()?, 0)?
+        .reshape((b, tq, tk))?)
+}
+
+/// The smallest and largest position a chunk of `len` tokens may hold.
+fn span(p: &Positions, len: usize) -> (usize, usize) {
+    match p {
+        Positions::Offset(s) => (*s, (s + len).saturating_sub(1)),
+        Positions::Ids(ids) => (0, ids.end().saturating_sub(1)),
+    }
+}
+
+/// Key of a cached per-shape tensor: (query start, query length, key start, key length).
+type ShapeKey = (usize, usize, usize, usize);
+
+/// Caches per-shape tensors (bucket maps, fixed biases) for offset positions, and counts how
+/// many it built. Explicit ids are not cached (their content, not their shape, decides).
+#[derive(Debug, Default)]
+pub(crate) struct BucketCache {
+    map: Mutex<HashMap<ShapeKey, Tensor>>,
+    builds: AtomicUsize,
+}
+
+/// Entries kept before the cache is cleared (decoding makes one entry per step).
+const CACHE_LIMIT: usize = 64;
+
+impl BucketCache {
+    /// The cached tensor for these positions, or `build()`'s result (cached for offsets).
+    pub(crate) fn get_or_build(
+        &self,
+        queries: &Positions,
+        tq: usize,
+        keys: &Positions,
+        tk: usize,
+        build: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let key = match (queries, keys) {
+            (Positions::Offset(q), Positions::Offset(k)) => Some((*q, tq, *k, tk)),
+            _ => None,
+        };
+        if let Some(key) = key {
+            if let Some(t) = self.lock()?.get(&key) {
+                return Ok(t.clone());
+            }
+        }
+        let t = build()?;
+        self.builds.fetch_add(1, Ordering::Relaxed);
+        if let Some(key) = key {
+            let mut map = self.lock()?;
+            if map.len() >= CACHE_LIMIT {
+                map.clear();
+            }
+            map.insert(key, t.clone());
+        }
+        Ok(t)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, HashMap<ShapeKey, Tensor>>> {
+        self.map.lock().map_err(|_| {
+            Error::Candle(candle_core::Error::Msg(
+                "relative-position cache lock poisoned by a panicking thread".into(),
+            ))
+        })
+    }
+
+    /// How many tensors were built (cache misses) so far.
+    pub(crate) fn builds(&self) -> usize {
+        self.builds.load(Ordering::Relaxed)
+    }
+}
+
+/// A learned `(num_buckets, num_heads)` table read at `bucket(j − i)`: the mechanics shared by
+/// the T5 and clipped relative biases. Buckets are cached per shape; the table is read each call
+/// so gradients reach it.
+#[derive(Debug, Clone)]
+pub(crate) struct RelativeBiasTable {
+    table: Tensor,
+    cache: Arc<BucketCache>,
+}
+
+impl RelativeBiasTable {
+    pub(crate) fn new(table: Tensor) -> Self {
+        Self {
+            table,
+            cache: Arc::new(BucketCache::default()),
+        }
+    }
+
+    pub(crate) fn table(&self) -> &Tensor {
+        &self.table
+    }
+
+    pub(crate) fn builds(&self) -> usize {
+        self.cache.builds()
+    }
+
+    /// The bias `(B|1, H, Tq, Tk)`.
+    pub(crate) fn bias(
+        &self,
+        queries: &Positions,
+        tq: usize,
+        keys: &Positions,
+        tk: usize,
+        bucket: &dyn Fn(i64) -> u32,
+    ) -> Result<Tensor> {
+        let device = self.table.device();
+        let buckets = self.cache.get_or_build(queries, tq, keys, tk, || {
+            relative_buckets(queries, tq, keys, tk, device, bucket)
+        })?;
+        let (b, _, _) = buckets.dims3()?;
+        let heads = self.table.dim(1)?;
+        Ok(self
+            .table
+            .index_select(&buckets.flatten_all()?, 0)?
+            .reshape((b, tq, tk, heads))?
+            .permute((0, 3, 1, 2))?)
+    }
+}
+
+/// Checks the query tensor handed to a bias hook: `(B, H, Tq, D)` with the expected heads.
+pub(crate) fn check_queries(q: &Tensor, num_heads: usize) -> Result<(usize, usize, usize, usize)> {
+    let dims = q.dims4().map_err(|_| Error::Rank {
+        what: "queries",
+        expected: 4,
+        got: q.rank(),
+        shape: q.dims().to_vec(),
+    })?;
+    if dims.1 != num_heads {
+        return Err(Error::shape(
+            "queries",
+            format!("(batch, {num_heads} heads, seq_len, head_dim) to match the encoding's heads"),
+            q.shape(),
+        ));
+    }
+    Ok(dims)
+}

@@ -1,0 +1,229 @@
+//! Relative position representations (Shaw, Uszkoreit and Vaswani 2018, "Self-Attention with
+//! Relative Position Representations").
+//!
+//! ```text
+//! r(i, j) = clamp(j − i, −k, k) + k
+//! e_ij = q_i · (k_j + a^K[r(i, j)]) / √d          α = softmax_j(e)
+//! z_i  = Σ_j α_ij (v_j + a^V[r(i, j)])             a^K, a^V: (2k + 1, d_head), learned
+//! ```
+//!
+//! The `(T, T, d)` tensors of the direct formula are never built:
+//! - keys: `q · a^Kᵀ` is a `(Tq, d) × (d, 2k + 1)` product, gathered at `r(i, j)`;
+//! - values: `α` is summed into `2k + 1` buckets per query (`Σ_{j: r(i,j) = r} α_ij`, a
+//!   scatter-add), then multiplied by `a^V`.
+//!
+//! Both cost `O(Tq·Tk + Tq·(2k + 1)·d)` memory and time per head instead of `O(Tq·Tk·d)`.
+//!
+//! # Shapes
+//! - tables `relative_keys.weight`, `relative_values.weight`: `(2k + 1, head_dim)`, shared by
+//!   all heads (as in the paper).
+//! - logits bias: `(B, H, Tq, Tk)`; value term: `(B, H, Tq, head_dim)`.
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use candle_nn::{Init, VarBuilder};
+
+use super::{check_queries, relative_buckets, BucketCache};
+use crate::attention::PositionalEncoding;
+use crate::{Error, Positions, Result};
+
+/// Configuration of [`ShawRelativePosition`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShawConfig {
+    /// Features per head, > 0.
+    pub head_dim: usize,
+    /// Clip distance `k`, > 0.
+    pub max_distance: usize,
+    /// Whether values get `a^V` as well as keys `a^K` (default true).
+    pub values: bool,
+}
+
+impl ShawConfig {
+    /// Keys and values, clip distance `max_distance`.
+    pub fn new(head_dim: usize, max_distance: usize) -> Self {
+        Self {
+            head_dim,
+            max_distance,
+            values: true,
+        }
+    }
+
+    /// Keys only (`false`) or keys and values (`true`).
+    pub fn with_values(mut self, values: bool) -> Self {
+        self.values = values;
+        self
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a zero head width or a zero or absurd (> 2^20) clip distance.
+    pub fn validate(&self) -> Result<()> {
+        if self.head_dim == 0 {
+            return Err(Error::config("head_dim", self.head_dim, "at least 1"));
+        }
+        if self.max_distance == 0 || self.max_distance > 1 << 20 {
+            return Err(Error::config(
+                "max_distance",
+                self.max_distance,
+                "between 1 and 2^20",
+            ));
+        }
+        Ok(())
+    }
+
+    fn bucket(&self, d: i64) -> u32 {
+        let k = self.max_distance as i64;
+        (d.clamp(-k, k) + k) as u32
+    }
+}
+
+/// Shaw et al.'s learned relative key (and value) representations.
+///
+/// # Example
+/// ```
+/// use std::sync::Arc;
+/// use candle_core::{Device, DType, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::{AttentionConfig, MultiHeadAttention, ShawConfig, ShawRelativePosition};
+///
+/// let dev = Device::Cpu;
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// let shaw = ShawRelativePosition::new(&ShawConfig::new(8, 4), vb.pp("rel"))?;
+/// let mha = MultiHeadAttention::new(&AttentionConfig::new(32, 4), Some(Arc::new(shaw)), vb.pp("attn"))?;
+/// let y = mha.forward(&Tensor::randn(0f32, 1.0, (2, 10, 32), &dev)?)?;
+/// assert_eq!(y.dims(), &[2, 10, 32]);
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ShawRelativePosition {
+    config: ShawConfig,
+    keys: Tensor,
+    values: Option<Tensor>,
+    cache: Arc<BucketCache>,
+}
+
+impl ShawRelativePosition {
+    /// Loads (or creates, N(0, 0.02)) `relative_keys.weight` and, with values on,
+    /// `relative_values.weight`.
+    ///
+    /// # Errors
+    /// As [`ShawConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
+    pub fn new(config: &ShawConfig, vb: VarBuilder) -> Result<Self> {
+        config.validate()?;
+        let shape = (2 * config.max_distance + 1, config.head_dim);
+        let init = Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
+        let keys = vb
+            .pp("relative_keys")
+            .get_with_hints(shape, "weight", init)?;
+        let values = if config.values {
+            Some(
+                vb.pp("relative_values")
+                    .get_with_hints(shape, "weight", init)?,
+            )
+        } else {
+            None
+        };
+        Ok(Self {
+            config: config.clone(),
+            keys,
+            values,
+            cache: Default::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ShawConfig {
+        &self.config
+    }
+
+    /// `a^K`, `(2k + 1, head_dim)`.
+    pub fn relative_keys(&self) -> &Tensor {
+        &self.keys
+    }
+
+    /// `a^V`, `(2k + 1, head_dim)`, when values are on.
+    pub fn relative_values(&self) -> Option<&Tensor> {
+        self.values.as_ref()
+    }
+
+    /// Index maps built so far (once per shape for offsets).
+    pub fn bucket_builds(&self) -> usize {
+        self.cache.builds()
+    }
+
+    /// `r(i, j)` broadcast to `(B, H, Tq, Tk)`, contiguous (gather and scatter need it whole).
+    fn index(
+        &self,
+        qp: &Positions,
+        tq: usize,
+        kp: &Positions,
+        tk: usize,
+        b: usize,
+        h: usize,
+    ) -> Result<Tensor> {
+        let device = self.keys.device();
+        let cfg = &self.config;
+        let idx = self.cache.get_or_build(qp, tq, kp, tk, || {
+            relative_buckets(qp, tq, kp, tk, device, &|d| cfg.bucket(d))
+        })?;
+        Ok(idx
+            .unsqueeze(1)?
+            .broadcast_as((b, h, tq, tk))?
+            .contiguous()?)
+    }
+}
+
+impl PositionalEncoding for ShawRelativePosition {
+    /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`.
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        qp: &Positions,
+        kp: &Positions,
+        k_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let (b, h, tq, d) = q.dims4().map_err(|_| Error::Rank {
+            what: "queries",
+            expected: 4,
+            got: q.rank(),
+            shape: q.dims().to_vec(),
+        })?;
+        check_queries(q, h)?;
+        if d != self.config.head_dim {
+            return Err(Error::shape(
+                "queries",
+                format!(
+                    "(batch, heads, seq_len, {}) to match the Shaw tables",
+                    self.config.head_dim
+                ),
+                q.shape(),
+            ));
+        }
+        // (B, H, Tq, d) × (d, 2k + 1) → (B, H, Tq, 2k + 1), then gather r(i, j).
+        let keys = self.keys.to_dtype(q.dtype())?;
+        let per_bucket = q.broadcast_matmul(&keys.t()?)?;
+        let index = self.index(qp, tq, kp, k_len, b, h)?;
+        Ok(Some(per_bucket.contiguous()?.gather(&index, 3)?))
+    }
+
+    /// `Σ_r (Σ_{j: r(i,j) = r} α_ij) a^V[r]`.
+    fn value_term(&self, probs: &Tensor, qp: &Positions, kp: &Positions) -> Result<Option<Tensor>> {
+        let Some(values) = &self.values else {
+            return Ok(None);
+        };
+        let (b, h, tq, tk) = probs.dims4()?;
+        let index = self.index(qp, tq, kp, tk, b, h)?;
+        let buckets = 2 * self.config.max_distance + 1;
+        let summed = Tensor::zeros((b, h, tq, buckets), probs.dtype(), probs.device())?
+            .scatter_add(&index, &probs.contiguous()?, 3)?;
+        Ok(Some(
+            summed.broadcast_matmul(&values.to_dtype(probs.dtype())?)?,
+        ))
+    }
+}

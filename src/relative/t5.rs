@@ -1,0 +1,225 @@
+//! T5 relative position bias (Raffel et al. 2020, "Exploring the Limits of Transfer Learning
+//! with a Unified Text-to-Text Transformer", §2.1).
+//!
+//! ```text
+//! d = j − i                                     (key position minus query position)
+//! bidirectional: n = num_buckets / 2, offset = n if d > 0 else 0, r = |d|
+//! causal:        n = num_buckets,     offset = 0,                r = max(−d, 0)
+//! exact = n / 2
+//! bucket(d) = offset + r                                                       if r < exact
+//!           = offset + min(n − 1, exact + ⌊ln(r / exact) / ln(max_distance / exact) · (n − exact)⌋)
+//! bias[h, i, j] = table[bucket(j − i), h]       table: (num_buckets, num_heads), learned
+//! ```
+//!
+//! The bucket function follows HF transformers' `T5Attention._relative_position_bucket`
+//! exactly, including its f32 arithmetic in the log branch (so bucket edges agree with it); the
+//! log is only evaluated where `r ≥ exact`. T5 computes the bias once, in the first layer, and
+//! shares it with every layer: build one [`T5RelativeBias`] and plug the same `Arc` into each
+//! layer. T5 does not scale logits by `1/√d`; set the attention's `softmax_scale` to 1 for T5
+//! checkpoints.
+//!
+//! # Shapes
+//! - bias: `(1, H, Tq, Tk)` for offsets, `(B, H, Tq, Tk)` for per-sequence ids.
+//! - table `relative_attention_bias.weight`: `(num_buckets, num_heads)`.
+//!
+//! candle-transformers' T5 uses bidirectional buckets in the decoder as well; this follows HF,
+//! where the decoder's self-attention is causal (`bidirectional = false`).
+
+use candle_core::Tensor;
+use candle_nn::{Init, VarBuilder};
+
+use super::{check_queries, RelativeBiasTable};
+use crate::attention::PositionalEncoding;
+use crate::{Error, Positions, Result};
+
+/// Configuration of [`T5RelativeBias`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct T5Config {
+    /// Attention heads, > 0.
+    pub num_heads: usize,
+    /// Buckets (default 32); at least 2, or 4 when bidirectional.
+    pub num_buckets: usize,
+    /// Distance from which every farther pair shares the last bucket (default 128).
+    pub max_distance: usize,
+    /// Encoder-style (keys after the query get their own buckets) or decoder-style (default
+    /// true).
+    pub bidirectional: bool,
+}
+
+impl T5Config {
+    /// T5's defaults: 32 buckets, max distance 128, bidirectional.
+    pub fn new(num_heads: usize) -> Self {
+        Self {
+            num_heads,
+            num_buckets: 32,
+            max_distance: 128,
+            bidirectional: true,
+        }
+    }
+
+    /// Sets the number of buckets.
+    pub fn with_num_buckets(mut self, n: usize) -> Self {
+        self.num_buckets = n;
+        self
+    }
+
+    /// Sets the max distance.
+    pub fn with_max_distance(mut self, d: usize) -> Self {
+        self.max_distance = d;
+        self
+    }
+
+    /// Sets bidirectional (encoder) or causal (decoder) bucketing.
+    pub fn with_bidirectional(mut self, bidirectional: bool) -> Self {
+        self.bidirectional = bidirectional;
+        self
+    }
+
+    /// Buckets per direction and the size of the exact range.
+    fn halves(&self) -> (usize, usize) {
+        let n = if self.bidirectional {
+            self.num_buckets / 2
+        } else {
+            self.num_buckets
+        };
+        (n, n / 2)
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for zero heads, too few buckets (< 2, or < 4 bidirectional), or
+    /// a `max_distance` not greater than the exact range (`num_buckets / 2`, halved again when
+    /// bidirectional).
+    pub fn validate(&self) -> Result<()> {
+        if self.num_heads == 0 {
+            return Err(Error::config("num_heads", self.num_heads, "at least 1"));
+        }
+        let min = if self.bidirectional { 4 } else { 2 };
+        if self.num_buckets < min {
+            return Err(Error::config(
+                "num_buckets",
+                self.num_buckets,
+                format!("at least {min} (bidirectional: {})", self.bidirectional),
+            ));
+        }
+        let (_, exact) = self.halves();
+        if self.max_distance <= exact {
+            return Err(Error::config(
+                "max_distance",
+                self.max_distance,
+                format!("greater than the exact range ({exact})"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The bucket of relative distance `d = j − i`, as HF T5 computes it.
+    pub fn bucket(&self, d: i64) -> u32 {
+        let (n, exact) = self.halves();
+        let (offset, r) = if self.bidirectional {
+            (if d > 0 { n } else { 0 }, d.unsigned_abs())
+        } else {
+            (0, (-d).max(0) as u64)
+        };
+        let within = if r < exact as u64 {
+            r as usize
+        } else {
+            // f32 throughout, as HF does: ln(r / exact) / ln(max_distance / exact) · (n − exact).
+            let ratio = (r as f32 / exact as f32).ln();
+            let scale = (self.max_distance as f64 / exact as f64).ln() as f32;
+            let large = exact + (ratio / scale * (n - exact) as f32) as usize;
+            large.min(n - 1)
+        };
+        (offset + within) as u32
+    }
+}
+
+/// T5's bucketed relative position bias, a learned `(num_buckets, num_heads)` table.
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, DType};
+/// use candle_nn::VarBuilder;
+/// use candle_posenc::{Positions, T5Config, T5RelativeBias};
+///
+/// let t5 = T5RelativeBias::new(&T5Config::new(8), VarBuilder::zeros(DType::F32, &Device::Cpu))?;
+/// assert_eq!(t5.config().bucket(-3), 3);  // 3 keys back, exact bucket
+/// assert_eq!(t5.config().bucket(3), 19);  // 3 keys ahead: the second half
+/// let bias = t5.bias(&Positions::Offset(0), 5, &Positions::Offset(0), 5)?;
+/// assert_eq!(bias.dims(), &[1, 8, 5, 5]);
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct T5RelativeBias {
+    config: T5Config,
+    table: RelativeBiasTable,
+}
+
+impl T5RelativeBias {
+    /// Loads (or creates, N(0, 1) like HF's init factor 1) `relative_attention_bias.weight`.
+    ///
+    /// # Errors
+    /// As [`T5Config::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
+    pub fn new(config: &T5Config, vb: VarBuilder) -> Result<Self> {
+        config.validate()?;
+        let table = vb.pp("relative_attention_bias").get_with_hints(
+            (config.num_buckets, config.num_heads),
+            "weight",
+            Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            },
+        )?;
+        Ok(Self {
+            config: config.clone(),
+            table: RelativeBiasTable::new(table),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &T5Config {
+        &self.config
+    }
+
+    /// The learned table, `(num_buckets, num_heads)`.
+    pub fn weight(&self) -> &Tensor {
+        self.table.table()
+    }
+
+    /// Bucket maps built so far (each shape once; explicit ids every call).
+    pub fn bucket_builds(&self) -> usize {
+        self.table.builds()
+    }
+
+    /// The bias for queries at `queries` and keys at `keys` (HF's `compute_bias`).
+    ///
+    /// # Shapes
+    /// `(1, H, tq, tk)`, or `(B, H, tq, tk)` with per-sequence ids.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if explicit ids disagree on the batch size.
+    pub fn bias(
+        &self,
+        queries: &Positions,
+        tq: usize,
+        keys: &Positions,
+        tk: usize,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        self.table.bias(queries, tq, keys, tk, &|d| cfg.bucket(d))
+    }
+}
+
+impl PositionalEncoding for T5RelativeBias {
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        k_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let (_, _, tq, _) = check_queries(q, self.config.num_heads)?;
+        Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
+    }
+}

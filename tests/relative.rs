@@ -1,0 +1,553 @@
+//! Relative encodings: ALiBi against HF BLOOM, T5 buckets and bias against HF T5, the clipped
+//! bias and Shaw attention against direct PyTorch implementations of the seed formulas, and all
+//! of them through the attention block (KV cache, masks, ids).
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::{
+    alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions,
+    ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error, KvCache, MultiHeadAttention,
+    PositionIds, PositionalEncoding, Positions, ShawConfig, ShawRelativePosition, T5Config,
+    T5RelativeBias,
+};
+use common::{assert_close, fixture, get, max_abs_diff};
+
+fn prefixed(fx: &HashMap<String, Tensor>, prefix: &str) -> HashMap<String, Tensor> {
+    fx.iter()
+        .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone())))
+        .collect()
+}
+
+fn alibi_slopes_match_bloom(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("alibi.safetensors", dev)?;
+    for n in 1..=64usize {
+        let ours = Tensor::new(alibi_slopes(n)?.as_slice(), dev)?.to_dtype(DType::F32)?;
+        // BLOOM raises an f32 base to integer powers; ours is f64: they agree to f32 rounding.
+        assert_close(
+            &ours,
+            get(&fx, &format!("slopes_{n}")),
+            1e-7,
+            &format!("{n} heads"),
+        )?;
+    }
+    Ok(())
+}
+
+fn alibi_bias_matches_bloom(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("alibi.safetensors", dev)?;
+    for n in [1usize, 5, 8, 12, 33, 64] {
+        let alibi = Alibi::new(&AlibiConfig::new(n), dev)?;
+        let bias = alibi.bias(&Positions::Offset(0), 7, &Positions::Offset(0), 7)?; // (1, n, 1, 7)
+                                                                                    // Ours is m·(j − i_last); BLOOM's is m·j. They differ by m·i_last, a per-row constant.
+        let shift = alibi.slopes().affine(6.0, 0.0)?.reshape((1, n, 1, 1))?;
+        let bloom = get(&fx, &format!("alibi_{n}")).reshape((1, n, 1, 7))?;
+        // Values up to 6 · 0.5: f32 rounding of 3 is 2.4e-7.
+        assert_close(
+            &bias.broadcast_add(&shift)?,
+            &bloom,
+            1e-6,
+            &format!("alibi {n}"),
+        )?;
+    }
+    // Left padding: BLOOM numbers positions from the first real token; so do position ids.
+    let alibi = Alibi::new(&AlibiConfig::new(12), dev)?;
+    let ids = Positions::from(PositionIds::from_rows(
+        &[vec![0, 0, 0, 1, 2, 3, 4], vec![0, 1, 2, 3, 4, 5, 6]],
+        dev,
+    )?);
+    let bias = alibi.bias(&ids, 7, &ids, 7)?; // (2, 12, 1, 7)
+    let last = Tensor::new(&[4f32, 6.0], dev)?.reshape((2, 1, 1, 1))?;
+    let shift = last.broadcast_mul(&alibi.slopes().reshape((1, 12, 1, 1))?)?;
+    let bloom = get(&fx, "padded_alibi_12").reshape((2, 12, 1, 7))?;
+    assert_close(&bias.broadcast_add(&shift)?, &bloom, 1e-6, "padded")?;
+    Ok(())
+}
+
+fn alibi_forms_and_modes(dev: &Device) -> anyhow::Result<()> {
+    let slopes = alibi_slopes(6)?;
+    let sym = Alibi::new(&AlibiConfig::new(6).with_mode(AlibiMode::Symmetric), dev)?;
+    let pair = Alibi::new(
+        &AlibiConfig::new(6).with_mode(AlibiMode::CausalPairwise),
+        dev,
+    )?;
+    let s = sym
+        .bias(&Positions::Offset(3), 4, &Positions::Offset(0), 7)?
+        .i(0)?
+        .to_vec3::<f32>()?;
+    let p = pair
+        .bias(&Positions::Offset(3), 4, &Positions::Offset(0), 7)?
+        .i(0)?
+        .to_vec3::<f32>()?;
+    for (h, m) in slopes.iter().enumerate() {
+        for i in 0..4 {
+            for j in 0..7 {
+                let d = j as f64 - (i + 3) as f64;
+                assert!((s[h][i][j] as f64 + m * d.abs()).abs() < 1e-6);
+                assert!((p[h][i][j] as f64 - m * d).abs() < 1e-6);
+            }
+        }
+    }
+    // The per-key and pairwise causal forms give the same attention, in full and when decoding.
+    let x = Tensor::randn(0f32, 1.0, (2, 9, 16), dev)?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let cfg = AttentionConfig::new(16, 4).with_causal(true);
+    let per_key = MultiHeadAttention::new(
+        &cfg,
+        Some(Arc::new(Alibi::new(&AlibiConfig::new(4), dev)?)),
+        vb.clone(),
+    )?;
+    let pairwise = per_key.clone().with_encoding(Some(Arc::new(Alibi::new(
+        &AlibiConfig::new(4).with_mode(AlibiMode::CausalPairwise),
+        dev,
+    )?)));
+    let a = per_key.forward(&x)?;
+    assert_close(&a, &pairwise.forward(&x)?, 1e-6, "per-key vs pairwise")?;
+    let mut cache = KvCache::new();
+    let steps = (0..9)
+        .map(|t| {
+            Ok(per_key
+                .forward_with(
+                    &x.narrow(1, t, 1)?,
+                    &AttentionOptions::default(),
+                    Some(&mut cache),
+                )?
+                .output)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    assert_close(&Tensor::cat(&steps, 1)?, &a, 1e-5, "per-key decode")?;
+    // Far from the origin the per-key bias stays small (exact in f32).
+    let far = Alibi::new(&AlibiConfig::new(4), dev)?.bias(
+        &Positions::Offset(1_000_000),
+        1,
+        &Positions::Offset(0),
+        1_000_001,
+    )?;
+    let last: f32 = far.i((0, 0, 0, 1_000_000))?.to_scalar()?;
+    assert_eq!(last, 0.0);
+    Ok(())
+}
+
+fn alibi_head_range_learnable_and_cache(dev: &Device) -> anyhow::Result<()> {
+    let all = alibi_slopes(12)?;
+    let shard = Alibi::new(&AlibiConfig::new(12).with_head_range(8, 4), dev)?;
+    let got = shard.slopes().to_vec1::<f32>()?;
+    for (g, e) in got.iter().zip(&all[8..12]) {
+        assert!((*g as f64 - e).abs() < 1e-7);
+    }
+    // Learnable slopes start at the paper's values and receive gradients.
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let learn = Alibi::new_learnable(&AlibiConfig::new(4).with_learnable(true), vb.pp("alibi"))?;
+    let data = varmap
+        .data()
+        .lock()
+        .expect("lock")
+        .get("alibi.slopes")
+        .expect("slopes var")
+        .as_tensor()
+        .clone();
+    assert_close(
+        &data,
+        &Tensor::new(&[0.25f32, 0.0625, 0.015625, 0.00390625], dev)?,
+        0.0,
+        "init",
+    )?;
+    let bias = learn.bias(&Positions::Offset(0), 3, &Positions::Offset(0), 3)?;
+    let grads = bias.sum_all()?.backward()?;
+    assert!(grads.get(&data).is_some(), "slopes get a gradient");
+    // Fixed slopes: one bias build per shape.
+    let alibi = Alibi::new(&AlibiConfig::new(4).with_mode(AlibiMode::Symmetric), dev)?;
+    for _ in 0..3 {
+        alibi.bias(&Positions::Offset(0), 5, &Positions::Offset(0), 5)?;
+    }
+    assert_eq!(alibi.bias_builds(), 1);
+    alibi.bias(&Positions::Offset(0), 6, &Positions::Offset(0), 6)?;
+    assert_eq!(alibi.bias_builds(), 2);
+    Ok(())
+}
+
+fn t5_buckets_match_hf(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("t5.safetensors", dev)?;
+    let rel = get(&fx, "relative_position").to_vec1::<i64>()?;
+    for (nb, md, bi) in [
+        (32, 128, true),
+        (32, 128, false),
+        (16, 64, true),
+        (8, 20, false),
+        (64, 256, true),
+        (4, 5, true),
+        (2, 3, false),
+        (10, 11, true),
+    ] {
+        let cfg = T5Config::new(1)
+            .with_num_buckets(nb)
+            .with_max_distance(md)
+            .with_bidirectional(bi);
+        let expected = get(&fx, &format!("buckets_{nb}_{md}_{}", bi as u8)).to_vec1::<i64>()?;
+        for (d, e) in rel.iter().zip(&expected) {
+            assert_eq!(
+                cfg.bucket(*d) as i64,
+                *e,
+                "buckets {nb} max {md} bidirectional {bi}: distance {d}"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn t5_compute_bias_matches_hf(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("t5.safetensors", dev)?;
+    for (name, bidirectional) in [("encoder", true), ("decoder", false)] {
+        let vb = VarBuilder::from_tensors(prefixed(&fx, &format!("{name}.")), DType::F32, dev);
+        let t5 = T5RelativeBias::new(&T5Config::new(4).with_bidirectional(bidirectional), vb)?;
+        let a = t5.bias(&Positions::Offset(0), 16, &Positions::Offset(0), 200)?;
+        assert_close(&a, get(&fx, &format!("{name}.bias_q0")), 0.0, name)?;
+        let b = t5.bias(&Positions::Offset(184), 16, &Positions::Offset(0), 200)?;
+        assert_close(&b, get(&fx, &format!("{name}.bias_q184")), 0.0, name)?;
+        // The same through explicit ids.
+        let q = Positions::ids(&Tensor::arange(184u32, 200, dev)?.unsqueeze(0)?)?;
+        let k = Positions::ids(&Tensor::arange(0u32, 200, dev)?.unsqueeze(0)?)?;
+        assert_close(
+            &t5.bias(&q, 16, &k, 200)?,
+            get(&fx, &format!("{name}.bias_q184")),
+            0.0,
+            "ids",
+        )?;
+        // Buckets are built once per shape.
+        let builds = t5.bucket_builds();
+        t5.bias(&Positions::Offset(0), 16, &Positions::Offset(0), 200)?;
+        assert_eq!(t5.bucket_builds(), builds);
+    }
+    Ok(())
+}
+
+fn clipped_bias_matches_seed(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("relative.safetensors", dev)?;
+    let vb = VarBuilder::from_tensors(prefixed(&fx, "clipped."), DType::F32, dev);
+    let rb = ClippedRelativeBias::new(&ClippedBiasConfig::new(4, 3), vb)?;
+    let bias = rb.bias(&Positions::Offset(0), 9, &Positions::Offset(0), 9)?;
+    assert_close(&bias, get(&fx, "clipped.bias"), 0.0, "clipped")?;
+    // Translation invariance: shifting queries and keys together changes nothing.
+    let shifted = rb.bias(&Positions::Offset(1000), 9, &Positions::Offset(1000), 9)?;
+    assert_close(&shifted, &bias, 0.0, "shift")?;
+    Ok(())
+}
+
+fn shaw_matches_direct_formula(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("relative.safetensors", dev)?;
+    let vb = VarBuilder::from_tensors(prefixed(&fx, "shaw."), DType::F32, dev);
+    for causal in [false, true] {
+        for values in [false, true] {
+            let shaw =
+                ShawRelativePosition::new(&ShawConfig::new(4, 2).with_values(values), vb.clone())?;
+            let cfg = AttentionConfig::new(16, 4).with_causal(causal);
+            let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(shaw)), vb.clone())?;
+            let y = mha.forward(get(&fx, "shaw.x"))?;
+            let name = format!("shaw.out_causal{}_values{}", causal as u8, values as u8);
+            assert_close(&y, get(&fx, &name), 1e-5, &name)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every relative encoding, for 4 heads of width 4.
+fn relative_encodings(
+    dev: &Device,
+    vb: &VarBuilder,
+) -> anyhow::Result<Vec<(&'static str, Arc<dyn PositionalEncoding>)>> {
+    Ok(vec![
+        ("alibi", Arc::new(Alibi::new(&AlibiConfig::new(4), dev)?)),
+        (
+            "alibi_symmetric",
+            Arc::new(Alibi::new(
+                &AlibiConfig::new(4).with_mode(AlibiMode::Symmetric),
+                dev,
+            )?),
+        ),
+        (
+            "t5",
+            Arc::new(T5RelativeBias::new(
+                &T5Config::new(4)
+                    .with_num_buckets(8)
+                    .with_max_distance(12)
+                    .with_bidirectional(false),
+                vb.pp("t5"),
+            )?),
+        ),
+        (
+            "clipped",
+            Arc::new(ClippedRelativeBias::new(
+                &ClippedBiasConfig::new(4, 3),
+                vb.pp("clipped"),
+            )?),
+        ),
+        (
+            "shaw",
+            Arc::new(ShawRelativePosition::new(
+                &ShawConfig::new(4, 3),
+                vb.pp("shaw"),
+            )?),
+        ),
+    ])
+}
+
+fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let x = Tensor::randn(0f32, 1.0, (2, 10, 16), dev)?;
+    let cfg = AttentionConfig::new(16, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    for (name, enc) in relative_encodings(dev, &vb)? {
+        let mha = MultiHeadAttention::new(&cfg, Some(enc), vb.pp("attn"))?;
+        let full = mha.forward(&x)?;
+        let mut cache = KvCache::new();
+        let mut outs = Vec::new();
+        for (start, len) in [(0, 3), (3, 1), (4, 1), (5, 5)] {
+            outs.push(
+                mha.forward_with(
+                    &x.narrow(1, start, len)?,
+                    &AttentionOptions::default(),
+                    Some(&mut cache),
+                )?
+                .output,
+            );
+        }
+        assert_close(&Tensor::cat(&outs, 1)?, &full, 1e-5, name)?;
+        // Explicit ids equal to the offset range give the same result.
+        let ids = Positions::ids(&Tensor::arange(0u32, 10, dev)?.unsqueeze(0)?)?;
+        let with_ids = mha
+            .forward_with(
+                &x,
+                &AttentionOptions {
+                    positions: Some(&ids),
+                    ..Default::default()
+                },
+                None,
+            )?
+            .output;
+        assert_close(&with_ids, &full, 1e-6, name)?;
+    }
+    Ok(())
+}
+
+fn masks_are_respected(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let pad = Tensor::new(&[[1u8, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dev)?;
+    for causal in [false, true] {
+        for (name, enc) in relative_encodings(dev, &vb)? {
+            let mha = MultiHeadAttention::new(
+                &AttentionConfig::new(16, 4).with_causal(causal),
+                Some(enc),
+                vb.pp("attn"),
+            )?;
+            let opts = AttentionOptions {
+                padding_mask: Some(&pad),
+                return_weights: true,
+                ..Default::default()
+            };
+            let w = mha.forward_with(&x, &opts, None)?.weights.expect("weights");
+            let on_pad = w
+                .i((0, .., .., 4..))?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(on_pad, 0.0, "{name}: weight on padding");
+            if causal {
+                let w = w.i(1)?.to_vec3::<f32>()?;
+                for head in &w {
+                    for (i, row) in head.iter().enumerate() {
+                        assert!(
+                            row[i + 1..].iter().all(|p| *p == 0.0),
+                            "{name}: future key seen"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn relative_order_matters(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let x = Tensor::randn(0f32, 1.0, (1, 6, 16), dev)?;
+    let rev = Tensor::new(&[5u32, 4, 3, 2, 1, 0], dev)?;
+    for (name, enc) in relative_encodings(dev, &vb)? {
+        if name == "alibi" {
+            continue; // the per-key form assumes a causal mask
+        }
+        let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4), Some(enc), vb.pp("attn"))?;
+        let y = mha.forward(&x)?;
+        let y_rev = mha
+            .forward(&x.index_select(&rev, 1)?)?
+            .index_select(&rev, 1)?;
+        // Symmetric ALiBi is reversal-invariant (|i − j| is); the others are not.
+        let diff = max_abs_diff(&y, &y_rev)?;
+        if name == "alibi_symmetric" {
+            assert!(diff < 1e-5, "{name}: {diff}");
+        } else {
+            assert!(diff > 1e-4, "{name}: order should matter ({diff})");
+        }
+    }
+    Ok(())
+}
+
+fn configs_round_trip_metadata(dev: &Device) -> anyhow::Result<()> {
+    for cfg in [
+        EncodingConfig::Alibi(
+            AlibiConfig::new(12)
+                .with_head_range(4, 4)
+                .with_mode(AlibiMode::Symmetric),
+        ),
+        EncodingConfig::Alibi(AlibiConfig::new(4).with_learnable(true)),
+        EncodingConfig::T5(
+            T5Config::new(8)
+                .with_num_buckets(16)
+                .with_max_distance(64)
+                .with_bidirectional(false),
+        ),
+        EncodingConfig::ClippedBias(ClippedBiasConfig::new(4, 16)),
+        EncodingConfig::Shaw(ShawConfig::new(8, 4).with_values(false)),
+    ] {
+        let back = EncodingConfig::from_metadata(&cfg.to_metadata(), "mem")?;
+        assert_eq!(back, cfg);
+        let varmap = VarMap::new();
+        assert!(back
+            .build(VarBuilder::from_varmap(&varmap, DType::F32, dev))?
+            .is_some());
+    }
+    Ok(())
+}
+
+fn bad_input(dev: &Device) -> anyhow::Result<()> {
+    let vb = VarBuilder::zeros(DType::F32, dev);
+    let config_errors: Vec<(Result<(), Error>, &str)> = vec![
+        (Alibi::new(&AlibiConfig::new(0), dev).map(drop), "num_heads"),
+        (
+            Alibi::new(&AlibiConfig::new(8).with_head_range(6, 4), dev).map(drop),
+            "head range",
+        ),
+        (
+            Alibi::new(&AlibiConfig::new(8).with_learnable(true), dev).map(drop),
+            "learnable",
+        ),
+        (
+            T5RelativeBias::new(&T5Config::new(0), vb.clone()).map(drop),
+            "num_heads",
+        ),
+        (
+            T5RelativeBias::new(&T5Config::new(4).with_num_buckets(3), vb.clone()).map(drop),
+            "num_buckets",
+        ),
+        (
+            T5RelativeBias::new(
+                &T5Config::new(4)
+                    .with_num_buckets(1)
+                    .with_bidirectional(false),
+                vb.clone(),
+            )
+            .map(drop),
+            "num_buckets",
+        ),
+        (
+            T5RelativeBias::new(&T5Config::new(4).with_max_distance(8), vb.clone()).map(drop),
+            "max_distance",
+        ),
+        (
+            ClippedRelativeBias::new(&ClippedBiasConfig::new(0, 4), vb.clone()).map(drop),
+            "num_heads",
+        ),
+        (
+            ClippedRelativeBias::new(&ClippedBiasConfig::new(4, 0), vb.clone()).map(drop),
+            "max_distance",
+        ),
+        (
+            ShawRelativePosition::new(&ShawConfig::new(0, 4), vb.clone()).map(drop),
+            "head_dim",
+        ),
+        (
+            ShawRelativePosition::new(&ShawConfig::new(8, 0), vb.clone()).map(drop),
+            "max_distance",
+        ),
+        (alibi_slopes(0).map(drop), "num_heads"),
+    ];
+    for (result, field) in config_errors {
+        match result {
+            Err(Error::InvalidConfig { name, .. }) => assert_eq!(name, field),
+            other => panic!("{field}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    // Encodings whose heads or width disagree with the attention block.
+    let x = Tensor::zeros((1, 3, 16), DType::F32, dev)?;
+    let cfg = AttentionConfig::new(16, 4);
+    let mismatched: Vec<Arc<dyn PositionalEncoding>> = vec![
+        Arc::new(Alibi::new(&AlibiConfig::new(8), dev)?),
+        Arc::new(T5RelativeBias::new(&T5Config::new(2), vb.clone())?),
+        Arc::new(ClippedRelativeBias::new(
+            &ClippedBiasConfig::new(3, 2),
+            vb.clone(),
+        )?),
+        Arc::new(ShawRelativePosition::new(
+            &ShawConfig::new(8, 2),
+            vb.clone(),
+        )?),
+    ];
+    for enc in mismatched {
+        let mha = MultiHeadAttention::new(&cfg, Some(enc), vb.clone())?;
+        let err = mha
+            .forward_with(&x, &AttentionOptions::default(), None)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Shape {
+                    what: "queries",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+    // A learned T5 table of the wrong shape names the tensor.
+    let mut t = HashMap::new();
+    t.insert(
+        "relative_attention_bias.weight".to_string(),
+        Tensor::zeros((16, 4), DType::F32, dev)?,
+    );
+    let err = T5RelativeBias::new(
+        &T5Config::new(4),
+        VarBuilder::from_tensors(t, DType::F32, dev),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::TensorShape { name, .. } if name == "relative_attention_bias.weight"),
+        "{err}"
+    );
+    Ok(())
+}
+
+device_tests!(
+    alibi_slopes_match_bloom,
+    alibi_bias_matches_bloom,
+    alibi_forms_and_modes,
+    alibi_head_range_learnable_and_cache,
+    t5_buckets_match_hf,
+    t5_compute_bias_matches_hf,
+    clipped_bias_matches_seed,
+    shaw_matches_direct_formula,
+    decode_with_cache_equals_full_forward,
+    masks_are_respected,
+    relative_order_matters,
+    configs_round_trip_metadata,
+    bad_input,
+);
