@@ -66,6 +66,7 @@ pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode};
 pub use relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
 pub use relative::shaw::{ShawConfig, ShawRelativePosition};
 pub use relative::t5::{T5Config, T5RelativeBias};
+pub use relative::{BucketedRelativeBias, RelativeBucketing};
 
 /// The README's Rust snippets, run as doctests so the quickstart cannot rot.
 #[cfg(doctest)]

@@ -10,12 +10,8 @@
 //! - table `bias_table.weight`: `(2·max_distance + 1, num_heads)` (the seeds' `nn.Embedding`
 //!   named `bias_table`).
 
-use candle_core::Tensor;
-use candle_nn::{Init, VarBuilder};
-
-use super::{check_queries, RelativeBiasTable};
-use crate::attention::PositionalEncoding;
-use crate::{Error, Positions, Result};
+use super::{BucketedRelativeBias, RelativeBucketing};
+use crate::{Error, Result};
 
 /// Configuration of [`ClippedRelativeBias`].
 #[derive(Debug, Clone, PartialEq)]
@@ -60,7 +56,27 @@ impl ClippedBiasConfig {
     }
 }
 
-/// A learned bias per head and clipped relative distance.
+impl RelativeBucketing for ClippedBiasConfig {
+    const TABLE: &'static str = "bias_table";
+
+    fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    fn num_buckets(&self) -> usize {
+        2 * self.max_distance + 1
+    }
+
+    fn bucket(&self, d: i64) -> u32 {
+        ClippedBiasConfig::bucket(self, d)
+    }
+
+    fn validate(&self) -> Result<()> {
+        ClippedBiasConfig::validate(self)
+    }
+}
+
+/// A learned bias per head and clipped relative distance, table `bias_table.weight`.
 ///
 /// # Example
 /// ```
@@ -73,76 +89,4 @@ impl ClippedBiasConfig {
 /// assert_eq!(bias.dims(), &[1, 4, 6, 6]);
 /// # Ok::<(), candle_posenc::Error>(())
 /// ```
-#[derive(Debug, Clone)]
-pub struct ClippedRelativeBias {
-    config: ClippedBiasConfig,
-    table: RelativeBiasTable,
-}
-
-impl ClippedRelativeBias {
-    /// Loads (or creates, N(0, 1) like `nn.Embedding`) `bias_table.weight`.
-    ///
-    /// # Errors
-    /// As [`ClippedBiasConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
-    pub fn new(config: &ClippedBiasConfig, vb: VarBuilder) -> Result<Self> {
-        config.validate()?;
-        let table = vb.pp("bias_table").get_with_hints(
-            (2 * config.max_distance + 1, config.num_heads),
-            "weight",
-            Init::Randn {
-                mean: 0.0,
-                stdev: 1.0,
-            },
-        )?;
-        Ok(Self {
-            config: config.clone(),
-            table: RelativeBiasTable::new(table),
-        })
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &ClippedBiasConfig {
-        &self.config
-    }
-
-    /// The learned table, `(2k + 1, num_heads)`.
-    pub fn weight(&self) -> &Tensor {
-        self.table.table()
-    }
-
-    /// Bucket maps built so far.
-    pub fn bucket_builds(&self) -> usize {
-        self.table.builds()
-    }
-
-    /// The bias to add to the logits.
-    ///
-    /// # Shapes
-    /// `(1, H, tq, tk)`, or `(B, H, tq, tk)` with per-sequence ids.
-    ///
-    /// # Errors
-    /// [`Error::Shape`] if explicit ids disagree on the batch size.
-    pub fn bias(
-        &self,
-        queries: &Positions,
-        tq: usize,
-        keys: &Positions,
-        tk: usize,
-    ) -> Result<Tensor> {
-        let cfg = &self.config;
-        self.table.bias(queries, tq, keys, tk, &|d| cfg.bucket(d))
-    }
-}
-
-impl PositionalEncoding for ClippedRelativeBias {
-    fn logits_bias(
-        &self,
-        q: &Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-        k_len: usize,
-    ) -> Result<Option<Tensor>> {
-        let (_, _, tq, _) = check_queries(q, self.config.num_heads)?;
-        Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
-    }
-}
+pub type ClippedRelativeBias = BucketedRelativeBias<ClippedBiasConfig>;

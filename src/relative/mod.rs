@@ -3,8 +3,8 @@
 //!
 //! The shared mechanics live here: mapping every (query, key) pair to a bucket of its relative
 //! distance ([`relative_buckets`]), caching those buckets per shape ([`BucketCache`]), and a
-//! learned `(num_buckets, num_heads)` table read through them ([`RelativeBiasTable`]), which the
-//! T5 and clipped biases share.
+//! learned `(num_buckets, num_heads)` table read through them ([`BucketedRelativeBias`]), which
+//! the T5 and clipped biases share.
 
 pub mod alibi;
 pub mod clipped_bias;
@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::attention::PositionalEncoding;
 use crate::{Error, Positions, Result};
 
 /// Maps every query/key pair to `bucket(j − i)`: a `u32` tensor of shape `(B|1, Tq, Tk)`.
@@ -127,51 +128,118 @@ impl BucketCache {
     }
 }
 
-/// A learned `(num_buckets, num_heads)` table read at `bucket(j − i)`: the mechanics shared by
-/// the T5 and clipped relative biases. Buckets are cached per shape; the table is read each call
-/// so gradients reach it.
+/// How a learned relative bias maps distances to table rows: implemented by [`T5Config`] and
+/// [`ClippedBiasConfig`], whose biases are both a [`BucketedRelativeBias`].
+///
+/// [`T5Config`]: t5::T5Config
+/// [`ClippedBiasConfig`]: clipped_bias::ClippedBiasConfig
+pub trait RelativeBucketing: std::fmt::Debug + Clone + Send + Sync {
+    /// Name of the table's `VarBuilder` prefix (the tensor is `<prefix>.weight`).
+    const TABLE: &'static str;
+    /// Attention heads (table columns).
+    fn num_heads(&self) -> usize;
+    /// Table rows.
+    fn num_buckets(&self) -> usize;
+    /// The row of relative distance `d = j − i`.
+    fn bucket(&self, d: i64) -> u32;
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the bad field.
+    fn validate(&self) -> Result<()>;
+}
+
+/// A learned `(num_buckets, num_heads)` bias table read at `bucket(j − i)`: the T5 and clipped
+/// relative biases. Buckets are cached per shape; the table is read on every call, so gradients
+/// reach it.
+///
+/// # Shapes
+/// - bias: `(1, H, Tq, Tk)` for offsets, `(B, H, Tq, Tk)` for per-sequence ids.
+/// - table `<TABLE>.weight`: `(num_buckets, num_heads)`, created N(0, 1) (as `nn.Embedding`
+///   initialises it; HF T5 scales its init by `d_model^-0.5`, so checkpoints bring their own).
 #[derive(Debug, Clone)]
-pub(crate) struct RelativeBiasTable {
+pub struct BucketedRelativeBias<C: RelativeBucketing> {
+    config: C,
     table: Tensor,
     cache: Arc<BucketCache>,
 }
 
-impl RelativeBiasTable {
-    pub(crate) fn new(table: Tensor) -> Self {
-        Self {
+impl<C: RelativeBucketing> BucketedRelativeBias<C> {
+    /// Loads (or creates) the table `<C::TABLE>.weight` from `vb`.
+    ///
+    /// # Errors
+    /// The config's [`RelativeBucketing::validate`] errors; [`Error::MissingTensor`] /
+    /// [`Error::TensorShape`] for a checkpoint without the table or with another shape.
+    pub fn new(config: &C, vb: candle_nn::VarBuilder) -> Result<Self> {
+        config.validate()?;
+        let table = vb.pp(C::TABLE).get_with_hints(
+            (config.num_buckets(), config.num_heads()),
+            "weight",
+            candle_nn::Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            },
+        )?;
+        Ok(Self {
+            config: config.clone(),
             table,
             cache: Arc::new(BucketCache::default()),
-        }
+        })
     }
 
-    pub(crate) fn table(&self) -> &Tensor {
+    /// The configuration.
+    pub fn config(&self) -> &C {
+        &self.config
+    }
+
+    /// The learned table, `(num_buckets, num_heads)`.
+    pub fn weight(&self) -> &Tensor {
         &self.table
     }
 
-    pub(crate) fn builds(&self) -> usize {
+    /// Bucket maps built so far (once per shape for offsets; every call for explicit ids).
+    pub fn bucket_builds(&self) -> usize {
         self.cache.builds()
     }
 
-    /// The bias `(B|1, H, Tq, Tk)`.
-    pub(crate) fn bias(
+    /// The bias for queries at `queries` and keys at `keys`.
+    ///
+    /// # Shapes
+    /// `(1, H, tq, tk)`, or `(B, H, tq, tk)` with per-sequence ids.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if explicit ids disagree on the batch size.
+    pub fn bias(
         &self,
         queries: &Positions,
         tq: usize,
         keys: &Positions,
         tk: usize,
-        bucket: &dyn Fn(i64) -> u32,
     ) -> Result<Tensor> {
         let device = self.table.device();
+        let cfg = &self.config;
         let buckets = self.cache.get_or_build(queries, tq, keys, tk, || {
-            relative_buckets(queries, tq, keys, tk, device, bucket)
+            relative_buckets(queries, tq, keys, tk, device, &|d| cfg.bucket(d))
         })?;
         let (b, _, _) = buckets.dims3()?;
-        let heads = self.table.dim(1)?;
         Ok(self
             .table
             .index_select(&buckets.flatten_all()?, 0)?
-            .reshape((b, tq, tk, heads))?
+            .reshape((b, tq, tk, cfg.num_heads()))?
             .permute((0, 3, 1, 2))?)
+    }
+}
+
+impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        k_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let (_, _, tq, _) = check_queries(q, self.config.num_heads())?;
+        Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
     }
 }
 

@@ -25,12 +25,8 @@
 //! candle-transformers' T5 uses bidirectional buckets in the decoder as well; this follows HF,
 //! where the decoder's self-attention is causal (`bidirectional = false`).
 
-use candle_core::Tensor;
-use candle_nn::{Init, VarBuilder};
-
-use super::{check_queries, RelativeBiasTable};
-use crate::attention::PositionalEncoding;
-use crate::{Error, Positions, Result};
+use super::{BucketedRelativeBias, RelativeBucketing};
+use crate::{Error, Result};
 
 /// Configuration of [`T5RelativeBias`].
 #[derive(Debug, Clone, PartialEq)]
@@ -135,7 +131,28 @@ impl T5Config {
     }
 }
 
-/// T5's bucketed relative position bias, a learned `(num_buckets, num_heads)` table.
+impl RelativeBucketing for T5Config {
+    const TABLE: &'static str = "relative_attention_bias";
+
+    fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    fn num_buckets(&self) -> usize {
+        self.num_buckets
+    }
+
+    fn bucket(&self, d: i64) -> u32 {
+        T5Config::bucket(self, d)
+    }
+
+    fn validate(&self) -> Result<()> {
+        T5Config::validate(self)
+    }
+}
+
+/// T5's bucketed relative position bias, a learned `(num_buckets, num_heads)` table named
+/// `relative_attention_bias.weight` (HF T5's name); its `bias` is HF's `compute_bias`.
 ///
 /// # Example
 /// ```
@@ -150,76 +167,4 @@ impl T5Config {
 /// assert_eq!(bias.dims(), &[1, 8, 5, 5]);
 /// # Ok::<(), candle_posenc::Error>(())
 /// ```
-#[derive(Debug, Clone)]
-pub struct T5RelativeBias {
-    config: T5Config,
-    table: RelativeBiasTable,
-}
-
-impl T5RelativeBias {
-    /// Loads (or creates, N(0, 1) like HF's init factor 1) `relative_attention_bias.weight`.
-    ///
-    /// # Errors
-    /// As [`T5Config::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
-    pub fn new(config: &T5Config, vb: VarBuilder) -> Result<Self> {
-        config.validate()?;
-        let table = vb.pp("relative_attention_bias").get_with_hints(
-            (config.num_buckets, config.num_heads),
-            "weight",
-            Init::Randn {
-                mean: 0.0,
-                stdev: 1.0,
-            },
-        )?;
-        Ok(Self {
-            config: config.clone(),
-            table: RelativeBiasTable::new(table),
-        })
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &T5Config {
-        &self.config
-    }
-
-    /// The learned table, `(num_buckets, num_heads)`.
-    pub fn weight(&self) -> &Tensor {
-        self.table.table()
-    }
-
-    /// Bucket maps built so far (each shape once; explicit ids every call).
-    pub fn bucket_builds(&self) -> usize {
-        self.table.builds()
-    }
-
-    /// The bias for queries at `queries` and keys at `keys` (HF's `compute_bias`).
-    ///
-    /// # Shapes
-    /// `(1, H, tq, tk)`, or `(B, H, tq, tk)` with per-sequence ids.
-    ///
-    /// # Errors
-    /// [`Error::Shape`] if explicit ids disagree on the batch size.
-    pub fn bias(
-        &self,
-        queries: &Positions,
-        tq: usize,
-        keys: &Positions,
-        tk: usize,
-    ) -> Result<Tensor> {
-        let cfg = &self.config;
-        self.table.bias(queries, tq, keys, tk, &|d| cfg.bucket(d))
-    }
-}
-
-impl PositionalEncoding for T5RelativeBias {
-    fn logits_bias(
-        &self,
-        q: &Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-        k_len: usize,
-    ) -> Result<Option<Tensor>> {
-        let (_, _, tq, _) = check_queries(q, self.config.num_heads)?;
-        Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
-    }
-}
+pub type T5RelativeBias = BucketedRelativeBias<T5Config>;
