@@ -22,8 +22,9 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::{Embedding, Module};
 use candle_posenc::checkpoint::save;
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, Checkpoint, EncodingConfig, LearnedConfig,
-    MultiHeadAttention, PositionalEncoding, SinusoidalConfig,
+    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, Checkpoint, ClippedBiasConfig,
+    EncodingConfig, LearnedConfig, MultiHeadAttention, PositionalEncoding, ShawConfig,
+    SinusoidalConfig, T5Config,
 };
 
 const VOCAB: [&str; 4] = ["the", "dog", "bites", "man"];
@@ -76,6 +77,19 @@ fn encodings() -> Vec<(&'static str, EncodingConfig)> {
             "learned",
             EncodingConfig::Learned(LearnedConfig::new(D_MODEL).with_max_len(8)),
         ),
+        (
+            "alibi",
+            EncodingConfig::Alibi(AlibiConfig::new(HEADS).with_mode(AlibiMode::Symmetric)),
+        ),
+        ("t5", EncodingConfig::T5(T5Config::new(HEADS))),
+        (
+            "clipped_bias",
+            EncodingConfig::ClippedBias(ClippedBiasConfig::new(HEADS, 3)),
+        ),
+        (
+            "shaw",
+            EncodingConfig::Shaw(ShawConfig::new(D_MODEL / HEADS, 2)),
+        ),
     ]
 }
 
@@ -95,6 +109,10 @@ fn write_weights(device: &Device) -> Result<()> {
         put(&format!("attn.{p}.weight"), &[D_MODEL, D_MODEL], 0.35)?;
     }
     put("learned.weight", &[8, D_MODEL], 0.5)?;
+    put("t5.relative_attention_bias.weight", &[32, HEADS], 1.0)?;
+    put("clipped_bias.bias_table.weight", &[7, HEADS], 1.0)?;
+    put("shaw.relative_keys.weight", &[5, D_MODEL / HEADS], 0.5)?;
+    put("shaw.relative_values.weight", &[5, D_MODEL / HEADS], 0.5)?;
     let mut meta = AttentionConfig::new(D_MODEL, HEADS).to_metadata();
     meta.insert("demo.vocab".into(), VOCAB.join(" "));
     for (name, enc) in encodings() {
@@ -191,7 +209,7 @@ fn main() -> Result<()> {
             "different: order is seen"
         };
         println!(
-            "{name:<12} {:>10.2e} {:>10.2e} {:>10.2e}   {verdict}",
+            "{name:<13} {:>10.2e} {:>10.2e} {:>10.2e}   {verdict}",
             diff[1], diff[4], diff[2]
         );
         blocks.push((name, mha));
@@ -199,7 +217,7 @@ fn main() -> Result<()> {
 
     let words: Vec<&str> = a.split(' ').collect();
     for (name, mha) in &blocks {
-        if *name == "sinusoidal" || *name == "none" {
+        if *name == "t5" || *name == "none" {
             let out = mha.forward_with(
                 &xa,
                 &AttentionOptions {
