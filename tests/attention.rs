@@ -13,7 +13,7 @@ use candle_posenc::{
     MultiHeadAttention, PositionIds, PositionalEncoding, Positions, Result, SinusoidalConfig,
     SinusoidalPositionalEncoding,
 };
-use common::{assert_close, fixture, get};
+use common::{assert_close, fixture, get, prefixed};
 
 /// Test encoding for the three hooks the foundation encodings do not use, with the formulas the
 /// fixture script gives PyTorch:
@@ -95,12 +95,6 @@ const D_MODEL: usize = 16;
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 4;
-
-fn prefixed(fx: &HashMap<String, Tensor>, prefix: &str) -> HashMap<String, Tensor> {
-    fx.iter()
-        .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone())))
-        .collect()
-}
 
 fn block(
     fx: &HashMap<String, Tensor>,

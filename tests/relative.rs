@@ -15,13 +15,7 @@ use candle_posenc::{
     PositionIds, PositionalEncoding, Positions, ShawConfig, ShawRelativePosition, T5Config,
     T5RelativeBias,
 };
-use common::{assert_close, fixture, get, max_abs_diff};
-
-fn prefixed(fx: &HashMap<String, Tensor>, prefix: &str) -> HashMap<String, Tensor> {
-    fx.iter()
-        .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone())))
-        .collect()
-}
+use common::{assert_close, fixture, get, max_abs_diff, prefixed};
 
 fn alibi_slopes_match_bloom(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("alibi.safetensors", dev)?;

@@ -243,14 +243,19 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
     }
 }
 
-/// Checks the query tensor handed to a bias hook: `(B, H, Tq, D)` with the expected heads.
-pub(crate) fn check_queries(q: &Tensor, num_heads: usize) -> Result<(usize, usize, usize, usize)> {
-    let dims = q.dims4().map_err(|_| Error::Rank {
+/// Checks that the query tensor handed to a bias hook is `(B, H, Tq, D)`.
+pub(crate) fn query_dims(q: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    q.dims4().map_err(|_| Error::Rank {
         what: "queries",
         expected: 4,
         got: q.rank(),
         shape: q.dims().to_vec(),
-    })?;
+    })
+}
+
+/// Checks the query tensor handed to a bias hook: `(B, H, Tq, D)` with the expected heads.
+pub(crate) fn check_queries(q: &Tensor, num_heads: usize) -> Result<(usize, usize, usize, usize)> {
+    let dims = query_dims(q)?;
     if dims.1 != num_heads {
         return Err(Error::shape(
             "queries",

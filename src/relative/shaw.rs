@@ -24,7 +24,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
-use super::{check_queries, relative_buckets, BucketCache};
+use super::{query_dims, relative_buckets, BucketCache};
 use crate::attention::PositionalEncoding;
 use crate::{Error, Positions, Result};
 
@@ -188,13 +188,7 @@ impl PositionalEncoding for ShawRelativePosition {
         kp: &Positions,
         k_len: usize,
     ) -> Result<Option<Tensor>> {
-        let (b, h, tq, d) = q.dims4().map_err(|_| Error::Rank {
-            what: "queries",
-            expected: 4,
-            got: q.rank(),
-            shape: q.dims().to_vec(),
-        })?;
-        check_queries(q, h)?;
+        let (b, h, tq, d) = query_dims(q)?;
         if d != self.config.head_dim {
             return Err(Error::shape(
                 "queries",

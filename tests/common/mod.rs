@@ -17,6 +17,13 @@ pub fn get<'a>(map: &'a HashMap<String, Tensor>, name: &str) -> &'a Tensor {
         .unwrap_or_else(|| panic!("fixture has no tensor `{name}`"))
 }
 
+/// The fixture tensors under `prefix`, with the prefix removed (to feed a `VarBuilder`).
+pub fn prefixed(fx: &HashMap<String, Tensor>, prefix: &str) -> HashMap<String, Tensor> {
+    fx.iter()
+        .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone())))
+        .collect()
+}
+
 /// Largest absolute difference between two tensors of the same shape, in f64.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
