@@ -30,7 +30,10 @@ use candle_posenc::{
 const VOCAB: [&str; 4] = ["the", "dog", "bites", "man"];
 const D_MODEL: usize = 16;
 const HEADS: usize = 2;
-const WEIGHTS: &str = "weights/attention_demo.safetensors";
+const WEIGHTS: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/weights/attention_demo.safetensors"
+);
 
 fn device_from_args(args: &[String]) -> Result<Device> {
     let name = match args.iter().position(|a| a == "--device") {
@@ -233,7 +236,10 @@ fn main() -> Result<()> {
     println!("\n(Without an encoding both 'the' rows are identical: the two 'the's cannot be told apart.)");
 
     // Checkpoint round trip through weights/.
-    let copy = "weights/attention_demo.roundtrip.safetensors";
+    let copy = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/weights/attention_demo.roundtrip.safetensors"
+    );
     save(copy, ckpt.tensors(), ckpt.metadata())?;
     let back = Checkpoint::load(copy, &device)?;
     let mut worst = 0f32;
