@@ -214,6 +214,39 @@ impl Positions {
         }
     }
 
+    /// Checks that `x` is `(B, T, d_model)` and that these positions fit it; returns `(B, T)`.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless `x` has rank 3, [`Error::Shape`] for another width, and the errors
+    /// of [`Self::check`]. `what` names `x` in the messages.
+    pub fn check_input(
+        &self,
+        x: &Tensor,
+        d_model: usize,
+        what: &'static str,
+    ) -> Result<(usize, usize)> {
+        let (b, t) = match x.dims() {
+            [b, t, d] if *d == d_model => (*b, *t),
+            [_, _, _] => {
+                return Err(Error::shape(
+                    what,
+                    format!("(batch, seq_len, {d_model})"),
+                    x.shape(),
+                ))
+            }
+            dims => {
+                return Err(Error::Rank {
+                    what,
+                    expected: 3,
+                    got: dims.len(),
+                    shape: dims.to_vec(),
+                })
+            }
+        };
+        self.check(b, t)?;
+        Ok((b, t))
+    }
+
     /// One past the largest position of a chunk of `len` tokens.
     pub fn end(&self, len: usize) -> usize {
         match self {

@@ -20,7 +20,7 @@
 use candle_core::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use crate::absolute::{add_and_dropout, check_dropout, check_input, gather_rows};
+use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
 use crate::attention::PositionalEncoding;
 use crate::{Error, Positions, Result};
 
@@ -284,7 +284,7 @@ impl LearnedPositionalEncoding {
         positions: &Positions,
         train: bool,
     ) -> Result<Tensor> {
-        let (_, t) = check_input(x, self.config.d_model, positions)?;
+        let (_, t) = positions.check_input(x, self.config.d_model, "input x")?;
         let table = self.table_for(positions.end(t))?;
         let rows = gather_rows(&table, positions, t)?;
         add_and_dropout(x, &rows, self.config.dropout, train)

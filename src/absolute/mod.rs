@@ -10,34 +10,6 @@ use candle_core::Tensor;
 
 use crate::{Error, Positions, Result};
 
-/// Checks that `x` is `(B, T, d_model)` and that `positions` fit it; returns `(B, T)`.
-pub(crate) fn check_input(
-    x: &Tensor,
-    d_model: usize,
-    positions: &Positions,
-) -> Result<(usize, usize)> {
-    let (b, t, d) = match x.dims() {
-        [b, t, d] => (*b, *t, *d),
-        dims => {
-            return Err(Error::Rank {
-                what: "input x",
-                expected: 3,
-                got: dims.len(),
-                shape: dims.to_vec(),
-            })
-        }
-    };
-    if d != d_model {
-        return Err(Error::shape(
-            "input x",
-            format!("(batch, seq_len, {d_model})"),
-            x.shape(),
-        ));
-    }
-    positions.check(b, t)?;
-    Ok((b, t))
-}
-
 /// Rows of `table` (`(N, D)`) at `positions` for a chunk of `len` tokens: `(1, T, D)` for an
 /// offset, `(B, T, D)` for explicit ids. The caller guarantees the positions are inside the table.
 pub(crate) fn gather_rows(table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {

@@ -20,7 +20,7 @@ use std::sync::{Arc, RwLock};
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use crate::absolute::{add_and_dropout, check_dropout, check_input, gather_rows};
+use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
 use crate::attention::PositionalEncoding;
 use crate::{Error, Positions, Result};
 
@@ -210,7 +210,7 @@ impl SinusoidalPositionalEncoding {
         positions: &Positions,
         train: bool,
     ) -> Result<Tensor> {
-        let (_, t) = check_input(x, self.config.d_model, positions)?;
+        let (_, t) = positions.check_input(x, self.config.d_model, "input x")?;
         let table = self.table_covering(positions.end(t))?;
         let rows = gather_rows(&table, positions, t)?;
         add_and_dropout(x, &rows, self.config.dropout, train)

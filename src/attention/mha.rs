@@ -332,24 +332,6 @@ impl MultiHeadAttention {
         cache: Option<&mut KvCache>,
     ) -> Result<AttentionOutput> {
         let cfg = &self.config;
-        let (b, t) = match x.dims() {
-            [b, t, d] if *d == cfg.d_model => (*b, *t),
-            [_, _, _] => {
-                return Err(Error::shape(
-                    "attention input x",
-                    format!("(batch, seq_len, {})", cfg.d_model),
-                    x.shape(),
-                ))
-            }
-            dims => {
-                return Err(Error::Rank {
-                    what: "attention input x",
-                    expected: 3,
-                    got: dims.len(),
-                    shape: dims.to_vec(),
-                })
-            }
-        };
         let default_positions;
         let positions = match options.positions {
             Some(p) => p,
@@ -359,7 +341,7 @@ impl MultiHeadAttention {
                 &default_positions
             }
         };
-        positions.check(b, t)?;
+        let (b, t) = positions.check_input(x, cfg.d_model, "attention input x")?;
         let enc = self.encoding.as_deref();
 
         let x = match enc {
