@@ -251,6 +251,28 @@ fn shaw_matches_direct_formula(dev: &Device) -> anyhow::Result<()> {
 }
 
 /// Every relative encoding, for 4 heads of width 4.
+fn shaw_index_built_once_per_shape(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let shaw = Arc::new(ShawRelativePosition::new(
+        &ShawConfig::new(4, 3),
+        vb.pp("shaw"),
+    )?);
+    let mha = MultiHeadAttention::new(
+        &AttentionConfig::new(16, 4).with_causal(true),
+        Some(shaw.clone()),
+        vb.pp("attn"),
+    )?;
+    let x = Tensor::randn(0f32, 1.0, (2, 7, 16), dev)?;
+    // Keys and values hooks of both forwards share one index.
+    mha.forward(&x)?;
+    mha.forward(&x)?;
+    assert_eq!(shaw.bucket_builds(), 1);
+    mha.forward(&x.narrow(1, 0, 5)?)?;
+    assert_eq!(shaw.bucket_builds(), 2);
+    Ok(())
+}
+
 fn relative_encodings(
     dev: &Device,
     vb: &VarBuilder,
@@ -539,6 +561,7 @@ device_tests!(
     t5_compute_bias_matches_hf,
     clipped_bias_matches_seed,
     shaw_matches_direct_formula,
+    shaw_index_built_once_per_shape,
     decode_with_cache_equals_full_forward,
     masks_are_respected,
     relative_order_matters,

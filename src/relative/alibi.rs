@@ -240,7 +240,8 @@ impl Alibi {
             // Trainable slopes: recompute so gradients reach them.
             return build();
         }
-        self.cache.get_or_build(queries, tq, keys, tk, build)
+        self.cache
+            .get_or_build(queries, tq, keys, tk, (0, 0), build)
     }
 
     fn build_bias(

@@ -69,8 +69,9 @@ fn span(p: &Positions, len: usize) -> (usize, usize) {
     }
 }
 
-/// Key of a cached per-shape tensor: (query start, query length, key start, key length).
-type ShapeKey = (usize, usize, usize, usize);
+/// Key of a cached per-shape tensor: (query start, query length, key start, key length, and a
+/// caller-defined layout such as (batch, heads) for tensors expanded to full size).
+type ShapeKey = (usize, usize, usize, usize, (usize, usize));
 
 /// Caches per-shape tensors (bucket maps, fixed biases) for offset positions, and counts how
 /// many it built. Explicit ids are not cached (their content, not their shape, decides).
@@ -84,17 +85,19 @@ pub(crate) struct BucketCache {
 const CACHE_LIMIT: usize = 64;
 
 impl BucketCache {
-    /// The cached tensor for these positions, or `build()`'s result (cached for offsets).
+    /// The cached tensor for these positions and `layout`, or `build()`'s result (cached for
+    /// offsets).
     pub(crate) fn get_or_build(
         &self,
         queries: &Positions,
         tq: usize,
         keys: &Positions,
         tk: usize,
+        layout: (usize, usize),
         build: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
         let key = match (queries, keys) {
-            (Positions::Offset(q), Positions::Offset(k)) => Some((*q, tq, *k, tk)),
+            (Positions::Offset(q), Positions::Offset(k)) => Some((*q, tq, *k, tk, layout)),
             _ => None,
         };
         if let Some(key) = key {
@@ -218,7 +221,7 @@ impl<C: RelativeBucketing> BucketedRelativeBias<C> {
     ) -> Result<Tensor> {
         let device = self.table.device();
         let cfg = &self.config;
-        let buckets = self.cache.get_or_build(queries, tq, keys, tk, || {
+        let buckets = self.cache.get_or_build(queries, tq, keys, tk, (0, 0), || {
             relative_buckets(queries, tq, keys, tk, device, &|d| cfg.bucket(d))
         })?;
         let (b, _, _) = buckets.dims3()?;

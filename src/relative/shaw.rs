@@ -157,7 +157,8 @@ impl ShawRelativePosition {
         self.cache.builds()
     }
 
-    /// `r(i, j)` broadcast to `(B, H, Tq, Tk)`, contiguous (gather and scatter need it whole).
+    /// `r(i, j)` broadcast to `(B, H, Tq, Tk)`, contiguous (gather and scatter need it whole),
+    /// cached per shape for offsets.
     fn index(
         &self,
         qp: &Positions,
@@ -169,13 +170,14 @@ impl ShawRelativePosition {
     ) -> Result<Tensor> {
         let device = self.keys.device();
         let cfg = &self.config;
-        let idx = self.cache.get_or_build(qp, tq, kp, tk, || {
-            relative_buckets(qp, tq, kp, tk, device, &|d| cfg.bucket(d))
-        })?;
-        Ok(idx
-            .unsqueeze(1)?
-            .broadcast_as((b, h, tq, tk))?
-            .contiguous()?)
+        // Cached expanded, so the keys and values hooks of one forward share one build.
+        self.cache.get_or_build(qp, tq, kp, tk, (b, h), || {
+            let idx = relative_buckets(qp, tq, kp, tk, device, &|d| cfg.bucket(d))?;
+            Ok(idx
+                .unsqueeze(1)?
+                .broadcast_as((b, h, tq, tk))?
+                .contiguous()?)
+        })
     }
 }
 
