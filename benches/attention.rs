@@ -10,8 +10,7 @@
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
 //! Peak memory is read from `VmHWM` in `/proc/self/status` of a child process per case (Linux).
 
-use std::sync::Arc;
-use std::time::Instant;
+mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
@@ -19,9 +18,10 @@ use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
     Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig,
     ClippedRelativeBias, LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention,
-    PositionalEncoding, Positions, ShawConfig, ShawRelativePosition, SinusoidalConfig,
-    SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
+    PositionalEncoding, Positions, RopeConfig, RotaryEmbedding, ShawConfig, ShawRelativePosition,
+    SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
 };
+use std::sync::Arc;
 
 /// Shaw et al. computed as the formula is written: the (T, T, d) tensors a^K[r(i, j)] and
 /// a^V[r(i, j)] are built, then contracted per query position. The memory baseline.
@@ -126,6 +126,10 @@ fn cases(
             )?),
         ),
         case(
+            "rope",
+            Arc::new(RotaryEmbedding::new(&RopeConfig::new(head_dim), dev)?),
+        ),
+        case(
             "alibi",
             Arc::new(Alibi::new(&AlibiConfig::new(heads), dev)?),
         ),
@@ -165,18 +169,6 @@ fn block(
         case.encoding.clone(),
         vb.pp("attn"),
     )?)
-}
-
-fn median_ms(runs: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?; // warm-up: caches, page faults
-    let mut times = Vec::with_capacity(runs);
-    for _ in 0..runs {
-        let t = Instant::now();
-        f()?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[runs / 2])
 }
 
 fn peak_rss_mib() -> Result<f64> {
@@ -220,11 +212,7 @@ fn main() -> Result<()> {
     }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
-    let dev = if candle_core::utils::cuda_is_available() {
-        Device::new_cuda(0)?
-    } else {
-        Device::Cpu
-    };
+    let dev = common::device()?;
     let (b, heads, head_dim) = (2, 8, 64);
     let t = if quick { 256 } else { 1024 };
     let runs = if quick { 3 } else { 9 };
@@ -245,7 +233,7 @@ fn main() -> Result<()> {
         for case in cases(d_model, heads, head_dim, t, &dev, &vb)? {
             let mha = block(&case, causal, d_model, heads, &vb)?;
             let opts = AttentionOptions::default();
-            let ms = median_ms(runs, || {
+            let ms = common::median_ms(runs, || {
                 let y = mha.forward_with(&x, &opts, None)?.output;
                 dev.synchronize()?;
                 drop(y);

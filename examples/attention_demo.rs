@@ -23,7 +23,7 @@ use candle_nn::{Embedding, Module};
 use candle_posenc::checkpoint::save;
 use candle_posenc::{
     AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, Checkpoint, ClippedBiasConfig,
-    EncodingConfig, LearnedConfig, MultiHeadAttention, PositionalEncoding, ShawConfig,
+    EncodingConfig, LearnedConfig, MultiHeadAttention, PositionalEncoding, RopeConfig, ShawConfig,
     SinusoidalConfig, T5Config,
 };
 
@@ -79,6 +79,10 @@ fn encodings() -> Vec<(&'static str, EncodingConfig)> {
         (
             "learned",
             EncodingConfig::Learned(LearnedConfig::new(D_MODEL).with_max_len(8)),
+        ),
+        (
+            "rope",
+            EncodingConfig::Rotary(RopeConfig::new(D_MODEL / HEADS)),
         ),
         (
             "alibi",

@@ -16,6 +16,9 @@ use crate::relative::alibi::{Alibi, AlibiConfig, AlibiMode};
 use crate::relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
 use crate::relative::shaw::{ShawConfig, ShawRelativePosition};
 use crate::relative::t5::{T5Config, T5RelativeBias};
+use crate::rotary::{
+    LongRopeScaling, RopeConfig, RopeKernel, RopeLayout, RopeScaling, RotaryEmbedding, YarnScaling,
+};
 use crate::Result;
 
 /// Metadata key naming the encoding kind.
@@ -38,11 +41,13 @@ pub enum EncodingConfig {
     ClippedBias(ClippedBiasConfig),
     /// [`ShawRelativePosition`].
     Shaw(ShawConfig),
+    /// [`RotaryEmbedding`].
+    Rotary(RopeConfig),
 }
 
 impl EncodingConfig {
     /// A short name for the kind: `none`, `sinusoidal`, `learned`, `alibi`, `t5`,
-    /// `clipped_bias`, `shaw`.
+    /// `clipped_bias`, `shaw`, `rotary`.
     pub fn kind(&self) -> &'static str {
         match self {
             EncodingConfig::None => "none",
@@ -52,6 +57,7 @@ impl EncodingConfig {
             EncodingConfig::T5(_) => "t5",
             EncodingConfig::ClippedBias(_) => "clipped_bias",
             EncodingConfig::Shaw(_) => "shaw",
+            EncodingConfig::Rotary(_) => "rotary",
         }
     }
 
@@ -74,6 +80,7 @@ impl EncodingConfig {
             EncodingConfig::T5(c) => Some(Arc::new(T5RelativeBias::new(c, vb)?)),
             EncodingConfig::ClippedBias(c) => Some(Arc::new(ClippedRelativeBias::new(c, vb)?)),
             EncodingConfig::Shaw(c) => Some(Arc::new(ShawRelativePosition::new(c, vb)?)),
+            EncodingConfig::Rotary(c) => Some(Arc::new(RotaryEmbedding::new(c, vb.device())?)),
         })
     }
 
@@ -130,6 +137,7 @@ impl EncodingConfig {
                 put("max_distance", c.max_distance.to_string());
                 put("values", c.values.to_string());
             }
+            EncodingConfig::Rotary(c) => rope_metadata(c, &mut put),
         }
         m
     }
@@ -233,15 +241,199 @@ impl EncodingConfig {
                 c.validate()?;
                 EncodingConfig::Shaw(c)
             }
+            "rotary" => {
+                let c = rope_from_metadata(&r)?;
+                c.validate()?;
+                EncodingConfig::Rotary(c)
+            }
             other => {
                 return Err(r.error(
                     KIND_KEY,
                     format!(
-                        "unknown encoding `{other}`, expected none, sinusoidal, learned, alibi, t5, clipped_bias or shaw"
+                        "unknown encoding `{other}`, expected none, sinusoidal, learned, alibi, t5, clipped_bias, shaw or rotary"
                     ),
                 ))
             }
         };
         Ok(config)
     }
+}
+
+/// Writes a rotary configuration as `posenc.*` entries (lists comma-separated).
+fn rope_metadata(c: &RopeConfig, put: &mut impl FnMut(&str, String)) {
+    put("head_dim", c.head_dim.to_string());
+    put("rotary_dim", c.rotary_dim.to_string());
+    put("base", c.base.to_string());
+    let layout = match c.layout {
+        RopeLayout::Half => "half",
+        RopeLayout::Interleaved => "interleaved",
+    };
+    put("layout", layout.to_string());
+    put("max_position", c.max_position.to_string());
+    if let Some(g) = c.xpos_scale_base {
+        put("xpos_scale_base", g.to_string());
+    }
+    let kernel = match c.kernel {
+        RopeKernel::Fused => "fused",
+        RopeKernel::Ops => "ops",
+    };
+    put("kernel", kernel.to_string());
+    put("scaling", c.scaling.name().to_string());
+    let list = |v: &[f64]| v.iter().map(f64::to_string).collect::<Vec<_>>().join(",");
+    match &c.scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => put("scaling.factor", factor.to_string()),
+        RopeScaling::NtkAware { alpha } => put("scaling.alpha", alpha.to_string()),
+        RopeScaling::Dynamic {
+            factor,
+            original_max_position_embeddings,
+        } => {
+            put("scaling.factor", factor.to_string());
+            put(
+                "scaling.original_max_position_embeddings",
+                original_max_position_embeddings.to_string(),
+            );
+        }
+        RopeScaling::Yarn(y) => {
+            put("scaling.factor", y.factor.to_string());
+            put(
+                "scaling.original_max_position_embeddings",
+                y.original_max_position_embeddings.to_string(),
+            );
+            put("scaling.beta_fast", y.beta_fast.to_string());
+            put("scaling.beta_slow", y.beta_slow.to_string());
+            put("scaling.truncate", y.truncate.to_string());
+            for (k, v) in [
+                ("mscale", y.mscale),
+                ("mscale_all_dim", y.mscale_all_dim),
+                ("attention_factor", y.attention_factor),
+            ] {
+                if let Some(v) = v {
+                    put(&format!("scaling.{k}"), v.to_string());
+                }
+            }
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            put("scaling.factor", factor.to_string());
+            put("scaling.low_freq_factor", low_freq_factor.to_string());
+            put("scaling.high_freq_factor", high_freq_factor.to_string());
+            put(
+                "scaling.original_max_position_embeddings",
+                original_max_position_embeddings.to_string(),
+            );
+        }
+        RopeScaling::LongRope(l) => {
+            put("scaling.factor", l.factor.to_string());
+            put(
+                "scaling.original_max_position_embeddings",
+                l.original_max_position_embeddings.to_string(),
+            );
+            put("scaling.short_factor", list(&l.short_factor));
+            put("scaling.long_factor", list(&l.long_factor));
+            if let Some(a) = l.attention_factor {
+                put("scaling.attention_factor", a.to_string());
+            }
+        }
+    }
+}
+
+/// Reads what [`rope_metadata`] wrote.
+fn rope_from_metadata(r: &MetadataReader) -> Result<RopeConfig> {
+    let num = |k: &str| r.parse::<f64>(&format!("posenc.{k}"), "a number");
+    let opt_num = |k: &str| -> Result<Option<f64>> {
+        let key = format!("posenc.{k}");
+        match r.metadata.contains_key(&key) {
+            true => r.parse::<f64>(&key, "a number").map(Some),
+            false => Ok(None),
+        }
+    };
+    let uint = |k: &str| r.parse::<usize>(&format!("posenc.{k}"), "a non-negative integer");
+    let list = |k: &str| -> Result<Vec<f64>> {
+        let key = format!("posenc.{k}");
+        let raw = r.str(&key)?;
+        raw.split(',')
+            .map(|x| x.trim().parse::<f64>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| {
+                r.error(
+                    &key,
+                    format!("`{raw}` is not a comma-separated list of numbers"),
+                )
+            })
+    };
+    let layout = match r.str("posenc.layout")? {
+        "half" => RopeLayout::Half,
+        "interleaved" => RopeLayout::Interleaved,
+        other => {
+            return Err(r.error(
+                "posenc.layout",
+                format!("`{other}` is not half or interleaved"),
+            ))
+        }
+    };
+    let kernel = match r.str("posenc.kernel")? {
+        "fused" => RopeKernel::Fused,
+        "ops" => RopeKernel::Ops,
+        other => return Err(r.error("posenc.kernel", format!("`{other}` is not fused or ops"))),
+    };
+    let orig = "scaling.original_max_position_embeddings";
+    let scaling = match r.str("posenc.scaling")? {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: num("scaling.factor")?,
+        },
+        "ntk_aware" => RopeScaling::NtkAware {
+            alpha: num("scaling.alpha")?,
+        },
+        "dynamic" => RopeScaling::Dynamic {
+            factor: num("scaling.factor")?,
+            original_max_position_embeddings: uint(orig)?,
+        },
+        "yarn" => RopeScaling::Yarn(YarnScaling {
+            factor: num("scaling.factor")?,
+            original_max_position_embeddings: uint(orig)?,
+            beta_fast: num("scaling.beta_fast")?,
+            beta_slow: num("scaling.beta_slow")?,
+            mscale: opt_num("scaling.mscale")?,
+            mscale_all_dim: opt_num("scaling.mscale_all_dim")?,
+            attention_factor: opt_num("scaling.attention_factor")?,
+            truncate: r.parse("posenc.scaling.truncate", "true or false")?,
+        }),
+        "llama3" => RopeScaling::Llama3 {
+            factor: num("scaling.factor")?,
+            low_freq_factor: num("scaling.low_freq_factor")?,
+            high_freq_factor: num("scaling.high_freq_factor")?,
+            original_max_position_embeddings: uint(orig)?,
+        },
+        "longrope" => RopeScaling::LongRope(LongRopeScaling {
+            short_factor: list("scaling.short_factor")?,
+            long_factor: list("scaling.long_factor")?,
+            original_max_position_embeddings: uint(orig)?,
+            factor: num("scaling.factor")?,
+            attention_factor: opt_num("scaling.attention_factor")?,
+        }),
+        other => {
+            return Err(r.error(
+                "posenc.scaling",
+                format!(
+                "`{other}` is not default, linear, ntk_aware, dynamic, yarn, llama3 or longrope"
+            ),
+            ))
+        }
+    };
+    Ok(RopeConfig {
+        head_dim: uint("head_dim")?,
+        rotary_dim: uint("rotary_dim")?,
+        base: num("base")?,
+        layout,
+        scaling,
+        max_position: uint("max_position")?,
+        xpos_scale_base: opt_num("xpos_scale_base")?,
+        kernel,
+    })
 }

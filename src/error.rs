@@ -100,6 +100,15 @@ pub enum Error {
         reason: String,
     },
 
+    /// A model's `config.json` lacks a key, or a key has the wrong type or an unknown value.
+    #[error("config.json: `{key}` {problem}")]
+    HfConfig {
+        /// The key, dotted for nested ones (e.g. `rope_scaling.factor`).
+        key: String,
+        /// What is wrong with it and what was expected.
+        problem: String,
+    },
+
     /// An I/O error while reading or writing a file.
     #[error("i/o error on {path}: {source}")]
     Io {

@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | sinusoidal (Vaswani et al. 2017) | [`SinusoidalPositionalEncoding`] | added to the input |
 //! | learned absolute, optional linear interpolation | [`LearnedPositionalEncoding`] | added to the input |
+//! | RoPE (Su et al. 2021): both pair layouts, partial rotary, Linear / NTK / Dynamic / YaRN / Llama 3 / LongRoPE scaling, xPos | [`RotaryEmbedding`] | rotation of q and k |
 //! | ALiBi (Press et al. 2022) | [`Alibi`] | bias on the logits |
 //! | T5 bucketed bias (Raffel et al. 2020) | [`T5RelativeBias`] | bias on the logits |
 //! | clipped relative bias | [`ClippedRelativeBias`] | bias on the logits |
@@ -51,6 +52,7 @@ pub mod encoding;
 mod error;
 pub mod positions;
 pub mod relative;
+pub mod rotary;
 
 pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
@@ -67,6 +69,10 @@ pub use relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
 pub use relative::shaw::{ShawConfig, ShawRelativePosition};
 pub use relative::t5::{T5Config, T5RelativeBias};
 pub use relative::{BucketedRelativeBias, RelativeBucketing};
+pub use rotary::{
+    LongRopeScaling, QkLayout, RopeConfig, RopeFrequencies, RopeKernel, RopeLayout, RopeScaling,
+    RotaryEmbedding, YarnScaling,
+};
 
 /// The README's Rust snippets, run as doctests so the quickstart cannot rot.
 #[cfg(doctest)]

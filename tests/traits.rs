@@ -1,8 +1,8 @@
 //! Every module can be shared across threads, cloned and printed.
 
 use candle_posenc::{
-    Alibi, ClippedRelativeBias, KvCache, LearnedPositionalEncoding, MultiHeadAttention,
-    ShawRelativePosition, SinusoidalPositionalEncoding, T5RelativeBias,
+    Alibi, ClippedRelativeBias, KvCache, LearnedPositionalEncoding, MultiHeadAttention, RopeConfig,
+    RotaryEmbedding, ShawRelativePosition, SinusoidalPositionalEncoding, T5RelativeBias,
 };
 
 fn assert_module<T: std::fmt::Debug + Clone + Send + Sync + 'static>() {}
@@ -17,4 +17,6 @@ fn modules_are_debug_clone_send_sync() {
     assert_module::<ShawRelativePosition>();
     assert_module::<MultiHeadAttention>();
     assert_module::<KvCache>();
+    assert_module::<RotaryEmbedding>();
+    assert_module::<RopeConfig>();
 }

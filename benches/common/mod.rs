@@ -1,0 +1,29 @@
+//! Helpers shared by the benchmarks: the device, and medians of timed runs.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::Device;
+
+/// CUDA device 0 when the build has CUDA and a GPU is present, else the CPU.
+pub fn device() -> Result<Device> {
+    Ok(if candle_core::utils::cuda_is_available() {
+        Device::new_cuda(0)?
+    } else {
+        Device::Cpu
+    })
+}
+
+/// Median wall time in milliseconds of `runs` calls of `f`, after one warm-up call (tables,
+/// caches, page faults).
+pub fn median_ms(runs: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[runs / 2])
+}

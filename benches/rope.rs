@@ -1,0 +1,88 @@
+//! RoPE applied to q and k at B4 H16 T2048 D64 f32: the crate's fused path against the
+//! ops-built rotate-half path (`x·cos + rotate_half(x)·sin`) measured in the same run, forward
+//! and forward + backward; candle-nn's bare fused `rope` is shown for the wrapper's overhead.
+//!
+//! ```text
+//! cargo bench --bench rope              # table of medians and ratios
+//! cargo bench --bench rope -- --json    # one JSON object per line as well
+//! cargo bench --bench rope -- --quick   # fewer, smaller runs (a smoke test)
+//! ```
+//!
+//! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
+
+mod common;
+
+use anyhow::Result;
+use candle_core::{Tensor, Var};
+use candle_posenc::{Positions, QkLayout, RopeConfig, RopeKernel, RotaryEmbedding};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let quick = args.iter().any(|a| a == "--quick");
+    let dev = common::device()?;
+    let (b, h, d) = (4, 16, 64);
+    let t = if quick { 256 } else { 2048 };
+    let runs = if quick { 3 } else { 11 };
+    let q = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
+    let k = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
+    let pos = Positions::Offset(0);
+    let rope = |kernel| RotaryEmbedding::new(&RopeConfig::new(d).with_kernel(kernel), &dev);
+    let (fused, ops) = (rope(RopeKernel::Fused)?, rope(RopeKernel::Ops)?);
+    let (cos, sin) = fused.cos_sin(&pos, t)?;
+
+    println!("RoPE on q and k, B{b} H{h} T{t} D{d} f32 on {dev:?}: median of {runs} runs");
+    println!("{:<34} {:>12} {:>14}", "path", "median ms", "vs ops");
+    let report = |name: &str, ms: f64, base: f64| {
+        println!("{name:<34} {ms:>12.2} {:>13.2}x", ms / base);
+        if json {
+            println!(
+                "{{\"bench\":\"rope\",\"path\":\"{name}\",\"t\":{t},\"median_ms\":{ms:.3},\"ratio_to_ops\":{:.4}}}",
+                ms / base
+            );
+        }
+    };
+
+    // Forward.
+    let forward = |r: &RotaryEmbedding| {
+        common::median_ms(runs, || {
+            let (qr, kr) = r.rotate_queries_keys(&q, &k, &pos, &pos, QkLayout::Bhtd)?;
+            dev.synchronize()?;
+            drop((qr, kr));
+            Ok(())
+        })
+    };
+    let ops_fwd = forward(&ops)?;
+    let fused_fwd = forward(&fused)?;
+    let bare = common::median_ms(runs, || {
+        let qr = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
+        let kr = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+        dev.synchronize()?;
+        drop((qr, kr));
+        Ok(())
+    })?;
+    report("forward, ops rotate-half", ops_fwd, ops_fwd);
+    report("forward, fused (this crate)", fused_fwd, ops_fwd);
+    report("forward, candle-nn rope (bare)", bare, ops_fwd);
+
+    // Forward + backward of sum(w_q·q' + w_k·k').
+    let wq = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
+    let wk = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;
+    let (qv, kv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?);
+    let backward = |r: &RotaryEmbedding| {
+        common::median_ms(runs, || {
+            let (qr, kr) =
+                r.rotate_queries_keys(qv.as_tensor(), kv.as_tensor(), &pos, &pos, QkLayout::Bhtd)?;
+            let loss = ((qr * &wq)?.sum_all()? + (kr * &wk)?.sum_all()?)?;
+            let grads = loss.backward()?;
+            dev.synchronize()?;
+            anyhow::ensure!(grads.get(qv.as_tensor()).is_some(), "no gradient reached q");
+            Ok(())
+        })
+    };
+    let ops_bwd = backward(&ops)?;
+    let fused_bwd = backward(&fused)?;
+    report("forward+backward, ops rotate-half", ops_bwd, ops_bwd);
+    report("forward+backward, fused", fused_bwd, ops_bwd);
+    Ok(())
+}

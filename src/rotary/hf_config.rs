@@ -1,0 +1,324 @@
+//! [`RopeConfig::from_hf_json`]: the rotary configuration of an HF model's `config.json`.
+//!
+//! Reads, as HF transformers does:
+//! - `rope_parameters` (transformers ≥ 5) or `rope_scaling` (older files), with the type under
+//!   `rope_type` or `type` (`su` is LongRoPE's old name); absent or `null` means plain RoPE;
+//! - `rope_theta` inside the parameters or at the top level (GPT-NeoX: `rotary_emb_base`),
+//!   default 10000;
+//! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
+//! - partial rotary from `partial_rotary_factor`, `rotary_pct` (GPT-NeoX) or `rotary_dim`
+//!   (GPT-J, CodeGen); GPT-J and CodeGen (`model_type`) rotate interleaved pairs;
+//! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
+//!   level (Phi-3, which takes precedence) or in the parameters, defaulting to the former.
+
+use serde_json::{Map, Value};
+
+use super::rope::{RopeConfig, RopeLayout};
+use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
+use crate::{Error, Result};
+
+fn problem(key: impl Into<String>, problem: impl Into<String>) -> Error {
+    Error::HfConfig {
+        key: key.into(),
+        problem: problem.into(),
+    }
+}
+
+/// One JSON object and the dotted prefix its keys are reported under.
+struct Obj<'a> {
+    map: &'a Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl<'a> Obj<'a> {
+    fn name(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    /// The value at `key`, `None` when absent or `null`.
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .map(Some)
+                .ok_or_else(|| problem(self.name(key), format!("is {v}, expected a number"))),
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    problem(
+                        self.name(key),
+                        format!("is {v}, expected a non-negative integer"),
+                    )
+                }),
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| problem(self.name(key), format!("is {v}, expected true or false"))),
+        }
+    }
+
+    fn str(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| problem(self.name(key), format!("is {v}, expected a string"))),
+        }
+    }
+
+    fn list(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let bad = || problem(self.name(key), "expected a list of numbers");
+        let items = v.as_array().ok_or_else(bad)?;
+        items
+            .iter()
+            .map(|x| x.as_f64().filter(|x| x.is_finite()).ok_or_else(bad))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn required<T>(&self, key: &str, value: Option<T>) -> Result<T> {
+        value.ok_or_else(|| problem(self.name(key), "is missing"))
+    }
+}
+
+impl RopeConfig {
+    /// The rotary configuration of an HF model's `config.json` text (see the [module
+    /// docs](self) for the keys read).
+    ///
+    /// The result is validated. Its `max_position` is the model's `max_position_embeddings`
+    /// (tables still grow past it).
+    ///
+    /// # Example
+    /// ```
+    /// use candle_posenc::{RopeConfig, RopeScaling};
+    ///
+    /// let json = r#"{"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 500000.0,
+    ///     "max_position_embeddings": 131072,
+    ///     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    ///         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
+    /// let config = RopeConfig::from_hf_json(json)?;
+    /// assert_eq!(config.head_dim, 128);
+    /// assert!(matches!(config.scaling, RopeScaling::Llama3 { .. }));
+    /// # Ok::<(), candle_posenc::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::HfConfig`] naming the key for text that is not a JSON object, a missing
+    /// required key (`hidden_size`, `num_attention_heads`, a scaling `factor`, ...), a key of
+    /// the wrong type, an unknown `rope_type`, per-layer-type parameters, or an odd rotary
+    /// dimension; then the errors of [`RopeConfig::validate`].
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let root: Value = serde_json::from_str(text)
+            .map_err(|e| problem("<root>", format!("is not valid JSON: {e}")))?;
+        let map = root
+            .as_object()
+            .ok_or_else(|| problem("<root>", "is not a JSON object"))?;
+        let top = Obj { map, prefix: "" };
+
+        let (params_key, params_value) = match (top.get("rope_parameters"), top.get("rope_scaling"))
+        {
+            (Some(v), _) => ("rope_parameters", Some(v)),
+            (None, Some(v)) => ("rope_scaling", Some(v)),
+            (None, None) => ("rope_parameters", None),
+        };
+        let empty = Map::new();
+        let params_map = match params_value {
+            None => &empty,
+            Some(v) => v
+                .as_object()
+                .ok_or_else(|| problem(params_key, format!("is {v}, expected an object")))?,
+        };
+        let prefix = format!("{params_key}.");
+        let params = Obj {
+            map: params_map,
+            prefix: &prefix,
+        };
+        let nested = !params_map.contains_key("rope_type")
+            && !params_map.contains_key("type")
+            && !params_map.is_empty()
+            && params_map.values().all(|v| v.is_object() || v.is_null());
+        if nested {
+            return Err(problem(
+                params_key,
+                "holds per-layer-type parameters; build one RopeConfig per layer type from its entry",
+            ));
+        }
+
+        // Head size.
+        let head_dim = match top.usize("head_dim")? {
+            Some(d) => d,
+            None => {
+                let hidden = first(&top, &["hidden_size", "n_embd", "d_model"])?;
+                let heads = first(&top, &["num_attention_heads", "n_head", "num_heads"])?;
+                if heads == 0 || !hidden.is_multiple_of(heads) {
+                    return Err(problem(
+                        "num_attention_heads",
+                        format!(
+                            "is {heads}, expected a non-zero divisor of hidden_size ({hidden})"
+                        ),
+                    ));
+                }
+                hidden / heads
+            }
+        };
+
+        let base = match params.f64("rope_theta")? {
+            Some(b) => b,
+            None => match top.f64("rope_theta")? {
+                Some(b) => b,
+                None => top.f64("rotary_emb_base")?.unwrap_or(10_000.0),
+            },
+        };
+
+        let mut config = RopeConfig::new(head_dim).with_base(base);
+        if let Some(f) = params.f64("partial_rotary_factor")? {
+            config = config.with_partial_rotary_factor(f);
+        } else if let Some(f) = top.f64("partial_rotary_factor")? {
+            config = config.with_partial_rotary_factor(f);
+        } else if let Some(f) = top.f64("rotary_pct")? {
+            config = config.with_partial_rotary_factor(f);
+        } else if let Some(d) = top.usize("rotary_dim")? {
+            config = config.with_rotary_dim(d);
+        }
+        if !config.rotary_dim.is_multiple_of(2) {
+            return Err(problem(
+                "partial_rotary_factor",
+                format!(
+                    "gives an odd rotary dimension {} for head_dim {head_dim}, expected an even one",
+                    config.rotary_dim
+                ),
+            ));
+        }
+        if matches!(top.str("model_type")?, Some("gptj" | "codegen")) {
+            config = config.with_layout(RopeLayout::Interleaved);
+        }
+        let max_pos = match top.usize("max_position_embeddings")? {
+            Some(n) => Some(n),
+            None => top.usize("n_positions")?,
+        };
+        if let Some(n) = max_pos {
+            config = config.with_max_position(n);
+        }
+
+        let rope_type = match params.str("rope_type")? {
+            Some(t) => t,
+            None => params.str("type")?.unwrap_or("default"),
+        };
+        let type_key = params.name(if params.get("rope_type").is_some() {
+            "rope_type"
+        } else {
+            "type"
+        });
+        let max_pos_required = || top.required("max_position_embeddings", max_pos);
+        let original = || -> Result<usize> {
+            match top.usize("original_max_position_embeddings")? {
+                Some(n) => Ok(n),
+                None => match params.usize("original_max_position_embeddings")? {
+                    Some(n) => Ok(n),
+                    None => max_pos_required(),
+                },
+            }
+        };
+        let factor = || -> Result<f64> { params.required("factor", params.f64("factor")?) };
+        let scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor: factor()? },
+            "dynamic" => RopeScaling::Dynamic {
+                factor: factor()?,
+                original_max_position_embeddings: max_pos_required()?,
+            },
+            "yarn" => {
+                let original = original()?;
+                let factor = match params.f64("factor")? {
+                    Some(f) => f,
+                    None => max_pos_required()? as f64 / original as f64,
+                };
+                let mut y = YarnScaling::new(factor, original);
+                // HF treats a zero or missing beta as the default.
+                if let Some(b) = params.f64("beta_fast")?.filter(|b| *b != 0.0) {
+                    y.beta_fast = b;
+                }
+                if let Some(b) = params.f64("beta_slow")?.filter(|b| *b != 0.0) {
+                    y.beta_slow = b;
+                }
+                y.mscale = params.f64("mscale")?;
+                y.mscale_all_dim = params.f64("mscale_all_dim")?;
+                y.attention_factor = params.f64("attention_factor")?;
+                if let Some(t) = params.bool("truncate")? {
+                    y.truncate = t;
+                }
+                RopeScaling::Yarn(y)
+            }
+            "llama3" => RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: params
+                    .required("low_freq_factor", params.f64("low_freq_factor")?)?,
+                high_freq_factor: params
+                    .required("high_freq_factor", params.f64("high_freq_factor")?)?,
+                original_max_position_embeddings: original()?,
+            },
+            "longrope" | "su" => {
+                let original = original()?;
+                let factor = match params.f64("factor")? {
+                    Some(f) => f,
+                    None => max_pos_required()? as f64 / original as f64,
+                };
+                RopeScaling::LongRope(LongRopeScaling {
+                    short_factor: params.required("short_factor", params.list("short_factor")?)?,
+                    long_factor: params.required("long_factor", params.list("long_factor")?)?,
+                    original_max_position_embeddings: original,
+                    factor,
+                    attention_factor: params.f64("attention_factor")?,
+                })
+            }
+            other => {
+                return Err(problem(
+                    type_key,
+                    format!(
+                    "is `{other}`, expected default, linear, dynamic, yarn, llama3, longrope or su"
+                ),
+                ))
+            }
+        };
+        let config = config.with_scaling(scaling);
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// The first of `keys` present (as a non-negative integer), or an error naming the first.
+fn first(obj: &Obj, keys: &[&str]) -> Result<usize> {
+    for key in keys {
+        if let Some(v) = obj.usize(key)? {
+            return Ok(v);
+        }
+    }
+    Err(problem(
+        keys.first().copied().unwrap_or("?"),
+        "is missing (needed when head_dim is absent)",
+    ))
+}

@@ -1,0 +1,580 @@
+//! [`RotaryEmbedding`]: the module, its configuration and its cached cos/sin tables.
+
+use std::sync::{Arc, RwLock};
+
+use candle_core::{DType, Device, Module, Tensor};
+
+use super::kernels::{rotate_fused, rotate_ops};
+use super::scaling::{Regime, RopeFrequencies, RopeScaling};
+use crate::attention::PositionalEncoding;
+use crate::{Error, Positions, Result};
+
+/// Largest number of cos (or sin) table entries ever built (`positions × rotary_dim / 2`): 2^30.
+const MAX_TABLE_ELEMENTS: usize = 1 << 30;
+
+/// Which features form the rotated pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RopeLayout {
+    /// Feature `i` pairs with `i + d/2` ("rotate half"): GPT-NeoX, HF Llama, the seeds.
+    #[default]
+    Half,
+    /// Feature `2i` pairs with `2i + 1`: GPT-J, RoFormer, the paper.
+    Interleaved,
+}
+
+/// The axis order of the queries and keys handed to the rotation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QkLayout {
+    /// `(batch, heads, seq_len, head_dim)`, the attention block's order.
+    #[default]
+    Bhtd,
+    /// `(batch, seq_len, heads, head_dim)`, straight out of a projection.
+    Bthd,
+}
+
+/// How the rotation is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RopeKernel {
+    /// candle-nn's fused kernels, with a backward pass added by this crate.
+    #[default]
+    Fused,
+    /// Plain tensor ops (`x·cos + rotate_half(x)·sin`), differentiable by candle's autograd.
+    Ops,
+}
+
+/// Configuration of [`RotaryEmbedding`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    /// Size of each attention head; must be even.
+    pub head_dim: usize,
+    /// Leading features of each head that rotate (partial rotary); the rest pass through.
+    /// Even, at most `head_dim`; defaults to `head_dim`.
+    pub rotary_dim: usize,
+    /// Frequency base θ (default 10000).
+    pub base: f64,
+    /// Pair layout (default [`RopeLayout::Half`]).
+    pub layout: RopeLayout,
+    /// Frequency scaling (default none).
+    pub scaling: RopeScaling,
+    /// Positions precomputed at construction (default 2048); tables grow on demand past it.
+    pub max_position: usize,
+    /// xPos scale base γ (Sun et al. 2022), or `None` for plain RoPE.
+    pub xpos_scale_base: Option<f64>,
+    /// Fused kernels or tensor ops (default fused).
+    pub kernel: RopeKernel,
+}
+
+impl RopeConfig {
+    /// Full rotation of `head_dim` features, base 10000, rotate-half pairs, no scaling.
+    pub fn new(head_dim: usize) -> Self {
+        Self {
+            head_dim,
+            rotary_dim: head_dim,
+            base: 10_000.0,
+            layout: RopeLayout::Half,
+            scaling: RopeScaling::None,
+            max_position: 2048,
+            xpos_scale_base: None,
+            kernel: RopeKernel::Fused,
+        }
+    }
+
+    /// Rotates only the first `rotary_dim` features of each head.
+    pub fn with_rotary_dim(mut self, rotary_dim: usize) -> Self {
+        self.rotary_dim = rotary_dim;
+        self
+    }
+
+    /// HF's `partial_rotary_factor`: `rotary_dim = int(head_dim × factor)`.
+    pub fn with_partial_rotary_factor(mut self, factor: f64) -> Self {
+        self.rotary_dim = (self.head_dim as f64 * factor) as usize;
+        self
+    }
+
+    /// Sets the base θ.
+    pub fn with_base(mut self, base: f64) -> Self {
+        self.base = base;
+        self
+    }
+
+    /// Sets the pair layout.
+    pub fn with_layout(mut self, layout: RopeLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// Sets the frequency scaling.
+    pub fn with_scaling(mut self, scaling: RopeScaling) -> Self {
+        self.scaling = scaling;
+        self
+    }
+
+    /// Sets how many positions the tables hold at construction.
+    pub fn with_max_position(mut self, max_position: usize) -> Self {
+        self.max_position = max_position;
+        self
+    }
+
+    /// Turns on xPos with scale base γ (512 in the paper): queries at position `n` are scaled by
+    /// `ζ_i^(n/γ)`, keys by `ζ_i^(−n/γ)`, with `ζ_i = (2i/d + 0.4) / 1.4`.
+    pub fn with_xpos(mut self, scale_base: f64) -> Self {
+        self.xpos_scale_base = Some(scale_base);
+        self
+    }
+
+    /// Chooses fused kernels or tensor ops.
+    pub fn with_kernel(mut self, kernel: RopeKernel) -> Self {
+        self.kernel = kernel;
+        self
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an odd or zero `head_dim`, an odd, zero or too large
+    /// `rotary_dim`, a non-positive or non-finite base or xPos scale base, or bad scaling
+    /// parameters (see [`RopeScaling::validate`]).
+    pub fn validate(&self) -> Result<()> {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return Err(Error::config(
+                "head_dim",
+                self.head_dim,
+                "an even number > 0",
+            ));
+        }
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) {
+            return Err(Error::config(
+                "rotary_dim",
+                self.rotary_dim,
+                "an even number > 0",
+            ));
+        }
+        if self.rotary_dim > self.head_dim {
+            return Err(Error::config(
+                "rotary_dim",
+                self.rotary_dim,
+                format!("at most head_dim = {}", self.head_dim),
+            ));
+        }
+        if !(self.base.is_finite() && self.base > 1.0) {
+            return Err(Error::config("base", self.base, "a finite number > 1"));
+        }
+        if let Some(g) = self.xpos_scale_base {
+            if !(g.is_finite() && g > 0.0) {
+                return Err(Error::config("xpos_scale_base", g, "a finite number > 0"));
+            }
+        }
+        self.scaling.validate(self.rotary_dim)
+    }
+}
+
+/// cos/sin tables for one regime, `(rows, rotary_dim / 2)` f32 on the module's device.
+#[derive(Debug, Clone)]
+struct Tables {
+    regime: Regime,
+    /// Queries' cos, sin (with the attention factor and the xPos scale `ζ^(n/γ)`).
+    q: (Tensor, Tensor),
+    /// Keys' cos, sin: the same tensors as `q` unless xPos is on (then scaled by `ζ^(−n/γ)`).
+    k: (Tensor, Tensor),
+}
+
+impl Tables {
+    fn rows(&self) -> Result<usize> {
+        Ok(self.q.0.dim(0)?)
+    }
+}
+
+/// Rotary position embedding (Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary
+/// Position Embedding"); with the HF scaling family and xPos.
+///
+/// Each pair `(x_a, x_b)` of the first `rotary_dim` features of a head at position `m` is
+/// rotated by the angle `m·inv_freq[i]`:
+///
+/// ```text
+/// x_a' = x_a cos(m θ_i) − x_b sin(m θ_i)
+/// x_b' = x_a sin(m θ_i) + x_b cos(m θ_i)
+/// ```
+///
+/// so `q_m · k_n` depends on `m − n` only. The pairs are `(i, i + d/2)` ([`RopeLayout::Half`])
+/// or `(2i, 2i + 1)` ([`RopeLayout::Interleaved`]).
+///
+/// Angles are computed in `f64` from `f64` frequencies, cos/sin stored as `f32` tables, cached
+/// and grown (doubling) on demand; bf16 and f16 inputs are rotated in f32 and rounded once.
+///
+/// # Shapes
+/// - [`Module::forward`]: `x` `(B, H, T, D)` rotated at positions `0..T` (as a query).
+/// - [`Self::rotate_queries_keys`]: `(B, H, T, D)` or `(B, T, H, D)` per [`QkLayout`].
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, DType, Module, Tensor};
+/// use candle_posenc::{RopeConfig, RotaryEmbedding};
+///
+/// let dev = Device::Cpu;
+/// let rope = RotaryEmbedding::new(&RopeConfig::new(4), &dev)?;
+/// // One head, positions 0 and 1, unit vector along feature 0.
+/// let x = Tensor::new(&[[[[1f32, 0., 0., 0.], [1., 0., 0., 0.]]]], &dev)?;
+/// let y = rope.forward(&x)?;
+/// let row1: Vec<f32> = y.get(0)?.get(0)?.get(1)?.to_vec1()?;
+/// // Position 1 rotates pair (0, 2) by 1 radian.
+/// assert!((row1[0] - 1f32.cos()).abs() < 1e-6 && (row1[2] - 1f32.sin()).abs() < 1e-6);
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    config: RopeConfig,
+    device: Device,
+    /// Shared by clones, rebuilt when the regime changes and grown when positions pass it.
+    tables: Arc<RwLock<Tables>>,
+    /// Number of table builds (construction, growth, regime changes), shared by clones.
+    builds: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl RotaryEmbedding {
+    /// Builds the tables for `config.max_position` positions on `device`.
+    ///
+    /// # Errors
+    /// As [`RopeConfig::validate`]; [`Error::InvalidConfig`] if the initial table would exceed
+    /// 2^30 entries.
+    pub fn new(config: &RopeConfig, device: &Device) -> Result<Self> {
+        config.validate()?;
+        let rows = config.max_position.max(1);
+        check_table_size(rows, config.rotary_dim)?;
+        let tables = build_tables(config, Regime::Fixed, rows, device)?;
+        Ok(Self {
+            config: config.clone(),
+            device: device.clone(),
+            tables: Arc::new(RwLock::new(tables)),
+            builds: Arc::new(std::sync::atomic::AtomicUsize::new(1)),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RopeConfig {
+        &self.config
+    }
+
+    /// How many times cos/sin tables have been computed (construction, growth past the cached
+    /// positions, a change of dynamic length or of LongRoPE factors).
+    pub fn table_builds(&self) -> usize {
+        self.builds.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The inverse frequencies and attention factor used for a sequence ending at `seq_len`.
+    ///
+    /// # Errors
+    /// Never for a validated config; kept fallible for symmetry with [`RopeScaling::frequencies`].
+    pub fn frequencies(&self, seq_len: usize) -> Result<RopeFrequencies> {
+        let c = &self.config;
+        c.scaling.frequencies(c.rotary_dim, c.base, seq_len)
+    }
+
+    /// The queries' `(cos, sin)` for `len` tokens at `positions`, f32, `(len, rotary_dim / 2)`
+    /// for an offset (or ids of batch 1) and `(B, len, rotary_dim / 2)` for per-sequence ids.
+    /// cos and sin include the attention factor (and xPos's query scale).
+    ///
+    /// # Errors
+    /// As [`Self::rotate_queries_keys`].
+    pub fn cos_sin(&self, positions: &Positions, len: usize) -> Result<(Tensor, Tensor)> {
+        let end = positions.end(len);
+        let tables = self.tables_for(self.config.scaling.regime(end), end)?;
+        Ok((
+            rows(&tables.q.0, positions, len)?,
+            rows(&tables.q.1, positions, len)?,
+        ))
+    }
+
+    /// Rotates queries and keys, each at its own positions (keys may be a cache's new chunk).
+    ///
+    /// Dynamic NTK and LongRoPE choose their frequencies from the larger end of the two
+    /// position sets.
+    ///
+    /// # Shapes
+    /// `q`: `(B, Hq, Tq, D)`, `k`: `(B, Hk, Tk, D)` for [`QkLayout::Bhtd`] (heads and sequence
+    /// swapped for [`QkLayout::Bthd`]); `D = head_dim`. Returns the same shapes.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless both have rank 4; [`Error::Shape`] if a head dimension is not
+    /// `head_dim`, the batches differ, or position ids do not match `(B, T)`;
+    /// [`Error::InvalidConfig`] if a table past 2^30 entries would be needed.
+    pub fn rotate_queries_keys(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        layout: QkLayout,
+    ) -> Result<(Tensor, Tensor)> {
+        let (qb, qt) = self.check(q, "queries", layout)?;
+        let (kb, kt) = self.check(k, "keys", layout)?;
+        if qb != kb {
+            return Err(Error::shape(
+                "keys",
+                format!("batch {qb} to match the queries"),
+                k.shape(),
+            ));
+        }
+        q_positions.check(qb, qt)?;
+        k_positions.check(kb, kt)?;
+        let end = q_positions.end(qt).max(k_positions.end(kt));
+        let tables = self.tables_for(self.config.scaling.regime(end), end)?;
+        let q = self.apply(q, &tables.q, q_positions, qt, layout)?;
+        let k = self.apply(k, &tables.k, k_positions, kt, layout)?;
+        Ok((q, k))
+    }
+
+    /// Rotates one tensor as queries (xPos: scaled by `ζ^(n/γ)`).
+    ///
+    /// # Shapes
+    /// `x`: `(B, H, T, D)` or `(B, T, H, D)` per `layout`; returns the same shape.
+    ///
+    /// # Errors
+    /// As [`Self::rotate_queries_keys`].
+    pub fn rotate_queries(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        layout: QkLayout,
+    ) -> Result<Tensor> {
+        self.rotate_one(x, positions, layout, true)
+    }
+
+    /// Rotates one tensor as keys (xPos: scaled by `ζ^(−n/γ)`; otherwise the same as queries).
+    ///
+    /// # Errors
+    /// As [`Self::rotate_queries_keys`].
+    pub fn rotate_keys(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        layout: QkLayout,
+    ) -> Result<Tensor> {
+        self.rotate_one(x, positions, layout, false)
+    }
+
+    fn rotate_one(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        layout: QkLayout,
+        queries: bool,
+    ) -> Result<Tensor> {
+        let (b, t) = self.check(x, if queries { "queries" } else { "keys" }, layout)?;
+        positions.check(b, t)?;
+        let end = positions.end(t);
+        let tables = self.tables_for(self.config.scaling.regime(end), end)?;
+        let table = if queries { &tables.q } else { &tables.k };
+        self.apply(x, table, positions, t, layout)
+    }
+
+    /// Checks rank and head dimension; returns `(B, T)`.
+    fn check(&self, x: &Tensor, what: &'static str, layout: QkLayout) -> Result<(usize, usize)> {
+        let dims = x.dims();
+        let [b, a1, a2, d] = dims else {
+            return Err(Error::Rank {
+                what,
+                expected: 4,
+                got: dims.len(),
+                shape: dims.to_vec(),
+            });
+        };
+        if *d != self.config.head_dim {
+            let order = match layout {
+                QkLayout::Bhtd => "(batch, heads, seq_len",
+                QkLayout::Bthd => "(batch, seq_len, heads",
+            };
+            return Err(Error::shape(
+                what,
+                format!("{order}, head_dim = {})", self.config.head_dim),
+                x.shape(),
+            ));
+        }
+        let t = match layout {
+            QkLayout::Bhtd => *a2,
+            QkLayout::Bthd => *a1,
+        };
+        Ok((*b, t))
+    }
+
+    /// Rotates the first `rotary_dim` features of `x` with the given table.
+    fn apply(
+        &self,
+        x: &Tensor,
+        table: &(Tensor, Tensor),
+        positions: &Positions,
+        len: usize,
+        layout: QkLayout,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let dtype = x.dtype();
+        // Half-precision inputs are rotated in f32 and rounded once at the end.
+        let work = match dtype {
+            DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
+            DType::F32 | DType::F64 => x.clone(),
+            other => {
+                return Err(Error::DType {
+                    what: "rotary input",
+                    expected: "f32, f64, bf16 or f16",
+                    got: other,
+                })
+            }
+        };
+        let table_dtype = work.dtype();
+        let cos = rows(&table.0, positions, len)?.to_dtype(table_dtype)?;
+        let sin = rows(&table.1, positions, len)?.to_dtype(table_dtype)?;
+        let (rot, pass) = if c.rotary_dim < c.head_dim {
+            (
+                work.narrow(3, 0, c.rotary_dim)?,
+                Some(work.narrow(3, c.rotary_dim, c.head_dim - c.rotary_dim)?),
+            )
+        } else {
+            (work, None)
+        };
+        let rotated = match c.kernel {
+            RopeKernel::Fused => rotate_fused(&rot, &cos, &sin, c.layout, layout)?,
+            RopeKernel::Ops => rotate_ops(&rot, &cos, &sin, c.layout, layout)?,
+        };
+        let out = match pass {
+            Some(pass) => Tensor::cat(&[&rotated, &pass], 3)?,
+            None => rotated,
+        };
+        Ok(out.to_dtype(dtype)?)
+    }
+
+    /// Tables for `regime` covering positions `0..end`, built or grown if needed.
+    fn tables_for(&self, regime: Regime, end: usize) -> Result<Tables> {
+        {
+            let t = self.tables.read().map_err(|_| poisoned())?;
+            if t.regime == regime && t.rows()? >= end {
+                return Ok(t.clone());
+            }
+        }
+        check_table_size(end, self.config.rotary_dim)?;
+        let mut t = self.tables.write().map_err(|_| poisoned())?;
+        let have = if t.regime == regime { t.rows()? } else { 0 };
+        if have < end {
+            let max_rows = MAX_TABLE_ELEMENTS / (self.config.rotary_dim / 2);
+            let rows = match regime {
+                // A dynamic table is only valid for its own length.
+                Regime::Dynamic(_) => end,
+                _ => end
+                    .max(have.saturating_mul(2))
+                    .max(self.config.max_position)
+                    .min(max_rows),
+            };
+            *t = build_tables(&self.config, regime, rows, &self.device)?;
+            self.builds
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(t.clone())
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Candle(candle_core::Error::Msg(
+        "rotary table lock poisoned by a panicking thread".into(),
+    ))
+}
+
+fn check_table_size(rows: usize, rotary_dim: usize) -> Result<()> {
+    if rows.saturating_mul(rotary_dim / 2) > MAX_TABLE_ELEMENTS {
+        return Err(Error::config(
+            "sequence end",
+            rows,
+            format!("positions × rotary_dim / 2 at most {MAX_TABLE_ELEMENTS}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `len` rows of a `(N, D/2)` table at `positions`: `(len, D/2)` for an offset or ids of batch
+/// 1, `(B, len, D/2)` for per-sequence ids. Always exactly `len` rows per sequence, contiguous.
+fn rows(table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
+    match positions {
+        Positions::Offset(start) => Ok(table.narrow(0, *start, len)?),
+        Positions::Ids(ids) => {
+            let (b, t) = ids.ids().dims2()?;
+            let picked = table.index_select(&ids.ids().flatten_all()?, 0)?;
+            if b == 1 {
+                Ok(picked)
+            } else {
+                Ok(picked.reshape((b, t, table.dim(1)?))?)
+            }
+        }
+    }
+}
+
+/// cos/sin tables for positions `0..rows` in `regime`, computed in f64 and stored as f32.
+fn build_tables(
+    config: &RopeConfig,
+    regime: Regime,
+    rows: usize,
+    device: &Device,
+) -> Result<Tables> {
+    let freqs = config
+        .scaling
+        .frequencies(config.rotary_dim, config.base, regime.seq_len())?;
+    let half = freqs.inv_freq.len();
+    let n = rows * half;
+    let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    // xPos: ζ_i = (2i/d + 0.4) / 1.4, scale ζ_i^(n/γ) for queries and its inverse for keys.
+    let zeta: Vec<f64> = (0..half)
+        .map(|i| ((2 * i) as f64 / config.rotary_dim as f64 + 0.4) / 1.4)
+        .collect();
+    let (mut cos_k, mut sin_k) = match config.xpos_scale_base {
+        Some(_) => (Vec::with_capacity(n), Vec::with_capacity(n)),
+        None => (Vec::new(), Vec::new()),
+    };
+    for pos in 0..rows {
+        for (i, w) in freqs.inv_freq.iter().enumerate() {
+            let angle = pos as f64 * w;
+            let (s, c) = angle.sin_cos();
+            let a = freqs.attention_factor;
+            match config.xpos_scale_base {
+                None => {
+                    cos.push((c * a) as f32);
+                    sin.push((s * a) as f32);
+                }
+                Some(gamma) => {
+                    let scale = zeta[i].powf(pos as f64 / gamma);
+                    cos.push((c * a * scale) as f32);
+                    sin.push((s * a * scale) as f32);
+                    cos_k.push((c * a / scale) as f32);
+                    sin_k.push((s * a / scale) as f32);
+                }
+            }
+        }
+    }
+    let q = (
+        Tensor::from_vec(cos, (rows, half), device)?,
+        Tensor::from_vec(sin, (rows, half), device)?,
+    );
+    let k = if config.xpos_scale_base.is_some() {
+        (
+            Tensor::from_vec(cos_k, (rows, half), device)?,
+            Tensor::from_vec(sin_k, (rows, half), device)?,
+        )
+    } else {
+        q.clone()
+    };
+    Ok(Tables { regime, q, k })
+}
+
+impl Module for RotaryEmbedding {
+    /// Rotates `x` `(B, H, T, D)` at positions `0..T`, as queries.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(self.rotate_queries(x, &Positions::Offset(0), QkLayout::Bhtd)?)
+    }
+}
+
+impl PositionalEncoding for RotaryEmbedding {
+    fn rotate_queries_keys(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+    ) -> Result<(Tensor, Tensor)> {
+        RotaryEmbedding::rotate_queries_keys(self, q, k, q_positions, k_positions, QkLayout::Bhtd)
+    }
+}
