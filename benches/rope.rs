@@ -13,7 +13,7 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_posenc::{Positions, QkLayout, RopeConfig, RopeKernel, RotaryEmbedding};
 
 fn main() -> Result<()> {
@@ -61,9 +61,64 @@ fn main() -> Result<()> {
         drop((qr, kr));
         Ok(())
     })?;
+    // In place: the same q and k rotated again each run (the cost does not depend on values).
+    let (q_own, k_own) = (q.copy()?, k.copy()?);
+    let in_place = common::median_ms(runs, || {
+        let (qr, kr) = fused.rotate_queries_keys_owned(
+            q_own.clone(),
+            k_own.clone(),
+            &pos,
+            &pos,
+            QkLayout::Bhtd,
+        )?;
+        dev.synchronize()?;
+        drop((qr, kr));
+        Ok(())
+    })?;
     report("forward, ops rotate-half", ops_fwd, ops_fwd);
     report("forward, fused (this crate)", fused_fwd, ops_fwd);
     report("forward, candle-nn rope (bare)", bare, ops_fwd);
+    report("forward, in place (owned q, k)", in_place, ops_fwd);
+    println!(
+        "in place vs candle-nn rope: {:.2}x (target <= 0.40x)",
+        in_place / bare
+    );
+    if json {
+        println!(
+            "{{\"bench\":\"rope\",\"path\":\"in_place_vs_candle_rope\",\"dtype\":\"f32\",\"ratio\":{:.4}}}",
+            in_place / bare
+        );
+    }
+
+    // bf16: candle-nn's rope on bf16 tables against the in-place rotation (f32 arithmetic).
+    let (qb, kb) = (q.to_dtype(DType::BF16)?, k.to_dtype(DType::BF16)?);
+    let (cb, sb) = (cos.to_dtype(DType::BF16)?, sin.to_dtype(DType::BF16)?);
+    let bare_bf16 = common::median_ms(runs, || {
+        let qr = candle_nn::rotary_emb::rope(&qb, &cb, &sb)?;
+        let kr = candle_nn::rotary_emb::rope(&kb, &cb, &sb)?;
+        dev.synchronize()?;
+        drop((qr, kr));
+        Ok(())
+    })?;
+    let in_place_bf16 = common::median_ms(runs, || {
+        let (qr, kr) =
+            fused.rotate_queries_keys_owned(qb.clone(), kb.clone(), &pos, &pos, QkLayout::Bhtd)?;
+        dev.synchronize()?;
+        drop((qr, kr));
+        Ok(())
+    })?;
+    report("bf16 forward, candle-nn rope (bare)", bare_bf16, bare_bf16);
+    report("bf16 forward, in place", in_place_bf16, bare_bf16);
+    println!(
+        "bf16 in place vs candle-nn rope: {:.2}x (target <= 0.40x)",
+        in_place_bf16 / bare_bf16
+    );
+    if json {
+        println!(
+            "{{\"bench\":\"rope\",\"path\":\"in_place_vs_candle_rope\",\"dtype\":\"bf16\",\"ratio\":{:.4}}}",
+            in_place_bf16 / bare_bf16
+        );
+    }
 
     // Forward + backward of sum(w_q·q' + w_k·k').
     let wq = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?;

@@ -882,7 +882,96 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The owned (in-place on the CPU) rotation equals the out-of-place one for every layout,
+/// partial rotary, per-sequence ids, xPos and dtype; it leaves the pass-through features alone;
+/// and it falls back (keeping gradients) for tensors in a graph or not contiguous.
+fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
+    let ids = Positions::ids(&Tensor::new(&[[3u32, 0, 9, 1, 4], [7, 7, 2, 100, 5]], dev)?)?;
+    let configs = [
+        RopeConfig::new(16),
+        RopeConfig::new(16).with_layout(RopeLayout::Interleaved),
+        RopeConfig::new(16).with_rotary_dim(6),
+        RopeConfig::new(16)
+            .with_rotary_dim(10)
+            .with_layout(RopeLayout::Interleaved),
+        RopeConfig::new(16).with_xpos(8.0),
+    ];
+    for cfg in configs {
+        let rope = RotaryEmbedding::new(&cfg, dev)?;
+        for layout in [QkLayout::Bhtd, QkLayout::Bthd] {
+            let shape = match layout {
+                QkLayout::Bhtd => (2, 3, 5, 16),
+                QkLayout::Bthd => (2, 5, 3, 16),
+            };
+            for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                for (pos_q, pos_k) in [(&Positions::Offset(4), &Positions::Offset(0)), (&ids, &ids)]
+                {
+                    let q = Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?;
+                    let k = Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?;
+                    let (qe, ke) = rope.rotate_queries_keys(&q, &k, pos_q, pos_k, layout)?;
+                    let (qo, ko) =
+                        rope.rotate_queries_keys_owned(q.copy()?, k.copy()?, pos_q, pos_k, layout)?;
+                    let what = format!("{cfg:?} {layout:?} {dtype:?}");
+                    assert_eq!(qo.dtype(), dtype, "{what}");
+                    // Both paths rotate in f32 (f64 for f64) and round once: equal up to the
+                    // order of two products.
+                    let tol = match dtype {
+                        DType::F32 => 1e-6,
+                        DType::F64 => 1e-6,
+                        _ => 1e-2,
+                    };
+                    assert_close(&qo, &qe, tol, &what)?;
+                    assert_close(&ko, &ke, tol, &what)?;
+                    let rd = cfg.rotary_dim;
+                    if rd < 16 {
+                        assert_close(
+                            &qo.narrow(3, rd, 16 - rd)?,
+                            &q.narrow(3, rd, 16 - rd)?,
+                            0.0,
+                            "pass-through",
+                        )?;
+                    }
+                }
+            }
+        }
+    }
+    // In a graph: falls back to the differentiable fused path.
+    let rope = RotaryEmbedding::new(&RopeConfig::new(8), dev)?;
+    let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 3, 8), dev)?)?;
+    let (qr, _) = rope.rotate_queries_keys_owned(
+        q.as_tensor().clone(),
+        q.as_tensor().clone(),
+        &Positions::Offset(1),
+        &Positions::Offset(1),
+        QkLayout::Bhtd,
+    )?;
+    let grads = qr.sum_all()?.backward()?;
+    assert!(
+        grads.get(q.as_tensor()).is_some(),
+        "gradient through the owned path"
+    );
+    // Not contiguous: falls back, same values.
+    let x = Tensor::randn(0f32, 1.0, (1, 3, 2, 8), dev)?.transpose(1, 2)?;
+    let (a, _) = rope.rotate_queries_keys(
+        &x,
+        &x,
+        &Positions::Offset(0),
+        &Positions::Offset(0),
+        QkLayout::Bhtd,
+    )?;
+    let (b, _) = rope.rotate_queries_keys_owned(
+        x.clone(),
+        x.clone(),
+        &Positions::Offset(0),
+        &Positions::Offset(0),
+        QkLayout::Bhtd,
+    )?;
+    assert_close(&a, &b, 0.0, "non-contiguous fallback")?;
+    Ok(())
+}
+
 device_tests!(
+    owned_rotation_matches,
     hf_config_json,
     frequencies_match_hf,
     cos_sin_match_hf,

@@ -352,7 +352,7 @@ impl MultiHeadAttention {
         let k = self.split_heads(&self.k_proj.forward(&x)?, cfg.num_kv_heads)?;
         let v = self.split_heads(&self.v_proj.forward(&x)?, cfg.num_kv_heads)?;
         let (q, k) = match enc {
-            Some(e) => e.rotate_queries_keys(&q, &k, positions, positions)?,
+            Some(e) => e.rotate_queries_keys_owned(q, k, positions, positions)?,
             None => (q, k),
         };
         let (k, v, k_positions) = match cache {

@@ -58,6 +58,25 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
         Ok((q.clone(), k.clone()))
     }
 
+    /// The rotation hook for queries and keys the caller no longer needs: an implementation may
+    /// rotate them in place. The attention block calls this one, with freshly projected
+    /// tensors. Defaults to [`Self::rotate_queries_keys`].
+    ///
+    /// # Shapes
+    /// As [`Self::rotate_queries_keys`].
+    ///
+    /// # Errors
+    /// As [`Self::rotate_queries_keys`].
+    fn rotate_queries_keys_owned(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+    ) -> Result<(Tensor, Tensor)> {
+        self.rotate_queries_keys(&q, &k, q_positions, k_positions)
+    }
+
     /// Bias hook: an additive term for the attention logits, or `None`.
     ///
     /// `q` is the rotated query already multiplied by the softmax scale, so a bias that reads

@@ -17,6 +17,7 @@
 //! - [`hf_config`]: [`RopeConfig::from_hf_json`], reading a model's `config.json`.
 
 pub mod hf_config;
+mod inplace;
 mod kernels;
 pub mod rope;
 pub mod scaling;

@@ -4,6 +4,7 @@ use std::sync::{Arc, RwLock};
 
 use candle_core::{DType, Device, Module, Tensor};
 
+use super::inplace::RotateInPlace;
 use super::kernels::{rotate_fused, rotate_ops};
 use super::scaling::{Regime, RopeFrequencies, RopeScaling};
 use crate::attention::PositionalEncoding;
@@ -305,6 +306,22 @@ impl RotaryEmbedding {
         k_positions: &Positions,
         layout: QkLayout,
     ) -> Result<(Tensor, Tensor)> {
+        let (qt, kt, tables) = self.prepare(q, k, q_positions, k_positions, layout)?;
+        let q = self.apply(q, &tables.q, q_positions, qt, layout)?;
+        let k = self.apply(k, &tables.k, k_positions, kt, layout)?;
+        Ok((q, k))
+    }
+
+    /// Checks queries, keys and their positions; returns `(Tq, Tk)` and the tables that cover
+    /// both.
+    fn prepare(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        layout: QkLayout,
+    ) -> Result<(usize, usize, Tables)> {
         let (qb, qt) = self.check(q, "queries", layout)?;
         let (kb, kt) = self.check(k, "keys", layout)?;
         if qb != kb {
@@ -318,9 +335,65 @@ impl RotaryEmbedding {
         k_positions.check(kb, kt)?;
         let end = q_positions.end(qt).max(k_positions.end(kt));
         let tables = self.tables_for(self.config.scaling.regime(end), end)?;
-        let q = self.apply(q, &tables.q, q_positions, qt, layout)?;
-        let k = self.apply(k, &tables.k, k_positions, kt, layout)?;
+        Ok((qt, kt, tables))
+    }
+
+    /// Rotates queries and keys the caller hands over, overwriting their storage where it can:
+    /// on the CPU, for contiguous tensors that are not part of an autograd graph, each rotated
+    /// feature is read and written once, with no output allocated (the features partial rotary
+    /// leaves alone are not touched). Anywhere else this is [`Self::rotate_queries_keys`].
+    ///
+    /// `q` and `k` are taken by value because their storage may be reused: clones of them share
+    /// that storage and see the rotation. Callers who need the input intact use
+    /// [`Self::rotate_queries_keys`].
+    ///
+    /// # Shapes
+    /// As [`Self::rotate_queries_keys`].
+    ///
+    /// # Errors
+    /// As [`Self::rotate_queries_keys`].
+    pub fn rotate_queries_keys_owned(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        layout: QkLayout,
+    ) -> Result<(Tensor, Tensor)> {
+        let (qt, kt, tables) = self.prepare(&q, &k, q_positions, k_positions, layout)?;
+        let q = self.apply_owned(q, &tables.q, q_positions, qt, layout)?;
+        let k = self.apply_owned(k, &tables.k, k_positions, kt, layout)?;
         Ok((q, k))
+    }
+
+    /// Rotates `x` in place when it is a contiguous CPU tensor outside any graph, else out of
+    /// place.
+    fn apply_owned(
+        &self,
+        x: Tensor,
+        table: &(Tensor, Tensor),
+        positions: &Positions,
+        len: usize,
+        layout: QkLayout,
+    ) -> Result<Tensor> {
+        let in_place = x.device().is_cpu()
+            && x.is_contiguous()
+            && !x.track_op()
+            && matches!(
+                x.dtype(),
+                DType::F32 | DType::BF16 | DType::F16 | DType::F64
+            );
+        if !in_place {
+            return self.apply(&x, table, positions, len, layout);
+        }
+        let cos = rows(&table.0, positions, len)?;
+        let sin = rows(&table.1, positions, len)?;
+        let op = RotateInPlace {
+            pairs: self.config.layout,
+            axes: layout,
+        };
+        x.inplace_op3(&cos, &sin, &op)?;
+        Ok(x)
     }
 
     /// Rotates one tensor as queries (xPos: scaled by `ζ^(n/γ)`).
@@ -576,5 +649,22 @@ impl PositionalEncoding for RotaryEmbedding {
         k_positions: &Positions,
     ) -> Result<(Tensor, Tensor)> {
         RotaryEmbedding::rotate_queries_keys(self, q, k, q_positions, k_positions, QkLayout::Bhtd)
+    }
+
+    fn rotate_queries_keys_owned(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+    ) -> Result<(Tensor, Tensor)> {
+        RotaryEmbedding::rotate_queries_keys_owned(
+            self,
+            q,
+            k,
+            q_positions,
+            k_positions,
+            QkLayout::Bhtd,
+        )
     }
 }
