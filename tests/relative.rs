@@ -353,6 +353,56 @@ fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Inference (bias, masks and softmax fused in place on the CPU) equals the training path
+/// without dropout (separate ops, differentiable softmax), for every bias encoding and RoPE,
+/// with causality, padding (one sequence fully padded), an additive mask and a KV cache.
+fn fused_inference_equals_unfused(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let pad = Tensor::new(&[[0u8, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1]], dev)?;
+    let extra = Tensor::randn(0f32, 1.0, (1, 4, 6, 6), dev)?;
+    let mut encs = relative_encodings(dev, &vb)?;
+    encs.push((
+        "rope",
+        Arc::new(candle_posenc::RotaryEmbedding::new(
+            &candle_posenc::RopeConfig::new(4),
+            dev,
+        )?),
+    ));
+    for causal in [false, true] {
+        for (name, enc) in &encs {
+            let mha = MultiHeadAttention::new(
+                &AttentionConfig::new(16, 4)
+                    .with_kv_heads(2)
+                    .with_causal(causal),
+                Some(enc.clone()),
+                vb.pp("attn"),
+            )?;
+            for (mask, extra) in [(None, None), (Some(&pad), Some(&extra))] {
+                let opts = |train| AttentionOptions {
+                    padding_mask: mask,
+                    attn_mask: extra,
+                    return_weights: true,
+                    train,
+                    ..Default::default()
+                };
+                let fused = mha.forward_with(&x, &opts(false), None)?;
+                let plain = mha.forward_with(&x, &opts(true), None)?;
+                let what = format!("{name} causal={causal} masked={}", mask.is_some());
+                assert_close(&fused.output, &plain.output, 1e-5, &what)?;
+                assert_close(
+                    fused.weights.as_ref().expect("weights"),
+                    plain.weights.as_ref().expect("weights"),
+                    1e-6,
+                    &what,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn masks_are_respected(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
@@ -566,5 +616,6 @@ device_tests!(
     masks_are_respected,
     relative_order_matters,
     configs_round_trip_metadata,
+    fused_inference_equals_unfused,
     bad_input,
 );

@@ -17,9 +17,22 @@ fn lowest(dtype: DType) -> f64 {
     }
 }
 
+/// Checks a `(B, Tk)` padding mask (non-zero where a key is a real token) and returns it as
+/// `u8` 0/1.
+pub(crate) fn check_padding(padding: &Tensor, batch: usize, tk: usize) -> Result<Tensor> {
+    if padding.dims() != [batch, tk] {
+        return Err(Error::shape(
+            "padding mask",
+            format!("({batch}, {tk}) = (batch, number of keys including cached ones)"),
+            padding.shape(),
+        ));
+    }
+    Ok(padding.ne(&padding.zeros_like()?)?)
+}
+
 /// Keep-mask (`u8`, 1 = attend) broadcastable to `(B, 1, Tq, Tk)`, or `None` when nothing is
 /// masked. Query row `r` of the chunk is cache index `tk − tq + r`; causal keeps keys `j` up to
-/// it. `padding` is `(B, Tk)`, non-zero where a key is a real token.
+/// it. `padding` is a checked `(B, Tk)` 0/1 mask (see [`check_padding`]).
 pub(crate) fn keep_mask(
     causal: bool,
     padding: Option<&Tensor>,
@@ -42,16 +55,7 @@ pub(crate) fn keep_mask(
     };
     let padding_mask = match padding {
         None => None,
-        Some(p) => {
-            if p.dims() != [batch, tk] {
-                return Err(Error::shape(
-                    "padding mask",
-                    format!("({batch}, {tk}) = (batch, number of keys including cached ones)"),
-                    p.shape(),
-                ));
-            }
-            Some(p.ne(&p.zeros_like()?)?.reshape((batch, 1, 1, tk))?)
-        }
+        Some(p) => Some(p.reshape((batch, 1, 1, tk))?),
     };
     Ok(match (causal_mask, padding_mask) {
         (None, None) => None,

@@ -22,7 +22,8 @@ use std::sync::Arc;
 use candle_core::{Module, Tensor, D};
 use candle_nn::{linear_b, Linear, VarBuilder};
 
-use super::mask::{apply_keep_mask, keep_mask};
+use super::fused_softmax;
+use super::mask::{apply_keep_mask, check_padding, keep_mask};
 use super::{KvCache, PositionalEncoding};
 use crate::checkpoint::MetadataReader;
 use crate::{Error, Positions, Result};
@@ -351,6 +352,13 @@ impl MultiHeadAttention {
         let q = self.split_heads(&self.q_proj.forward(&x)?, cfg.num_heads)?;
         let k = self.split_heads(&self.k_proj.forward(&x)?, cfg.num_kv_heads)?;
         let v = self.split_heads(&self.v_proj.forward(&x)?, cfg.num_kv_heads)?;
+        // Inference: candle's fused softmax has no backward, so nothing reaches q and k anyway;
+        // detached, they (and the logits) can be rotated and normalised in place.
+        let (q, k) = if options.train {
+            (q, k)
+        } else {
+            (q.detach(), k.detach())
+        };
         let (q, k) = match enc {
             Some(e) => e.rotate_queries_keys_owned(q, k, positions, positions)?,
             None => (q, k),
@@ -365,29 +373,55 @@ impl MultiHeadAttention {
 
         let q = (q * cfg.softmax_scale)?;
         let mut scores = q.matmul(&k.t()?)?;
-        if let Some(e) = enc {
-            if let Some(bias) = e.logits_bias(&q, positions, &k_positions, tk)? {
-                scores = scores.broadcast_add(&bias.to_dtype(scores.dtype())?)?;
-            }
-        }
-        if let Some(mask) = options.attn_mask {
-            let full = (b, cfg.num_heads, t, tk);
-            let mask = mask.broadcast_as(full).map_err(|_| {
+        let bias = match enc {
+            Some(e) => e.logits_bias(&q, positions, &k_positions, tk)?,
+            None => None,
+        };
+        let full = (b, cfg.num_heads, t, tk);
+        let attn_mask = match options.attn_mask {
+            Some(mask) => Some(mask.broadcast_as(full).map_err(|_| {
                 Error::shape(
                     "additive attention mask",
                     format!("a shape broadcastable to {full:?} = (batch, heads, queries, keys)"),
                     mask.shape(),
                 )
-            })?;
-            scores = (scores + mask.to_dtype(q.dtype())?)?;
-        }
-        if let Some(keep) = keep_mask(cfg.causal, options.padding_mask, b, t, tk, x.device())? {
-            scores = apply_keep_mask(&scores, &keep)?;
-        }
-        let probs = if options.train {
-            candle_nn::ops::softmax(&scores, D::Minus1)?
+            })?),
+            None => None,
+        };
+        let padding = match options.padding_mask {
+            Some(p) => Some(check_padding(p, b, tk)?),
+            None => None,
+        };
+        let terms = [&bias, &attn_mask]
+            .into_iter()
+            .flatten()
+            .map(|t| t.to_dtype(scores.dtype()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let probs = if !options.train
+            && fused_softmax::applies(&scores)
+            && terms.iter().all(|t| t.device().is_cpu())
+        {
+            // Inference on the CPU: bias, masks and softmax in one in-place pass.
+            let terms: Vec<&Tensor> = terms.iter().collect();
+            fused_softmax::bias_mask_softmax_in_place(
+                &scores,
+                &terms,
+                padding.as_ref(),
+                cfg.causal,
+            )?;
+            scores
         } else {
-            candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
+            for term in &terms {
+                scores = scores.broadcast_add(term)?;
+            }
+            if let Some(keep) = keep_mask(cfg.causal, padding.as_ref(), b, t, tk, x.device())? {
+                scores = apply_keep_mask(&scores, &keep)?;
+            }
+            if options.train {
+                candle_nn::ops::softmax(&scores, D::Minus1)?
+            } else {
+                candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
+            }
         };
         let dropped = if options.train && cfg.dropout > 0.0 {
             candle_nn::ops::dropout(&probs, cfg.dropout)?

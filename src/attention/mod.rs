@@ -12,6 +12,7 @@
 //!
 //! [`MultiHeadAttention`] calls the four hooks and never looks at the concrete encoding type.
 
+mod fused_softmax;
 mod kv_cache;
 mod mask;
 mod mha;
