@@ -335,7 +335,7 @@ fn fused_gradients(dev: &Device) -> anyhow::Result<()> {
         RopeConfig::new(16),
         RopeConfig::new(16).with_layout(RopeLayout::Interleaved),
         RopeConfig::new(16).with_rotary_dim(8),
-        RopeConfig::new(16).with_xpos(16.0),
+        RopeConfig::new(16).with_xpos(512.0),
         RopeConfig::new(16).with_scaling(RopeScaling::Yarn(YarnScaling::new(4.0, 4))),
     ];
     let ids = Positions::ids(get(&fx, "apply.ids"))?;
@@ -662,10 +662,64 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     );
     assert!(new(RopeConfig::new(8).with_scaling(longrope(4))).is_ok());
     expect_config_error(new(RopeConfig::new(8).with_xpos(0.0)), "xpos_scale_base");
-    expect_config_error(
-        new(RopeConfig::new(8).with_max_position(1 << 40)),
-        "sequence end",
-    );
+    // A huge max_position is built lazily; a position past the table cap is an error.
+    let lazy = new(RopeConfig::new(8).with_max_position(1 << 40))?;
+    let one = Tensor::zeros((1, 1, 1, 8), DType::F32, dev)?;
+    match lazy.rotate_queries(&one, &Positions::Offset(1 << 29), QkLayout::Bhtd) {
+        Err(Error::InvalidConfig {
+            name: "sequence end",
+            ..
+        }) => {}
+        other => panic!("table cap: {other:?}"),
+    }
+    // xPos refuses positions whose key scale would overflow.
+    let xpos = new(RopeConfig::new(8).with_xpos(512.0))?;
+    match xpos.rotate_queries(&one, &Positions::Offset(50_000), QkLayout::Bhtd) {
+        Err(Error::InvalidConfig {
+            name: "sequence end",
+            expected,
+            ..
+        }) => {
+            assert!(expected.contains("xPos"), "{expected}")
+        }
+        other => panic!("xpos range: {other:?}"),
+    }
+    assert!(xpos
+        .rotate_queries(&one, &Positions::Offset(20_000), QkLayout::Bhtd)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?
+        .is_finite());
+    // Empty sequences rotate to themselves.
+    for layout in [QkLayout::Bhtd, QkLayout::Bthd] {
+        let empty = match layout {
+            QkLayout::Bhtd => Tensor::zeros((2, 3, 0, 8), DType::F32, dev)?,
+            QkLayout::Bthd => Tensor::zeros((2, 0, 3, 8), DType::F32, dev)?,
+        };
+        for cfg in [
+            RopeConfig::new(8),
+            RopeConfig::new(8).with_layout(RopeLayout::Interleaved),
+        ] {
+            let rope = new(cfg)?;
+            let (a, b) = rope.rotate_queries_keys(
+                &empty,
+                &empty,
+                &Positions::Offset(3),
+                &Positions::Offset(3),
+                layout,
+            )?;
+            assert_eq!(a.dims(), empty.dims());
+            assert_eq!(b.dims(), empty.dims());
+            let (a, _) = rope.rotate_queries_keys_owned(
+                empty.clone(),
+                empty.clone(),
+                &Positions::Offset(0),
+                &Positions::Offset(0),
+                layout,
+            )?;
+            assert_eq!(a.dims(), empty.dims());
+        }
+    }
 
     let rope = new(RopeConfig::new(8))?;
     let q = Tensor::zeros((1, 2, 3, 8), DType::F32, dev)?;
@@ -824,6 +878,46 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     );
     assert_eq!(gptj.scaling, RopeScaling::None);
 
+    // HF config-class rules: a zero mscale is unset; GPT-NeoX defaults rotary_pct to 0.25 and
+    // prefers rotary_emb_base; Phi-3's top-level original length (default 4096) wins; integers
+    // written as floats; rope_scaling wins over rope_parameters; interleaved model types.
+    let zero_mscale = RopeConfig::from_hf_json(
+        r#"{"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 4096,
+            "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0, "mscale_all_dim": 0,
+                "original_max_position_embeddings": 512.0}}"#,
+    )?;
+    let f = zero_mscale.scaling.frequencies(64, 1e4, 0)?;
+    assert!((f.attention_factor - f64s(get(&fx, "freq.yarn.attention_factor"))?[0]).abs() < 1e-12);
+    check(&zero_mscale, "yarn", 0)?;
+    let neox = RopeConfig::from_hf_json(
+        r#"{"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
+            "rotary_emb_base": 20000, "rope_theta": 10000}"#,
+    )?;
+    assert_eq!((neox.rotary_dim, neox.base), (16, 20000.0));
+    let phi3 = RopeConfig::from_hf_json(
+        r#"{"model_type": "phi3", "hidden_size": 256, "num_attention_heads": 4,
+            "max_position_embeddings": 16384,
+            "rope_scaling": {"type": "longrope", "short_factor": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],
+                "long_factor": [2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2],
+                "original_max_position_embeddings": 2048}}"#,
+    )?;
+    match &phi3.scaling {
+        RopeScaling::LongRope(l) => {
+            assert_eq!((l.original_max_position_embeddings, l.factor), (4096, 4.0))
+        }
+        other => panic!("phi3: {other:?}"),
+    }
+    let both = RopeConfig::from_hf_json(
+        r#"{"hidden_size": 256, "num_attention_heads": 4, "model_type": "cohere",
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "rope_parameters": {"rope_type": "linear", "factor": 3.0}}"#,
+    )?;
+    assert_eq!(both.scaling, RopeScaling::Linear { factor: 2.0 });
+    assert_eq!(both.layout, RopeLayout::Interleaved);
+    let (key, _) =
+        hf_error(r#"{"model_type": "deepseek_v3", "hidden_size": 256, "num_attention_heads": 4}"#);
+    assert_eq!(key, "model_type");
+
     // Errors name the key.
     let base = r#""hidden_size": 256, "num_attention_heads": 4"#;
     let (key, problem) = hf_error(&format!(
@@ -935,6 +1029,26 @@ fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
             }
         }
     }
+    // q and k sharing one storage: each is rotated once.
+    let rope16 = RotaryEmbedding::new(&RopeConfig::new(16), dev)?;
+    let x = Tensor::randn(0f32, 1.0, (1, 2, 3, 16), dev)?;
+    let (expect, _) = rope16.rotate_queries_keys(
+        &x,
+        &x,
+        &Positions::Offset(2),
+        &Positions::Offset(2),
+        QkLayout::Bhtd,
+    )?;
+    let shared = x.copy()?;
+    let (qs, ks) = rope16.rotate_queries_keys_owned(
+        shared.clone(),
+        shared,
+        &Positions::Offset(2),
+        &Positions::Offset(2),
+        QkLayout::Bhtd,
+    )?;
+    assert_close(&qs, &expect, 1e-6, "shared q")?;
+    assert_close(&ks, &expect, 1e-6, "shared k")?;
     // In a graph: falls back to the differentiable fused path.
     let rope = RotaryEmbedding::new(&RopeConfig::new(8), dev)?;
     let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 3, 8), dev)?)?;

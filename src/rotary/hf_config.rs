@@ -7,9 +7,15 @@
 //!   default 10000;
 //! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
 //! - partial rotary from `partial_rotary_factor`, `rotary_pct` (GPT-NeoX) or `rotary_dim`
-//!   (GPT-J, CodeGen); GPT-J and CodeGen (`model_type`) rotate interleaved pairs;
+//!   (GPT-J, CodeGen); GPT-NeoX without `rotary_pct` rotates 25% as its config class does;
+//! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5 rotate
+//!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is refused;
 //! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
-//!   level (Phi-3, which takes precedence) or in the parameters, defaulting to the former.
+//!   level (which takes precedence; Phi-3 defaults it to 4096) or in the parameters, defaulting
+//!   to the former.
+//!
+//! Not read: per-model default thetas (HF falls back to a class default such as 500000 for
+//! Cohere when `rope_theta` is absent; here it is 10000), and per-layer-type parameters.
 
 use serde_json::{Map, Value};
 
@@ -56,6 +62,12 @@ impl<'a> Obj<'a> {
             None => Ok(None),
             Some(v) => v
                 .as_u64()
+                .or_else(|| {
+                    // `8192.0` is an integer written as a float; HF accepts it.
+                    v.as_f64()
+                        .filter(|x| x.fract() == 0.0 && *x >= 0.0 && *x <= u32::MAX as f64)
+                        .map(|x| x as u64)
+                })
                 .and_then(|x| usize::try_from(x).ok())
                 .map(Some)
                 .ok_or_else(|| {
@@ -139,10 +151,11 @@ impl RopeConfig {
             .ok_or_else(|| problem("<root>", "is not a JSON object"))?;
         let top = Obj { map, prefix: "" };
 
-        let (params_key, params_value) = match (top.get("rope_parameters"), top.get("rope_scaling"))
+        // HF reads `rope_scaling` first when a file has both.
+        let (params_key, params_value) = match (top.get("rope_scaling"), top.get("rope_parameters"))
         {
-            (Some(v), _) => ("rope_parameters", Some(v)),
-            (None, Some(v)) => ("rope_scaling", Some(v)),
+            (Some(v), _) => ("rope_scaling", Some(v)),
+            (None, Some(v)) => ("rope_parameters", Some(v)),
             (None, None) => ("rope_parameters", None),
         };
         let empty = Map::new();
@@ -186,11 +199,16 @@ impl RopeConfig {
             }
         };
 
-        let base = match params.f64("rope_theta")? {
-            Some(b) => b,
-            None => match top.f64("rope_theta")? {
+        let model_type = top.str("model_type")?;
+        let base = match (model_type, top.f64("rotary_emb_base")?) {
+            // GPT-NeoX's own key wins there.
+            (Some("gpt_neox"), Some(b)) => b,
+            (_, neox_base) => match params.f64("rope_theta")? {
                 Some(b) => b,
-                None => top.f64("rotary_emb_base")?.unwrap_or(10_000.0),
+                None => match top.f64("rope_theta")? {
+                    Some(b) => b,
+                    None => neox_base.unwrap_or(10_000.0),
+                },
             },
         };
 
@@ -203,6 +221,9 @@ impl RopeConfig {
             config = config.with_partial_rotary_factor(f);
         } else if let Some(d) = top.usize("rotary_dim")? {
             config = config.with_rotary_dim(d);
+        } else if model_type == Some("gpt_neox") {
+            // GPTNeoXConfig's default rotary_pct.
+            config = config.with_partial_rotary_factor(0.25);
         }
         if !config.rotary_dim.is_multiple_of(2) {
             return Err(problem(
@@ -213,7 +234,22 @@ impl RopeConfig {
                 ),
             ));
         }
-        if matches!(top.str("model_type")?, Some("gptj" | "codegen")) {
+        if let Some(t @ ("deepseek_v2" | "deepseek_v3" | "kimi_k2")) = model_type {
+            return Err(problem(
+                "model_type",
+                format!(
+                    "is `{t}`: multi-head latent attention rotates `qk_rope_head_dim` features of a separate projection; build its RopeConfig by hand"
+                ),
+            ));
+        }
+        // Models whose HF code rotates adjacent pairs.
+        let interleaved = matches!(
+            model_type,
+            Some(
+                "gptj" | "codegen" | "cohere" | "cohere2" | "glm" | "glm4" | "helium" | "ernie4_5"
+            )
+        ) || top.bool("rope_interleave")?.unwrap_or(false);
+        if interleaved {
             config = config.with_layout(RopeLayout::Interleaved);
         }
         let max_pos = match top.usize("max_position_embeddings")? {
@@ -228,6 +264,13 @@ impl RopeConfig {
             Some(t) => t,
             None => params.str("type")?.unwrap_or("default"),
         };
+        let is_phi3 = matches!(model_type, Some("phi3" | "phi4_multimodal"));
+        // Phi-3's config maps `yarn` to LongRoPE.
+        let rope_type = if is_phi3 && rope_type == "yarn" {
+            "longrope"
+        } else {
+            rope_type
+        };
         let type_key = params.name(if params.get("rope_type").is_some() {
             "rope_type"
         } else {
@@ -237,6 +280,8 @@ impl RopeConfig {
         let original = || -> Result<usize> {
             match top.usize("original_max_position_embeddings")? {
                 Some(n) => Ok(n),
+                // Phi3Config always has a top-level value (default 4096), which wins.
+                None if is_phi3 => Ok(4096),
                 None => match params.usize("original_max_position_embeddings")? {
                     Some(n) => Ok(n),
                     None => max_pos_required(),
@@ -265,8 +310,9 @@ impl RopeConfig {
                 if let Some(b) = params.f64("beta_slow")?.filter(|b| *b != 0.0) {
                     y.beta_slow = b;
                 }
-                y.mscale = params.f64("mscale")?;
-                y.mscale_all_dim = params.f64("mscale_all_dim")?;
+                // HF treats a zero mscale as unset.
+                y.mscale = params.f64("mscale")?.filter(|m| *m != 0.0);
+                y.mscale_all_dim = params.f64("mscale_all_dim")?.filter(|m| *m != 0.0);
                 y.attention_factor = params.f64("attention_factor")?;
                 if let Some(t) = params.bool("truncate")? {
                     y.truncate = t;

@@ -239,7 +239,11 @@ impl RotaryEmbedding {
     /// 2^30 entries.
     pub fn new(config: &RopeConfig, device: &Device) -> Result<Self> {
         config.validate()?;
-        let rows = config.max_position.max(1);
+        // Tables grow on demand, so a huge max_position (1M-token configs) is not built eagerly.
+        let rows = config
+            .max_position
+            .clamp(1, INITIAL_ROWS_CAP)
+            .min(xpos_limit(config).max(1));
         check_table_size(rows, config.rotary_dim)?;
         let tables = build_tables(config, Regime::Fixed, rows, device)?;
         Ok(Self {
@@ -344,7 +348,8 @@ impl RotaryEmbedding {
     /// leaves alone are not touched). Anywhere else this is [`Self::rotate_queries_keys`].
     ///
     /// `q` and `k` are taken by value because their storage may be reused: clones of them share
-    /// that storage and see the rotation. Callers who need the input intact use
+    /// that storage and see the rotation. (If `q` and `k` share one storage, only `q` is rotated
+    /// in place.) Callers who need the input intact use
     /// [`Self::rotate_queries_keys`].
     ///
     /// # Shapes
@@ -361,6 +366,12 @@ impl RotaryEmbedding {
         layout: QkLayout,
     ) -> Result<(Tensor, Tensor)> {
         let (qt, kt, tables) = self.prepare(&q, &k, q_positions, k_positions, layout)?;
+        if shares_storage(&q, &k) {
+            // Rotating both in place would rotate the shared storage twice.
+            let k = self.apply(&k, &tables.k, k_positions, kt, layout)?;
+            let q = self.apply_owned(q, &tables.q, q_positions, qt, layout)?;
+            return Ok((q, k));
+        }
         let q = self.apply_owned(q, &tables.q, q_positions, qt, layout)?;
         let k = self.apply_owned(k, &tables.k, k_positions, kt, layout)?;
         Ok((q, k))
@@ -377,6 +388,7 @@ impl RotaryEmbedding {
         layout: QkLayout,
     ) -> Result<Tensor> {
         let in_place = x.device().is_cpu()
+            && x.elem_count() > 0
             && x.is_contiguous()
             && !x.track_op()
             && matches!(
@@ -480,6 +492,10 @@ impl RotaryEmbedding {
     ) -> Result<Tensor> {
         let c = &self.config;
         let dtype = x.dtype();
+        if x.elem_count() == 0 {
+            // Nothing to rotate (candle's kernels cannot take empty tensors).
+            return Ok(x.clone());
+        }
         // Half-precision inputs are rotated in f32 and rounded once at the end.
         let work = match dtype {
             DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
@@ -523,6 +539,7 @@ impl RotaryEmbedding {
             }
         }
         check_table_size(end, self.config.rotary_dim)?;
+        check_xpos_range(&self.config, end)?;
         let mut t = self.tables.write().map_err(|_| poisoned())?;
         let have = if t.regime == regime { t.rows()? } else { 0 };
         if have < end {
@@ -532,8 +549,9 @@ impl RotaryEmbedding {
                 Regime::Dynamic(_) => end,
                 _ => end
                     .max(have.saturating_mul(2))
-                    .max(self.config.max_position)
-                    .min(max_rows),
+                    .max(self.config.max_position.min(INITIAL_ROWS_CAP))
+                    .min(max_rows)
+                    .min(xpos_limit(&self.config)),
             };
             *t = build_tables(&self.config, regime, rows, &self.device)?;
             self.builds
@@ -543,10 +561,51 @@ impl RotaryEmbedding {
     }
 }
 
+/// Whether two tensors are views of one storage.
+fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
+    let (sa, _) = a.storage_and_layout();
+    let pa: *const candle_core::Storage = &*sa;
+    drop(sa);
+    let (sb, _) = b.storage_and_layout();
+    std::ptr::eq(pa, &*sb)
+}
+
 fn poisoned() -> Error {
     Error::Candle(candle_core::Error::Msg(
         "rotary table lock poisoned by a panicking thread".into(),
     ))
+}
+
+/// Largest table built at construction; longer ones are grown when positions reach them.
+const INITIAL_ROWS_CAP: usize = 8192;
+
+/// Largest natural log of an xPos scale (`e^60 ≈ 1e26`): past it f32 tables overflow soon after.
+const XPOS_MAX_LOG_SCALE: f64 = 60.0;
+
+/// One past the last position xPos can scale (`usize::MAX` without xPos): the key scale grows
+/// like `ζ_0^(−n/γ)`, `ζ_0 = 0.4 / 1.4` being the smallest ζ.
+fn xpos_limit(config: &RopeConfig) -> usize {
+    match config.xpos_scale_base {
+        Some(gamma) => (XPOS_MAX_LOG_SCALE * gamma / (1.4f64 / 0.4).ln()) as usize,
+        None => usize::MAX,
+    }
+}
+
+/// Refuses positions whose xPos scale would overflow.
+fn check_xpos_range(config: &RopeConfig, end: usize) -> Result<()> {
+    if let Some(gamma) = config.xpos_scale_base {
+        let limit = xpos_limit(config);
+        if end > limit {
+            return Err(Error::config(
+                "sequence end",
+                end,
+                format!(
+                    "at most {limit} with xPos scale base {gamma}: its key scale ζ^(-n/γ) grows past 1e26 there"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn check_table_size(rows: usize, rotary_dim: usize) -> Result<()> {
