@@ -122,7 +122,10 @@ impl InplaceOp1 for BiasMaskSoftmax {
                     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let mut sum = 0f32;
                     for x in row.iter_mut() {
-                        *x = (*x - max).exp();
+                        // Below e^-87 the result would be subnormal (slow on x86, and under
+                        // 2e-38 next to a sum of at least 1): flush it to zero.
+                        let d = *x - max;
+                        *x = if d > -87.0 { d.exp() } else { 0.0 };
                         sum += *x;
                     }
                     let inv = 1.0 / sum;
