@@ -21,85 +21,57 @@ pub(crate) struct RotateInPlace {
     pub(crate) axes: QkLayout,
 }
 
-/// A value that is rotated in f32 (f64 data has its own row function).
+/// A stored value and the type it is rotated in: f32 for f32/bf16/f16, f64 for f64.
 trait Lane: Copy + Send + Sync {
-    fn load(self) -> f32;
-    fn store(v: f32) -> Self;
+    type Acc: Copy
+        + From<f32>
+        + std::ops::Add<Output = Self::Acc>
+        + std::ops::Sub<Output = Self::Acc>
+        + std::ops::Mul<Output = Self::Acc>;
+    fn load(self) -> Self::Acc;
+    fn store(v: Self::Acc) -> Self;
 }
 
-impl Lane for f32 {
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn store(v: f32) -> Self {
-        v
-    }
+macro_rules! lane {
+    ($t:ty, $acc:ty, $load:expr, $store:expr) => {
+        impl Lane for $t {
+            type Acc = $acc;
+            #[inline(always)]
+            fn load(self) -> $acc {
+                $load(self)
+            }
+            #[inline(always)]
+            fn store(v: $acc) -> Self {
+                $store(v)
+            }
+        }
+    };
 }
 
-impl Lane for bf16 {
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn store(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
-
-impl Lane for f16 {
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn store(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
+lane!(f32, f32, |x| x, |v| v);
+lane!(f64, f64, |x| x, |v| v);
+lane!(bf16, f32, bf16::to_f32, bf16::from_f32);
+lane!(f16, f32, f16::to_f32, f16::from_f32);
 
 /// Rotates one head row `x` (`D` features) by `cos`/`sin` rows of `half` entries.
 #[inline(always)]
 fn rotate_row<T: Lane>(x: &mut [T], cos: &[f32], sin: &[f32], pairs: RopeLayout) {
     let half = cos.len();
+    let rotate = |xa: T, xb: T, i: usize| {
+        let (xa, xb) = (xa.load(), xb.load());
+        let (c, s) = (T::Acc::from(cos[i]), T::Acc::from(sin[i]));
+        (T::store(xa * c - xb * s), T::store(xa * s + xb * c))
+    };
     match pairs {
         RopeLayout::Half => {
             let (a, rest) = x.split_at_mut(half);
-            let b = &mut rest[..half];
-            for i in 0..half {
-                let (xa, xb) = (a[i].load(), b[i].load());
-                a[i] = T::store(xa * cos[i] - xb * sin[i]);
-                b[i] = T::store(xa * sin[i] + xb * cos[i]);
+            for (i, (xa, xb)) in a.iter_mut().zip(&mut rest[..half]).enumerate() {
+                (*xa, *xb) = rotate(*xa, *xb, i);
             }
         }
         RopeLayout::Interleaved => {
             for (i, pair) in x[..2 * half].chunks_exact_mut(2).enumerate() {
-                let (xa, xb) = (pair[0].load(), pair[1].load());
-                pair[0] = T::store(xa * cos[i] - xb * sin[i]);
-                pair[1] = T::store(xa * sin[i] + xb * cos[i]);
-            }
-        }
-    }
-}
-
-fn rotate_row_f64(x: &mut [f64], cos: &[f32], sin: &[f32], pairs: RopeLayout) {
-    let half = cos.len();
-    let (c, s) = (|i: usize| cos[i] as f64, |i: usize| sin[i] as f64);
-    match pairs {
-        RopeLayout::Half => {
-            for i in 0..half {
-                let (xa, xb) = (x[i], x[i + half]);
-                x[i] = xa * c(i) - xb * s(i);
-                x[i + half] = xa * s(i) + xb * c(i);
-            }
-        }
-        RopeLayout::Interleaved => {
-            for i in 0..half {
-                let (xa, xb) = (x[2 * i], x[2 * i + 1]);
-                x[2 * i] = xa * c(i) - xb * s(i);
-                x[2 * i + 1] = xa * s(i) + xb * c(i);
+                (pair[0], pair[1]) = rotate(pair[0], pair[1], i);
             }
         }
     }
@@ -237,10 +209,7 @@ impl InplaceOp3 for RotateInPlace {
             CpuStorage::F32(v) => lanes!(v),
             CpuStorage::BF16(v) => lanes!(v),
             CpuStorage::F16(v) => lanes!(v),
-            CpuStorage::F64(v) => self.run(&mut v[start..end], &dims, |x, i| {
-                let (c, s) = row(i);
-                rotate_row_f64(x, c, s, pairs)
-            }),
+            CpuStorage::F64(v) => lanes!(v),
             other => candle_core::bail!("rope in place: unsupported dtype {:?}", other.dtype()),
         }
         Ok(())

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use super::inplace::RotateInPlace;
 use super::kernels::{rotate_fused, rotate_ops};
 use super::scaling::{Regime, RopeFrequencies, RopeScaling};
+use crate::absolute::gather_rows;
 use crate::attention::PositionalEncoding;
 use crate::{Error, Positions, Result};
 
@@ -619,20 +620,15 @@ fn check_table_size(rows: usize, rotary_dim: usize) -> Result<()> {
     Ok(())
 }
 
-/// `len` rows of a `(N, D/2)` table at `positions`: `(len, D/2)` for an offset or ids of batch
-/// 1, `(B, len, D/2)` for per-sequence ids. Always exactly `len` rows per sequence, contiguous.
+/// `len` rows of a `(N, D/2)` table at `positions`, in the form candle's kernels take: `(len,
+/// D/2)` when the batch shares its positions, `(B, len, D/2)` for per-sequence ids. Exactly
+/// `len` rows per sequence.
 fn rows(table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
-    match positions {
-        Positions::Offset(start) => Ok(table.narrow(0, *start, len)?),
-        Positions::Ids(ids) => {
-            let (b, t) = ids.ids().dims2()?;
-            let picked = table.index_select(&ids.ids().flatten_all()?, 0)?;
-            if b == 1 {
-                Ok(picked)
-            } else {
-                Ok(picked.reshape((b, t, table.dim(1)?))?)
-            }
-        }
+    let picked = gather_rows(table, positions, len)?;
+    if picked.dim(0)? == 1 {
+        Ok(picked.squeeze(0)?)
+    } else {
+        Ok(picked)
     }
 }
 
