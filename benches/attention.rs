@@ -1,5 +1,8 @@
 //! Attention block cost of each positional encoding, against the same block with no encoding
-//! measured in the same run; and the peak memory of Shaw attention against the direct formula.
+//! measured in the same run, and the block with no encoding against the same attention written
+//! as plain candle ops (matmul, softmax_last_dim, matmul); query block sizes; one decoding step
+//! against caches of growing length; peak memory of Shaw attention against the direct formula;
+//! and long-context (T = 16384) forwards per encoding, with their peak memory.
 //!
 //! ```text
 //! cargo bench --bench attention              # table of medians and ratios
@@ -14,10 +17,10 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::{linear_no_bias, Linear, VarBuilder, VarMap};
 use candle_posenc::{
     Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig,
-    ClippedRelativeBias, LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention,
+    ClippedRelativeBias, KvCache, LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention,
     PositionalEncoding, Positions, RopeConfig, RotaryEmbedding, ShawConfig, ShawRelativePosition,
     SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
 };
@@ -163,7 +166,14 @@ fn block(
     heads: usize,
     vb: &VarBuilder,
 ) -> Result<MultiHeadAttention> {
-    let cfg = AttentionConfig::new(d_model, heads).with_causal(causal);
+    block_with(
+        case,
+        AttentionConfig::new(d_model, heads).with_causal(causal),
+        vb,
+    )
+}
+
+fn block_with(case: &Case, cfg: AttentionConfig, vb: &VarBuilder) -> Result<MultiHeadAttention> {
     Ok(MultiHeadAttention::new(
         &cfg,
         case.encoding.clone(),
@@ -185,30 +195,113 @@ fn peak_rss_mib() -> Result<f64> {
     Ok(kib / 1024.0)
 }
 
-/// Child mode: one forward of `name` at T = 2048, then print the peak resident memory.
-fn peak_child(name: &str, t: usize) -> Result<()> {
+/// The block's computation written as plain candle ops on the block's own weights: the four
+/// projections, `softmax_last_dim(q kᵀ / √d + mask) v` with a fresh tensor per step.
+struct PlainAttention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    heads: usize,
+    causal: Option<Tensor>,
+}
+
+impl PlainAttention {
+    fn new(d_model: usize, heads: usize, t: usize, causal: bool, vb: &VarBuilder) -> Result<Self> {
+        let vb = vb.pp("attn");
+        let mask = if causal {
+            let m: Vec<f32> = (0..t)
+                .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+                .collect();
+            Some(Tensor::from_vec(m, (t, t), vb.device())?)
+        } else {
+            None
+        };
+        Ok(Self {
+            q: linear_no_bias(d_model, d_model, vb.pp("q_proj"))?,
+            k: linear_no_bias(d_model, d_model, vb.pp("k_proj"))?,
+            v: linear_no_bias(d_model, d_model, vb.pp("v_proj"))?,
+            o: linear_no_bias(d_model, d_model, vb.pp("o_proj"))?,
+            heads,
+            causal: mask,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let hd = d / self.heads;
+        let split = |l: &Linear| -> Result<Tensor> {
+            Ok(l.forward(x)?
+                .reshape((b, t, self.heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let (q, k, v) = (split(&self.q)?, split(&self.k)?, split(&self.v)?);
+        let mut s = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+        if let Some(m) = &self.causal {
+            s = s.broadcast_add(m)?;
+        }
+        let p = candle_nn::ops::softmax_last_dim(&s)?;
+        let out = p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        Ok(self.o.forward(&out)?)
+    }
+}
+
+/// Child mode: one forward of `name` at length `t`, then print the peak resident memory and the
+/// forward's time.
+fn peak_child(name: &str, t: usize, causal: bool) -> Result<()> {
     let dev = Device::Cpu;
     let (d_model, heads, head_dim) = (512, 8, 64);
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-    let all = cases(d_model, heads, head_dim, t, &dev, &vb)?;
+    // One learned table long enough for the decoding section too.
+    let all = cases(d_model, heads, head_dim, 8192, &dev, &vb)?;
     let case = all
         .iter()
         .find(|c| c.name == name)
         .context("unknown case")?;
-    let mha = block(case, true, d_model, heads, &vb)?;
+    let mha = block(case, causal, d_model, heads, &vb)?;
     let x = Tensor::randn(0f32, 1.0, (1, t, d_model), &dev)?;
     let before = peak_rss_mib()?;
+    let start = std::time::Instant::now();
     mha.forward(&x)?;
-    println!("{before} {}", peak_rss_mib()?);
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    println!("{before} {} {ms}", peak_rss_mib()?);
     Ok(())
+}
+
+/// Runs [`peak_child`] in a fresh process: (MiB before the forward, peak MiB, forward ms).
+fn run_child(name: &str, t: usize, causal: bool) -> Result<(f64, f64, f64)> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["--peak-child", name, &t.to_string(), &causal.to_string()])
+        .output()?;
+    let text = String::from_utf8(out.stdout)?;
+    let v: Vec<f64> = text
+        .split_whitespace()
+        .map(str::parse::<f64>)
+        .collect::<Result<_, _>>()
+        .unwrap_or_default();
+    match v[..] {
+        [before, peak, ms] => Ok((before, peak, ms)),
+        _ => anyhow::bail!(
+            "child {name} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+fn json_line(json: bool, fields: &str) {
+    if json {
+        println!("{{{fields}}}");
+    }
 }
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--peak-child") {
         let t = args[i + 2].parse()?;
-        return peak_child(&args[i + 1], t);
+        let causal = args[i + 3].parse()?;
+        return peak_child(&args[i + 1], t, causal);
     }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
@@ -220,6 +313,8 @@ fn main() -> Result<()> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
     let x = Tensor::randn(0f32, 1.0, (b, t, d_model), &dev)?;
+    // One learned table long enough for the decoding section too.
+    let all = cases(d_model, heads, head_dim, 8192, &dev, &vb)?;
 
     println!(
         "attention block B{b} H{heads} T{t} D{head_dim} f32 on {dev:?}: median of {runs} runs"
@@ -230,8 +325,8 @@ fn main() -> Result<()> {
     );
     for causal in [false, true] {
         let mut baseline = None;
-        for case in cases(d_model, heads, head_dim, t, &dev, &vb)? {
-            let mha = block(&case, causal, d_model, heads, &vb)?;
+        for case in &all {
+            let mha = block(case, causal, d_model, heads, &vb)?;
             let opts = AttentionOptions::default();
             let ms = common::median_ms(runs, || {
                 let y = mha.forward_with(&x, &opts, None)?.output;
@@ -247,13 +342,107 @@ fn main() -> Result<()> {
                 ms,
                 ms / base
             );
-            if json {
-                println!(
-                    "{{\"bench\":\"attention\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4}}}",
-                    case.name,
-                    ms / base
-                );
-            }
+            json_line(json, &format!(
+                "\"bench\":\"attention\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4}",
+                case.name,
+                ms / base
+            ));
+        }
+        // The same computation as plain candle ops on the same weights and input.
+        let plain = PlainAttention::new(d_model, heads, t, causal, &vb)?;
+        let ms = common::median_ms(runs, || {
+            let y = plain.forward(&x)?;
+            dev.synchronize()?;
+            drop(y);
+            Ok(())
+        })?;
+        let base = baseline.unwrap_or(ms);
+        println!(
+            "{:<18} {:>8} {:>12.2} {:>9.2}x   (block none / plain = {:.2})",
+            "plain candle",
+            causal,
+            ms,
+            ms / base,
+            base / ms
+        );
+        json_line(json, &format!(
+            "\"bench\":\"attention\",\"encoding\":\"plain_candle\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4}",
+            ms / base
+        ));
+    }
+
+    // Query block sizes: the automatic choice against fixed ones, no encoding and ALiBi.
+    println!(
+        "\nquery blocks, B{b} H{heads} T{t}, causal (auto = {} queries):",
+        AttentionConfig::new(d_model, heads).query_block_for(b, t, t, 4)
+    );
+    println!(
+        "{:<18} {:>10} {:>12} {:>10}",
+        "encoding", "block", "median ms", "vs auto"
+    );
+    for case in all.iter().filter(|c| matches!(c.name, "none" | "alibi")) {
+        let mut auto = None;
+        for block in [None, Some(64), Some(128), Some(256), Some(512), Some(t)] {
+            let cfg = AttentionConfig::new(d_model, heads)
+                .with_causal(true)
+                .with_query_block(block);
+            let mha = block_with(case, cfg, &vb)?;
+            let ms = common::median_ms(runs, || {
+                let y = mha.forward(&x)?;
+                dev.synchronize()?;
+                drop(y);
+                Ok(())
+            })?;
+            let base = *auto.get_or_insert(ms);
+            let label = block.map_or("auto".to_string(), |n| n.to_string());
+            println!(
+                "{:<18} {label:>10} {ms:>12.2} {:>9.2}x",
+                case.name,
+                ms / base
+            );
+            json_line(json, &format!(
+                "\"bench\":\"query_block\",\"encoding\":\"{}\",\"block\":\"{label}\",\"median_ms\":{ms:.3},\"ratio\":{:.4}",
+                case.name, ms / base
+            ));
+        }
+    }
+
+    // One decoding step (one query) against a cache of L keys: time should grow as O(L).
+    let lens: &[usize] = if quick {
+        &[256, 512]
+    } else {
+        &[1024, 2048, 4096]
+    };
+    println!(
+        "\none decoding step, B1 H{heads} D{head_dim}, cache of L keys (ratio: vs the previous L):"
+    );
+    println!(
+        "{:<18} {:>8} {:>12} {:>10}",
+        "encoding", "L", "median ms", "vs L/2"
+    );
+    for case in all.iter().filter(|c| c.name != "shaw_direct_k64") {
+        let mha = block(case, true, d_model, heads, &vb)?;
+        let mut prev: Option<f64> = None;
+        for &len in lens {
+            let prefix = Tensor::randn(0f32, 1.0, (1, len, d_model), &dev)?;
+            let token = Tensor::randn(0f32, 1.0, (1, 1, d_model), &dev)?;
+            let mut cache = KvCache::with_capacity(len + 1);
+            mha.forward_with(&prefix, &AttentionOptions::default(), Some(&mut cache))?;
+            let ms = common::median_ms(runs * 3, || {
+                // Each step appends at the same slot of the shared storage.
+                let mut step = cache.clone();
+                let y = mha.forward_with(&token, &AttentionOptions::default(), Some(&mut step))?;
+                dev.synchronize()?;
+                drop(y);
+                Ok(())
+            })?;
+            let ratio = prev.map_or(1.0, |p| ms / p);
+            prev = Some(ms);
+            println!("{:<18} {len:>8} {ms:>12.3} {ratio:>9.2}x", case.name);
+            json_line(json, &format!(
+                "\"bench\":\"decode_step\",\"encoding\":\"{}\",\"cache\":{len},\"median_ms\":{ms:.4},\"ratio_vs_half\":{ratio:.4}",
+                case.name
+            ));
         }
     }
 
@@ -266,25 +455,32 @@ fn main() -> Result<()> {
         "{:<18} {:>14} {:>14} {:>10}",
         "encoding", "before MiB", "peak MiB", "vs none"
     );
-    let exe = std::env::current_exe()?;
     let mut base = None;
     for name in ["none", "shaw_k64", "shaw_direct_k64"] {
-        let out = std::process::Command::new(&exe)
-            .args(["--peak-child", name, &t_mem.to_string()])
-            .output()?;
-        let text = String::from_utf8(out.stdout)?;
-        let mut parts = text.split_whitespace().map(str::parse::<f64>);
-        let (before, peak) = match (parts.next(), parts.next()) {
-            (Some(Ok(a)), Some(Ok(b))) => (a, b),
-            _ => anyhow::bail!(
-                "child {name} failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        };
+        let (before, peak, _) = run_child(name, t_mem, true)?;
         let b0 = *base.get_or_insert(peak);
         println!("{name:<18} {before:>14.0} {peak:>14.0} {:>9.2}x", peak / b0);
-        if json {
-            println!("{{\"bench\":\"peak_memory\",\"encoding\":\"{name}\",\"t\":{t_mem},\"peak_mib\":{peak:.1},\"ratio\":{:.4}}}", peak / b0);
+        json_line(json, &format!("\"bench\":\"peak_memory\",\"encoding\":\"{name}\",\"t\":{t_mem},\"peak_mib\":{peak:.1},\"ratio\":{:.4}", peak / b0));
+    }
+
+    // Long context: one forward at T = 16384 per encoding, in a child process each.
+    let t_long = if quick { 2048 } else { 16384 };
+    println!(
+        "\nlong context, one forward, B1 H8 T{t_long} D64 (child process each; limit 4096 MiB):"
+    );
+    println!(
+        "{:<18} {:>8} {:>14} {:>12}",
+        "encoding", "causal", "peak MiB", "seconds"
+    );
+    for causal in [true, false] {
+        for case in all.iter().filter(|c| c.name != "shaw_direct_k64") {
+            let (_, peak, ms) = run_child(case.name, t_long, causal)?;
+            println!(
+                "{:<18} {causal:>8} {peak:>14.0} {:>12.2}",
+                case.name,
+                ms / 1e3
+            );
+            json_line(json, &format!("\"bench\":\"long_context\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t_long},\"peak_mib\":{peak:.1},\"seconds\":{:.3}", case.name, ms / 1e3));
         }
     }
     Ok(())

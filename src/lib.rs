@@ -58,7 +58,7 @@ pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncod
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
     AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention,
-    PositionalEncoding,
+    PositionalEncoding, RelativeBias,
 };
 pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;

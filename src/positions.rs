@@ -255,6 +255,23 @@ impl Positions {
         }
     }
 
+    /// The positions of tokens `start..start + len` of this chunk (a query block).
+    ///
+    /// Narrowed ids keep the whole chunk's [`PositionIds::end`], an upper bound on theirs, so
+    /// nothing is read back from the device.
+    ///
+    /// # Errors
+    /// Propagates candle's error for a range past the ids.
+    pub(crate) fn narrow(&self, start: usize, len: usize) -> Result<Positions> {
+        Ok(match self {
+            Positions::Offset(s) => Positions::Offset(s + start),
+            Positions::Ids(ids) => Positions::Ids(PositionIds {
+                ids: ids.ids.narrow(1, start, len)?,
+                end: ids.end,
+            }),
+        })
+    }
+
     /// The positions as a `(1, len)` or `(B, len)` `u32` tensor.
     ///
     /// # Errors

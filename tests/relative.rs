@@ -264,12 +264,193 @@ fn shaw_index_built_once_per_shape(dev: &Device) -> anyhow::Result<()> {
         vb.pp("attn"),
     )?;
     let x = Tensor::randn(0f32, 1.0, (2, 7, 16), dev)?;
-    // Keys and values hooks of both forwards share one index.
+    // Inference on the CPU reads Shaw's rows per distance and builds no index at all.
     mha.forward(&x)?;
     mha.forward(&x)?;
+    let inference = if dev.is_cpu() { 0 } else { 1 };
+    assert_eq!(shaw.bucket_builds(), inference);
+    // Elsewhere, the keys and values hooks of every forward share one index per shape.
+    let train = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    mha.forward_with(&x, &train, None)?;
+    mha.forward_with(&x, &train, None)?;
     assert_eq!(shaw.bucket_builds(), 1);
-    mha.forward(&x.narrow(1, 0, 5)?)?;
+    mha.forward_with(&x.narrow(1, 0, 5)?, &train, None)?;
     assert_eq!(shaw.bucket_builds(), 2);
+    Ok(())
+}
+
+/// The compact per-distance form of every relative bias expands to exactly its dense bias, for
+/// queries before, at and after their keys; explicit ids get no compact form.
+fn relative_form_equals_dense_bias(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let mut encs = relative_encodings(dev, &vb)?;
+    encs.push((
+        "alibi_pairwise",
+        Arc::new(Alibi::new(
+            &AlibiConfig::new(4).with_mode(AlibiMode::CausalPairwise),
+            dev,
+        )?),
+    ));
+    encs.push((
+        "t5_bidirectional",
+        Arc::new(T5RelativeBias::new(
+            &T5Config::new(4).with_num_buckets(8).with_max_distance(12),
+            vb.pp("t5b"),
+        )?),
+    ));
+    let q = Tensor::randn(0f32, 1.0, (2, 4, 5, 4), dev)?;
+    let mut compact = 0;
+    for (name, enc) in &encs {
+        for (qs, ks, tk) in [(0, 0, 5), (0, 0, 30), (20, 0, 25), (3, 9, 7), (40, 0, 1)] {
+            let (qp, kp) = (Positions::Offset(qs), Positions::Offset(ks));
+            let dense = enc.logits_bias(&q, &qp, &kp, tk)?.expect("a bias");
+            let Some(rel) = enc.relative_logits_bias(&q, &qp, &kp, tk)? else {
+                assert_eq!(
+                    *name, "alibi",
+                    "only the per-key ALiBi row has no compact form"
+                );
+                continue;
+            };
+            compact += 1;
+            let what = format!("{name} q at {qs}, {tk} keys at {ks}");
+            let expanded = rel.to_dense(5, tk)?.broadcast_as(dense.shape())?;
+            assert_close(
+                &expanded,
+                &dense.broadcast_as(expanded.shape())?,
+                0.0,
+                &what,
+            )?;
+        }
+        let ids = Positions::ids(&Tensor::arange(0u32, 5, dev)?.unsqueeze(0)?)?;
+        assert!(
+            enc.relative_logits_bias(&q, &ids, &ids, 5)?.is_none(),
+            "{name}"
+        );
+    }
+    assert_eq!(compact, 6 * 5);
+    Ok(())
+}
+
+/// Attention over query blocks (fixed sizes 1, 3, 4 and automatic from a tiny budget) equals
+/// one block, in inference and training, causal or not, with masks, ids and a KV cache, for
+/// every encoding that enters attention.
+fn query_blocks_equal_one_block(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let x = Tensor::randn(0f32, 1.0, (2, 10, 16), dev)?;
+    let pad = Tensor::new(&[[0u8, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1; 10]], dev)?;
+    let extra = Tensor::randn(0f32, 1.0, (1, 4, 10, 10), dev)?;
+    let ids = Positions::ids(&Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6, 5, 3]], dev)?)?;
+    let encs = relative_and_rotary_encodings(dev, &vb)?;
+    for causal in [false, true] {
+        for (name, enc) in &encs {
+            let cfg = AttentionConfig::new(16, 4)
+                .with_kv_heads(2)
+                .with_causal(causal);
+            let one = MultiHeadAttention::new(&cfg, Some(enc.clone()), vb.pp("attn"))?;
+            // A budget of 2 rows of 4 heads × 10 keys × 4 bytes: blocks of 2 queries.
+            let auto = cfg.clone().with_logits_budget(2 * 2 * 4 * 10 * 4);
+            assert_eq!(auto.query_block_for(2, 10, 10, 4), 2);
+            let mut blocked = vec![MultiHeadAttention::new(
+                &auto,
+                Some(enc.clone()),
+                vb.pp("attn"),
+            )?];
+            for n in [1, 3, 4] {
+                blocked.push(MultiHeadAttention::new(
+                    &cfg.clone().with_query_block(Some(n)),
+                    Some(enc.clone()),
+                    vb.pp("attn"),
+                )?);
+            }
+            for (mask, extra, positions, train) in [
+                (None, None, None, false),
+                (None, None, None, true),
+                (Some(&pad), Some(&extra), None, false),
+                (Some(&pad), None, None, true),
+                (None, None, Some(&ids), false),
+            ] {
+                let opts = AttentionOptions {
+                    padding_mask: mask,
+                    attn_mask: extra,
+                    positions,
+                    return_weights: true,
+                    train,
+                };
+                let want = one.forward_with(&x, &opts, None)?;
+                for mha in &blocked {
+                    let got = mha.forward_with(&x, &opts, None)?;
+                    let what = format!(
+                        "{name} causal={causal} block={:?} masked={} ids={} train={train}",
+                        mha.config().query_block,
+                        mask.is_some(),
+                        positions.is_some()
+                    );
+                    assert_close(&got.output, &want.output, 1e-5, &what)?;
+                    assert_close(
+                        got.weights.as_ref().expect("weights"),
+                        want.weights.as_ref().expect("weights"),
+                        1e-6,
+                        &what,
+                    )?;
+                }
+            }
+            // Decoding after a blocked prefill equals the whole sequence at once.
+            if causal {
+                let mut cache = KvCache::new();
+                let mha = &blocked[2];
+                let mut outs = vec![
+                    mha.forward_with(&x.narrow(1, 0, 7)?, &Default::default(), Some(&mut cache))?
+                        .output,
+                ];
+                for t in 7..10 {
+                    outs.push(
+                        mha.forward_with(
+                            &x.narrow(1, t, 1)?,
+                            &Default::default(),
+                            Some(&mut cache),
+                        )?
+                        .output,
+                    );
+                }
+                let want = one.forward(&x)?;
+                assert_close(&Tensor::cat(&outs, 1)?, &want, 1e-5, name)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bias tables are built once per shape, not per call: through the attention block the T5
+/// lookup (and, for fixed slopes, the symmetric ALiBi rows) is built once per query block
+/// shape, and repeated forwards build nothing.
+fn bias_tables_built_once_per_shape(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let t5 = Arc::new(T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?);
+    let alibi = Arc::new(Alibi::new(
+        &AlibiConfig::new(4).with_mode(AlibiMode::Symmetric),
+        dev,
+    )?);
+    let x = Tensor::randn(0f32, 1.0, (2, 12, 16), dev)?;
+    for block in [None, Some(4)] {
+        let cfg = AttentionConfig::new(16, 4).with_query_block(block);
+        let t5_attn = MultiHeadAttention::new(&cfg, Some(t5.clone()), vb.pp("a"))?;
+        let alibi_attn = MultiHeadAttention::new(&cfg, Some(alibi.clone()), vb.pp("a"))?;
+        t5_attn.forward(&x)?;
+        alibi_attn.forward(&x)?;
+        let (t5_builds, alibi_builds) = (t5.bucket_builds(), alibi.bias_builds());
+        for _ in 0..3 {
+            t5_attn.forward(&x)?;
+            alibi_attn.forward(&x)?;
+        }
+        assert_eq!(t5.bucket_builds(), t5_builds, "t5, blocks {block:?}");
+        assert_eq!(alibi.bias_builds(), alibi_builds, "alibi, blocks {block:?}");
+    }
     Ok(())
 }
 
@@ -311,6 +492,22 @@ fn relative_encodings(
             )?),
         ),
     ])
+}
+
+/// [`relative_encodings`] and RoPE: every encoding that acts inside attention.
+fn relative_and_rotary_encodings(
+    dev: &Device,
+    vb: &VarBuilder,
+) -> anyhow::Result<Vec<(&'static str, Arc<dyn PositionalEncoding>)>> {
+    let mut encs = relative_encodings(dev, vb)?;
+    encs.push((
+        "rope",
+        Arc::new(candle_posenc::RotaryEmbedding::new(
+            &candle_posenc::RopeConfig::new(4),
+            dev,
+        )?),
+    ));
+    Ok(encs)
 }
 
 fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
@@ -362,14 +559,7 @@ fn fused_inference_equals_unfused(dev: &Device) -> anyhow::Result<()> {
     let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
     let pad = Tensor::new(&[[0u8, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1]], dev)?;
     let extra = Tensor::randn(0f32, 1.0, (1, 4, 6, 6), dev)?;
-    let mut encs = relative_encodings(dev, &vb)?;
-    encs.push((
-        "rope",
-        Arc::new(candle_posenc::RotaryEmbedding::new(
-            &candle_posenc::RopeConfig::new(4),
-            dev,
-        )?),
-    ));
+    let encs = relative_and_rotary_encodings(dev, &vb)?;
     for causal in [false, true] {
         for (name, enc) in &encs {
             let mha = MultiHeadAttention::new(
@@ -617,5 +807,8 @@ device_tests!(
     relative_order_matters,
     configs_round_trip_metadata,
     fused_inference_equals_unfused,
+    relative_form_equals_dense_bias,
+    query_blocks_equal_one_block,
+    bias_tables_built_once_per_shape,
     bad_input,
 );

@@ -31,27 +31,29 @@ pub(crate) fn check_padding(padding: &Tensor, batch: usize, tk: usize) -> Result
 }
 
 /// Keep-mask (`u8`, 1 = attend) broadcastable to `(B, 1, Tq, Tk)`, or `None` when nothing is
-/// masked. Query row `r` of the chunk is cache index `tk − tq + r`; causal keeps keys `j` up to
-/// it. `padding` is a checked `(B, Tk)` 0/1 mask (see [`check_padding`]).
+/// masked. With `causal = Some(first)`, query row `r` keeps keys `j ≤ first + r` (for a whole
+/// chunk `first = tk − tq`: row `r` is cache index `tk − tq + r`). `padding` is a checked
+/// `(B, Tk)` 0/1 mask (see [`check_padding`]).
 pub(crate) fn keep_mask(
-    causal: bool,
+    causal: Option<usize>,
     padding: Option<&Tensor>,
     batch: usize,
     tq: usize,
     tk: usize,
     device: &Device,
 ) -> Result<Option<Tensor>> {
-    let causal_mask = if causal && tq > 0 {
-        let first = (tk - tq) as u32;
-        let key_index = Tensor::arange(0u32, tk as u32, device)?.unsqueeze(0)?;
-        let last_visible = Tensor::arange(first, first + tq as u32, device)?.unsqueeze(1)?;
-        Some(
-            key_index
-                .broadcast_le(&last_visible)?
-                .reshape((1, 1, tq, tk))?,
-        )
-    } else {
-        None
+    let causal_mask = match causal {
+        Some(first) if tq > 0 => {
+            let first = first as u32;
+            let key_index = Tensor::arange(0u32, tk as u32, device)?.unsqueeze(0)?;
+            let last_visible = Tensor::arange(first, first + tq as u32, device)?.unsqueeze(1)?;
+            Some(
+                key_index
+                    .broadcast_le(&last_visible)?
+                    .reshape((1, 1, tq, tk))?,
+            )
+        }
+        _ => None,
     };
     let padding_mask = match padding {
         None => None,

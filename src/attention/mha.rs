@@ -47,7 +47,17 @@ pub struct AttentionConfig {
     pub causal: bool,
     /// Softmax scale (default `1 / √head_dim`; T5 uses 1).
     pub softmax_scale: f64,
+    /// Queries per block: attention runs over blocks of this many queries, each against all
+    /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
+    /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
+    pub query_block: Option<usize>,
+    /// Bytes the logits of one query block may take when the block size is automatic
+    /// (default [`DEFAULT_LOGITS_BUDGET`]). A runtime setting, not stored in checkpoints.
+    pub logits_budget: usize,
 }
+
+/// Default [`AttentionConfig::logits_budget`]: 64 MiB of logits per query block.
+pub const DEFAULT_LOGITS_BUDGET: usize = 64 << 20;
 
 impl AttentionConfig {
     /// Defaults for `num_heads` heads over `d_model` features: as many KV heads as heads,
@@ -72,6 +82,8 @@ impl AttentionConfig {
             } else {
                 0.0
             },
+            query_block: None,
+            logits_budget: DEFAULT_LOGITS_BUDGET,
         }
     }
 
@@ -116,6 +128,39 @@ impl AttentionConfig {
         self
     }
 
+    /// Fixes the number of queries per block (`None`: automatic, from the logits budget).
+    pub fn with_query_block(mut self, queries: Option<usize>) -> Self {
+        self.query_block = queries;
+        self
+    }
+
+    /// Sets the bytes the logits of one query block may take when the block size is automatic.
+    pub fn with_logits_budget(mut self, bytes: usize) -> Self {
+        self.logits_budget = bytes;
+        self
+    }
+
+    /// Queries per block for `batch × heads` rows of `keys` logits of `elem_size` bytes: the
+    /// fixed [`Self::query_block`], or as many whole rows as fit [`Self::logits_budget`] (at
+    /// least one), never more than `queries`.
+    pub fn query_block_for(
+        &self,
+        batch: usize,
+        queries: usize,
+        keys: usize,
+        elem_size: usize,
+    ) -> usize {
+        let block = self.query_block.unwrap_or_else(|| {
+            let row = batch
+                .saturating_mul(self.num_heads)
+                .saturating_mul(keys)
+                .saturating_mul(elem_size)
+                .max(1);
+            self.logits_budget / row
+        });
+        block.clamp(1, queries.max(1))
+    }
+
     /// The configuration as `attention.*` string metadata for checkpoints.
     pub fn to_metadata(&self) -> HashMap<String, String> {
         [
@@ -150,6 +195,8 @@ impl AttentionConfig {
             dropout: r.parse("attention.dropout", "a number")?,
             causal: flag("causal")?,
             softmax_scale: r.parse("attention.softmax_scale", "a number")?,
+            query_block: None,
+            logits_budget: DEFAULT_LOGITS_BUDGET,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -159,8 +206,8 @@ impl AttentionConfig {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
-    /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, or a
-    /// scale that is not finite and positive.
+    /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
+    /// scale that is not finite and positive, a query block of 0 or a logits budget of 0.
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
             return Err(Error::config("d_model", self.d_model, "at least 1"));
@@ -186,6 +233,16 @@ impl AttentionConfig {
             ));
         }
         crate::absolute::check_dropout(self.dropout)?;
+        if self.query_block == Some(0) {
+            return Err(Error::config(
+                "query_block",
+                0,
+                "at least 1 query, or None (automatic)",
+            ));
+        }
+        if self.logits_budget == 0 {
+            return Err(Error::config("logits_budget", 0, "at least 1 byte"));
+        }
         if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
             return Err(Error::config(
                 "softmax_scale",
@@ -372,11 +429,6 @@ impl MultiHeadAttention {
         let v = self.repeat_kv(v)?;
 
         let q = (q * cfg.softmax_scale)?;
-        let mut scores = q.matmul(&k.t()?)?;
-        let bias = match enc {
-            Some(e) => e.logits_bias(&q, positions, &k_positions, tk)?,
-            None => None,
-        };
         let full = (b, cfg.num_heads, t, tk);
         let attn_mask = match options.attn_mask {
             Some(mask) => Some(mask.broadcast_as(full).map_err(|_| {
@@ -392,56 +444,167 @@ impl MultiHeadAttention {
             Some(p) => Some(check_padding(p, b, tk)?),
             None => None,
         };
-        let terms = [&bias, &attn_mask]
+        // Query blocks, each against the keys it can see: with a plain causal mask, block
+        // [s, s + n) sees keys 0..s + n + tk − t only (no row is fully masked, so dropping the
+        // hidden keys changes nothing); with padding or an additive mask, every key.
+        let block = cfg.query_block_for(b, t, tk, q.dtype().size_in_bytes());
+        let trim_keys = cfg.causal && padding.is_none() && attn_mask.is_none();
+        let mut outs = Vec::new();
+        let mut weights = Vec::new();
+        let mut start = 0;
+        loop {
+            let n = block.min(t - start);
+            let kv = if trim_keys {
+                (start + n + tk - t).min(tk)
+            } else {
+                tk
+            };
+            let part = Block {
+                q: narrowed(&q, 2, start, n, t)?,
+                k: narrowed(&k, 2, 0, kv, tk)?,
+                v: narrowed(&v, 2, 0, kv, tk)?,
+                q_positions: if n == t {
+                    positions.clone()
+                } else {
+                    positions.narrow(start, n)?
+                },
+                k_positions: if kv == tk {
+                    k_positions.clone()
+                } else {
+                    k_positions.narrow(0, kv)?
+                },
+                attn_mask: attn_mask
+                    .as_ref()
+                    .map(|m| narrowed(m, 2, start, n, t))
+                    .transpose()?,
+                padding: padding.as_ref(),
+                causal: cfg.causal.then_some(start + tk - t),
+            };
+            let (probs, out) = self.attend(&part, options.train)?;
+            outs.push(out);
+            if options.return_weights {
+                weights.push(if kv == tk {
+                    probs
+                } else {
+                    let hidden = Tensor::zeros(
+                        (b, cfg.num_heads, n, tk - kv),
+                        probs.dtype(),
+                        probs.device(),
+                    )?;
+                    Tensor::cat(&[&probs, &hidden], 3)?
+                });
+            }
+            start += n;
+            if start >= t {
+                break;
+            }
+        }
+        let out = if outs.len() == 1 {
+            outs.swap_remove(0)
+        } else {
+            Tensor::cat(&outs, 2)?
+        };
+        let weights = match weights.len() {
+            0 => None,
+            1 => Some(weights.swap_remove(0)),
+            _ => Some(Tensor::cat(&weights, 2)?),
+        };
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, t, cfg.num_heads * cfg.head_dim))?;
+        Ok(AttentionOutput {
+            output: self.o_proj.forward(&out)?,
+            weights,
+        })
+    }
+
+    /// Attention of one query block: `(softmax(q kᵀ + bias + masks), α v + value term)`, both
+    /// `(B, H, n, ·)`. `q` is already scaled.
+    fn attend(&self, part: &Block, train: bool) -> Result<(Tensor, Tensor)> {
+        let enc = self.encoding.as_deref();
+        let mut scores = part.q.matmul(&part.k.t()?)?;
+        let (b, _, n, kv) = scores.dims4()?;
+        let (qp, kp) = (&part.q_positions, &part.k_positions);
+        let inference_cpu = !train && fused_softmax::applies(&scores);
+        // The fused pass reads relative biases as short rows; everything else gets them dense.
+        let relative = match enc {
+            Some(e) if inference_cpu => e
+                .relative_logits_bias(&part.q, qp, kp, kv)?
+                .filter(fused_softmax::relative_applies),
+            _ => None,
+        };
+        let bias = match enc {
+            Some(e) if relative.is_none() => e.logits_bias(&part.q, qp, kp, kv)?,
+            _ => None,
+        };
+        let terms = [&bias, &part.attn_mask]
             .into_iter()
             .flatten()
             .map(|t| t.to_dtype(scores.dtype()))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let probs = if !options.train
-            && fused_softmax::applies(&scores)
-            && terms.iter().all(|t| t.device().is_cpu())
-        {
+        let probs = if inference_cpu && terms.iter().all(|t| t.device().is_cpu()) {
             // Inference on the CPU: bias, masks and softmax in one in-place pass.
-            let terms: Vec<&Tensor> = terms.iter().collect();
+            let dense: Vec<&Tensor> = terms.iter().collect();
             fused_softmax::bias_mask_softmax_in_place(
                 &scores,
-                &terms,
-                padding.as_ref(),
-                cfg.causal,
+                &dense,
+                &relative.iter().collect::<Vec<_>>(),
+                part.padding,
+                part.causal,
             )?;
             scores
         } else {
             for term in &terms {
                 scores = scores.broadcast_add(term)?;
             }
-            if let Some(keep) = keep_mask(cfg.causal, padding.as_ref(), b, t, tk, x.device())? {
+            if let Some(r) = &relative {
+                scores = scores.broadcast_add(&r.to_dense(n, kv)?.to_dtype(scores.dtype())?)?;
+            }
+            let keep = keep_mask(part.causal, part.padding, b, n, kv, scores.device())?;
+            if let Some(keep) = keep {
                 scores = apply_keep_mask(&scores, &keep)?;
             }
-            if options.train {
+            if train {
                 candle_nn::ops::softmax(&scores, D::Minus1)?
             } else {
                 candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
             }
         };
-        let dropped = if options.train && cfg.dropout > 0.0 {
-            candle_nn::ops::dropout(&probs, cfg.dropout)?
+        let dropped = if train && self.config.dropout > 0.0 {
+            candle_nn::ops::dropout(&probs, self.config.dropout)?
         } else {
             probs.clone()
         };
-        let mut out = dropped.matmul(&v)?;
+        let mut out = dropped.matmul(&part.v)?;
         if let Some(e) = enc {
-            if let Some(term) = e.value_term(&dropped, positions, &k_positions)? {
+            if let Some(term) = e.value_term(&dropped, qp, kp)? {
                 out = out.broadcast_add(&term.to_dtype(out.dtype())?)?;
             }
         }
-        let out = out
-            .transpose(1, 2)?
-            .reshape((b, t, cfg.num_heads * cfg.head_dim))?;
-        Ok(AttentionOutput {
-            output: self.o_proj.forward(&out)?,
-            weights: options.return_weights.then_some(probs),
-        })
+        Ok((probs, out))
     }
+}
+
+/// One query block's inputs, narrowed from the whole chunk.
+struct Block<'a> {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_positions: Positions,
+    k_positions: Positions,
+    attn_mask: Option<Tensor>,
+    padding: Option<&'a Tensor>,
+    /// `Some(first)`: query row `i` sees keys `j ≤ first + i`.
+    causal: Option<usize>,
+}
+
+/// `t.narrow(dim, start, len)`, or `t` itself when that is all of `total`.
+fn narrowed(t: &Tensor, dim: usize, start: usize, len: usize, total: usize) -> Result<Tensor> {
+    Ok(if start == 0 && len == total {
+        t.clone()
+    } else {
+        t.narrow(dim, start, len)?
+    })
 }
 
 impl Module for MultiHeadAttention {

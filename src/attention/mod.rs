@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | [`add_to_input`](PositionalEncoding::add_to_input) | `x + p[pos]` before the q/k/v projections | sinusoidal, learned |
 //! | [`rotate_queries_keys`](PositionalEncoding::rotate_queries_keys) | `q' = R(pos_q) q`, `k' = R(pos_k) k` after projection | rotary |
-//! | [`logits_bias`](PositionalEncoding::logits_bias) | `scores += b(pos_q, pos_k)`, may read `q` | ALiBi, T5, relative bias, Shaw keys |
+//! | [`logits_bias`](PositionalEncoding::logits_bias) (or, compact, [`relative_logits_bias`](PositionalEncoding::relative_logits_bias)) | `scores += b(pos_q, pos_k)`, may read `q` | ALiBi, T5, relative bias, Shaw keys |
 //! | [`value_term`](PositionalEncoding::value_term) | `out += Σ_j α_ij a(i, j)` | Shaw values |
 //!
 //! [`MultiHeadAttention`] calls the four hooks and never looks at the concrete encoding type.
@@ -16,9 +16,12 @@ mod fused_softmax;
 mod kv_cache;
 mod mask;
 mod mha;
+mod relative_bias;
 
 pub use kv_cache::KvCache;
 pub use mha::{AttentionConfig, AttentionOptions, AttentionOutput, MultiHeadAttention};
+pub use relative_bias::RelativeBias;
+pub(crate) use relative_bias::{bucket_sums, bucket_sums_apply};
 
 use candle_core::Tensor;
 
@@ -96,6 +99,30 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
         k_positions: &Positions,
         k_len: usize,
     ) -> Result<Option<Tensor>> {
+        let _ = (q, q_positions, k_positions, k_len);
+        Ok(None)
+    }
+
+    /// The bias hook in compact form, for relative biases: the same bias as
+    /// [`Self::logits_bias`], given as rows of values per distance ([`RelativeBias`]), or `None`
+    /// (the default) to have the caller use [`Self::logits_bias`].
+    ///
+    /// The attention block asks for this form on its fused CPU inference path, which reads the
+    /// rows directly instead of a `(B, H, Tq, Tk)` tensor. Implementations typically answer for
+    /// offset positions only.
+    ///
+    /// # Shapes
+    /// As [`Self::logits_bias`]; the values are `(1|B, H, 1|Tq, W)`.
+    ///
+    /// # Errors
+    /// As [`Self::logits_bias`].
+    fn relative_logits_bias(
+        &self,
+        q: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        k_len: usize,
+    ) -> Result<Option<RelativeBias>> {
         let _ = (q, q_positions, k_positions, k_len);
         Ok(None)
     }

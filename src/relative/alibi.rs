@@ -22,8 +22,8 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use super::{check_queries, BucketCache};
-use crate::attention::PositionalEncoding;
+use super::{check_queries, BucketCache, DistanceRange, ROWS_LAYOUT};
+use crate::attention::{PositionalEncoding, RelativeBias};
 use crate::{Error, Positions, Result};
 
 /// How the bias treats keys after the query.
@@ -293,5 +293,45 @@ impl PositionalEncoding for Alibi {
     ) -> Result<Option<Tensor>> {
         let (_, _, tq, _) = check_queries(q, self.config.head_count)?;
         Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
+    }
+
+    /// Pairwise modes with offsets: `−m·|d|` or `m·d` per distance, `(1, H, 1, Tq + Tk − 1)`
+    /// (the causal per-key row is already compact).
+    fn relative_logits_bias(
+        &self,
+        q: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        k_len: usize,
+    ) -> Result<Option<RelativeBias>> {
+        let (_, h, tq, _) = check_queries(q, self.config.head_count)?;
+        let mode = self.config.mode;
+        if mode == AlibiMode::Causal {
+            return Ok(None);
+        }
+        let Some(range) = DistanceRange::of(q_positions, tq, k_positions, k_len) else {
+            return Ok(None);
+        };
+        let build = || -> Result<Tensor> {
+            let d: Vec<f32> = range
+                .distances()
+                .map(|d| match mode {
+                    AlibiMode::Symmetric => -(d.abs() as f32),
+                    _ => d as f32,
+                })
+                .collect();
+            let d = Tensor::from_vec(d, (1, 1, 1, range.width), self.slopes.device())?;
+            Ok(d.broadcast_mul(&self.slopes.reshape((1, h, 1, 1))?)?)
+        };
+        let values = if self.config.learnable {
+            build()?
+        } else {
+            self.cache
+                .get_or_build(&range.queries, tq, &range.keys, k_len, ROWS_LAYOUT, build)?
+        };
+        Ok(Some(RelativeBias {
+            values,
+            shift: range.shift(tq),
+        }))
     }
 }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::attention::PositionalEncoding;
+use crate::attention::{PositionalEncoding, RelativeBias};
 use crate::{Error, Positions, Result};
 
 /// Maps every query/key pair to `bucket(j − i)`: a `u32` tensor of shape `(B|1, Tq, Tk)`.
@@ -60,6 +60,51 @@ pub(crate) fn relative_buckets(
         .index_select(&index.flatten_all()?, 0)?
         .reshape((b, tq, tk))?)
 }
+
+/// The distances `j − i` a block of `tq` queries and `tk` keys at offsets spans: `d_min ..
+/// d_min + width`, with pair `(i, j)` at column `j − i + tq − 1` (a [`RelativeBias`] with
+/// `shift = tq − 1`). `None` for explicit ids or an empty block.
+///
+/// [`RelativeBias`]: crate::RelativeBias
+pub(crate) struct DistanceRange {
+    pub(crate) d_min: i64,
+    pub(crate) width: usize,
+    /// The positions shifted so the smaller start is 0: equal ranges share one cache key.
+    pub(crate) queries: Positions,
+    pub(crate) keys: Positions,
+}
+
+impl DistanceRange {
+    pub(crate) fn of(queries: &Positions, tq: usize, keys: &Positions, tk: usize) -> Option<Self> {
+        let (Positions::Offset(qs), Positions::Offset(ks)) = (queries, keys) else {
+            return None;
+        };
+        if tq == 0 || tk == 0 {
+            return None;
+        }
+        let m = (*qs).min(*ks);
+        Some(Self {
+            d_min: *ks as i64 - (qs + tq - 1) as i64,
+            width: tq + tk - 1,
+            queries: Positions::Offset(qs - m),
+            keys: Positions::Offset(ks - m),
+        })
+    }
+
+    /// The shift of a [`RelativeBias`](crate::RelativeBias) over this range.
+    pub(crate) fn shift(&self, tq: usize) -> i64 {
+        tq as i64 - 1
+    }
+
+    /// Every distance of the range, in column order.
+    pub(crate) fn distances(&self) -> impl Iterator<Item = i64> {
+        let d_min = self.d_min;
+        (0..self.width as i64).map(move |c| d_min + c)
+    }
+}
+
+/// Cache layout tag of the per-distance rows behind a [`RelativeBias`](crate::RelativeBias).
+pub(crate) const ROWS_LAYOUT: (usize, usize) = (usize::MAX, 0);
 
 /// The smallest and largest position a chunk of `len` tokens may hold.
 fn span(p: &Positions, len: usize) -> (usize, usize) {
@@ -243,6 +288,38 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
     ) -> Result<Option<Tensor>> {
         let (_, _, tq, _) = check_queries(q, self.config.num_heads())?;
         Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
+    }
+
+    /// For offsets: the table read at every distance of the block, `(1, H, 1, Tq + Tk − 1)`;
+    /// the distance → bucket lookup is built once per shape, the table is read every call.
+    fn relative_logits_bias(
+        &self,
+        q: &Tensor,
+        q_positions: &Positions,
+        k_positions: &Positions,
+        k_len: usize,
+    ) -> Result<Option<RelativeBias>> {
+        let (_, h, tq, _) = check_queries(q, self.config.num_heads())?;
+        let Some(range) = DistanceRange::of(q_positions, tq, k_positions, k_len) else {
+            return Ok(None);
+        };
+        let cfg = &self.config;
+        let device = self.table.device();
+        let lookup =
+            self.cache
+                .get_or_build(&range.queries, tq, &range.keys, k_len, ROWS_LAYOUT, || {
+                    let buckets: Vec<u32> = range.distances().map(|d| cfg.bucket(d)).collect();
+                    Ok(Tensor::from_vec(buckets, range.width, device)?)
+                })?;
+        let values = self
+            .table
+            .index_select(&lookup, 0)?
+            .t()?
+            .reshape((1, h, 1, range.width))?;
+        Ok(Some(RelativeBias {
+            values,
+            shift: range.shift(tq),
+        }))
     }
 }
 

@@ -25,7 +25,7 @@ use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use super::{query_dims, relative_buckets, BucketCache};
-use crate::attention::PositionalEncoding;
+use crate::attention::{bucket_sums, bucket_sums_apply, PositionalEncoding, RelativeBias};
 use crate::{Error, Positions, Result};
 
 /// Configuration of [`ShawRelativePosition`].
@@ -181,17 +181,11 @@ impl ShawRelativePosition {
     }
 }
 
-impl PositionalEncoding for ShawRelativePosition {
-    /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`.
-    fn logits_bias(
-        &self,
-        q: &Tensor,
-        qp: &Positions,
-        kp: &Positions,
-        k_len: usize,
-    ) -> Result<Option<Tensor>> {
-        let (b, h, tq, d) = query_dims(q)?;
-        if d != self.config.head_dim {
+impl ShawRelativePosition {
+    /// Checks the queries handed to a bias hook: `(B, H, Tq, head_dim)`.
+    fn check_queries(&self, q: &Tensor) -> Result<(usize, usize, usize, usize)> {
+        let dims = query_dims(q)?;
+        if dims.3 != self.config.head_dim {
             return Err(Error::shape(
                 "queries",
                 format!(
@@ -201,11 +195,55 @@ impl PositionalEncoding for ShawRelativePosition {
                 q.shape(),
             ));
         }
-        // (B, H, Tq, d) × (d, 2k + 1) → (B, H, Tq, 2k + 1), then gather r(i, j).
-        let keys = self.keys.to_dtype(q.dtype())?;
-        let per_bucket = q.broadcast_matmul(&keys.t()?)?;
+        Ok(dims)
+    }
+
+    /// `q · a^Kᵀ`: `(B, H, Tq, d) × (d, 2k + 1)` → `(B, H, Tq, 2k + 1)`.
+    fn per_bucket(&self, q: &Tensor) -> Result<Tensor> {
+        Ok(q.broadcast_matmul(&self.keys.to_dtype(q.dtype())?.t()?)?)
+    }
+
+    /// For offsets, `r(i, j) = clamp(j − i + shift, 0, 2k)`: the shift `ks − qs + k`.
+    fn shift(&self, qp: &Positions, kp: &Positions) -> Option<i64> {
+        match (qp, kp) {
+            (Positions::Offset(qs), Positions::Offset(ks)) => {
+                Some(*ks as i64 - *qs as i64 + self.config.max_distance as i64)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl PositionalEncoding for ShawRelativePosition {
+    /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`.
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        qp: &Positions,
+        kp: &Positions,
+        k_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let (b, h, tq, _) = self.check_queries(q)?;
         let index = self.index(qp, tq, kp, k_len, b, h)?;
-        Ok(Some(per_bucket.contiguous()?.gather(&index, 3)?))
+        Ok(Some(self.per_bucket(q)?.contiguous()?.gather(&index, 3)?))
+    }
+
+    /// For offsets: the `2k + 1` products `q_i · a^K[r]` per query, clamped per key.
+    fn relative_logits_bias(
+        &self,
+        q: &Tensor,
+        qp: &Positions,
+        kp: &Positions,
+        _k_len: usize,
+    ) -> Result<Option<RelativeBias>> {
+        self.check_queries(q)?;
+        let Some(shift) = self.shift(qp, kp) else {
+            return Ok(None);
+        };
+        Ok(Some(RelativeBias {
+            values: self.per_bucket(q)?.contiguous()?,
+            shift,
+        }))
     }
 
     /// `Σ_r (Σ_{j: r(i,j) = r} α_ij) a^V[r]`.
@@ -214,10 +252,19 @@ impl PositionalEncoding for ShawRelativePosition {
             return Ok(None);
         };
         let (b, h, tq, tk) = probs.dims4()?;
-        let index = self.index(qp, tq, kp, tk, b, h)?;
         let buckets = 2 * self.config.max_distance + 1;
-        let summed = Tensor::zeros((b, h, tq, buckets), probs.dtype(), probs.device())?
-            .scatter_add(&index, &probs.contiguous()?, 3)?;
+        let summed = match self.shift(qp, kp) {
+            // Offsets, inference on the CPU: one pass over the weights, no index.
+            Some(shift) if bucket_sums_apply(probs) => bucket_sums(probs, buckets, shift)?,
+            _ => {
+                let index = self.index(qp, tq, kp, tk, b, h)?;
+                Tensor::zeros((b, h, tq, buckets), probs.dtype(), probs.device())?.scatter_add(
+                    &index,
+                    &probs.contiguous()?,
+                    3,
+                )?
+            }
+        };
         Ok(Some(
             summed.broadcast_matmul(&values.to_dtype(probs.dtype())?)?,
         ))
