@@ -8,6 +8,8 @@
 //! cargo bench --bench attention              # table of medians and ratios
 //! cargo bench --bench attention -- --json    # one JSON object per line as well
 //! cargo bench --bench attention -- --quick   # fewer, smaller runs (a smoke test)
+//! cargo bench --bench attention -- --only decode   # one section: encodings, blocks, decode,
+//!                                                  # memory or long
 //! ```
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
@@ -305,6 +307,11 @@ fn main() -> Result<()> {
     }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1));
+    let section = |name: &str| only.is_none_or(|o| o == name);
     let dev = common::device()?;
     let (b, heads, head_dim) = (2, 8, 64);
     let t = if quick { 256 } else { 1024 };
@@ -323,7 +330,7 @@ fn main() -> Result<()> {
         "{:<18} {:>8} {:>12} {:>10}",
         "encoding", "causal", "median ms", "vs none"
     );
-    for causal in [false, true] {
+    for causal in [false, true].into_iter().filter(|_| section("encodings")) {
         let mut baseline = None;
         for case in &all {
             let mha = block(case, causal, d_model, heads, &vb)?;
@@ -380,7 +387,10 @@ fn main() -> Result<()> {
         "{:<18} {:>10} {:>12} {:>10}",
         "encoding", "block", "median ms", "vs auto"
     );
-    for case in all.iter().filter(|c| matches!(c.name, "none" | "alibi")) {
+    for case in all
+        .iter()
+        .filter(|c| section("blocks") && matches!(c.name, "none" | "alibi"))
+    {
         let mut auto = None;
         for block in [None, Some(64), Some(128), Some(256), Some(512), Some(t)] {
             let cfg = AttentionConfig::new(d_model, heads)
@@ -420,7 +430,10 @@ fn main() -> Result<()> {
         "{:<18} {:>8} {:>12} {:>10}",
         "encoding", "L", "median ms", "vs L/2"
     );
-    for case in all.iter().filter(|c| c.name != "shaw_direct_k64") {
+    for case in all
+        .iter()
+        .filter(|c| section("decode") && c.name != "shaw_direct_k64")
+    {
         let mha = block(case, true, d_model, heads, &vb)?;
         let mut prev: Option<f64> = None;
         for &len in lens {
@@ -456,7 +469,10 @@ fn main() -> Result<()> {
         "encoding", "before MiB", "peak MiB", "vs none"
     );
     let mut base = None;
-    for name in ["none", "shaw_k64", "shaw_direct_k64"] {
+    for name in ["none", "shaw_k64", "shaw_direct_k64"]
+        .into_iter()
+        .filter(|_| section("memory"))
+    {
         let (before, peak, _) = run_child(name, t_mem, true)?;
         let b0 = *base.get_or_insert(peak);
         println!("{name:<18} {before:>14.0} {peak:>14.0} {:>9.2}x", peak / b0);
@@ -472,7 +488,7 @@ fn main() -> Result<()> {
         "{:<18} {:>8} {:>14} {:>12}",
         "encoding", "causal", "peak MiB", "seconds"
     );
-    for causal in [true, false] {
+    for causal in [true, false].into_iter().filter(|_| section("long")) {
         for case in all.iter().filter(|c| c.name != "shaw_direct_k64") {
             let (_, peak, ms) = run_child(case.name, t_long, causal)?;
             println!(

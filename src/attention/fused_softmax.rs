@@ -78,6 +78,69 @@ impl Strided {
     }
 }
 
+/// Lanes of the reductions below: independent accumulators the compiler keeps in one vector.
+const LANES: usize = 8;
+
+/// The largest value of `row` (a NaN anywhere makes the row NaN later, through `x − max`).
+fn row_max(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a = if *x > *a { *x } else { *a };
+        }
+    }
+    tail.iter()
+        .chain(&acc)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `x ← e^(x − max)` over `row`, returning the sum. Results below e^-87 (subnormal, and under
+/// 2e-38 next to a sum of at least 1) are flushed to zero; NaN stays NaN.
+fn exp_shifted_in_place(row: &mut [f32], max: f32) -> f32 {
+    for x in row.iter_mut() {
+        let d = *x - max;
+        // Comparisons, not f32::max: a NaN must stay NaN.
+        let below = d < -87.0;
+        let e = exp(if below { -87.0 } else { d });
+        *x = if below { 0.0 } else { e };
+    }
+    let mut acc = [0f32; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    tail.iter().chain(&acc).sum()
+}
+
+/// `e^x` for `x` in `[-87, 0]` (and NaN), in straight-line f32 arithmetic the compiler
+/// vectorises: `x = k·ln 2 + r` with `k = round(x / ln 2)` and `|r| ≤ ln 2 / 2` (Cody–Waite, ln 2
+/// split in two so `r` is exact to f32), `e^r` by its degree-6 Taylor polynomial (truncation
+/// under 1.2e-7 relative), and `2^k` written straight into the exponent bits. Relative error
+/// within 3e-7 of `f64::exp` (tested), against ~1e-7 for the scalar library call it replaces at
+/// a fraction of the cost.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75; // ln 2 rounded to 16 significant bits: k·LN2_HI is exact
+    const LN2_LO: f32 = 1.428_606_8e-6; // ln 2 − LN2_HI
+    const ROUND: f32 = 12_582_912.0; // 1.5·2^23: adding it rounds to an integer in the low bits
+    let z = x * LOG2_E + ROUND;
+    let k = z - ROUND;
+    let ki = z.to_bits() as i32 - ROUND.to_bits() as i32;
+    let r = (x - k * LN2_HI) - k * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (1.0 / 2.0
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    p * f32::from_bits(((ki + 127) << 23) as u32)
+}
+
 /// The op: additive terms, padding (`(B, Tk)`, non-zero = keep) and causality.
 pub(crate) struct BiasMaskSoftmax {
     terms: Vec<Strided>,
@@ -164,7 +227,7 @@ impl InplaceOp1 for BiasMaskSoftmax {
                             }
                         }
                     }
-                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let max = row_max(row);
                     if max == f32::MIN && !hidden.is_empty() {
                         // Every key masked: uniform over the whole row, as the unfused path
                         // (which fills the hidden keys with the same lowest value) gives.
@@ -172,15 +235,7 @@ impl InplaceOp1 for BiasMaskSoftmax {
                         row.iter_mut().chain(hidden.iter_mut()).for_each(|x| *x = u);
                         return;
                     }
-                    let mut sum = 0f32;
-                    for x in row.iter_mut() {
-                        // Below e^-87 the result would be subnormal (slow on x86, and under
-                        // 2e-38 next to a sum of at least 1): flush it to zero.
-                        let d = *x - max;
-                        *x = if d > -87.0 { d.exp() } else { 0.0 };
-                        sum += *x;
-                    }
-                    let inv = 1.0 / sum;
+                    let inv = 1.0 / exp_shifted_in_place(row, max);
                     for x in row.iter_mut() {
                         *x *= inv;
                     }
@@ -215,5 +270,37 @@ impl InplaceOp1 for BiasMaskSoftmax {
         };
         run(&terms, padding);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_f64_within_3e7_relative() {
+        let mut worst = 0f64;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 3e-7, "worst relative error {worst:e}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn shifted_exp_flushes_below_e_minus_87_and_keeps_nan() {
+        let mut row = [0.0, -1.0, -90.0, f32::NAN, -86.0];
+        let sum = exp_shifted_in_place(&mut row, 0.0);
+        assert_eq!(row[2], 0.0);
+        assert!(row[3].is_nan() && sum.is_nan());
+        assert!((row[1] as f64 - (-1f64).exp()).abs() < 1e-7);
+        assert!(row[4] > 0.0);
+        let mut row = [1.0f32; 11];
+        row[7] = 3.0;
+        assert_eq!(row_max(&row), 3.0);
     }
 }

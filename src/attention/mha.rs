@@ -56,8 +56,9 @@ pub struct AttentionConfig {
     pub logits_budget: usize,
 }
 
-/// Default [`AttentionConfig::logits_budget`]: 64 MiB of logits per query block.
-pub const DEFAULT_LOGITS_BUDGET: usize = 64 << 20;
+/// Default [`AttentionConfig::logits_budget`]: 16 MiB of logits per query block (B2 H8: 256
+/// queries against 1024 keys), small enough for the allocator to reuse between blocks.
+pub const DEFAULT_LOGITS_BUDGET: usize = 16 << 20;
 
 impl AttentionConfig {
     /// Defaults for `num_heads` heads over `d_model` features: as many KV heads as heads,
