@@ -50,6 +50,7 @@ pub mod attention;
 pub mod checkpoint;
 pub mod encoding;
 mod error;
+mod graft;
 pub mod positions;
 pub mod relative;
 pub mod rotary;

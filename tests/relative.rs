@@ -250,6 +250,48 @@ fn shaw_matches_direct_formula(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Training through Shaw's memory-light keys and values: the gradients of `Σ y²` reaching
+/// a^K, a^V and the query projection equal PyTorch autograd through the direct formula (the
+/// `(T, T, d)` tensors). The gradients reach ~100, so the tolerance is relative: 1e-6 of the
+/// largest (f32 rounding through a long chain is a few 1e-7 of it).
+fn shaw_gradients_match_torch(dev: &Device) -> anyhow::Result<()> {
+    let fx = fixture("relative.safetensors", dev)?;
+    for causal in [false, true] {
+        let mut varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 2), vb.clone())?;
+        let cfg = AttentionConfig::new(16, 4).with_causal(causal);
+        let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(shaw)), vb.clone())?;
+        for name in [
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "o_proj.weight",
+            "relative_keys.weight",
+            "relative_values.weight",
+        ] {
+            varmap.set_one(name, get(&fx, &format!("shaw.{name}")))?;
+        }
+        let train = AttentionOptions {
+            train: true,
+            ..Default::default()
+        };
+        let y = mha.forward_with(get(&fx, "shaw.x"), &train, None)?.output;
+        let grads = y.sqr()?.sum_all()?.backward()?;
+        let vars = varmap.data().lock().map_err(|e| anyhow::anyhow!("{e}"))?;
+        for name in ["relative_keys", "relative_values", "q_proj"] {
+            let var = &vars[&format!("{name}.weight")];
+            let got = grads.get(var.as_tensor()).expect("a gradient");
+            let want = format!("shaw.grad_causal{}.{name}", causal as u8);
+            let want_t = get(&fx, &want);
+            let scale = want_t.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(scale > 1.0, "{want}: the loss must reach this gradient");
+            assert_close(got, want_t, 1e-6 * scale as f64, &want)?;
+        }
+    }
+    Ok(())
+}
+
 /// Every relative encoding, for 4 heads of width 4.
 fn shaw_index_built_once_per_shape(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
@@ -397,6 +439,28 @@ fn query_blocks_equal_one_block(dev: &Device) -> anyhow::Result<()> {
                         1e-6,
                         &what,
                     )?;
+                }
+            }
+            // Gradients through the blocks equal those through one block.
+            let train = AttentionOptions {
+                train: true,
+                ..Default::default()
+            };
+            let want = one
+                .forward_with(&x, &train, None)?
+                .output
+                .sqr()?
+                .sum_all()?
+                .backward()?;
+            let got = blocked[2]
+                .forward_with(&x, &train, None)?
+                .output
+                .sqr()?
+                .sum_all()?
+                .backward()?;
+            for var in varmap.all_vars() {
+                if let (Some(a), Some(b)) = (got.get(var.as_tensor()), want.get(var.as_tensor())) {
+                    assert_close(a, b, 1e-4, &format!("{name} causal={causal} gradient"))?;
                 }
             }
             // Decoding after a blocked prefill equals the whole sequence at once.
@@ -802,6 +866,7 @@ device_tests!(
     clipped_bias_matches_seed,
     shaw_matches_direct_formula,
     shaw_index_built_once_per_shape,
+    shaw_gradients_match_torch,
     decode_with_cache_equals_full_forward,
     masks_are_respected,
     relative_order_matters,

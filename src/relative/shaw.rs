@@ -26,6 +26,7 @@ use candle_nn::{Init, VarBuilder};
 
 use super::{query_dims, relative_buckets, BucketCache};
 use crate::attention::{bucket_sums, bucket_sums_apply, PositionalEncoding, RelativeBias};
+use crate::graft::{graft, GraftBackward};
 use crate::{Error, Positions, Result};
 
 /// Configuration of [`ShawRelativePosition`].
@@ -214,6 +215,17 @@ impl ShawRelativePosition {
     }
 }
 
+/// The adjoint of summing weights per bucket: each weight's gradient is its bucket's.
+struct GatherAt(Tensor);
+
+impl GraftBackward for GatherAt {
+    const NAME: &'static str = "posenc-shaw-bucket-sums-grad";
+
+    fn grad(&self, grad_sums: &Tensor) -> candle_core::Result<Tensor> {
+        grad_sums.contiguous()?.gather(&self.0, 3)
+    }
+}
+
 impl PositionalEncoding for ShawRelativePosition {
     /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`.
     fn logits_bias(
@@ -257,12 +269,17 @@ impl PositionalEncoding for ShawRelativePosition {
             // Offsets, inference on the CPU: one pass over the weights, no index.
             Some(shift) if bucket_sums_apply(probs) => bucket_sums(probs, buckets, shift)?,
             _ => {
+                // candle 0.11's scatter_add backward breaks when the index is wider than the
+                // target, so the sums are computed outside the graph and grafted onto `probs`
+                // with their adjoint, a gather at the same index.
                 let index = self.index(qp, tq, kp, tk, b, h)?;
-                Tensor::zeros((b, h, tq, buckets), probs.dtype(), probs.device())?.scatter_add(
-                    &index,
-                    &probs.contiguous()?,
-                    3,
-                )?
+                let sums = Tensor::zeros((b, h, tq, buckets), probs.dtype(), probs.device())?
+                    .scatter_add(&index, &probs.detach().contiguous()?, 3)?;
+                if probs.track_op() {
+                    graft(probs, &sums, GatherAt(index))?
+                } else {
+                    sums
+                }
             }
         };
         Ok(Some(

@@ -2,7 +2,7 @@
 //!
 //! - [`rotate_fused`]: candle-nn's fused kernels (`rope`, `rope_i`, `rope_thd`; CPU, CUDA and
 //!   Metal). They have no backward pass, so when the input is part of a graph the result is
-//!   grafted onto it by [`RotationGrad`], whose backward is the rotation by `−θ`: the same kernel
+//!   grafted onto it (`crate::graft`) with [`RotationGrad`] as backward, whose backward is the rotation by `−θ`: the same kernel
 //!   with `−sin`. For `y = R(θ)·x` (per pair, `[[c, −s], [s, c]]`), `∂L/∂x = R(θ)ᵀ·∂L/∂y =
 //!   R(−θ)·∂L/∂y`, and that stays true when cos and sin carry a common scale (xPos, YaRN).
 //! - [`rotate_ops`]: the textbook formula from tensor ops (`x·cos + rotate_half(x)·sin`, or its
@@ -12,10 +12,10 @@
 //! Both take cos/sin of shape `(T, D/2)` (shared by the batch) or `(B, T, D/2)` (per sequence),
 //! with exactly `T` rows: candle's kernels index 3-D tables as if they had `T` rows.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
+use candle_core::{Tensor, D};
 
 use super::{QkLayout, RopeLayout};
+use crate::graft::{graft, GraftBackward};
 use crate::Result;
 
 /// Rotates `x` (`(B, H, T, D)` or `(B, T, H, D)`) with candle-nn's fused kernels, keeping
@@ -47,7 +47,7 @@ pub(crate) fn rotate_fused(
         pairs,
         axes,
     };
-    Ok(x.apply_op2(&y, grad)?)
+    graft(&x, &y, grad)
 }
 
 /// Rotates `x` with differentiable tensor ops (no custom kernel).
@@ -96,10 +96,7 @@ pub(crate) fn rotate_ops(
     }
 }
 
-/// Grafts a fused rotation's output onto its input's graph.
-///
-/// Forward: the already computed rotation `y` (second argument), copied. Backward: the gradient
-/// rotated by `−θ` through the same fused kernel.
+/// The backward of a fused rotation: the gradient rotated by `−θ` through the same kernel.
 #[derive(Debug, Clone)]
 struct RotationGrad {
     cos: Tensor,
@@ -108,60 +105,13 @@ struct RotationGrad {
     axes: QkLayout,
 }
 
-/// The rotated output as a fresh storage; `y` is always a fresh contiguous tensor.
-fn copy_output<S: BackendStorage>(y: &S, layout: &Layout) -> candle_core::Result<(S, Shape)> {
-    if layout.start_offset() != 0 || !layout.is_contiguous() {
-        candle_core::bail!("rope gradient graft: the rotated tensor must be fresh and contiguous")
-    }
-    Ok((y.try_clone(layout)?, layout.shape().clone()))
-}
+impl GraftBackward for RotationGrad {
+    const NAME: &'static str = "posenc-rope-grad";
 
-impl CustomOp2 for RotationGrad {
-    fn name(&self) -> &'static str {
-        "posenc-rope-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _x: &CpuStorage,
-        _lx: &Layout,
-        y: &CpuStorage,
-        ly: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        copy_output(y, ly)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _x: &candle_core::CudaStorage,
-        _lx: &Layout,
-        y: &candle_core::CudaStorage,
-        ly: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        copy_output(y, ly)
-    }
-
-    #[cfg(feature = "metal")]
-    fn metal_fwd(
-        &self,
-        _x: &candle_core::MetalStorage,
-        _lx: &Layout,
-        y: &candle_core::MetalStorage,
-        ly: &Layout,
-    ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
-        copy_output(y, ly)
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        _y: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
         let neg_sin = self.sin.neg()?;
-        let grad_x = rotate_fused(grad_res, &self.cos, &neg_sin, self.pairs, self.axes)?;
-        Ok((Some(grad_x), None))
+        Ok(rotate_fused(
+            grad_y, &self.cos, &neg_sin, self.pairs, self.axes,
+        )?)
     }
 }

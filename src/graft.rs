@@ -1,0 +1,85 @@
+//! Gradient grafts: a result computed outside candle's autograd (a fused kernel, or an op whose
+//! backward candle gets wrong), attached to its input's graph with a backward we supply.
+//!
+//! ```text
+//! forward:  graft(x, y) = y                    (a copy of the already computed result)
+//! backward: ∂L/∂x = B(∂L/∂y)                   (B: the op's adjoint, e.g. a rotation by −θ)
+//! ```
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+
+use crate::Result;
+
+/// The backward of a grafted op: the gradient with respect to its input, from the gradient
+/// with respect to its output.
+pub(crate) trait GraftBackward: Send + Sync + 'static {
+    /// The custom op's name (shown in candle's errors).
+    const NAME: &'static str;
+    /// `∂L/∂x` from `∂L/∂y`.
+    fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+/// `y`, with gradients flowing to `x` through `backward`. `y` must be a fresh contiguous tensor
+/// computed from `x` outside the graph.
+pub(crate) fn graft<B: GraftBackward>(x: &Tensor, y: &Tensor, backward: B) -> Result<Tensor> {
+    Ok(x.apply_op2(y, Graft(backward))?)
+}
+
+struct Graft<B>(B);
+
+/// The grafted result as a fresh storage.
+fn copy_output<S: BackendStorage>(y: &S, layout: &Layout) -> candle_core::Result<(S, Shape)> {
+    if layout.start_offset() != 0 || !layout.is_contiguous() {
+        candle_core::bail!("gradient graft: the grafted tensor must be fresh and contiguous")
+    }
+    Ok((y.try_clone(layout)?, layout.shape().clone()))
+}
+
+impl<B: GraftBackward> CustomOp2 for Graft<B> {
+    fn name(&self) -> &'static str {
+        B::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        _x: &CpuStorage,
+        _lx: &Layout,
+        y: &CpuStorage,
+        ly: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        copy_output(y, ly)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _x: &candle_core::CudaStorage,
+        _lx: &Layout,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        copy_output(y, ly)
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        _x: &candle_core::MetalStorage,
+        _lx: &Layout,
+        y: &candle_core::MetalStorage,
+        ly: &Layout,
+    ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
+        copy_output(y, ly)
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _y: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(self.0.grad(grad_res)?), None))
+    }
+}
