@@ -235,6 +235,17 @@ impl Alibi {
         keys: &Positions,
         tk: usize,
     ) -> Result<Tensor> {
+        queries.check_len(tq)?;
+        keys.check_len(tk)?;
+        if tq == 0 {
+            // No query row to anchor the causal form on: an empty bias.
+            let h = self.config.head_count;
+            return Ok(Tensor::zeros(
+                (1, h, 0, tk),
+                DType::F32,
+                self.slopes.device(),
+            )?);
+        }
         let build = || self.build_bias(queries, tq, keys, tk);
         if self.config.learnable {
             // Trainable slopes: recompute so gradients reach them.

@@ -96,6 +96,8 @@ impl BucketCache {
         layout: (usize, usize),
         build: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
+        queries.check_len(tq)?;
+        keys.check_len(tk)?;
         let key = match (queries, keys) {
             (Positions::Offset(q), Positions::Offset(k)) => Some((*q, tq, *k, tk, layout)),
             _ => None,
