@@ -263,6 +263,13 @@ impl Positions {
                 })
             }
         };
+        if !x.dtype().is_float() {
+            return Err(Error::DType {
+                what,
+                expected: "a float dtype (f32, f64, bf16 or f16)",
+                got: x.dtype(),
+            });
+        }
         self.check(b, t)?;
         Ok((b, t))
     }
