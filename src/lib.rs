@@ -50,6 +50,7 @@ pub mod attention;
 pub mod checkpoint;
 pub mod encoding;
 mod error;
+pub mod limits;
 pub mod positions;
 pub mod relative;
 pub mod rotary;

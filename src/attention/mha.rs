@@ -26,6 +26,7 @@ use super::fused_softmax;
 use super::mask::{apply_keep_mask, check_padding, keep_mask};
 use super::{KvCache, PositionalEncoding};
 use crate::checkpoint::MetadataReader;
+use crate::limits::check_elements;
 use crate::{Error, Positions, Result};
 
 /// Configuration of [`MultiHeadAttention`].
@@ -160,7 +161,8 @@ impl AttentionConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, or a
-    /// scale that is not finite and positive.
+    /// scale that is not finite and positive, or projection weights past
+    /// [`crate::limits::MAX_ELEMENTS`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
             return Err(Error::config("d_model", self.d_model, "at least 1"));
@@ -185,6 +187,18 @@ impl AttentionConfig {
                 format!("a divisor of num_heads ({})", self.num_heads),
             ));
         }
+        let width = check_elements(
+            "head_dim",
+            self.head_dim,
+            format!("num_heads ({}) × head_dim", self.num_heads).as_str(),
+            &[self.num_heads, self.head_dim],
+        )?;
+        check_elements(
+            "d_model",
+            self.d_model,
+            format!("d_model × num_heads × head_dim ({width})").as_str(),
+            &[self.d_model, width],
+        )?;
         crate::absolute::check_dropout(self.dropout)?;
         if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
             return Err(Error::config(

@@ -26,6 +26,7 @@ use candle_nn::{Init, VarBuilder};
 
 use super::{query_dims, relative_buckets, BucketCache};
 use crate::attention::PositionalEncoding;
+use crate::limits::check_elements;
 use crate::{Error, Positions, Result};
 
 /// Configuration of [`ShawRelativePosition`].
@@ -58,7 +59,8 @@ impl ShawConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for a zero head width or a zero or absurd (> 2^20) clip distance.
+    /// [`Error::InvalidConfig`] for a zero head width, a zero or absurd (> 2^20) clip distance, or
+    /// tables past [`crate::limits::MAX_ELEMENTS`].
     pub fn validate(&self) -> Result<()> {
         if self.head_dim == 0 {
             return Err(Error::config("head_dim", self.head_dim, "at least 1"));
@@ -70,6 +72,12 @@ impl ShawConfig {
                 "between 1 and 2^20",
             ));
         }
+        check_elements(
+            "head_dim",
+            self.head_dim,
+            "(2 · max_distance + 1) × head_dim",
+            &[2 * self.max_distance + 1, self.head_dim],
+        )?;
         Ok(())
     }
 
