@@ -221,7 +221,12 @@ impl PositionalEncoding for ShawRelativePosition {
         let Some(values) = &self.values else {
             return Ok(None);
         };
-        let (b, h, tq, tk) = probs.dims4()?;
+        let (b, h, tq, tk) = probs.dims4().map_err(|_| Error::Rank {
+            what: "attention probabilities",
+            expected: 4,
+            got: probs.rank(),
+            shape: probs.dims().to_vec(),
+        })?;
         let index = self.index(qp, tq, kp, tk, b, h)?;
         let buckets = 2 * self.config.max_distance + 1;
         let summed = Tensor::zeros((b, h, tq, buckets), probs.dtype(), probs.device())?
