@@ -357,6 +357,19 @@ impl MultiHeadAttention {
             }
         };
         let (b, t) = positions.check_input(x, cfg.d_model, "attention input x")?;
+        if t == 0 {
+            // No query: candle's linear layers cannot reshape an empty chunk, and there is
+            // nothing to append to the cache. The output (and weights) are empty.
+            let tk = cache.as_ref().map_or(0, |c| c.len());
+            let empty = |shape: &[usize]| Tensor::zeros(shape, x.dtype(), x.device());
+            return Ok(AttentionOutput {
+                output: empty(&[b, 0, cfg.d_model])?,
+                weights: match options.return_weights {
+                    true => Some(empty(&[b, cfg.num_heads, 0, tk])?),
+                    false => None,
+                },
+            });
+        }
         let enc = self.encoding.as_deref();
 
         let x = match enc {
