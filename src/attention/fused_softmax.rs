@@ -123,9 +123,14 @@ impl InplaceOp1 for BiasMaskSoftmax {
                     let mut sum = 0f32;
                     for x in row.iter_mut() {
                         // Below e^-87 the result would be subnormal (slow on x86, and under
-                        // 2e-38 next to a sum of at least 1): flush it to zero.
+                        // 2e-38 next to a sum of at least 1): flush it to zero. A NaN logit
+                        // stays NaN (and makes the row NaN), as in the unfused softmax.
                         let d = *x - max;
-                        *x = if d > -87.0 { d.exp() } else { 0.0 };
+                        *x = if d > -87.0 || d.is_nan() {
+                            d.exp()
+                        } else {
+                            0.0
+                        };
                         sum += *x;
                     }
                     let inv = 1.0 / sum;
