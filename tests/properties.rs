@@ -98,7 +98,7 @@ fn kv_cache_case(
         .iter()
         .enumerate()
     {
-        let mha = zoo::attention(config, &attn_config(s), dtype, &dev)?;
+        let (mha, _) = zoo::attention(config, &attn_config(s), dtype, &dev)?;
         let at = Positions::Offset(start);
         let full = mha.forward_with(
             &x,
@@ -151,7 +151,7 @@ fn ids_case(
         .iter()
         .enumerate()
     {
-        let mha = zoo::attention(config, &attn_config(s), dtype, &dev)?;
+        let (mha, _) = zoo::attention(config, &attn_config(s), dtype, &dev)?;
         let run = |p: &Positions| {
             mha.forward_with(
                 &x,

@@ -1,5 +1,7 @@
 //! Every encoding of the crate in a few configurations, for tests that must cover them all.
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
@@ -55,14 +57,14 @@ pub fn label(i: usize, c: &EncodingConfig) -> String {
     format!("#{i} {}", c.kind())
 }
 
-/// Causal attention with the encoding built from `config`; weights (and learned tables) are
-/// drawn at random into a fresh `VarMap`, in `dtype`.
+/// Attention with the encoding built from `config`; weights (and learned tables) are drawn at
+/// random into a fresh `VarMap`, in `dtype`, which is returned with the block.
 pub fn attention(
     config: &EncodingConfig,
     attn: &AttentionConfig,
     dtype: DType,
     device: &Device,
-) -> anyhow::Result<MultiHeadAttention> {
+) -> anyhow::Result<(MultiHeadAttention, VarMap)> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, dtype, device);
     let enc = config.build(vb.pp("enc"))?;
@@ -72,5 +74,25 @@ pub fn attention(
         let noise = Tensor::randn(0f32, 0.5, var.shape(), device)?.to_dtype(var.dtype())?;
         var.set(&(var.as_tensor() + noise)?)?;
     }
-    Ok(mha)
+    Ok((mha, varmap))
+}
+
+/// The same block with the weights of `varmap` converted to `dtype`.
+pub fn attention_from(
+    config: &EncodingConfig,
+    attn: &AttentionConfig,
+    varmap: &VarMap,
+    dtype: DType,
+    device: &Device,
+) -> anyhow::Result<MultiHeadAttention> {
+    let tensors: HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+    let enc = config.build(vb.pp("enc"))?;
+    Ok(MultiHeadAttention::new(attn, enc, vb.pp("attn"))?)
 }
