@@ -178,9 +178,19 @@ impl Checkpoint {
 
     /// A `VarBuilder` over the tensors, converting to `dtype` on `device`. Missing or
     /// misshapen tensors surface as [`Error::MissingTensor`] / [`Error::TensorShape`] from the
-    /// constructors that use it.
+    /// constructors that use it, and an integer tensor where a float parameter is asked for as
+    /// [`Error::Checkpoint`] (it is not silently converted).
     pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
-        VarBuilder::from_tensors(self.tensors.clone(), dtype, device)
+        let backend = CheckedTensors {
+            source: self.source.clone(),
+            tensors: self.tensors.clone(),
+        };
+        VarBuilder::from_backend(Box::new(backend), dtype, device.clone())
+    }
+
+    /// Refuses to turn an integer tensor into a float parameter.
+    fn check_dtype(&self, name: &str, t: &Tensor, want: DType) -> Result<()> {
+        dtype_fits(&self.source, name, t, want)
     }
 
     /// Copies the checkpoint's values into every variable of `varmap`.
@@ -189,7 +199,8 @@ impl Checkpoint {
     /// changes nothing. Tensors the `VarMap` does not have are ignored.
     ///
     /// # Errors
-    /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the first offending variable.
+    /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the first offending variable;
+    /// [`Error::Checkpoint`] for an integer tensor where the variable is a float.
     pub fn load_into(&self, varmap: &VarMap) -> Result<()> {
         let vars = varmap.data().lock().map_err(|_| Error::Checkpoint {
             path: self.source.clone(),
@@ -201,12 +212,81 @@ impl Checkpoint {
         for name in names {
             let var = &vars[name];
             let t = self.get(name, var.dims())?;
+            self.check_dtype(name, t, var.dtype())?;
             staged.push((var, t.to_device(var.device())?.to_dtype(var.dtype())?));
         }
         for (var, t) in staged {
             var.set(&t)?;
         }
         Ok(())
+    }
+}
+
+/// An integer tensor may not become a float parameter (a table stored as `i64` is a corrupt or
+/// foreign file, not something to convert).
+fn dtype_fits(source: &str, name: &str, t: &Tensor, want: DType) -> Result<()> {
+    if want.is_float() && !t.dtype().is_float() {
+        return Err(Error::Checkpoint {
+            path: source.into(),
+            reason: format!(
+                "tensor `{name}` has dtype {:?}, expected a float dtype for a {want:?} parameter",
+                t.dtype()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// candle-nn's `HashMap` backend for `VarBuilder`, plus the dtype check of [`dtype_fits`].
+struct CheckedTensors {
+    source: String,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl CheckedTensors {
+    fn find(&self, name: &str, want: DType) -> candle_core::Result<&Tensor> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() })?;
+        if let Err(Error::Checkpoint { path, reason }) = dtype_fits(&self.source, name, t, want) {
+            // Only candle errors cross the backend; `Error::from` turns this form back into
+            // `Error::Checkpoint`.
+            return Err(candle_core::Error::Msg(format!(
+                "checkpoint {path}: {reason}"
+            )));
+        }
+        Ok(t)
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for CheckedTensors {
+    fn get(
+        &self,
+        shape: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.find(name, dtype)?;
+        if t.shape() != &shape {
+            // The message form that `Error::from` turns into `Error::TensorShape`.
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: shape,
+                got: t.shape().clone(),
+            });
+        }
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.find(name, dtype)?.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
     }
 }
 

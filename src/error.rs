@@ -4,7 +4,8 @@
 //! checkpoint) is reported as an [`Error`] variant that names the offending value and what was
 //! expected. Failures inside candle's kernels are wrapped as [`Error::Candle`], except the two
 //! that concern checkpoints (a tensor that is missing or has the wrong shape), which are turned
-//! into [`Error::MissingTensor`] and [`Error::TensorShape`] so callers can match on them.
+//! into [`Error::MissingTensor`] and [`Error::TensorShape`] so callers can match on them, and
+//! a checkpoint tensor of the wrong dtype, which becomes [`Error::Checkpoint`].
 
 use candle_core::Shape;
 
@@ -169,6 +170,20 @@ impl From<candle_core::Error> for Error {
                         name: name.to_string(),
                         expected: expected.dims().to_vec(),
                         got: got.dims().to_vec(),
+                    },
+                    None => Error::Candle(err),
+                }
+            }
+            // Raised by the checkpoint's VarBuilder backend (see `Checkpoint::var_builder`),
+            // which can only return candle errors: "checkpoint <path>: tensor `<name>` ...".
+            candle_core::Error::Msg(msg) => {
+                match msg
+                    .strip_prefix("checkpoint ")
+                    .and_then(|m| m.split_once(": tensor `"))
+                {
+                    Some((path, rest)) => Error::Checkpoint {
+                        path: path.to_string(),
+                        reason: format!("tensor `{rest}"),
                     },
                     None => Error::Candle(err),
                 }

@@ -51,6 +51,7 @@ pub mod checkpoint;
 pub mod encoding;
 mod error;
 mod graft;
+pub mod limits;
 pub mod positions;
 pub mod relative;
 pub mod rotary;

@@ -191,16 +191,7 @@ impl Positions {
     /// [`Error::InvalidConfig`] if an offset would pass [`MAX_POSITION`].
     pub fn check(&self, batch: usize, len: usize) -> Result<()> {
         match self {
-            Positions::Offset(start) => {
-                if start.checked_add(len).is_none_or(|e| e > MAX_POSITION + 1) {
-                    return Err(Error::config(
-                        "position offset",
-                        start,
-                        format!("offset + length ({len}) at most {}", MAX_POSITION + 1),
-                    ));
-                }
-                Ok(())
-            }
+            Positions::Offset(_) => self.check_offset(len),
             Positions::Ids(ids) => {
                 if ids.len() != len || (ids.batch() != batch && ids.batch() != 1) {
                     return Err(Error::shape(
@@ -214,10 +205,39 @@ impl Positions {
         }
     }
 
+    /// Checks that these positions can describe `len` tokens of some batch: an offset that
+    /// stays within [`MAX_POSITION`], or ids holding `len` tokens per sequence.
+    pub(crate) fn check_len(&self, len: usize) -> Result<()> {
+        match self {
+            Positions::Offset(_) => self.check_offset(len),
+            Positions::Ids(ids) if ids.len() != len => Err(Error::shape(
+                "position ids",
+                format!("(batch, {len}) to match the {len} tokens"),
+                ids.ids().shape(),
+            )),
+            Positions::Ids(_) => Ok(()),
+        }
+    }
+
+    /// For an offset, checks that `start + len` stays within `MAX_POSITION + 1`.
+    fn check_offset(&self, len: usize) -> Result<()> {
+        if let Positions::Offset(start) = self {
+            if start.checked_add(len).is_none_or(|e| e > MAX_POSITION + 1) {
+                return Err(Error::config(
+                    "position offset",
+                    start,
+                    format!("offset + length ({len}) at most {}", MAX_POSITION + 1),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks that `x` is `(B, T, d_model)` and that these positions fit it; returns `(B, T)`.
     ///
     /// # Errors
-    /// [`Error::Rank`] unless `x` has rank 3, [`Error::Shape`] for another width, and the errors
+    /// [`Error::Rank`] unless `x` has rank 3, [`Error::Shape`] for another width,
+    /// [`Error::DType`] for an integer dtype, and the errors
     /// of [`Self::check`]. `what` names `x` in the messages.
     pub fn check_input(
         &self,
@@ -243,6 +263,13 @@ impl Positions {
                 })
             }
         };
+        if !x.dtype().is_float() {
+            return Err(Error::DType {
+                what,
+                expected: "a float dtype (f32, f64, bf16 or f16)",
+                got: x.dtype(),
+            });
+        }
         self.check(b, t)?;
         Ok((b, t))
     }
@@ -275,12 +302,15 @@ impl Positions {
     /// The positions as a `(1, len)` or `(B, len)` `u32` tensor.
     ///
     /// # Errors
-    /// Propagates device errors.
+    /// [`Error::InvalidConfig`] if an offset would pass [`MAX_POSITION`]; device errors.
     pub fn to_ids(&self, len: usize, device: &Device) -> Result<Tensor> {
         match self {
             Positions::Offset(start) => {
+                self.check_offset(len)?;
+                // In range after the check: start + len <= MAX_POSITION + 1 = 2^32.
                 let start = *start as u32;
-                Ok(Tensor::arange(start, start + len as u32, device)?.unsqueeze(0)?)
+                let ids: Vec<u32> = (0..len as u32).map(|t| start + t).collect();
+                Ok(Tensor::from_vec(ids, (1, len), device)?)
             }
             Positions::Ids(ids) => Ok(ids.ids().clone()),
         }
@@ -292,7 +322,8 @@ impl Positions {
     /// Two contiguous offsets stay an offset; anything else becomes explicit ids.
     ///
     /// # Errors
-    /// [`Error::Shape`] if explicit ids disagree on the batch size.
+    /// [`Error::Shape`] if explicit ids disagree on the batch size; [`Error::InvalidConfig`] if
+    /// an offset would pass [`MAX_POSITION`].
     pub fn extend(
         &self,
         len: usize,
@@ -300,6 +331,8 @@ impl Positions {
         next_len: usize,
         device: &Device,
     ) -> Result<Positions> {
+        self.check_offset(len)?;
+        next.check_offset(next_len)?;
         if let (Positions::Offset(a), Positions::Offset(b)) = (self, next) {
             if a + len == *b {
                 return Ok(Positions::Offset(*a));

@@ -198,12 +198,18 @@ impl LearnedPositionalEncoding {
     /// `align_corners=False`). `len == max_len` returns the table itself.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for `len == 0`.
+    /// [`Error::InvalidConfig`] for `len == 0` or `len × d_model` past [`crate::limits::MAX_ELEMENTS`].
     pub fn interpolated(&self, len: usize) -> Result<Tensor> {
         let n_in = self.config.max_len;
         if len == 0 {
             return Err(Error::config("interpolation length", len, "at least 1"));
         }
+        crate::limits::check_elements(
+            "interpolation length",
+            len,
+            format!("length × d_model ({})", self.config.d_model).as_str(),
+            &[len, self.config.d_model],
+        )?;
         if len == n_in {
             return Ok(self.weight.clone());
         }

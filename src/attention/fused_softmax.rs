@@ -239,7 +239,9 @@ impl InplaceOp1 for BiasMaskSoftmax {
                     for x in row.iter_mut() {
                         *x *= inv;
                     }
-                    hidden.iter_mut().for_each(|x| *x = 0.0);
+                    // 0, or NaN when the row is NaN: what the unfused softmax gives keys
+                    // masked with the lowest value.
+                    hidden.iter_mut().for_each(|x| *x = 0.0 * inv);
                 });
         };
         // Hold a read guard on every term's storage for the whole pass.

@@ -15,6 +15,8 @@ use crate::{Positions, Result};
 #[derive(Debug, Clone)]
 pub struct KvCache {
     inner: candle_nn::kv_cache::KvCache,
+    /// Positions per storage block, as asked; capped at the first append (see `with_capacity`).
+    capacity: usize,
     positions: Option<Positions>,
 }
 
@@ -31,9 +33,15 @@ impl KvCache {
     }
 
     /// An empty cache whose storage grows `capacity` positions at a time.
+    ///
+    /// The capacity is a hint: storage is allocated at the first append, for at most
+    /// [`crate::limits::MAX_ELEMENTS`] elements per block (so `with_capacity(10^12)` does not
+    /// abort on allocation), and grows past it as tokens arrive.
     pub fn with_capacity(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
         Self {
-            inner: candle_nn::kv_cache::KvCache::new(2, capacity.max(1)),
+            inner: candle_nn::kv_cache::KvCache::new(2, capacity),
+            capacity,
             positions: None,
         }
     }
@@ -74,6 +82,16 @@ impl KvCache {
     ) -> Result<(Tensor, Tensor, Positions)> {
         let cached = self.len();
         let new_len = k.dim(2)?;
+        if self.inner.k()?.is_none() {
+            // First append: size one storage block for this batch, heads and head width.
+            let (b, h, _, d) = k.dims4()?;
+            let per_position = b.saturating_mul(h).saturating_mul(d).max(1);
+            let block = self
+                .capacity
+                .min(crate::limits::MAX_ELEMENTS / per_position)
+                .max(1);
+            self.inner = candle_nn::kv_cache::KvCache::new(2, block);
+        }
         if let Some(prev) = self.inner.k()? {
             let (pd, kd) = (prev.dims(), k.dims());
             if pd[0] != kd[0] || pd[1] != kd[1] || pd[3] != kd[3] {

@@ -26,6 +26,7 @@ use super::fused_softmax;
 use super::mask::{apply_keep_mask, check_padding, keep_mask};
 use super::{KvCache, PositionalEncoding};
 use crate::checkpoint::MetadataReader;
+use crate::limits::check_elements;
 use crate::{Error, Positions, Result};
 
 /// Configuration of [`MultiHeadAttention`].
@@ -208,7 +209,8 @@ impl AttentionConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
-    /// scale that is not finite and positive, a query block of 0 or a logits budget of 0.
+    /// scale that is not finite and positive, a query block of 0, a logits budget of 0, or
+    /// projection weights past [`crate::limits::MAX_ELEMENTS`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
             return Err(Error::config("d_model", self.d_model, "at least 1"));
@@ -233,6 +235,18 @@ impl AttentionConfig {
                 format!("a divisor of num_heads ({})", self.num_heads),
             ));
         }
+        let width = check_elements(
+            "head_dim",
+            self.head_dim,
+            format!("num_heads ({}) × head_dim", self.num_heads).as_str(),
+            &[self.num_heads, self.head_dim],
+        )?;
+        check_elements(
+            "d_model",
+            self.d_model,
+            format!("d_model × num_heads × head_dim ({width})").as_str(),
+            &[self.d_model, width],
+        )?;
         crate::absolute::check_dropout(self.dropout)?;
         if self.query_block == Some(0) {
             return Err(Error::config(
@@ -401,6 +415,19 @@ impl MultiHeadAttention {
             }
         };
         let (b, t) = positions.check_input(x, cfg.d_model, "attention input x")?;
+        if t == 0 {
+            // No query: candle's linear layers cannot reshape an empty chunk, and there is
+            // nothing to append to the cache. The output (and weights) are empty.
+            let tk = cache.as_ref().map_or(0, |c| c.len());
+            let empty = |shape: &[usize]| Tensor::zeros(shape, x.dtype(), x.device());
+            return Ok(AttentionOutput {
+                output: empty(&[b, 0, cfg.d_model])?,
+                weights: match options.return_weights {
+                    true => Some(empty(&[b, cfg.num_heads, 0, tk])?),
+                    false => None,
+                },
+            });
+        }
         let enc = self.encoding.as_deref();
 
         let x = match enc {

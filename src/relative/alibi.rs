@@ -24,6 +24,7 @@ use candle_nn::{Init, VarBuilder};
 
 use super::{check_queries, BucketCache, DistanceRange, ROWS_LAYOUT};
 use crate::attention::{PositionalEncoding, RelativeBias};
+use crate::limits::check_elements;
 use crate::{Error, Positions, Result};
 
 /// How the bias treats keys after the query.
@@ -88,11 +89,10 @@ impl AlibiConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for zero heads or a head range outside `0..num_heads`.
+    /// [`Error::InvalidConfig`] for zero heads, more than [`crate::limits::MAX_ELEMENTS`] heads, or a
+    /// head range outside `0..num_heads`.
     pub fn validate(&self) -> Result<()> {
-        if self.num_heads == 0 {
-            return Err(Error::config("num_heads", self.num_heads, "at least 1"));
-        }
+        check_num_heads(self.num_heads)?;
         if self.head_count == 0 || self.first_head.saturating_add(self.head_count) > self.num_heads
         {
             return Err(Error::config(
@@ -112,11 +112,9 @@ impl AlibiConfig {
 /// The ALiBi slopes of a model with `num_heads` heads, in f64 (BLOOM's formula).
 ///
 /// # Errors
-/// [`Error::InvalidConfig`] for zero heads.
+/// [`Error::InvalidConfig`] for zero heads or more than [`crate::limits::MAX_ELEMENTS`].
 pub fn alibi_slopes(num_heads: usize) -> Result<Vec<f64>> {
-    if num_heads == 0 {
-        return Err(Error::config("num_heads", num_heads, "at least 1"));
-    }
+    check_num_heads(num_heads)?;
     let closest = 1usize << (usize::BITS - 1 - num_heads.leading_zeros());
     let base = 2f64.powf(-8.0 / closest as f64);
     let mut slopes: Vec<f64> = (1..=closest).map(|h| base.powi(h as i32)).collect();
@@ -235,6 +233,17 @@ impl Alibi {
         keys: &Positions,
         tk: usize,
     ) -> Result<Tensor> {
+        queries.check_len(tq)?;
+        keys.check_len(tk)?;
+        if tq == 0 {
+            // No query row to anchor the causal form on: an empty bias.
+            let h = self.config.head_count;
+            return Ok(Tensor::zeros(
+                (1, h, 0, tk),
+                DType::F32,
+                self.slopes.device(),
+            )?);
+        }
         let build = || self.build_bias(queries, tq, keys, tk);
         if self.config.learnable {
             // Trainable slopes: recompute so gradients reach them.
@@ -334,4 +343,13 @@ impl PositionalEncoding for Alibi {
             shift: range.shift(tq),
         }))
     }
+}
+
+/// At least one head, and few enough for the slopes to be allocated.
+fn check_num_heads(num_heads: usize) -> Result<()> {
+    if num_heads == 0 {
+        return Err(Error::config("num_heads", num_heads, "at least 1"));
+    }
+    check_elements("num_heads", num_heads, "the number of heads", &[num_heads])?;
+    Ok(())
 }

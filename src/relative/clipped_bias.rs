@@ -11,6 +11,7 @@
 //!   named `bias_table`).
 
 use super::{BucketedRelativeBias, RelativeBucketing};
+use crate::limits::check_elements;
 use crate::{Error, Result};
 
 /// Configuration of [`ClippedRelativeBias`].
@@ -34,7 +35,8 @@ impl ClippedBiasConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for zero heads or a zero or absurd (> 2^30) clip distance.
+    /// [`Error::InvalidConfig`] for zero heads, a zero or absurd (> 2^30) clip distance, or a table
+    /// past [`crate::limits::MAX_ELEMENTS`].
     pub fn validate(&self) -> Result<()> {
         if self.num_heads == 0 {
             return Err(Error::config("num_heads", self.num_heads, "at least 1"));
@@ -46,6 +48,12 @@ impl ClippedBiasConfig {
                 "between 1 and 2^30",
             ));
         }
+        check_elements(
+            "num_heads",
+            self.num_heads,
+            "(2 · max_distance + 1) × num_heads",
+            &[2 * self.max_distance + 1, self.num_heads],
+        )?;
         Ok(())
     }
 

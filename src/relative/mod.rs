@@ -32,6 +32,12 @@ pub(crate) fn relative_buckets(
     device: &Device,
     bucket: &dyn Fn(i64) -> u32,
 ) -> Result<Tensor> {
+    crate::limits::check_elements(
+        "queries × keys",
+        format!("{tq} × {tk}"),
+        "the number of (query, key) pairs",
+        &[tq, tk],
+    )?;
     // The smallest and largest distance j − i that can occur.
     let (q_lo, q_hi) = span(queries, tq);
     let (k_lo, k_hi) = span(keys, tk);
@@ -49,10 +55,22 @@ pub(crate) fn relative_buckets(
         }
         return Ok(Tensor::from_vec(data, (1, tq, tk), device)?);
     }
-    let lookup: Vec<u32> = (d_min..=d_max).map(bucket).collect();
-    let lookup = Tensor::from_vec(lookup, (d_max - d_min + 1) as usize, device)?;
     let dist = Positions::relative_distances(queries, tq, keys, tk, device)?;
     let (b, _, _) = dist.dims3()?;
+    let range = (d_max - d_min + 1) as u64;
+    if range > (b * tq * tk) as u64 {
+        // Ids far apart (e.g. 0 and 2^32 − 2): a lookup over every distance in between could
+        // need gigabytes, so bucket the distances that occur instead.
+        let buckets: Vec<u32> = dist
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .map(bucket)
+            .collect();
+        return Ok(Tensor::from_vec(buckets, (b, tq, tk), device)?);
+    }
+    let lookup: Vec<u32> = (d_min..=d_max).map(bucket).collect();
+    let lookup = Tensor::from_vec(lookup, range as usize, device)?;
     let index = dist
         .broadcast_sub(&Tensor::new(d_min, device)?)?
         .to_dtype(DType::U32)?;
@@ -141,6 +159,8 @@ impl BucketCache {
         layout: (usize, usize),
         build: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
+        queries.check_len(tq)?;
+        keys.check_len(tk)?;
         let key = match (queries, keys) {
             (Positions::Offset(q), Positions::Offset(k)) => Some((*q, tq, *k, tk, layout)),
             _ => None,

@@ -27,6 +27,7 @@ use candle_nn::{Init, VarBuilder};
 use super::{query_dims, relative_buckets, BucketCache};
 use crate::attention::{bucket_sums, bucket_sums_apply, PositionalEncoding, RelativeBias};
 use crate::graft::{graft, GraftBackward};
+use crate::limits::check_elements;
 use crate::{Error, Positions, Result};
 
 /// Configuration of [`ShawRelativePosition`].
@@ -59,7 +60,8 @@ impl ShawConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for a zero head width or a zero or absurd (> 2^20) clip distance.
+    /// [`Error::InvalidConfig`] for a zero head width, a zero or absurd (> 2^20) clip distance, or
+    /// tables past [`crate::limits::MAX_ELEMENTS`].
     pub fn validate(&self) -> Result<()> {
         if self.head_dim == 0 {
             return Err(Error::config("head_dim", self.head_dim, "at least 1"));
@@ -71,6 +73,12 @@ impl ShawConfig {
                 "between 1 and 2^20",
             ));
         }
+        check_elements(
+            "head_dim",
+            self.head_dim,
+            "(2 · max_distance + 1) × head_dim",
+            &[2 * self.max_distance + 1, self.head_dim],
+        )?;
         Ok(())
     }
 
@@ -263,7 +271,12 @@ impl PositionalEncoding for ShawRelativePosition {
         let Some(values) = &self.values else {
             return Ok(None);
         };
-        let (b, h, tq, tk) = probs.dims4()?;
+        let (b, h, tq, tk) = probs.dims4().map_err(|_| Error::Rank {
+            what: "attention probabilities",
+            expected: 4,
+            got: probs.rank(),
+            shape: probs.dims().to_vec(),
+        })?;
         let buckets = 2 * self.config.max_distance + 1;
         let summed = match self.shift(qp, kp) {
             // Offsets, inference on the CPU: one pass over the weights, no index.

@@ -26,6 +26,7 @@
 //! where the decoder's self-attention is causal (`bidirectional = false`).
 
 use super::{BucketedRelativeBias, RelativeBucketing};
+use crate::limits::check_elements;
 use crate::{Error, Result};
 
 /// Configuration of [`T5RelativeBias`].
@@ -86,7 +87,7 @@ impl T5Config {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero heads, too few buckets (< 2, or < 4 bidirectional), or
     /// a `max_distance` not greater than the exact range (`num_buckets / 2`, halved again when
-    /// bidirectional).
+    /// bidirectional), or a table past [`crate::limits::MAX_ELEMENTS`].
     pub fn validate(&self) -> Result<()> {
         if self.num_heads == 0 {
             return Err(Error::config("num_heads", self.num_heads, "at least 1"));
@@ -99,6 +100,12 @@ impl T5Config {
                 format!("at least {min} (bidirectional: {})", self.bidirectional),
             ));
         }
+        check_elements(
+            "num_buckets",
+            self.num_buckets,
+            format!("num_buckets × num_heads ({})", self.num_heads).as_str(),
+            &[self.num_buckets, self.num_heads],
+        )?;
         let (_, exact) = self.halves();
         if self.max_distance <= exact {
             return Err(Error::config(

@@ -133,7 +133,8 @@ impl RopeConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an odd or zero `head_dim`, an odd, zero or too large
+    /// [`Error::InvalidConfig`] for an odd, zero or absurd (past [`crate::limits::MAX_ELEMENTS`])
+    /// `head_dim`, an odd, zero or too large
     /// `rotary_dim`, a non-positive or non-finite base or xPos scale base, or bad scaling
     /// parameters (see [`RopeScaling::validate`]).
     pub fn validate(&self) -> Result<()> {
@@ -151,6 +152,7 @@ impl RopeConfig {
                 "an even number > 0",
             ));
         }
+        crate::limits::check_elements("head_dim", self.head_dim, "a head width", &[self.head_dim])?;
         if self.rotary_dim > self.head_dim {
             return Err(Error::config(
                 "rotary_dim",

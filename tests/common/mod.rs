@@ -1,6 +1,8 @@
 //! Shared test helpers: fixture loading, closeness checks, and the per-device test macro.
 #![allow(dead_code)]
 
+pub mod zoo;
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
