@@ -281,7 +281,9 @@ pub struct AttentionOptions<'a> {
     pub attn_mask: Option<&'a Tensor>,
     /// Whether to return the attention weights.
     pub return_weights: bool,
-    /// Training mode: dropout on, differentiable softmax.
+    /// Training mode: dropout on, differentiable softmax. In inference (`false`) q, k and v
+    /// leave the graph after their projections (only the output projection stays
+    /// differentiable), so they can be rotated and normalised in place.
     pub train: bool,
 }
 
@@ -438,11 +440,12 @@ impl MultiHeadAttention {
         let k = self.split_heads(&self.k_proj.forward(&x)?, cfg.num_kv_heads)?;
         let v = self.split_heads(&self.v_proj.forward(&x)?, cfg.num_kv_heads)?;
         // Inference: candle's fused softmax has no backward, so nothing reaches q and k anyway;
-        // detached, they (and the logits) can be rotated and normalised in place.
-        let (q, k) = if options.train {
-            (q, k)
+        // detached, they (and the logits) can be rotated and normalised in place, and no query
+        // block's weights are kept alive by a graph through v.
+        let (q, k, v) = if options.train {
+            (q, k, v)
         } else {
-            (q.detach(), k.detach())
+            (q.detach(), k.detach(), v.detach())
         };
         let (q, k) = match enc {
             Some(e) => e.rotate_queries_keys_owned(q, k, positions, positions)?,
