@@ -95,7 +95,7 @@ pub enum Error {
     /// A checkpoint file cannot be read or parsed, or its metadata is inconsistent.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint {
-        /// The file (or "<memory>" for buffers).
+        /// The file (or `"<memory>"` for buffers).
         path: String,
         /// What is wrong with it.
         reason: String,

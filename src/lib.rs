@@ -18,6 +18,12 @@
 //! grouped KV heads and a [`KvCache`]. Positions are a value of their own, [`Positions`]: an
 //! offset or explicit per-token ids.
 //!
+//! The block attends over blocks of queries (each with an exact softmax over the keys it can
+//! see), sized automatically from [`AttentionConfig::logits_budget`] or fixed with
+//! [`AttentionConfig::query_block`], so long sequences run in bounded memory. On the CPU in f32
+//! inference, bias, masks and softmax run in one in-place pass per block, and relative biases
+//! reach it as short rows per distance ([`RelativeBias`]) rather than `(B, H, T, T)` tensors.
+//!
 //! ```
 //! use std::sync::Arc;
 //! use candle_core::{Device, DType, Tensor};
@@ -60,7 +66,7 @@ pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncod
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
     AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention,
-    PositionalEncoding, RelativeBias,
+    PositionalEncoding, RelativeBias, DEFAULT_LOGITS_BUDGET,
 };
 pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;

@@ -53,7 +53,7 @@ pub struct AttentionConfig {
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
     pub query_block: Option<usize>,
     /// Bytes the logits of one query block may take when the block size is automatic
-    /// (default [`DEFAULT_LOGITS_BUDGET`]). A runtime setting, not stored in checkpoints.
+    /// (default [`DEFAULT_LOGITS_BUDGET`](crate::DEFAULT_LOGITS_BUDGET)). A runtime setting, not stored in checkpoints.
     pub logits_budget: usize,
 }
 

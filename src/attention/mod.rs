@@ -19,7 +19,9 @@ mod mha;
 mod relative_bias;
 
 pub use kv_cache::KvCache;
-pub use mha::{AttentionConfig, AttentionOptions, AttentionOutput, MultiHeadAttention};
+pub use mha::{
+    AttentionConfig, AttentionOptions, AttentionOutput, MultiHeadAttention, DEFAULT_LOGITS_BUDGET,
+};
 pub use relative_bias::RelativeBias;
 pub(crate) use relative_bias::{bucket_sums, bucket_sums_apply};
 

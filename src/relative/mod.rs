@@ -2,9 +2,10 @@
 //! relative representations.
 //!
 //! The shared mechanics live here: mapping every (query, key) pair to a bucket of its relative
-//! distance ([`relative_buckets`]), caching those buckets per shape ([`BucketCache`]), and a
-//! learned `(num_buckets, num_heads)` table read through them ([`BucketedRelativeBias`]), which
-//! the T5 and clipped biases share.
+//! distance (`relative_buckets`), caching those buckets per shape (`BucketCache`), the range
+//! of distances a block of offsets spans (for the compact [`RelativeBias`](crate::RelativeBias)
+//! form), and a learned `(num_buckets, num_heads)` table read through them
+//! ([`BucketedRelativeBias`]), which the T5 and clipped biases share.
 
 pub mod alibi;
 pub mod clipped_bias;
