@@ -3,7 +3,7 @@
 //!
 //! The shared mechanics live here: mapping every (query, key) pair to a bucket of its relative
 //! distance (`relative_buckets`), caching those buckets per shape (`BucketCache`), the range
-//! of distances a block of offsets spans (for the compact [`RelativeBias`](crate::RelativeBias)
+//! of distances a block of offsets spans (for the compact [`crate::RelativeBias`]
 //! form), and a learned `(num_buckets, num_heads)` table read through them
 //! ([`BucketedRelativeBias`]), which the T5 and clipped biases share.
 
