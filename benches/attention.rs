@@ -257,7 +257,7 @@ fn peak_child(name: &str, t: usize, causal: bool) -> Result<()> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
     // One learned table long enough for the decoding section too.
-    let all = cases(d_model, heads, head_dim, 8192, &dev, &vb)?;
+    let all = cases(d_model, heads, head_dim, t, &dev, &vb)?;
     let case = all
         .iter()
         .find(|c| c.name == name)
@@ -315,7 +315,7 @@ fn main() -> Result<()> {
     let dev = common::device()?;
     let (b, heads, head_dim) = (2, 8, 64);
     let t = if quick { 256 } else { 1024 };
-    let runs = if quick { 3 } else { 9 };
+    let runs = if quick { 3 } else { 25 };
     let d_model = heads * head_dim;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
@@ -331,17 +331,29 @@ fn main() -> Result<()> {
         "encoding", "causal", "median ms", "vs none"
     );
     for causal in [false, true].into_iter().filter(|_| section("encodings")) {
+        // Each encoding is timed in alternation with the block without one, so both see the
+        // same machine state; the ratio is of the two medians.
+        let none = block(&all[0], causal, d_model, heads, &vb)?;
         let mut baseline = None;
         for case in &all {
             let mha = block(case, causal, d_model, heads, &vb)?;
             let opts = AttentionOptions::default();
-            let ms = common::median_ms(runs, || {
-                let y = mha.forward_with(&x, &opts, None)?.output;
-                dev.synchronize()?;
-                drop(y);
-                Ok(())
-            })?;
-            let base = *baseline.get_or_insert(ms);
+            let (base, ms) = common::paired_median_ms(
+                runs,
+                || {
+                    let y = none.forward_with(&x, &opts, None)?.output;
+                    dev.synchronize()?;
+                    drop(y);
+                    Ok(())
+                },
+                || {
+                    let y = mha.forward_with(&x, &opts, None)?.output;
+                    dev.synchronize()?;
+                    drop(y);
+                    Ok(())
+                },
+            )?;
+            baseline.get_or_insert(base);
             println!(
                 "{:<18} {:>8} {:>12.2} {:>9.2}x",
                 case.name,
@@ -357,13 +369,20 @@ fn main() -> Result<()> {
         }
         // The same computation as plain candle ops on the same weights and input.
         let plain = PlainAttention::new(d_model, heads, t, causal, &vb)?;
-        let ms = common::median_ms(runs, || {
-            let y = plain.forward(&x)?;
-            dev.synchronize()?;
-            drop(y);
-            Ok(())
-        })?;
-        let base = baseline.unwrap_or(ms);
+        let (base, ms) = common::paired_median_ms(
+            runs,
+            || {
+                let y = none.forward(&x)?;
+                drop(y);
+                Ok(())
+            },
+            || {
+                let y = plain.forward(&x)?;
+                dev.synchronize()?;
+                drop(y);
+                Ok(())
+            },
+        )?;
         println!(
             "{:<18} {:>8} {:>12.2} {:>9.2}x   (block none / plain = {:.2})",
             "plain candle",

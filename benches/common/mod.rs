@@ -1,3 +1,4 @@
+#![allow(dead_code)] // shared by several benchmarks, each using a part
 //! Helpers shared by the benchmarks: the device, and medians of timed runs.
 
 use std::time::Instant;
@@ -26,4 +27,29 @@ pub fn median_ms(runs: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> 
     }
     times.sort_by(f64::total_cmp);
     Ok(times[runs / 2])
+}
+
+/// Medians in milliseconds of `runs` calls each of `a` and `b`, called in alternation (after
+/// one warm-up call each), so slow phases of the machine hit both alike.
+pub fn paired_median_ms(
+    runs: usize,
+    mut a: impl FnMut() -> Result<()>,
+    mut b: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
+    a()?;
+    b()?;
+    let (mut ta, mut tb) = (Vec::with_capacity(runs), Vec::with_capacity(runs));
+    for _ in 0..runs {
+        for (f, times) in [
+            (&mut a as &mut dyn FnMut() -> Result<()>, &mut ta),
+            (&mut b, &mut tb),
+        ] {
+            let t = Instant::now();
+            f()?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    ta.sort_by(f64::total_cmp);
+    tb.sort_by(f64::total_cmp);
+    Ok((ta[runs / 2], tb[runs / 2]))
 }
