@@ -339,7 +339,9 @@ impl MultiHeadAttention {
     ///
     /// # Errors
     /// [`Error::Rank`] / [`Error::Shape`] for a malformed input, positions, mask or cache
-    /// chunk; the encoding's own errors (e.g. [`Error::PositionOutOfRange`]).
+    /// chunk; [`Error::InvalidConfig`] if the logits (batch × heads × queries × keys) would
+    /// pass [`crate::limits::MAX_ELEMENTS`]; the encoding's own errors (e.g.
+    /// [`Error::PositionOutOfRange`]).
     pub fn forward_with(
         &self,
         x: &Tensor,
@@ -357,6 +359,17 @@ impl MultiHeadAttention {
             }
         };
         let (b, t) = positions.check_input(x, cfg.d_model, "attention input x")?;
+        let tk = t.saturating_add(cache.as_ref().map_or(0, |c| c.len()));
+        check_elements(
+            "sequence length",
+            t,
+            format!(
+                "batch ({b}) × heads ({}) × queries × keys ({tk}) of the attention logits",
+                cfg.num_heads
+            )
+            .as_str(),
+            &[b, cfg.num_heads, t, tk],
+        )?;
         if t == 0 {
             // No query: candle's linear layers cannot reshape an empty chunk, and there is
             // nothing to append to the cache. The output (and weights) are empty.
