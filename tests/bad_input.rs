@@ -14,9 +14,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    alibi_slopes, Alibi, AlibiConfig, AttentionConfig, AttentionOptions, ClippedBiasConfig,
-    ClippedRelativeBias, EncodingConfig, Error, Interpolation, KvCache, LearnedConfig,
-    LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention, PositionIds,
+    alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, Checkpoint,
+    ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error, Interpolation, KvCache,
+    LearnedConfig, LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention, PositionIds,
     PositionalEncoding, Positions, QkLayout, RopeConfig, RopeScaling, RotaryEmbedding, ShawConfig,
     ShawRelativePosition, SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
     YarnScaling,
@@ -34,6 +34,7 @@ enum Kind {
     TensorShape,
     Checkpoint,
     HfConfig,
+    Io,
 }
 
 fn kind_of(e: &Error) -> Option<Kind> {
@@ -47,6 +48,7 @@ fn kind_of(e: &Error) -> Option<Kind> {
         Error::TensorShape { .. } => Kind::TensorShape,
         Error::Checkpoint { .. } => Kind::Checkpoint,
         Error::HfConfig { .. } => Kind::HfConfig,
+        Error::Io { .. } => Kind::Io,
         _ => return None,
     })
 }
@@ -212,7 +214,16 @@ fn positions() {
             )
         },
     );
-    s.finish(12);
+    s.case(
+        "relative distances of 10^12 pairs",
+        Kind::Config,
+        &["1000000 × 1000000", "at most 2147483648"],
+        || {
+            let o = Positions::Offset(0);
+            Positions::relative_distances(&o, 1_000_000, &o, 1_000_000, &dev)
+        },
+    );
+    s.finish(13);
 }
 
 #[test]
@@ -476,6 +487,15 @@ fn relative() {
         },
     );
     s.case(
+        "alibi symmetric bias of 10^12 entries",
+        Kind::Config,
+        &["1000000 × 1000000", "at most"],
+        || {
+            let a = Alibi::new(&AlibiConfig::new(2).with_mode(AlibiMode::Symmetric), &dev)?;
+            a.bias(&o, 1_000_000, &o, 1_000_000)
+        },
+    );
+    s.case(
         "t5 table of wrong shape",
         Kind::TensorShape,
         &["[32, 3]", "[32, 2]"],
@@ -539,7 +559,7 @@ fn relative() {
         &["probabilities", "rank 3"],
         || shaw.value_term(&x(&[2, 3, 3]), &o, &o),
     );
-    s.finish(21);
+    s.finish(22);
 }
 
 #[test]
@@ -783,7 +803,17 @@ fn attention() {
             )
         },
     );
-    s.finish(13);
+    s.case(
+        "logits of 5·10^9 entries",
+        Kind::Config,
+        &[
+            "sequence length = 50000",
+            "queries × keys (50000)",
+            "at most",
+        ],
+        || fwd(&x(&[1, 50_000, 8]), &AttentionOptions::default()),
+    );
+    s.finish(14);
 }
 
 #[test]
@@ -892,7 +922,20 @@ fn configs_and_metadata() {
             AttentionConfig::from_metadata(&m, "m")
         },
     );
-    s.finish(15);
+    s.case(
+        "checkpoint file that does not exist",
+        Kind::Io,
+        &["/nonexistent/model.safetensors"],
+        || Checkpoint::load("/nonexistent/model.safetensors", &Device::Cpu),
+    );
+    let ck = Checkpoint::from_bytes(&[], &Device::Cpu).err();
+    s.case(
+        "checkpoint of zero bytes",
+        Kind::Checkpoint,
+        &["<memory>", "not a valid safetensors file"],
+        || ck.map_or(Ok(()), Err),
+    );
+    s.finish(17);
 }
 
 /// Every encoding behind the attention plug, for the empty-input checks.
