@@ -545,3 +545,40 @@ proptest! {
         }
     }
 }
+
+/// The fuzz seed corpora stay meaningful: every seed checkpoint loads, every seed metadata file
+/// and HF config parses (so the fuzzers start from valid inputs and mutate from there).
+#[test]
+fn fuzz_seeds_are_valid_inputs() -> anyhow::Result<()> {
+    let dir = |t: &str| format!("{}/fuzz/corpus/{t}", env!("CARGO_MANIFEST_DIR"));
+    let seeds = |t: &str| -> anyhow::Result<Vec<std::path::PathBuf>> {
+        let mut v: Vec<_> = std::fs::read_dir(dir(t))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("seed_"))
+            })
+            .collect();
+        v.sort();
+        anyhow::ensure!(v.len() >= 5, "too few seeds for {t}");
+        Ok(v)
+    };
+    for p in seeds("checkpoint_load")? {
+        Checkpoint::load(&p, &Device::Cpu).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    }
+    for p in seeds("hf_config")? {
+        RopeConfig::from_hf_json(&std::fs::read_to_string(&p)?)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    }
+    for p in seeds("encoding_metadata")? {
+        let text = std::fs::read_to_string(&p)?;
+        let meta: HashMap<String, String> = text
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        EncodingConfig::from_metadata(&meta, "seed")
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    }
+    Ok(())
+}
