@@ -390,7 +390,19 @@ fn learned() {
     s.case("integer input", Kind::DType, &["I64", "float"], || {
         pe.forward_t(&Tensor::zeros((1, 3, 4), DType::I64, &dev)?, false)
     });
-    s.finish(11);
+    s.case(
+        "integer table",
+        Kind::DType,
+        &["learned table", "U32", "float"],
+        || LearnedPositionalEncoding::from_table(&cfg, Tensor::zeros((8, 4), DType::U32, &dev)?),
+    );
+    s.case(
+        "integer VarBuilder",
+        Kind::DType,
+        &["learned table", "I64", "float"],
+        || LearnedPositionalEncoding::new(&cfg, VarBuilder::zeros(DType::I64, &dev)),
+    );
+    s.finish(13);
 }
 
 #[test]
@@ -559,7 +571,25 @@ fn relative() {
         &["probabilities", "rank 3"],
         || shaw.value_term(&x(&[2, 3, 3]), &o, &o),
     );
-    s.finish(22);
+    s.case(
+        "alibi causal ids of another batch",
+        Kind::Shape,
+        &["key position ids", "batch 1 or 2", "[3, 1]"],
+        || {
+            let q = ids(&[vec![0], vec![1]]);
+            alibi.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
+        },
+    );
+    s.case(
+        "t5 ids of another batch",
+        Kind::Shape,
+        &["key position ids", "batch 1 or 2", "[3, 1]"],
+        || {
+            let q = ids(&[vec![0], vec![1]]);
+            t5.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
+        },
+    );
+    s.finish(24);
 }
 
 #[test]
@@ -813,7 +843,34 @@ fn attention() {
         ],
         || fwd(&x(&[1, 50_000, 8]), &AttentionOptions::default()),
     );
-    s.finish(14);
+    s.case(
+        "integer weights",
+        Kind::DType,
+        &["attention weights", "U32", "float"],
+        || {
+            MultiHeadAttention::new(
+                &AttentionConfig::new(8, 2),
+                None,
+                VarBuilder::zeros(DType::U32, &dev),
+            )
+        },
+    );
+    s.case(
+        "f16 input to f32 weights",
+        Kind::DType,
+        &[
+            "attention input x",
+            "F16",
+            "f32, the dtype of the attention weights",
+        ],
+        || {
+            fwd(
+                &x(&[1, 3, 8]).to_dtype(DType::F16)?,
+                &AttentionOptions::default(),
+            )
+        },
+    );
+    s.finish(16);
 }
 
 #[test]
