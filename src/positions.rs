@@ -196,7 +196,10 @@ impl Positions {
                 if ids.len() != len || (ids.batch() != batch && ids.batch() != 1) {
                     return Err(Error::shape(
                         "position ids",
-                        format!("({batch}, {len}) or (1, {len}) to match the input"),
+                        match batch {
+                            1 => format!("(1, {len}) to match the input"),
+                            _ => format!("({batch}, {len}) or (1, {len}) to match the input"),
+                        },
                         ids.ids().shape(),
                     ));
                 }
