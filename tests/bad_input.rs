@@ -305,7 +305,7 @@ fn sinusoidal() {
     s.case(
         "ids of wrong length",
         Kind::Shape,
-        &["(1, 3) or (1, 3)"],
+        &["position ids", "[1, 2]", "expected (1, 3) to match"],
         || pe.forward_with_positions(&x(&[1, 3, 8]), &ids(&[vec![0, 1]]), false),
     );
     s.case(
@@ -703,7 +703,10 @@ fn rotary() {
     s.case(
         "cos_sin past u32",
         Kind::Config,
-        &["sequence end", "at most"],
+        &[
+            "position offset = 18446744073709551613",
+            "at most 4294967296",
+        ],
         || rope.cos_sin(&Positions::Offset(usize::MAX - 2), 4),
     );
     s.finish(16);
