@@ -460,27 +460,29 @@ fn a_failed_load_into_changes_nothing() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The valid checkpoint with random bytes overwritten, possibly truncated. Header bytes are
-/// where parsing can go wrong, so half the edits land in the first 8 + header bytes.
+/// The valid checkpoint, corrupted three ways: random bytes of the data section overwritten
+/// (the file still parses; the values, NaN and infinities included, reach the modules), random
+/// bytes of the length prefix and JSON header overwritten, or the file truncated.
 fn corrupted() -> impl Strategy<Value = Vec<u8>> {
     let bytes = valid_checkpoint();
     let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
     let len = bytes.len();
-    let edit = prop_oneof![(0..header_end, any::<u8>()), (0..len, any::<u8>()),];
-    (
-        proptest::collection::vec(edit, 1..8),
-        proptest::option::of(0..len),
-    )
-        .prop_map(move |(edits, cut)| {
-            let mut b = bytes.clone();
-            for (at, v) in edits {
-                b[at] = v;
-            }
-            if let Some(cut) = cut {
-                b.truncate(cut);
-            }
-            b
-        })
+    let edits =
+        |range: std::ops::Range<usize>| proptest::collection::vec((range, any::<u8>()), 1..8);
+    let (a, b) = (bytes.clone(), bytes.clone());
+    prop_oneof![
+        3 => edits(header_end..len).prop_map(move |e| apply(&a, &e)),
+        2 => edits(0..header_end).prop_map(move |e| apply(&b, &e)),
+        1 => (0..len).prop_map(move |cut| bytes[..cut].to_vec()),
+    ]
+}
+
+fn apply(bytes: &[u8], edits: &[(usize, u8)]) -> Vec<u8> {
+    let mut b = bytes.to_vec();
+    for &(at, v) in edits {
+        b[at] = v;
+    }
+    b
 }
 
 /// Random JSON text edits of a real HF config.
