@@ -50,6 +50,21 @@
 //! assert_eq!(cache.len(), 4);
 //! # Ok::<(), candle_posenc::Error>(())
 //! ```
+//!
+//! # Bad input, sizes and non-finite values
+//!
+//! Every input that depends on the caller (shapes, dtypes, positions, configurations,
+//! checkpoints, `config.json`) is validated and answered with a typed [`Error`] that names the
+//! value and what was expected; library code does not panic on it. Sizes that follow from a
+//! configuration are checked against [`limits::MAX_ELEMENTS`] with checked arithmetic before
+//! anything is allocated. Empty sequences give empty outputs.
+//!
+//! Non-finite values are never silently replaced: a NaN or ±∞ in an input, a table or an
+//! additive mask propagates as NaN/±∞ to every output that depends on it, on every path
+//! (including the fused CPU softmax, whose flush of exponentials below e^-87 applies to finite
+//! logits only). A −∞ logit is a valid mask entry with weight 0. Masked keys are not read for
+//! their logits, but their values still enter the weighted sum with weight 0, and `0 · NaN` is
+//! NaN, as IEEE arithmetic (and PyTorch) has it.
 
 pub mod absolute;
 pub mod attention;

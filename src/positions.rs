@@ -196,7 +196,10 @@ impl Positions {
                 if ids.len() != len || (ids.batch() != batch && ids.batch() != 1) {
                     return Err(Error::shape(
                         "position ids",
-                        format!("({batch}, {len}) or (1, {len}) to match the input"),
+                        match batch {
+                            1 => format!("(1, {len}) to match the input"),
+                            _ => format!("({batch}, {len}) or (1, {len}) to match the input"),
+                        },
                         ids.ids().shape(),
                     ));
                 }
@@ -358,7 +361,9 @@ impl Positions {
     /// This is the one place relative encodings get their distance matrix from.
     ///
     /// # Errors
-    /// [`Error::Shape`] if explicit ids disagree on the batch size.
+    /// [`Error::Shape`] if explicit ids disagree on the batch size; [`Error::InvalidConfig`] if
+    /// `q_len × k_len` passes [`crate::limits::MAX_ELEMENTS`] or an offset passes
+    /// [`MAX_POSITION`].
     pub fn relative_distances(
         queries: &Positions,
         q_len: usize,
@@ -366,6 +371,12 @@ impl Positions {
         k_len: usize,
         device: &Device,
     ) -> Result<Tensor> {
+        crate::limits::check_elements(
+            "queries × keys",
+            format!("{q_len} × {k_len}"),
+            "the number of (query, key) pairs",
+            &[q_len, k_len],
+        )?;
         let q = queries.to_ids(q_len, device)?.to_dtype(DType::I64)?;
         let k = keys.to_ids(k_len, device)?.to_dtype(DType::I64)?;
         let (qb, kb) = (q.dims()[0], k.dims()[0]);

@@ -14,9 +14,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    alibi_slopes, Alibi, AlibiConfig, AttentionConfig, AttentionOptions, ClippedBiasConfig,
-    ClippedRelativeBias, EncodingConfig, Error, Interpolation, KvCache, LearnedConfig,
-    LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention, PositionIds,
+    alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, Checkpoint,
+    ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error, Interpolation, KvCache,
+    LearnedConfig, LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention, PositionIds,
     PositionalEncoding, Positions, QkLayout, RopeConfig, RopeScaling, RotaryEmbedding, ShawConfig,
     ShawRelativePosition, SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
     YarnScaling,
@@ -34,6 +34,7 @@ enum Kind {
     TensorShape,
     Checkpoint,
     HfConfig,
+    Io,
 }
 
 fn kind_of(e: &Error) -> Option<Kind> {
@@ -47,6 +48,7 @@ fn kind_of(e: &Error) -> Option<Kind> {
         Error::TensorShape { .. } => Kind::TensorShape,
         Error::Checkpoint { .. } => Kind::Checkpoint,
         Error::HfConfig { .. } => Kind::HfConfig,
+        Error::Io { .. } => Kind::Io,
         _ => return None,
     })
 }
@@ -212,7 +214,16 @@ fn positions() {
             )
         },
     );
-    s.finish(12);
+    s.case(
+        "relative distances of 10^12 pairs",
+        Kind::Config,
+        &["1000000 × 1000000", "at most 2147483648"],
+        || {
+            let o = Positions::Offset(0);
+            Positions::relative_distances(&o, 1_000_000, &o, 1_000_000, &dev)
+        },
+    );
+    s.finish(13);
 }
 
 #[test]
@@ -294,7 +305,7 @@ fn sinusoidal() {
     s.case(
         "ids of wrong length",
         Kind::Shape,
-        &["(1, 3) or (1, 3)"],
+        &["position ids", "[1, 2]", "expected (1, 3) to match"],
         || pe.forward_with_positions(&x(&[1, 3, 8]), &ids(&[vec![0, 1]]), false),
     );
     s.case(
@@ -379,7 +390,19 @@ fn learned() {
     s.case("integer input", Kind::DType, &["I64", "float"], || {
         pe.forward_t(&Tensor::zeros((1, 3, 4), DType::I64, &dev)?, false)
     });
-    s.finish(11);
+    s.case(
+        "integer table",
+        Kind::DType,
+        &["learned table", "U32", "float"],
+        || LearnedPositionalEncoding::from_table(&cfg, Tensor::zeros((8, 4), DType::U32, &dev)?),
+    );
+    s.case(
+        "integer VarBuilder",
+        Kind::DType,
+        &["learned table", "I64", "float"],
+        || LearnedPositionalEncoding::new(&cfg, VarBuilder::zeros(DType::I64, &dev)),
+    );
+    s.finish(13);
 }
 
 #[test]
@@ -476,6 +499,15 @@ fn relative() {
         },
     );
     s.case(
+        "alibi symmetric bias of 10^12 entries",
+        Kind::Config,
+        &["1000000 × 1000000", "at most"],
+        || {
+            let a = Alibi::new(&AlibiConfig::new(2).with_mode(AlibiMode::Symmetric), &dev)?;
+            a.bias(&o, 1_000_000, &o, 1_000_000)
+        },
+    );
+    s.case(
         "t5 table of wrong shape",
         Kind::TensorShape,
         &["[32, 3]", "[32, 2]"],
@@ -539,7 +571,25 @@ fn relative() {
         &["probabilities", "rank 3"],
         || shaw.value_term(&x(&[2, 3, 3]), &o, &o),
     );
-    s.finish(21);
+    s.case(
+        "alibi causal ids of another batch",
+        Kind::Shape,
+        &["key position ids", "batch 1 or 2", "[3, 1]"],
+        || {
+            let q = ids(&[vec![0], vec![1]]);
+            alibi.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
+        },
+    );
+    s.case(
+        "t5 ids of another batch",
+        Kind::Shape,
+        &["key position ids", "batch 1 or 2", "[3, 1]"],
+        || {
+            let q = ids(&[vec![0], vec![1]]);
+            t5.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
+        },
+    );
+    s.finish(24);
 }
 
 #[test]
@@ -653,7 +703,10 @@ fn rotary() {
     s.case(
         "cos_sin past u32",
         Kind::Config,
-        &["sequence end", "at most"],
+        &[
+            "position offset = 18446744073709551613",
+            "at most 4294967296",
+        ],
         || rope.cos_sin(&Positions::Offset(usize::MAX - 2), 4),
     );
     s.finish(16);
@@ -783,7 +836,44 @@ fn attention() {
             )
         },
     );
-    s.finish(13);
+    s.case(
+        "logits of 5·10^9 entries",
+        Kind::Config,
+        &[
+            "sequence length = 50000",
+            "queries × keys (50000)",
+            "at most",
+        ],
+        || fwd(&x(&[1, 50_000, 8]), &AttentionOptions::default()),
+    );
+    s.case(
+        "integer weights",
+        Kind::DType,
+        &["attention weights", "U32", "float"],
+        || {
+            MultiHeadAttention::new(
+                &AttentionConfig::new(8, 2),
+                None,
+                VarBuilder::zeros(DType::U32, &dev),
+            )
+        },
+    );
+    s.case(
+        "f16 input to f32 weights",
+        Kind::DType,
+        &[
+            "attention input x",
+            "F16",
+            "f32, the dtype of the attention weights",
+        ],
+        || {
+            fwd(
+                &x(&[1, 3, 8]).to_dtype(DType::F16)?,
+                &AttentionOptions::default(),
+            )
+        },
+    );
+    s.finish(16);
 }
 
 #[test]
@@ -892,7 +982,20 @@ fn configs_and_metadata() {
             AttentionConfig::from_metadata(&m, "m")
         },
     );
-    s.finish(15);
+    s.case(
+        "checkpoint file that does not exist",
+        Kind::Io,
+        &["/nonexistent/model.safetensors"],
+        || Checkpoint::load("/nonexistent/model.safetensors", &Device::Cpu),
+    );
+    let ck = Checkpoint::from_bytes(&[], &Device::Cpu).err();
+    s.case(
+        "checkpoint of zero bytes",
+        Kind::Checkpoint,
+        &["<memory>", "not a valid safetensors file"],
+        || ck.map_or(Ok(()), Err),
+    );
+    s.finish(17);
 }
 
 /// Every encoding behind the attention plug, for the empty-input checks.

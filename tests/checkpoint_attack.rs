@@ -460,27 +460,29 @@ fn a_failed_load_into_changes_nothing() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The valid checkpoint with random bytes overwritten, possibly truncated. Header bytes are
-/// where parsing can go wrong, so half the edits land in the first 8 + header bytes.
+/// The valid checkpoint, corrupted three ways: random bytes of the data section overwritten
+/// (the file still parses; the values, NaN and infinities included, reach the modules), random
+/// bytes of the length prefix and JSON header overwritten, or the file truncated.
 fn corrupted() -> impl Strategy<Value = Vec<u8>> {
     let bytes = valid_checkpoint();
     let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
     let len = bytes.len();
-    let edit = prop_oneof![(0..header_end, any::<u8>()), (0..len, any::<u8>()),];
-    (
-        proptest::collection::vec(edit, 1..8),
-        proptest::option::of(0..len),
-    )
-        .prop_map(move |(edits, cut)| {
-            let mut b = bytes.clone();
-            for (at, v) in edits {
-                b[at] = v;
-            }
-            if let Some(cut) = cut {
-                b.truncate(cut);
-            }
-            b
-        })
+    let edits =
+        |range: std::ops::Range<usize>| proptest::collection::vec((range, any::<u8>()), 1..8);
+    let (a, b) = (bytes.clone(), bytes.clone());
+    prop_oneof![
+        3 => edits(header_end..len).prop_map(move |e| apply(&a, &e)),
+        2 => edits(0..header_end).prop_map(move |e| apply(&b, &e)),
+        1 => (0..len).prop_map(move |cut| bytes[..cut].to_vec()),
+    ]
+}
+
+fn apply(bytes: &[u8], edits: &[(usize, u8)]) -> Vec<u8> {
+    let mut b = bytes.to_vec();
+    for &(at, v) in edits {
+        b[at] = v;
+    }
+    b
 }
 
 /// Random JSON text edits of a real HF config.
@@ -544,4 +546,41 @@ proptest! {
             prop_assert!(matches!(e, Error::HfConfig { .. } | Error::InvalidConfig { .. }), "{e:?}");
         }
     }
+}
+
+/// The fuzz seed corpora stay meaningful: every seed checkpoint loads, every seed metadata file
+/// and HF config parses (so the fuzzers start from valid inputs and mutate from there).
+#[test]
+fn fuzz_seeds_are_valid_inputs() -> anyhow::Result<()> {
+    let dir = |t: &str| format!("{}/fuzz/corpus/{t}", env!("CARGO_MANIFEST_DIR"));
+    let seeds = |t: &str| -> anyhow::Result<Vec<std::path::PathBuf>> {
+        let mut v: Vec<_> = std::fs::read_dir(dir(t))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("seed_"))
+            })
+            .collect();
+        v.sort();
+        anyhow::ensure!(v.len() >= 5, "too few seeds for {t}");
+        Ok(v)
+    };
+    for p in seeds("checkpoint_load")? {
+        Checkpoint::load(&p, &Device::Cpu).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    }
+    for p in seeds("hf_config")? {
+        RopeConfig::from_hf_json(&std::fs::read_to_string(&p)?)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    }
+    for p in seeds("encoding_metadata")? {
+        let text = std::fs::read_to_string(&p)?;
+        let meta: HashMap<String, String> = text
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        EncodingConfig::from_metadata(&meta, "seed")
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    }
+    Ok(())
 }

@@ -147,7 +147,8 @@ impl LearnedPositionalEncoding {
     ///
     /// # Errors
     /// As [`LearnedConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`] when a
-    /// checkpoint lacks `weight` or holds it with another shape.
+    /// checkpoint lacks `weight` or holds it with another shape; [`Error::DType`] for an
+    /// integer `VarBuilder`.
     pub fn new(config: &LearnedConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
         let weight = vb.get_with_hints(
@@ -158,6 +159,7 @@ impl LearnedPositionalEncoding {
                 stdev: 0.02,
             },
         )?;
+        check_table_dtype(&weight)?;
         Ok(Self {
             config: config.clone(),
             weight,
@@ -168,7 +170,8 @@ impl LearnedPositionalEncoding {
     /// match it.
     ///
     /// # Errors
-    /// [`Error::Shape`] if the table disagrees with the config; as [`LearnedConfig::validate`].
+    /// [`Error::Shape`] if the table disagrees with the config; [`Error::DType`] for an integer
+    /// table; as [`LearnedConfig::validate`].
     pub fn from_table(config: &LearnedConfig, weight: Tensor) -> Result<Self> {
         config.validate()?;
         if weight.dims() != [config.max_len, config.d_model] {
@@ -178,6 +181,7 @@ impl LearnedPositionalEncoding {
                 weight.shape(),
             ));
         }
+        check_table_dtype(&weight)?;
         Ok(Self {
             config: config.clone(),
             weight,
@@ -308,4 +312,16 @@ impl PositionalEncoding for LearnedPositionalEncoding {
     fn add_to_input(&self, x: &Tensor, positions: &Positions, train: bool) -> Result<Tensor> {
         self.forward_with_positions(x, positions, train)
     }
+}
+
+/// A positional table holds floats; an integer one is a caller's mistake, not something to cast.
+fn check_table_dtype(weight: &Tensor) -> Result<()> {
+    if !weight.dtype().is_float() {
+        return Err(Error::DType {
+            what: "learned table",
+            expected: "a float dtype (f32, f64, bf16 or f16)",
+            got: weight.dtype(),
+        });
+    }
+    Ok(())
 }

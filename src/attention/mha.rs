@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{Module, Tensor, D};
+use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{linear_b, Linear, VarBuilder};
 
 use super::fused_softmax;
@@ -330,13 +330,21 @@ impl MultiHeadAttention {
     ///
     /// # Errors
     /// As [`AttentionConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`] for
-    /// checkpoint tensors that are absent or misshapen.
+    /// checkpoint tensors that are absent or misshapen; [`Error::DType`] for an integer
+    /// `VarBuilder`.
     pub fn new(
         config: &AttentionConfig,
         encoding: Option<Arc<dyn PositionalEncoding>>,
         vb: VarBuilder,
     ) -> Result<Self> {
         config.validate()?;
+        if !vb.dtype().is_float() {
+            return Err(Error::DType {
+                what: "attention weights (the VarBuilder's dtype)",
+                expected: "a float dtype (f32, f64, bf16 or f16)",
+                got: vb.dtype(),
+            });
+        }
         let (d, hd) = (config.d_model, config.head_dim);
         let q_proj = linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?;
         let k_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?;
@@ -399,7 +407,10 @@ impl MultiHeadAttention {
     ///
     /// # Errors
     /// [`Error::Rank`] / [`Error::Shape`] for a malformed input, positions, mask or cache
-    /// chunk; the encoding's own errors (e.g. [`Error::PositionOutOfRange`]).
+    /// chunk; [`Error::DType`] for an input whose dtype is not the weights';
+    /// [`Error::InvalidConfig`] if the logits (batch × heads × queries × keys) would pass
+    /// [`crate::limits::MAX_ELEMENTS`]; the encoding's own errors (e.g.
+    /// [`Error::PositionOutOfRange`]).
     pub fn forward_with(
         &self,
         x: &Tensor,
@@ -417,6 +428,31 @@ impl MultiHeadAttention {
             }
         };
         let (b, t) = positions.check_input(x, cfg.d_model, "attention input x")?;
+        let weights = self.q_proj.weight().dtype();
+        if x.dtype() != weights {
+            return Err(Error::DType {
+                what: "attention input x",
+                expected: match weights {
+                    DType::F32 => "f32, the dtype of the attention weights",
+                    DType::F64 => "f64, the dtype of the attention weights",
+                    DType::BF16 => "bf16, the dtype of the attention weights",
+                    DType::F16 => "f16, the dtype of the attention weights",
+                    _ => "the dtype of the attention weights",
+                },
+                got: x.dtype(),
+            });
+        }
+        let tk = t.saturating_add(cache.as_ref().map_or(0, |c| c.len()));
+        check_elements(
+            "sequence length",
+            t,
+            format!(
+                "batch ({b}) × heads ({}) × queries × keys ({tk}) of the attention logits",
+                cfg.num_heads
+            )
+            .as_str(),
+            &[b, cfg.num_heads, t, tk],
+        )?;
         if t == 0 {
             // No query: candle's linear layers cannot reshape an empty chunk, and there is
             // nothing to append to the cache. The output (and weights) are empty.

@@ -273,6 +273,14 @@ impl Alibi {
                     .to_ids(tq, device)?
                     .narrow(1, tq.saturating_sub(1), tq.min(1))?
                     .to_dtype(DType::I64)?;
+                let (qb, kb) = (q_last.dim(0)?, k.dim(0)?);
+                if qb != kb && qb != 1 && kb != 1 {
+                    return Err(Error::shape(
+                        "key position ids",
+                        format!("batch 1 or {qb} to match the query positions"),
+                        k.shape(),
+                    ));
+                }
                 let rel = k.broadcast_sub(&q_last)?.to_dtype(DType::F32)?;
                 let (b, _) = rel.dims2()?;
                 Ok(rel.reshape((b, 1, 1, tk))?.broadcast_mul(&slopes)?)

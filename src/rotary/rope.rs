@@ -284,6 +284,7 @@ impl RotaryEmbedding {
     /// # Errors
     /// As [`Self::rotate_queries_keys`].
     pub fn cos_sin(&self, positions: &Positions, len: usize) -> Result<(Tensor, Tensor)> {
+        positions.check_len(len)?;
         let end = positions.end(len);
         let tables = self.tables_for(self.config.scaling.regime(end), end)?;
         Ok((
