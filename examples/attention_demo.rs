@@ -13,8 +13,17 @@
 //! both sentences (attention is permutation-equivariant), while every positional encoding tells
 //! them apart. It prints one attention map and checks that a checkpoint saved to `weights/` loads
 //! back bit for bit. `--write-weights` regenerates the weights file deterministically.
+//!
+//! Then it loads the pretrained language models of the extrapolation experiment
+//! (`weights/extrapolation_*.safetensors`, written by `examples/extrapolation.rs`; each file
+//! says which encoding, model and task it holds), scores each on fresh sequences at the training
+//! length L and at 2L, 4L and 8L, and prints the table (on the CPU, whatever `--device` says).
+
+#[allow(dead_code)]
+mod lm;
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -256,5 +265,63 @@ fn main() -> Result<()> {
         ckpt.tensors().len(),
         ckpt.metadata().len()
     );
+    pretrained_table()
+}
+
+/// Sequences per evaluation length in the pretrained table.
+const DEMO_SEQUENCES: usize = 8;
+
+/// Scores the extrapolation experiment's checkpoints at L..8L on fresh sequences.
+fn pretrained_table() -> Result<()> {
+    use lm::train::{checkpoint_name, evaluate_lengths, load, markdown_table, variants};
+    use lm::train::{Score, Settings, DEMO_STREAM};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights");
+    let started = std::time::Instant::now();
+    let mut rows = Vec::new();
+    let mut shape = None;
+    for variant in variants(&Settings::standard()) {
+        let path = dir.join(checkpoint_name(variant.label));
+        if !path.exists() {
+            println!(
+                "
+(no {}: `cargo run --release --example extrapolation` writes it)",
+                path.display()
+            );
+            continue;
+        }
+        let loaded = load(&path).with_context(|| format!("loading {}", path.display()))?;
+        let s = Settings {
+            task: loaded.task.clone(),
+            train_len: loaded.train_len,
+            eval_seqs: DEMO_SEQUENCES,
+            eval_batch: DEMO_SEQUENCES,
+            progress: false,
+            ..Settings::standard()
+        };
+        if rows.is_empty() {
+            let oracle = s
+                .eval_lengths()
+                .iter()
+                .map(|&len| {
+                    let seqs = s.task.sequences(DEMO_STREAM, 0, DEMO_SEQUENCES, len + 1);
+                    let (loss, accuracy) = s.task.oracle(&seqs);
+                    Some(Score { loss, accuracy })
+                })
+                .collect();
+            rows.push(("oracle".to_string(), oracle));
+        }
+        let scores = evaluate_lengths(&s, &loaded.lm, DEMO_STREAM, DEMO_SEQUENCES, variant.label)?;
+        rows.push((loaded.label, scores));
+        shape = Some((s.eval_lengths(), s.train_len));
+    }
+    let Some((lengths, train_len)) = shape else {
+        return Ok(());
+    };
+    println!(
+        "\nPretrained language models (weights/extrapolation_*.safetensors), trained at L = {train_len},\n\
+         scored on {DEMO_SEQUENCES} fresh sequences per length: loss (nats per token) / next-token accuracy\n"
+    );
+    print!("{}", markdown_table(&lengths, train_len, &rows));
+    println!("({:.1} s)", started.elapsed().as_secs_f64());
     Ok(())
 }
