@@ -752,6 +752,22 @@ fn attention() {
         },
     );
     s.case(
+        "query blocks of zero queries",
+        Kind::Config,
+        &["query_block = 0", "at least 1 query"],
+        || {
+            AttentionConfig::new(8, 2)
+                .with_query_block(Some(0))
+                .validate()
+        },
+    );
+    s.case(
+        "zero logits budget",
+        Kind::Config,
+        &["logits_budget = 0", "at least 1 byte"],
+        || AttentionConfig::new(8, 2).with_logits_budget(0).validate(),
+    );
+    s.case(
         "d_model 10^12",
         Kind::Config,
         &["1000000000000", "at most"],
@@ -837,14 +853,22 @@ fn attention() {
         },
     );
     s.case(
-        "logits of 5·10^9 entries",
+        "weights of 5·10^9 entries asked for",
         Kind::Config,
         &[
             "sequence length = 50000",
-            "queries × keys (50000)",
+            "queries per block (50000) × keys (50000)",
             "at most",
         ],
-        || fwd(&x(&[1, 50_000, 8]), &AttentionOptions::default()),
+        || {
+            fwd(
+                &x(&[1, 50_000, 8]),
+                &AttentionOptions {
+                    return_weights: true,
+                    ..Default::default()
+                },
+            )
+        },
     );
     s.case(
         "integer weights",

@@ -442,16 +442,23 @@ impl MultiHeadAttention {
                 got: x.dtype(),
             });
         }
+        // The logits of one query block (of all queries when the weights are returned) must
+        // be allocatable.
         let tk = t.saturating_add(cache.as_ref().map_or(0, |c| c.len()));
+        let rows = if options.return_weights {
+            t
+        } else {
+            cfg.query_block_for(b, t, tk, x.dtype().size_in_bytes())
+        };
         check_elements(
             "sequence length",
             t,
             format!(
-                "batch ({b}) × heads ({}) × queries × keys ({tk}) of the attention logits",
+                "batch ({b}) × heads ({}) × queries per block ({rows}) × keys ({tk}) of the attention logits",
                 cfg.num_heads
             )
             .as_str(),
-            &[b, cfg.num_heads, t, tk],
+            &[b, cfg.num_heads, rows, tk],
         )?;
         if t == 0 {
             // No query: candle's linear layers cannot reshape an empty chunk, and there is
