@@ -161,9 +161,9 @@ pub struct Variant {
     pub eval: EncodingConfig,
 }
 
-/// Every encoding of the experiment. `learned+interp` and `rope+yarn` change only how the
-/// trained model is evaluated (at L linear interpolation is the identity), so they reuse the
-/// weights trained for `learned` and `rope`.
+/// Every encoding of the experiment. `learned+interp`, `rope+yarn` and `rope+dynamic` change
+/// only how the trained model is evaluated (at L linear interpolation is the identity), so they
+/// reuse the weights trained for `learned` and `rope`.
 pub fn variants(s: &Settings) -> Vec<Variant> {
     let m = &s.model;
     let (d, h, l) = (m.d_model, m.num_heads, s.train_len);
@@ -195,7 +195,15 @@ pub fn variants(s: &Settings) -> Vec<Variant> {
         Variant {
             label: "rope+yarn",
             train: EncodingConfig::Rotary(rope.clone()),
-            eval: EncodingConfig::Rotary(rope.with_scaling(RopeScaling::Yarn(yarn))),
+            eval: EncodingConfig::Rotary(rope.clone().with_scaling(RopeScaling::Yarn(yarn))),
+        },
+        Variant {
+            label: "rope+dynamic",
+            train: EncodingConfig::Rotary(rope.clone()),
+            eval: EncodingConfig::Rotary(rope.with_scaling(RopeScaling::Dynamic {
+                factor: 2.0,
+                original_max_position_embeddings: l,
+            })),
         },
         same(
             "alibi",
