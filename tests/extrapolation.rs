@@ -194,6 +194,26 @@ fn evaluation_of_uniform_logits_is_ln_vocab() -> anyhow::Result<()> {
 }
 
 #[test]
+fn sequences_without_a_scored_target_are_an_error() -> anyhow::Result<()> {
+    let s = Settings::tiny();
+    let lm = Lm::new(
+        &s.model,
+        &EncodingConfig::None,
+        VarBuilder::zeros(DType::F32, &Device::Cpu),
+    )?;
+    // copy_distance 3: tokens 0..2 are the unscored prefix, so 3 tokens (2 targets) score none.
+    let short = s.task.sequences(1, 0, 2, 3);
+    assert!(evaluate(&lm, &s.task, &short, 2, &ProgressBar::hidden()).is_err());
+    let tokens = candle_core::Tensor::zeros((2, 3), DType::U32, &Device::Cpu)?;
+    assert!(lm::train::batch_loss(&lm, &s.task, &tokens).is_err());
+    let tokens = candle_core::Tensor::zeros((2, 4), DType::U32, &Device::Cpu)?;
+    assert!(lm::train::batch_loss(&lm, &s.task, &tokens)?
+        .to_scalar::<f32>()?
+        .is_finite());
+    Ok(())
+}
+
+#[test]
 fn checkpoint_round_trip_gives_the_same_scores() -> anyhow::Result<()> {
     let s = Settings::tiny();
     let v = variants(&s)

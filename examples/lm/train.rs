@@ -242,9 +242,14 @@ fn batch_tensor(seqs: &[Vec<u32>]) -> candle_core::Result<Tensor> {
 /// `0..T` and predicts `1..=T`; targets before `copy_distance` are not scored.
 pub fn batch_loss(lm: &Lm, task: &Task, tokens: &Tensor) -> candle_posenc::Result<Tensor> {
     let (b, n) = tokens.dims2()?;
-    let t = n - 1;
-    let first = task.copy_distance - 1;
-    let scored = t - first;
+    let (t, first) = (n.saturating_sub(1), task.copy_distance.saturating_sub(1));
+    let Some(scored) = t.checked_sub(first).filter(|&s| s > 0) else {
+        return Err(candle_core::Error::Msg(format!(
+            "{n} tokens leave no target at or past copy_distance {}",
+            task.copy_distance
+        ))
+        .into());
+    };
     let logits = lm.forward(&tokens.narrow(1, 0, t)?, true)?;
     let logits = logits
         .narrow(1, first, scored)?
@@ -302,11 +307,14 @@ pub fn evaluate(
     batch: usize,
     bar: &ProgressBar,
 ) -> anyhow::Result<Option<Score>> {
-    let first = task.copy_distance - 1;
+    let first = task.copy_distance.saturating_sub(1);
     let (mut loss, mut hits, mut count) = (0f64, 0f64, 0usize);
     for chunk in seqs.chunks(batch.max(1)) {
         let tokens = batch_tensor(chunk)?;
-        let t = tokens.dim(1)? - 1;
+        let t = tokens.dim(1)?.saturating_sub(1);
+        if t <= first {
+            anyhow::bail!("sequences of {} tokens leave no scored target", t + 1);
+        }
         let logits = match lm.forward(&tokens.narrow(1, 0, t)?, false) {
             Ok(l) => l,
             Err(Error::PositionOutOfRange { .. }) => return Ok(None),
