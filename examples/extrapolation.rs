@@ -23,7 +23,7 @@
 //! the table says `n/a`), learned+interp (the same weights, the table linearly stretched to the
 //! input length at evaluation), rope, rope+yarn (the same weights, YaRN ×8 applied at
 //! evaluation), rope+dynamic (the same weights, dynamic NTK with factor 2 at evaluation), alibi,
-//! t5 (causal buckets), clipped_bias (k = 32) and shaw (relative keys, k = 32); plus the oracle,
+//! t5 (causal buckets), clipped_bias (k = 32) and shaw (relative keys and values, k = 32); plus the oracle,
 //! the generator's own probabilities (the best possible score).
 //!
 //! Outputs: the markdown table on stdout and in `docs/extrapolation.md`, a PNG plot of loss

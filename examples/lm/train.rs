@@ -217,12 +217,8 @@ pub fn variants(s: &Settings) -> Vec<Variant> {
             "clipped_bias",
             EncodingConfig::ClippedBias(ClippedBiasConfig::new(h, 32)),
         ),
-        // Keys only: candle 0.11's backward of `scatter_add` (which Shaw's value term uses)
-        // builds its mask with the wrong shape and fails, so the value table cannot be trained.
-        same(
-            "shaw",
-            EncodingConfig::Shaw(ShawConfig::new(head_dim, 32).with_values(false)),
-        ),
+        // Relative keys and values (Shaw et al.'s full form).
+        same("shaw", EncodingConfig::Shaw(ShawConfig::new(head_dim, 32))),
     ]
 }
 
