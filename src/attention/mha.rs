@@ -445,11 +445,8 @@ impl MultiHeadAttention {
         // The logits of one query block (of all queries when the weights are returned) must
         // be allocatable.
         let tk = t.saturating_add(cache.as_ref().map_or(0, |c| c.len()));
-        let rows = if options.return_weights {
-            t
-        } else {
-            cfg.query_block_for(b, t, tk, x.dtype().size_in_bytes())
-        };
+        let block = cfg.query_block_for(b, t, tk, x.dtype().size_in_bytes());
+        let rows = if options.return_weights { t } else { block };
         check_elements(
             "sequence length",
             t,
@@ -521,7 +518,6 @@ impl MultiHeadAttention {
         // Query blocks, each against the keys it can see: with a plain causal mask, block
         // [s, s + n) sees keys 0..s + n + tk − t only (no row is fully masked, so dropping the
         // hidden keys changes nothing); with padding or an additive mask, every key.
-        let block = cfg.query_block_for(b, t, tk, q.dtype().size_in_bytes());
         let trim_keys = cfg.causal && padding.is_none() && attn_mask.is_none();
         let mut outs = Vec::new();
         let mut weights = Vec::new();
