@@ -21,8 +21,9 @@
 //! The block attends over blocks of queries (each with an exact softmax over the keys it can
 //! see), sized automatically from [`AttentionConfig::logits_budget`] or fixed with
 //! [`AttentionConfig::query_block`], so long sequences run in bounded memory. On the CPU in f32
-//! inference, bias, masks and softmax run in one in-place pass per block, and relative biases
-//! reach it as short rows per distance ([`RelativeBias`]) rather than `(B, H, T, T)` tensors.
+//! inference, each head's tile of queries runs both products, bias, masks and softmax while
+//! its logits stay in cache; relative biases and values reach it as short rows per distance
+//! ([`RelativeBias`], [`RelativeValues`]) rather than `(B, H, T, T)` tensors.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -81,7 +82,7 @@ pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncod
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
     AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention,
-    PositionalEncoding, RelativeBias, DEFAULT_LOGITS_BUDGET,
+    PositionalEncoding, RelativeBias, RelativeValues, DEFAULT_LOGITS_BUDGET,
 };
 pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;

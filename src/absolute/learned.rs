@@ -309,6 +309,11 @@ impl Module for LearnedPositionalEncoding {
 }
 
 impl PositionalEncoding for LearnedPositionalEncoding {
+    /// No value term.
+    fn has_value_term(&self) -> bool {
+        false
+    }
+
     fn add_to_input(&self, x: &Tensor, positions: &Positions, train: bool) -> Result<Tensor> {
         self.forward_with_positions(x, positions, train)
     }

@@ -21,7 +21,7 @@ use crate::Result;
 
 /// A broadcast view of an additive term: storage offset and the strides of `(B, H, Tq, X)`,
 /// where `X` is `Tk` for a dense term and the row width for a relative one.
-struct Strided {
+pub(crate) struct Strided {
     tensor: Tensor,
     offset: usize,
     strides: [usize; 4],
@@ -183,7 +183,21 @@ pub(crate) fn bias_mask_softmax_in_place(
     padding: Option<&Tensor>,
     causal: Option<usize>,
 ) -> Result<()> {
-    let shape = scores.dims4()?;
+    let op = BiasMaskSoftmax {
+        terms: strided_terms(scores.dims4()?, dense, relative)?,
+        padding: padding.map(|p| p.contiguous()).transpose()?,
+        causal,
+    };
+    scores.inplace_op1(&op)?;
+    Ok(())
+}
+
+/// Broadcast views of the dense and relative terms of logits shaped `shape` = `(B, H, Tq, Tk)`.
+pub(crate) fn strided_terms(
+    shape: (usize, usize, usize, usize),
+    dense: &[&Tensor],
+    relative: &[&RelativeBias],
+) -> Result<Vec<Strided>> {
     let mut terms = dense
         .iter()
         .map(|t| Strided::new(t, shape, None))
@@ -198,33 +212,136 @@ pub(crate) fn bias_mask_softmax_in_place(
             Some((rel.shift, width)),
         )?);
     }
-    let op = BiasMaskSoftmax {
-        terms,
-        padding: padding.map(|p| p.contiguous()).transpose()?,
-        causal,
-    };
-    scores.inplace_op1(&op)?;
-    Ok(())
+    Ok(terms)
+}
+
+/// Read access to the terms' and the padding mask's storage, held for the length of a pass.
+pub(crate) struct TermGuards<'a> {
+    terms: Vec<(StorageGuard<'a>, &'a Strided)>,
+    padding: Option<(StorageGuard<'a>, &'a Layout)>,
+}
+
+/// A read lock on a tensor's storage (candle's lock type, unnamed).
+pub(crate) type StorageGuard<'a> = Box<dyn std::ops::Deref<Target = Storage> + 'a>;
+
+/// Read-locks `t`'s storage.
+pub(crate) fn read_storage(t: &Tensor) -> (StorageGuard<'_>, &Layout) {
+    let (guard, layout) = t.storage_and_layout();
+    (Box::new(guard), layout)
+}
+
+impl<'a> TermGuards<'a> {
+    pub(crate) fn new(terms: &'a [Strided], padding: Option<&'a Tensor>) -> Self {
+        Self {
+            terms: terms
+                .iter()
+                .map(|t| (read_storage(&t.tensor).0, t))
+                .collect(),
+            padding: padding.map(read_storage),
+        }
+    }
+
+    /// The row pass over logits of `dims` = `(B, H, Tq, Tk)` reading these terms.
+    pub(crate) fn pass(
+        &self,
+        dims: (usize, usize, usize, usize),
+        causal: Option<usize>,
+    ) -> candle_core::Result<RowPass<'_>> {
+        let (b, h, tq, tk) = dims;
+        let terms = self
+            .terms
+            .iter()
+            .map(|(g, t)| match &***g {
+                Storage::Cpu(CpuStorage::F32(v)) => Ok((v.as_slice(), *t)),
+                _ => candle_core::bail!("fused softmax: additive terms must be f32 CPU tensors"),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let padding = match &self.padding {
+            None => None,
+            Some((g, l)) => match (&***g, l.contiguous_offsets()) {
+                (Storage::Cpu(CpuStorage::U8(v)), Some((a, z))) if z - a == b * tk => {
+                    Some(&v[a..z])
+                }
+                _ => candle_core::bail!(
+                    "fused softmax: the padding mask must be a contiguous ({b}, {tk}) u8 CPU tensor"
+                ),
+            },
+        };
+        Ok(RowPass {
+            terms,
+            padding,
+            causal,
+            dims: (h, tq, tk),
+            isa: Isa::detect(),
+        })
+    }
 }
 
 /// Everything one row of the pass reads.
-struct RowPass<'a> {
-    terms: &'a [(&'a [f32], &'a Strided)],
+pub(crate) struct RowPass<'a> {
+    terms: Vec<(&'a [f32], &'a Strided)>,
     padding: Option<&'a [u8]>,
     causal: Option<usize>,
-    /// `(H, Tq, Tk)`.
+    /// `(H, Tq, Tk)`: `Tk` is the padding mask's row length.
     dims: (usize, usize, usize),
+    isa: Isa,
+}
+
+/// The widest vector instructions the row pass is compiled for on this CPU.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Isa {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    /// Detected once per pass by the standard library's cached CPU feature test.
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Baseline
+    }
 }
 
 impl RowPass<'_> {
+    /// Bias, masks and softmax of logits row `r` (flat over `(B, H, Tq)`), with the fastest
+    /// build of [`Self::run`] this CPU runs.
+    ///
+    /// `row` holds the logits of keys `0..row.len()`; a caller may leave out trailing keys that
+    /// no query of its rows sees (causally hidden), but only when no key is padded (a fully
+    /// padded row is uniform over the keys it is given).
+    #[inline(always)]
+    pub(crate) fn run_best(&self, r: usize, row: &mut [f32]) {
+        match self.isa {
+            // SAFETY: `Isa::detect` found the instructions on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { self.run_avx512(r, row) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { self.run_avx2(r, row) },
+            Isa::Baseline => self.run(r, row),
+        }
+    }
+
     /// Bias, masks and softmax of logits row `r` (flat over `(B, H, Tq)`).
     #[inline(always)]
     fn run(&self, r: usize, row: &mut [f32]) {
         let (h, tq, tk) = self.dims;
         let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
-        let visible = self.causal.map_or(tk, |first| (first + i + 1).min(tk));
+        let len = row.len();
+        let visible = self.causal.map_or(len, |first| (first + i + 1).min(len));
         let (row, hidden) = row.split_at_mut(visible);
-        for (src, t) in self.terms {
+        for (src, t) in &self.terms {
             t.add_row(src, bi, hi, i, row);
         }
         if let Some(p) = self.padding {
@@ -238,7 +355,7 @@ impl RowPass<'_> {
         if max == f32::MIN && !hidden.is_empty() {
             // Every key masked: uniform over the whole row, as the unfused path (which fills
             // the hidden keys with the same lowest value) gives.
-            let u = 1.0 / tk as f32;
+            let u = 1.0 / len as f32;
             row.iter_mut().chain(hidden.iter_mut()).for_each(|x| *x = u);
             return;
         }
@@ -259,17 +376,13 @@ impl RowPass<'_> {
     fn run_avx2(&self, r: usize, row: &mut [f32]) {
         self.run(r, row)
     }
-}
 
-/// Whether this CPU has AVX2 (detected once by the standard library).
-fn avx2_available() -> bool {
+    /// [`Self::run`] compiled for AVX-512: sixteen lanes in the element-wise loops; the
+    /// reductions keep their eight accumulators, so the results are again identical.
     #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+    #[target_feature(enable = "avx512f")]
+    fn run_avx512(&self, r: usize, row: &mut [f32]) {
+        self.run(r, row)
     }
 }
 
@@ -279,60 +392,17 @@ impl InplaceOp1 for BiasMaskSoftmax {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (b, h, tq, tk) = layout.shape().dims4()?;
+        let dims = layout.shape().dims4()?;
         let (CpuStorage::F32(data), Some((start, end))) = (storage, layout.contiguous_offsets())
         else {
             candle_core::bail!("fused softmax: logits must be contiguous f32");
         };
-        let data = &mut data[start..end];
-        let avx2 = avx2_available();
-        let mut run = |terms: &[(&[f32], &Strided)], padding: Option<&[u8]>| {
-            let pass = RowPass {
-                terms,
-                padding,
-                causal: self.causal,
-                dims: (h, tq, tk),
-            };
-            data.par_chunks_mut(tk.max(1))
-                .enumerate()
-                .for_each(|(r, row)| {
-                    #[cfg(target_arch = "x86_64")]
-                    if avx2 {
-                        // SAFETY: the CPU supports AVX2 (checked by `avx2_available`).
-                        unsafe { pass.run_avx2(r, row) };
-                        return;
-                    }
-                    let _ = avx2; // read on x86_64 only
-                    pass.run(r, row);
-                });
-        };
-        // Hold a read guard on every term's storage for the whole pass.
-        let guards: Vec<_> = self
-            .terms
-            .iter()
-            .map(|t| t.tensor.storage_and_layout().0)
-            .collect();
-        let terms = guards
-            .iter()
-            .zip(&self.terms)
-            .map(|(g, t)| match &**g {
-                Storage::Cpu(CpuStorage::F32(v)) => Ok((v.as_slice(), t)),
-                _ => candle_core::bail!("fused softmax: additive terms must be f32 CPU tensors"),
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let pad_guard = self.padding.as_ref().map(|p| p.storage_and_layout());
-        let padding = match &pad_guard {
-            None => None,
-            Some((g, l)) => match (&**g, l.contiguous_offsets()) {
-                (Storage::Cpu(CpuStorage::U8(v)), Some((a, z))) if z - a == b * tk => {
-                    Some(&v[a..z])
-                }
-                _ => candle_core::bail!(
-                    "fused softmax: the padding mask must be a contiguous ({b}, {tk}) u8 CPU tensor"
-                ),
-            },
-        };
-        run(&terms, padding);
+        let guards = TermGuards::new(&self.terms, self.padding.as_ref());
+        let pass = guards.pass(dims, self.causal)?;
+        data[start..end]
+            .par_chunks_mut(dims.3.max(1))
+            .enumerate()
+            .for_each(|(r, row)| pass.run_best(r, row));
         Ok(())
     }
 }
@@ -355,35 +425,47 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
     }
 
-    /// The AVX2 and baseline builds of the row pass give bit-identical rows (the baseline path
-    /// runs only on CPUs without AVX2, so it is checked here).
+    /// The AVX-512, AVX2 and baseline builds of the row pass give bit-identical rows (the
+    /// baseline runs only on CPUs without AVX2, so it is checked here), for whole rows and for
+    /// rows cut short after the last causally visible key.
     #[test]
-    fn avx2_and_baseline_rows_agree_bitwise() {
+    fn vector_builds_agree_bitwise() {
         let (h, tq, tk) = (1, 3, 37);
         let pad: Vec<u8> = (0..tk).map(|j| (j % 5 != 0) as u8).collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for causal in [None, Some(30)] {
             for padding in [None, Some(pad.as_slice())] {
                 let pass = RowPass {
-                    terms: &[],
+                    terms: vec![],
                     padding,
                     causal,
                     dims: (h, tq, tk),
+                    isa: Isa::Baseline,
                 };
                 for r in 0..tq {
-                    let row: Vec<f32> = (0..tk)
-                        .map(|j| ((j * 7 + r) % 11) as f32 * 0.9 - 4.0)
-                        .collect();
-                    let mut base = row.clone();
-                    pass.run(r, &mut base);
-                    let total: f32 = base.iter().sum();
-                    assert!((total - 1.0).abs() < 1e-6, "row sums to {total}");
-                    #[cfg(target_arch = "x86_64")]
-                    if avx2_available() {
-                        let mut wide = row.clone();
-                        // SAFETY: AVX2 was detected just above.
-                        unsafe { pass.run_avx2(r, &mut wide) };
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(&base), bits(&wide));
+                    for len in [tk, 33] {
+                        let row: Vec<f32> = (0..len)
+                            .map(|j| ((j * 7 + r) % 11) as f32 * 0.9 - 4.0)
+                            .collect();
+                        let mut base = row.clone();
+                        pass.run(r, &mut base);
+                        let total: f32 = base.iter().sum();
+                        assert!((total - 1.0).abs() < 1e-6, "row sums to {total}");
+                        #[cfg(target_arch = "x86_64")]
+                        {
+                            if std::arch::is_x86_feature_detected!("avx2") {
+                                let mut wide = row.clone();
+                                // SAFETY: AVX2 was detected just above.
+                                unsafe { pass.run_avx2(r, &mut wide) };
+                                assert_eq!(bits(&base), bits(&wide));
+                            }
+                            if std::arch::is_x86_feature_detected!("avx512f") {
+                                let mut wide = row.clone();
+                                // SAFETY: AVX-512F was detected just above.
+                                unsafe { pass.run_avx512(r, &mut wide) };
+                                assert_eq!(bits(&base), bits(&wide));
+                            }
+                        }
                     }
                 }
             }

@@ -12,6 +12,16 @@
 //! # Shapes
 //! - `x`: `(B, T, d_model)`; output `(B, T, d_model)`; weights `(B, H, T, T_keys)`.
 //!
+//! # Paths
+//! - CPU, f32 inference without returned weights: the whole core runs per head and tile of 64
+//!   queries (`fused_attention`): both products, the compact or dense bias, masks, softmax and
+//!   a compact relative value term, with grouped KV heads read in place.
+//! - CPU, f32 inference returning the weights: products as candle ops, bias, masks and softmax
+//!   in one in-place pass (`fused_softmax`).
+//! - Training, other dtypes and devices: candle ops throughout (differentiable).
+//!
+//! All three attend over blocks of queries sized by [`AttentionConfig::logits_budget`].
+//!
 //! Weights are named like HF Llama (`q_proj`, `k_proj`, `v_proj`, `o_proj`, each with `weight`
 //! and optional `bias`), so such checkpoints load through a `VarBuilder` prefix.
 //! Reference: Vaswani et al. 2017; grouped-query attention: Ainslie et al. 2023.
@@ -22,8 +32,8 @@ use std::sync::Arc;
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{linear_b, Linear, VarBuilder};
 
-use super::fused_softmax;
 use super::mask::{apply_keep_mask, check_padding, keep_mask};
+use super::{fused_attention, fused_softmax, RelativeBias};
 use super::{KvCache, PositionalEncoding};
 use crate::checkpoint::MetadataReader;
 use crate::limits::check_elements;
@@ -496,10 +506,32 @@ impl MultiHeadAttention {
             None => (k, v, positions.clone()),
         };
         let tk = k.dim(2)?;
-        let k = self.repeat_kv(k)?;
-        let v = self.repeat_kv(v)?;
-
         let q = (q * cfg.softmax_scale)?;
+        // Inference on the CPU without weights to return or a value term to feed: the whole
+        // core (products, bias, masks, softmax) runs per head and tile of queries, writing the
+        // merged heads; grouped KV heads are read in place.
+        let fused = !options.train
+            && !options.return_weights
+            && fused_attention::applies(&q, &k, &v)
+            && match enc {
+                Some(e) if e.has_value_term() => e
+                    .relative_value_term(positions, &k_positions)?
+                    .is_some_and(|r| fused_attention::values_apply(&r, cfg.head_dim)),
+                _ => true,
+            };
+        let (k, v) = if fused {
+            (k, v)
+        } else {
+            (self.repeat_kv(k)?, self.repeat_kv(v)?)
+        };
+        let merged = match fused {
+            true => Some(Tensor::zeros(
+                (b, t, cfg.num_heads, cfg.head_dim),
+                q.dtype(),
+                q.device(),
+            )?),
+            false => None,
+        };
         let full = (b, cfg.num_heads, t, tk);
         let attn_mask = match options.attn_mask {
             Some(mask) => Some(mask.broadcast_as(full).map_err(|_| {
@@ -550,6 +582,14 @@ impl MultiHeadAttention {
                 padding: padding.as_ref(),
                 causal: cfg.causal.then_some(start + tk - t),
             };
+            if let Some(merged) = &merged {
+                self.attend_fused(&part, merged, start)?;
+                start += n;
+                if start >= t {
+                    break;
+                }
+                continue;
+            }
             let (probs, out) = self.attend(&part, options.train)?;
             outs.push(out);
             if options.return_weights {
@@ -569,23 +609,80 @@ impl MultiHeadAttention {
                 break;
             }
         }
-        let out = if outs.len() == 1 {
-            outs.swap_remove(0)
-        } else {
-            Tensor::cat(&outs, 2)?
-        };
+        let out = match merged {
+            Some(merged) => merged,
+            None if outs.len() == 1 => outs.swap_remove(0).transpose(1, 2)?,
+            None => Tensor::cat(&outs, 2)?.transpose(1, 2)?,
+        }
+        .reshape((b, t, cfg.num_heads * cfg.head_dim))?;
         let weights = match weights.len() {
             0 => None,
             1 => Some(weights.swap_remove(0)),
             _ => Some(Tensor::cat(&weights, 2)?),
         };
-        let out = out
-            .transpose(1, 2)?
-            .reshape((b, t, cfg.num_heads * cfg.head_dim))?;
         Ok(AttentionOutput {
             output: self.o_proj.forward(&out)?,
             weights,
         })
+    }
+
+    /// The additive terms of one query block's logits: dense tensors broadcastable to
+    /// `(B, H, n, kv)` (the encoding's bias unless given compact, the additive mask), and the
+    /// encoding's compact relative bias when `compact` and the fused row pass can read it.
+    fn logit_terms(
+        &self,
+        part: &Block,
+        compact: bool,
+    ) -> Result<(Vec<Tensor>, Option<RelativeBias>)> {
+        let enc = self.encoding.as_deref();
+        let (qp, kp) = (&part.q_positions, &part.k_positions);
+        let kv = part.k.dim(2)?;
+        let relative = match enc {
+            Some(e) if compact => e
+                .relative_logits_bias(&part.q, qp, kp, kv)?
+                .filter(fused_softmax::relative_applies),
+            _ => None,
+        };
+        let bias = match enc {
+            Some(e) if relative.is_none() => e.logits_bias(&part.q, qp, kp, kv)?,
+            _ => None,
+        };
+        let dense = [&bias, &part.attn_mask]
+            .into_iter()
+            .flatten()
+            .map(|t| t.to_dtype(part.q.dtype()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok((dense, relative))
+    }
+
+    /// The fused core for one query block, written into rows `start..start + n` of `merged`
+    /// `(B, T, H, D)`.
+    fn attend_fused(&self, part: &Block, merged: &Tensor, start: usize) -> Result<()> {
+        let (dense, relative) = self.logit_terms(part, true)?;
+        let values = match self.encoding.as_deref() {
+            Some(e) if e.has_value_term() => Some(
+                e.relative_value_term(&part.q_positions, &part.k_positions)?
+                    .ok_or_else(|| {
+                        Error::config(
+                            "encoding",
+                            "a relative value term for the whole chunk but not for a query block",
+                            "the same answer for every block of offset positions",
+                        )
+                    })?,
+            ),
+            _ => None,
+        };
+        fused_attention::Core {
+            q: &part.q,
+            k: &part.k,
+            v: &part.v,
+            dense: dense.iter().collect(),
+            relative: relative.iter().collect(),
+            padding: part.padding,
+            causal: part.causal,
+            values: values.as_ref(),
+        }
+        .write_into(merged, start)
     }
 
     /// Attention of one query block: `(softmax(q kᵀ + bias + masks), α v + value term)`, both
@@ -597,21 +694,7 @@ impl MultiHeadAttention {
         let (qp, kp) = (&part.q_positions, &part.k_positions);
         let inference_cpu = !train && fused_softmax::applies(&scores);
         // The fused pass reads relative biases as short rows; everything else gets them dense.
-        let relative = match enc {
-            Some(e) if inference_cpu => e
-                .relative_logits_bias(&part.q, qp, kp, kv)?
-                .filter(fused_softmax::relative_applies),
-            _ => None,
-        };
-        let bias = match enc {
-            Some(e) if relative.is_none() => e.logits_bias(&part.q, qp, kp, kv)?,
-            _ => None,
-        };
-        let terms = [&bias, &part.attn_mask]
-            .into_iter()
-            .flatten()
-            .map(|t| t.to_dtype(scores.dtype()))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let (terms, relative) = self.logit_terms(part, inference_cpu)?;
         let probs = if inference_cpu && terms.iter().all(|t| t.device().is_cpu()) {
             // Inference on the CPU: bias, masks and softmax in one in-place pass.
             let dense: Vec<&Tensor> = terms.iter().collect();

@@ -8,10 +8,11 @@
 //! | [`add_to_input`](PositionalEncoding::add_to_input) | `x + p[pos]` before the q/k/v projections | sinusoidal, learned |
 //! | [`rotate_queries_keys`](PositionalEncoding::rotate_queries_keys) | `q' = R(pos_q) q`, `k' = R(pos_k) k` after projection | rotary |
 //! | [`logits_bias`](PositionalEncoding::logits_bias) (or, compact, [`relative_logits_bias`](PositionalEncoding::relative_logits_bias)) | `scores += b(pos_q, pos_k)`, may read `q` | ALiBi, T5, relative bias, Shaw keys |
-//! | [`value_term`](PositionalEncoding::value_term) | `out += Σ_j α_ij a(i, j)` | Shaw values |
+//! | [`value_term`](PositionalEncoding::value_term) (or, compact, [`relative_value_term`](PositionalEncoding::relative_value_term)) | `out += Σ_j α_ij a(i, j)` | Shaw values |
 //!
 //! [`MultiHeadAttention`] calls the four hooks and never looks at the concrete encoding type.
 
+mod fused_attention;
 mod fused_softmax;
 mod kv_cache;
 mod mask;
@@ -22,8 +23,8 @@ pub use kv_cache::KvCache;
 pub use mha::{
     AttentionConfig, AttentionOptions, AttentionOutput, MultiHeadAttention, DEFAULT_LOGITS_BUDGET,
 };
-pub use relative_bias::RelativeBias;
 pub(crate) use relative_bias::{bucket_sums, bucket_sums_apply};
+pub use relative_bias::{RelativeBias, RelativeValues};
 
 use candle_core::Tensor;
 
@@ -145,5 +146,34 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
     ) -> Result<Option<Tensor>> {
         let _ = (probs, q_positions, k_positions);
         Ok(None)
+    }
+
+    /// The value hook in compact form, for relative values: the same term as
+    /// [`Self::value_term`], given as one table row per clamped distance ([`RelativeValues`]),
+    /// or `None` (the default).
+    ///
+    /// The attention block's fused CPU inference path never builds the weights `value_term`
+    /// reads; it sums them per distance as it goes and asks for this form instead. Without it,
+    /// an encoding with a value term takes the unfused path.
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn relative_value_term(
+        &self,
+        q_positions: &Positions,
+        k_positions: &Positions,
+    ) -> Result<Option<RelativeValues>> {
+        let _ = (q_positions, k_positions);
+        Ok(None)
+    }
+
+    /// Whether [`Self::value_term`] may return a term.
+    ///
+    /// The attention block's fused CPU inference path never builds the weights the value hook
+    /// reads, so for an encoding that answers `true` it runs only with
+    /// [`Self::relative_value_term`]. The default, `true`, is always correct; an encoding
+    /// without a value term overrides it to get the fast path.
+    fn has_value_term(&self) -> bool {
+        true
     }
 }

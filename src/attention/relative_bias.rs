@@ -33,6 +33,22 @@ pub struct RelativeBias {
     pub shift: i64,
 }
 
+/// A relative value term given by one table row per clamped distance:
+/// `out[b, h, i, :] += Σ_j α[b, h, i, j] · table[clamp(j − i + shift, 0, W − 1), :]`.
+///
+/// Returned by
+/// [`PositionalEncoding::relative_value_term`](super::PositionalEncoding::relative_value_term).
+///
+/// # Shapes
+/// `table`: `(W, D)`, shared by every batch item and head.
+#[derive(Debug, Clone)]
+pub struct RelativeValues {
+    /// `(W, D)`: the value added per unit of weight at each clamped column.
+    pub table: Tensor,
+    /// Column of the pair `(i, j)` before clamping: `j − i + shift`.
+    pub shift: i64,
+}
+
 /// Where row `i`'s columns start and stop being clamped: keys `j < lo` read column 0, keys
 /// `lo ≤ j < hi` read `j − i + shift`, keys `j ≥ hi` read column `W − 1`.
 pub(crate) fn row_segments(i: usize, shift: i64, width: usize, tk: usize) -> (usize, usize) {
@@ -116,6 +132,19 @@ pub(crate) fn bucket_sums(probs: &Tensor, width: usize, shift: i64) -> Result<Te
         .apply_op1_no_bwd(&BucketSums { width, shift })?)
 }
 
+/// Adds query row `i`'s weights (keys `0..row.len()`) into `sums` per clamped column
+/// `clamp(j − i + shift, 0, sums.len() − 1)`.
+pub(crate) fn add_bucket_sums(row: &[f32], i: usize, shift: i64, sums: &mut [f32]) {
+    let width = sums.len();
+    let (lo, hi) = row_segments(i, shift, width, row.len());
+    sums[0] += row[..lo].iter().sum::<f32>();
+    let first = (lo as i64 - i as i64 + shift) as usize;
+    for (s, p) in sums[first..first + (hi - lo)].iter_mut().zip(&row[lo..hi]) {
+        *s += p;
+    }
+    sums[width - 1] += row[hi..].iter().sum::<f32>();
+}
+
 /// Whether [`bucket_sums`] runs on these weights.
 pub(crate) fn bucket_sums_apply(probs: &Tensor) -> bool {
     probs.device().is_cpu() && probs.dtype() == DType::F32 && !probs.track_op()
@@ -148,14 +177,7 @@ impl CustomOp1 for BucketSums {
         }
         let mut out = vec![0f32; b * h * tq * width];
         out.par_chunks_mut(width).enumerate().for_each(|(r, sums)| {
-            let row = &probs[r * tk..(r + 1) * tk];
-            let (lo, hi) = row_segments(r % tq, self.shift, width, tk);
-            sums[0] += row[..lo].iter().sum::<f32>();
-            let first = (lo as i64 - (r % tq) as i64 + self.shift) as usize;
-            for (s, p) in sums[first..first + (hi - lo)].iter_mut().zip(&row[lo..hi]) {
-                *s += p;
-            }
-            sums[width - 1] += row[hi..].iter().sum::<f32>();
+            add_bucket_sums(&probs[r * tk..(r + 1) * tk], r % tq, self.shift, sums);
         });
         Ok((CpuStorage::F32(out), Shape::from((b, h, tq, width))))
     }

@@ -301,6 +301,11 @@ impl Alibi {
 }
 
 impl PositionalEncoding for Alibi {
+    /// No value term.
+    fn has_value_term(&self) -> bool {
+        false
+    }
+
     fn logits_bias(
         &self,
         q: &Tensor,

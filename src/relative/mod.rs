@@ -300,6 +300,11 @@ impl<C: RelativeBucketing> BucketedRelativeBias<C> {
 }
 
 impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
+    /// No value term.
+    fn has_value_term(&self) -> bool {
+        false
+    }
+
     fn logits_bias(
         &self,
         q: &Tensor,

@@ -25,7 +25,9 @@ use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use super::{query_dims, relative_buckets, BucketCache};
-use crate::attention::{bucket_sums, bucket_sums_apply, PositionalEncoding, RelativeBias};
+use crate::attention::{
+    bucket_sums, bucket_sums_apply, PositionalEncoding, RelativeBias, RelativeValues,
+};
 use crate::graft::{graft, GraftBackward};
 use crate::limits::check_elements;
 use crate::{Error, Positions, Result};
@@ -235,6 +237,11 @@ impl GraftBackward for GatherAt {
 }
 
 impl PositionalEncoding for ShawRelativePosition {
+    /// Only with relative values.
+    fn has_value_term(&self) -> bool {
+        self.values.is_some()
+    }
+
     /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`.
     fn logits_bias(
         &self,
@@ -264,6 +271,21 @@ impl PositionalEncoding for ShawRelativePosition {
             values: self.per_bucket(q)?.contiguous()?,
             shift,
         }))
+    }
+
+    /// For offsets: `a^V` itself, one row per clamped distance.
+    fn relative_value_term(
+        &self,
+        qp: &Positions,
+        kp: &Positions,
+    ) -> Result<Option<RelativeValues>> {
+        Ok(match (&self.values, self.shift(qp, kp)) {
+            (Some(table), Some(shift)) => Some(RelativeValues {
+                table: table.clone(),
+                shift,
+            }),
+            _ => None,
+        })
     }
 
     /// `Σ_r (Σ_{j: r(i,j) = r} α_ij) a^V[r]`.

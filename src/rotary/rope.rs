@@ -699,6 +699,11 @@ impl Module for RotaryEmbedding {
 }
 
 impl PositionalEncoding for RotaryEmbedding {
+    /// No value term.
+    fn has_value_term(&self) -> bool {
+        false
+    }
+
     fn rotate_queries_keys(
         &self,
         q: &Tensor,

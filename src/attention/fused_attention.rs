@@ -1,0 +1,341 @@
+//! The attention core of one query block in one pass per head (CPU, f32, inference).
+//!
+//! ```text
+//! for each (b, h) and each tile of n ≤ 64 query rows i:
+//!     S = q[b, h, i] · k[b, h / r]ᵀ                     (n × Tk', in a per-thread buffer)
+//!     S ← softmax(S + biases + masks)  row by row       (the fused row pass)
+//!     out[b, i, h, :] = S · v[b, h / r]                 (written straight into (B, T, H, D))
+//!     out[b, i, h, :] += Σ_c (Σ_{j: c(i,j) = c} S_ij) a[c]   (relative values, if any)
+//! ```
+//!
+//! `r = H / Hkv` (grouped KV heads read their shared head; nothing is repeated) and `Tk'` is
+//! `Tk`, or, under a plain causal mask, the keys up to the tile's last visible one. The logits
+//! of a tile (64 × Tk' floats: 256 KiB at Tk = 1024) stay in the core's cache from the product
+//! that writes them, through the softmax, to the product that reads them; no `(B, H, Tq, Tk)`
+//! tensor is allocated, and the heads come out already merged for the output projection.
+//!
+//! Both products run `gemm` (the crate candle's CPU matmul uses, with its AVX-512 kernels when
+//! the `avx512` feature is on) on raw strided views, one thread per tile. The softmax is the
+//! row pass of [`super::fused_softmax`], so the weights are exactly the fused path's.
+
+use std::cell::RefCell;
+
+use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::fused_softmax::{read_storage, strided_terms, StorageGuard, TermGuards};
+use super::relative_bias::{add_bucket_sums, RelativeBias, RelativeValues};
+use crate::Result;
+
+/// Query rows per tile: their logits (`ROWS × Tk` floats) are what must stay in cache.
+const ROWS: usize = 64;
+
+/// Whether the fused core can run on these (already projected, rotated and scaled) tensors.
+pub(crate) fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    [q, k, v].iter().all(|t| {
+        t.device().is_cpu()
+            && t.dtype() == candle_core::DType::F32
+            && !t.track_op()
+            && t.rank() == 4
+            && t.layout().stride()[3] == 1
+    })
+}
+
+/// One query block of the core, written into rows `first_row..first_row + Tq` of `out`.
+pub(crate) struct Core<'a> {
+    /// `(B, H, Tq, D)`, already scaled.
+    pub q: &'a Tensor,
+    /// `(B, Hkv, Tk, D)`.
+    pub k: &'a Tensor,
+    /// `(B, Hkv, Tk, D)`.
+    pub v: &'a Tensor,
+    /// Additive terms broadcastable to `(B, H, Tq, Tk)` (f32, CPU).
+    pub dense: Vec<&'a Tensor>,
+    /// Relative terms (checked by `fused_softmax::relative_applies`).
+    pub relative: Vec<&'a RelativeBias>,
+    /// `(B, Tk)` u8, non-zero = keep.
+    pub padding: Option<&'a Tensor>,
+    /// `Some(first)`: query row `i` sees keys `j ≤ first + i`.
+    pub causal: Option<usize>,
+    /// A relative value term (`(W, D)` table).
+    pub values: Option<&'a RelativeValues>,
+}
+
+/// Whether the fused core can add this relative value term.
+pub(crate) fn values_apply(values: &RelativeValues, head_dim: usize) -> bool {
+    let t = &values.table;
+    t.device().is_cpu()
+        && t.dtype() == candle_core::DType::F32
+        && t.dims().len() == 2
+        && t.dims()[0] > 0
+        && t.dims()[1] == head_dim
+}
+
+impl Core<'_> {
+    /// Writes `softmax(q kᵀ + terms, masked) v` into `out` `(B, T, H, D)` (contiguous f32, not
+    /// part of a graph) at rows `first_row..first_row + Tq`.
+    pub(crate) fn write_into(&self, out: &Tensor, first_row: usize) -> Result<()> {
+        let (b, h, tq, d) = self.q.dims4()?;
+        let (_, _, tk, _) = self.k.dims4()?;
+        let op = CoreOp {
+            q: self.q.clone(),
+            k: self.k.clone(),
+            v: self.v.clone(),
+            terms: strided_terms((b, h, tq, tk), &self.dense, &self.relative)?,
+            padding: self.padding.map(|p| p.contiguous()).transpose()?,
+            // Trailing keys hidden from a whole tile may be left out only when no row can be
+            // fully masked (a fully masked row is uniform over every key).
+            trim: self.causal.is_some() && self.padding.is_none() && self.dense.is_empty(),
+            causal: self.causal,
+            first_row,
+            dims: (b, h, tq, tk, d),
+            values: match self.values {
+                Some(v) if values_apply(v, d) => Some((v.table.contiguous()?, v.shift)),
+                Some(v) => {
+                    return Err(crate::Error::shape(
+                        "relative value table",
+                        format!("an f32 CPU tensor of (width ≥ 1, {d})"),
+                        v.table.shape(),
+                    ))
+                }
+                None => None,
+            },
+        };
+        out.inplace_op1(&op)?;
+        Ok(())
+    }
+}
+
+struct CoreOp {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    terms: Vec<super::fused_softmax::Strided>,
+    padding: Option<Tensor>,
+    trim: bool,
+    causal: Option<usize>,
+    first_row: usize,
+    /// `(B, H, Tq, Tk, D)`.
+    dims: (usize, usize, usize, usize, usize),
+    /// The relative value table `(W, D)` (contiguous) and its shift.
+    values: Option<(Tensor, i64)>,
+}
+
+/// A strided f32 view `(B, H, T, D)` with unit stride on `D`.
+#[derive(Clone, Copy)]
+struct View {
+    ptr: *const f32,
+    strides: [usize; 3],
+}
+
+impl View {
+    fn new<'a>(guard: &'a StorageGuard<'a>, layout: &Layout) -> candle_core::Result<Self> {
+        let Storage::Cpu(CpuStorage::F32(data)) = &***guard else {
+            candle_core::bail!("fused attention: q, k and v must be f32 CPU tensors");
+        };
+        let s = layout.stride();
+        // The furthest element read, for the bounds check below.
+        let last: usize = layout
+            .dims()
+            .iter()
+            .zip(s)
+            .map(|(n, s)| n.saturating_sub(1) * s)
+            .sum();
+        if layout.dims().contains(&0) || layout.start_offset() + last >= data.len() {
+            candle_core::bail!("fused attention: a view reaches past its storage");
+        }
+        Ok(Self {
+            // SAFETY: in bounds (checked above).
+            ptr: unsafe { data.as_ptr().add(layout.start_offset()) },
+            strides: [s[0], s[1], s[2]],
+        })
+    }
+
+    /// The address of `[b, h, i, 0]`.
+    fn at(&self, b: usize, h: usize, i: usize) -> *const f32 {
+        let [s0, s1, s2] = self.strides;
+        // SAFETY: callers stay inside the view's dimensions, which lie in the storage.
+        unsafe { self.ptr.add(b * s0 + h * s1 + i * s2) }
+    }
+}
+
+/// The output rows, written by disjoint tiles from several threads.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+impl OutPtr {
+    /// The element `offset` past the start (a method, so closures capture the whole `OutPtr`).
+    ///
+    /// # Safety
+    /// `offset` must lie inside the output.
+    unsafe fn add(self, offset: usize) -> *mut f32 {
+        // SAFETY: the caller keeps `offset` in bounds.
+        unsafe { self.0.add(offset) }
+    }
+}
+// SAFETY: every tile writes its own rows of one head; no two tiles write the same element and
+// nothing reads the output during the pass.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+// SAFETY: the views only read storage that the op holds read locks on for the whole pass.
+unsafe impl Send for View {}
+// SAFETY: as above.
+unsafe impl Sync for View {}
+
+thread_local! {
+    /// Each thread's tile of logits, reused across tiles and calls (no page faults).
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each thread's weights summed per relative distance, `rows × W`.
+    static SUMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+impl InplaceOp1 for CoreOp {
+    fn name(&self) -> &'static str {
+        "posenc-fused-attention"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (b, h, tq, tk, d) = self.dims;
+        let (ob, t, oh, od) = layout.shape().dims4()?;
+        let (CpuStorage::F32(out), Some((start, end))) = (storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("fused attention: the output must be contiguous f32");
+        };
+        if (ob, oh, od) != (b, h, d) || self.first_row + tq > t || end - start != b * t * h * d {
+            candle_core::bail!("fused attention: output shape does not match q");
+        }
+        let hkv = self.k.dim(1)?;
+        if hkv == 0 || !h.is_multiple_of(hkv) || self.v.dims4()? != (b, hkv, tk, d) {
+            candle_core::bail!("fused attention: k and v must be (B, Hkv, Tk, D) with Hkv | H");
+        }
+        let group = h / hkv;
+        let guards = [&self.q, &self.k, &self.v].map(read_storage);
+        let q = View::new(&guards[0].0, guards[0].1)?;
+        let k = View::new(&guards[1].0, guards[1].1)?;
+        let v = View::new(&guards[2].0, guards[2].1)?;
+        let terms = TermGuards::new(&self.terms, self.padding.as_ref());
+        let pass = terms.pass((b, h, tq, tk), self.causal)?;
+        let values_guard = self
+            .values
+            .as_ref()
+            .map(|(t, shift)| (read_storage(t), *shift));
+        let values = match &values_guard {
+            None => None,
+            Some(((g, l), shift)) => match (&***g, l.contiguous_offsets()) {
+                (Storage::Cpu(CpuStorage::F32(data)), Some((a, z)))
+                    if z > a && (z - a) % d == 0 =>
+                {
+                    Some((&data[a..z], (z - a) / d, *shift))
+                }
+                _ => candle_core::bail!("fused attention: the value table must be (W, D) f32"),
+            },
+        };
+        let out = OutPtr(out[start..].as_mut_ptr());
+        let tiles = tq.div_ceil(ROWS);
+        (0..b * h * tiles).into_par_iter().for_each(|task| {
+            let (bh, tile) = (task / tiles, task % tiles);
+            let (bi, hi) = (bh / h, bh % h);
+            let i0 = tile * ROWS;
+            let rows = ROWS.min(tq - i0);
+            let keys = match self.causal {
+                Some(first) if self.trim => (first + i0 + rows).min(tk),
+                _ => tk,
+            };
+            let (kp, vp) = (k.at(bi, hi / group, 0), v.at(bi, hi / group, 0));
+            TILE.with_borrow_mut(|s| {
+                s.resize(rows * keys, 0.0);
+                // SAFETY: S is rows × keys (resized above); the q rows, k and v rows read lie in
+                // their views (i0 + rows ≤ Tq, keys ≤ Tk), checked against storage in `View::new`.
+                unsafe {
+                    product(
+                        (rows, keys, d),
+                        (s.as_mut_ptr(), keys, false),
+                        (q.at(bi, hi, i0), 1, q.strides[2]),
+                        (kp, k.strides[2], 1),
+                    )
+                };
+                for (li, row) in s.chunks_exact_mut(keys).enumerate() {
+                    pass.run_best((bi * h + hi) * tq + i0 + li, row);
+                }
+                let row0 = (bi * t + self.first_row + i0) * h + hi;
+                // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements (checked above);
+                // this tile writes rows first_row + i0 .. + rows of head hi only.
+                let dst = unsafe { out.add(row0 * d) };
+                // SAFETY: as above; S is rows × keys, v's rows lie in its view.
+                unsafe {
+                    product(
+                        (rows, d, keys),
+                        (dst, h * d, false),
+                        (s.as_ptr(), 1, keys),
+                        (vp, 1, v.strides[2]),
+                    )
+                };
+                let Some((table, width, shift)) = values else {
+                    return;
+                };
+                SUMS.with_borrow_mut(|sums| {
+                    sums.clear();
+                    sums.resize(rows * width, 0.0);
+                    for (li, (row, sums)) in s
+                        .chunks_exact(keys)
+                        .zip(sums.chunks_exact_mut(width))
+                        .enumerate()
+                    {
+                        add_bucket_sums(row, i0 + li, shift, sums);
+                    }
+                    // SAFETY: as above; sums is rows × W, the table W × D.
+                    unsafe {
+                        product(
+                            (rows, d, width),
+                            (dst, h * d, true),
+                            (sums.as_ptr(), 1, width),
+                            (table.as_ptr(), 1, d),
+                        )
+                    };
+                });
+            });
+        });
+        Ok(())
+    }
+}
+
+/// `dst (m × n) = lhs (m × k) · rhs (k × n)`, or `+=` with `accumulate`, on this thread. `dst`
+/// is `(pointer, row stride, accumulate)` with unit column stride; `lhs` and `rhs` are
+/// `(pointer, column stride, row stride)`; strides in elements.
+///
+/// # Safety
+/// Every element the dimensions and strides reach must be valid (and `dst`'s writable by this
+/// thread alone).
+unsafe fn product(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs, accumulate): (*mut f32, usize, bool),
+    (lhs, lhs_cs, lhs_rs): (*const f32, usize, usize),
+    (rhs, rhs_cs, rhs_rs): (*const f32, usize, usize),
+) {
+    // SAFETY: the caller's contract. `gemm` computes dst = alpha·dst + beta·lhs·rhs, reading
+    // dst only when asked to.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs,
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs,
+            rhs_cs as isize,
+            rhs_rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}

@@ -1,0 +1,93 @@
+//! The fused attention core (CPU inference without returned weights: both products, biases,
+//! masks and softmax per head and tile of 64 queries) against the unfused training path, for
+//! every encoding configuration, with grouped KV heads, more queries than one tile, query
+//! blocks, padding (with fully masked rows), an additive mask, ids and a KV cache.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_posenc::{AttentionConfig, AttentionOptions, KvCache, Positions};
+use common::{assert_close, zoo};
+
+/// Queries: two tiles of 64 rows and a remainder.
+const T: usize = 70;
+
+/// 3e-6 of the largest output, at least 3e-6. The random weights make outputs of 30–50, where
+/// one f32 ulp is 4e-6, and the output projection amplifies the core's rounding; the paths
+/// differ in summation order and in `exp` (the fused pass's polynomial is within 3e-7 relative
+/// of the library's). Over repeated runs the difference reached 1.4e-6 of the largest output.
+fn tolerance(want: &Tensor) -> anyhow::Result<f64> {
+    Ok(3e-6 * f64::from(want.abs()?.max_all()?.to_scalar::<f32>()?).max(1.0))
+}
+
+fn fused_core_equals_unfused(dev: &Device) -> anyhow::Result<()> {
+    let (d_model, heads, head_dim) = (32, 4, 8);
+    let x = Tensor::randn(0f32, 1.0, (2, T, d_model), dev)?;
+    // Sequence 0: its first 3 keys padded, so its first causal rows are fully masked.
+    let mut keep = vec![1u8; 2 * T];
+    keep[..3].fill(0);
+    keep[T + 40] = 0;
+    let pad = Tensor::from_vec(keep, (2, T), dev)?;
+    let extra = Tensor::randn(0f32, 1.0, (1, heads, T, T), dev)?;
+    let ids: Vec<u32> = (0..T as u32).map(|i| (i * 7) % 50).collect();
+    let ids = Positions::ids(&Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?)?;
+    for (i, config) in zoo::configs(d_model, heads, head_dim).iter().enumerate() {
+        for causal in [false, true] {
+            for block in [None, Some(5)] {
+                let attn = AttentionConfig::new(d_model, heads)
+                    .with_kv_heads(2)
+                    .with_causal(causal)
+                    .with_query_block(block);
+                let (mha, _vars) = zoo::attention(config, &attn, DType::F32, dev)?;
+                let cases: [(Option<&Tensor>, Option<&Tensor>, Option<&Positions>); 4] = [
+                    (None, None, None),
+                    (Some(&pad), None, None),
+                    (Some(&pad), Some(&extra), None),
+                    (None, None, Some(&ids)),
+                ];
+                for (padding_mask, attn_mask, positions) in cases {
+                    let opts = |train| AttentionOptions {
+                        padding_mask,
+                        attn_mask,
+                        positions,
+                        train,
+                        return_weights: false,
+                    };
+                    let fused = mha.forward_with(&x, &opts(false), None)?.output;
+                    let plain = mha.forward_with(&x, &opts(true), None)?.output;
+                    let what = format!(
+                        "{} causal={causal} block={block:?} padded={} mask={} ids={}",
+                        zoo::label(i, config),
+                        padding_mask.is_some(),
+                        attn_mask.is_some(),
+                        positions.is_some()
+                    );
+                    assert_close(&fused, &plain, tolerance(&plain)?, &what)?;
+                }
+                if causal {
+                    // Decoding from the cache (strided views of its buffer) after a prefill,
+                    // fused against unfused with the same chunks.
+                    let decode = |train| -> anyhow::Result<Tensor> {
+                        let opts = AttentionOptions {
+                            train,
+                            ..Default::default()
+                        };
+                        let mut cache = KvCache::new();
+                        let mut outs = Vec::new();
+                        for (start, len) in [(0, 66), (66, 1), (67, 1), (68, 2)] {
+                            let x = x.narrow(1, start, len)?;
+                            outs.push(mha.forward_with(&x, &opts, Some(&mut cache))?.output);
+                        }
+                        Ok(Tensor::cat(&outs, 1)?)
+                    };
+                    let (fused, plain) = (decode(false)?, decode(true)?);
+                    let what = format!("{} block={block:?} cache", zoo::label(i, config));
+                    assert_close(&fused, &plain, tolerance(&plain)?, &what)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+device_tests!(fused_core_equals_unfused);
