@@ -56,8 +56,22 @@ fn shapes() -> impl Strategy<Value = Shapes> {
         })
 }
 
+/// A dtype and its tolerance relative to the largest output (at least that much absolute).
+/// The random weights make outputs of 10–25; chunked and whole passes sum in different orders
+/// (the matrix kernels are chosen per shape), which in f32 moved outputs by up to 7e-7 of the
+/// largest.
 fn dtype_and_tol() -> impl Strategy<Value = (DType, f64)> {
-    prop::sample::select(vec![(DType::F32, 1e-5), (DType::F64, 1e-9)])
+    prop::sample::select(vec![(DType::F32, 2e-6), (DType::F64, 1e-12)])
+}
+
+/// `tol` times the largest output, at least `tol`.
+fn scaled(tol: f64, t: &Tensor) -> anyhow::Result<f64> {
+    Ok(tol
+        * t.abs()?
+            .max_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?
+            .max(1.0))
 }
 
 fn attn_config(s: &Shapes) -> AttentionConfig {
@@ -126,7 +140,7 @@ fn kv_cache_case(
         let stepped = Tensor::cat(&pieces, 1)?;
         let d = max_abs_diff(&full.output, &stepped)?;
         anyhow::ensure!(
-            d <= tol,
+            d <= scaled(tol, &full.output)?,
             "{}: cached vs full differ by {d:e} ({s:?}, {dtype:?})",
             zoo::label(i, config)
         );
@@ -162,9 +176,10 @@ fn ids_case(
                 None,
             )
         };
-        let d = max_abs_diff(&run(&off)?.output, &run(&ids)?.output)?;
+        let by_offset = run(&off)?.output;
+        let d = max_abs_diff(&by_offset, &run(&ids)?.output)?;
         anyhow::ensure!(
-            d <= tol,
+            d <= scaled(tol, &by_offset)?,
             "{}: ids vs offset differ by {d:e} ({s:?})",
             zoo::label(i, config)
         );

@@ -1,7 +1,7 @@
 //! The attention core of one query block in one pass per head (CPU, f32, inference).
 //!
 //! ```text
-//! for each (b, h) and each tile of n ≤ 64 query rows i:
+//! for each (b, h) and each tile of n query rows i (n·Tk ≈ 256k floats, 16 ≤ n ≤ 256):
 //!     S = q[b, h, i] · k[b, h / r]ᵀ                     (n × Tk', in a per-thread buffer)
 //!     S ← softmax(S + biases + masks)  row by row       (the fused row pass)
 //!     out[b, i, h, :] = S · v[b, h / r]                 (written straight into (B, T, H, D))
@@ -10,7 +10,7 @@
 //!
 //! `r = H / Hkv` (grouped KV heads read their shared head; nothing is repeated) and `Tk'` is
 //! `Tk`, or, under a plain causal mask, the keys up to the tile's last visible one. The logits
-//! of a tile (64 × Tk' floats: 256 KiB at Tk = 1024) stay in the core's cache from the product
+//! of a tile (1 MiB at most but for very long rows) stay in the core's cache from the product
 //! that writes them, through the softmax, to the product that reads them; no `(B, H, Tq, Tk)`
 //! tensor is allocated, and the heads come out already merged for the output projection.
 //!
@@ -27,8 +27,15 @@ use super::fused_softmax::{read_storage, strided_terms, StorageGuard, TermGuards
 use super::relative_bias::{add_bucket_sums, RelativeBias, RelativeValues};
 use crate::Result;
 
-/// Query rows per tile: their logits (`ROWS × Tk` floats) are what must stay in cache.
-const ROWS: usize = 64;
+/// The logits of one tile (`rows × Tk` floats), which must stay in the core's cache from the
+/// product that writes them to the one that reads them: half of a 2 MiB L2.
+const TILE_BYTES: usize = 1 << 20;
+
+/// Query rows per tile for `tk` keys: [`TILE_BYTES`] of logits, 16 to 256 rows (fewer rows
+/// would repack the keys too often; more would leave too few tiles to share out).
+pub(crate) fn tile_rows(tk: usize) -> usize {
+    (TILE_BYTES / (4 * tk.max(1))).clamp(16, 256)
+}
 
 /// Whether the fused core can run on these (already projected, rotated and scaled) tensors.
 pub(crate) fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
@@ -59,6 +66,8 @@ pub(crate) struct Core<'a> {
     pub causal: Option<usize>,
     /// A relative value term (`(W, D)` table).
     pub values: Option<&'a RelativeValues>,
+    /// Query rows per tile ([`tile_rows`] of the key count).
+    pub tile: usize,
 }
 
 /// Whether the fused core can add this relative value term.
@@ -89,6 +98,7 @@ impl Core<'_> {
             causal: self.causal,
             first_row,
             dims: (b, h, tq, tk, d),
+            tile: self.tile.max(1),
             values: match self.values {
                 Some(v) if values_apply(v, d) => Some((v.table.contiguous()?, v.shift)),
                 Some(v) => {
@@ -119,6 +129,7 @@ struct CoreOp {
     dims: (usize, usize, usize, usize, usize),
     /// The relative value table `(W, D)` (contiguous) and its shift.
     values: Option<(Tensor, i64)>,
+    tile: usize,
 }
 
 /// A strided f32 view `(B, H, T, D)` with unit stride on `D`.
@@ -232,12 +243,12 @@ impl InplaceOp1 for CoreOp {
             },
         };
         let out = OutPtr(out[start..].as_mut_ptr());
-        let tiles = tq.div_ceil(ROWS);
+        let tile = self.tile;
+        let tiles = tq.div_ceil(tile);
         (0..b * h * tiles).into_par_iter().for_each(|task| {
-            let (bh, tile) = (task / tiles, task % tiles);
+            let (bh, i0) = (task / tiles, (task % tiles) * tile);
             let (bi, hi) = (bh / h, bh % h);
-            let i0 = tile * ROWS;
-            let rows = ROWS.min(tq - i0);
+            let rows = tile.min(tq - i0);
             let keys = match self.causal {
                 Some(first) if self.trim => (first + i0 + rows).min(tk),
                 _ => tk,
@@ -337,5 +348,124 @@ unsafe fn product(
             false,
             gemm::Parallelism::None,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor, D};
+
+    use super::*;
+    use crate::attention::mask::{apply_keep_mask, keep_mask};
+    use crate::attention::relative_bias::bucket_sums;
+
+    /// The core against candle ops, for tiles of 1 to all rows: grouped heads, strided keys and
+    /// values, a dense and a relative bias, relative values, padding (batch item 0 has its first
+    /// two keys padded, so its first causal rows are fully masked) and causality.
+    #[test]
+    fn tiles_equal_candle_ops() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, hkv, tq, tk, d, w) = (2, 4, 2, 13, 17, 8, 5);
+        let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
+        // Keys and values as views into a longer buffer, like a KV cache's.
+        let k = Tensor::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
+        let v = Tensor::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
+        let dense = Tensor::randn(0f32, 1.0, (1, h, 1, tk), &dev)?;
+        let relative = RelativeBias {
+            values: Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
+            shift: w as i64 + 2,
+        };
+        let values = RelativeValues {
+            table: Tensor::randn(0f32, 1.0, (w, d), &dev)?,
+            shift: 1,
+        };
+        let mut keep = vec![1u8; b * tk];
+        keep[..2].fill(0);
+        keep[tk + 9] = 0;
+        let padding = Tensor::from_vec(keep, (b, tk), &dev)?;
+        for causal in [None, Some(tk - tq)] {
+            for pad in [None, Some(&padding)] {
+                // Reference: repeated heads, dense scores, masks, softmax, products.
+                let rep = |t: &Tensor| -> anyhow::Result<Tensor> {
+                    Ok(t.unsqueeze(2)?
+                        .broadcast_as((b, hkv, h / hkv, tk, d))?
+                        .reshape((b, h, tk, d))?)
+                };
+                let mut s = q.matmul(&rep(&k)?.t()?)?.broadcast_add(&dense)?;
+                s = s.broadcast_add(&relative.to_dense(tq, tk)?)?;
+                if let Some(keep) = keep_mask(causal, pad, b, tq, tk, &dev)? {
+                    s = apply_keep_mask(&s, &keep)?;
+                }
+                let p = candle_nn::ops::softmax(&s, D::Minus1)?;
+                let sums = bucket_sums(&p, w, values.shift)?;
+                let want = (p.matmul(&rep(&v)?)? + sums.broadcast_matmul(&values.table)?)?
+                    .transpose(1, 2)?;
+                for tile in [1, 3, 5, 13] {
+                    let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
+                    Core {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        dense: vec![&dense],
+                        relative: vec![&relative],
+                        padding: pad,
+                        causal,
+                        values: Some(&values),
+                        tile,
+                    }
+                    .write_into(&out, 0)?;
+                    let diff = (out - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(
+                        diff < 1e-5,
+                        "tile {tile} causal {causal:?} padded {}: {diff:e}",
+                        pad.is_some()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Without padding or a dense term, causal tiles leave out the keys none of their rows
+    /// sees; the result is the same as with every key.
+    #[test]
+    fn causal_tiles_trim_hidden_keys() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, tq, tk, d) = (1, 2, 9, 12, 4);
+        let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let causal = Some(tk - tq);
+        let keep = keep_mask(causal, None, b, tq, tk, &dev)?.ok_or(anyhow::anyhow!("mask"))?;
+        let s = apply_keep_mask(&q.matmul(&k.t()?)?, &keep)?;
+        let want = candle_nn::ops::softmax(&s, D::Minus1)?
+            .matmul(&v)?
+            .transpose(1, 2)?;
+        for tile in [1, 2, 4, 9] {
+            let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
+            let core = Core {
+                q: &q,
+                k: &k,
+                v: &v,
+                dense: vec![],
+                relative: vec![],
+                padding: None,
+                causal,
+                values: None,
+                tile,
+            };
+            core.write_into(&out, 0)?;
+            let diff = (out - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "tile {tile}: {diff:e}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn tiles_hold_about_a_mebibyte_of_logits() {
+        assert_eq!(tile_rows(1024), 256);
+        assert_eq!(tile_rows(4096), 64);
+        assert_eq!(tile_rows(1 << 20), 16);
+        assert_eq!(tile_rows(1), 256);
     }
 }

@@ -13,7 +13,7 @@
 //! - `x`: `(B, T, d_model)`; output `(B, T, d_model)`; weights `(B, H, T, T_keys)`.
 //!
 //! # Paths
-//! - CPU, f32 inference without returned weights: the whole core runs per head and tile of 64
+//! - CPU, f32 inference without returned weights: the whole core runs per head and tile of
 //!   queries (`fused_attention`): both products, the compact or dense bias, masks, softmax and
 //!   a compact relative value term, with grouped KV heads read in place.
 //! - CPU, f32 inference returning the weights: products as candle ops, bias, masks and softmax
@@ -681,6 +681,7 @@ impl MultiHeadAttention {
             padding: part.padding,
             causal: part.causal,
             values: values.as_ref(),
+            tile: fused_attention::tile_rows(part.k.dim(2)?),
         }
         .write_into(merged, start)
     }
