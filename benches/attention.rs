@@ -367,6 +367,46 @@ fn main() -> Result<()> {
                 ms / base
             ));
         }
+        // The absolute encodings differ from the block without one only by their input hook;
+        // timed alone (many runs, so a small figure is steady), its share of the block bounds
+        // their cost more tightly than the ratio of two noisy block medians.
+        let positions = Positions::Offset(0);
+        for case in all
+            .iter()
+            .filter(|c| matches!(c.name, "sinusoidal" | "learned"))
+        {
+            let Some(enc) = &case.encoding else { continue };
+            let (block_ms, hook_ms) = common::paired_median_ms(
+                runs,
+                || {
+                    let y = none.forward_with(&x, &AttentionOptions::default(), None)?;
+                    dev.synchronize()?;
+                    drop(y);
+                    Ok(())
+                },
+                || {
+                    for _ in 0..10 {
+                        let y = enc.add_to_input(&x, &positions, false)?;
+                        dev.synchronize()?;
+                        drop(y);
+                    }
+                    Ok(())
+                },
+            )?;
+            let hook_ms = hook_ms / 10.0;
+            println!(
+                "{:<18} {:>8} {:>12.3} {:>9.3}x   (input hook alone, vs the block with none)",
+                case.name,
+                causal,
+                hook_ms,
+                1.0 + hook_ms / block_ms
+            );
+            json_line(json, &format!(
+                "\"bench\":\"attention_input_hook\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t},\"median_ms\":{hook_ms:.4},\"ratio\":{:.4}",
+                case.name,
+                1.0 + hook_ms / block_ms
+            ));
+        }
         // The same computation as plain candle ops on the same weights and input.
         let plain = PlainAttention::new(d_model, heads, t, causal, &vb)?;
         let (base, ms) = common::paired_median_ms(

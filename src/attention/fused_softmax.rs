@@ -111,21 +111,29 @@ const FLUSH_BELOW: f32 = -40.0;
 /// to zero; NaN stays NaN.
 #[inline(always)]
 fn exp_shifted_in_place(row: &mut [f32], max: f32) -> f32 {
-    for x in row.iter_mut() {
-        let d = *x - max;
+    #[inline(always)]
+    fn flushed_exp(x: f32, max: f32) -> f32 {
+        let d = x - max;
         // Comparisons, not f32::max: a NaN must stay NaN.
         let below = d < FLUSH_BELOW;
         let e = exp(if below { FLUSH_BELOW } else { d });
-        *x = if below { 0.0 } else { e };
-    }
-    let mut acc = [0f32; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (a, x) in acc.iter_mut().zip(c) {
-            *a += x;
+        if below {
+            0.0
+        } else {
+            e
         }
     }
+    // One pass: each chunk's weights are written and summed lane-wise while in registers.
+    let mut acc = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
+            *x = flushed_exp(*x, max);
+            *a += *x;
+        }
+    }
+    let tail = chunks.into_remainder();
+    tail.iter_mut().for_each(|x| *x = flushed_exp(*x, max));
     tail.iter().chain(&acc).sum()
 }
 
