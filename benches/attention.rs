@@ -1,5 +1,5 @@
 //! Attention block cost of each positional encoding, against the same block with no encoding
-//! measured in the same run, and the block with no encoding against the same attention written
+//! measured in the same run (ratio of the medians, and median of the per-pair ratios), and the block with no encoding against the same attention written
 //! as plain candle ops (matmul, softmax_last_dim, matmul); query block sizes; one decoding step
 //! against caches of growing length; peak memory of Shaw attention against the direct formula;
 //! and long-context (T = 16384) forwards per encoding, with their peak memory.
@@ -327,8 +327,8 @@ fn main() -> Result<()> {
         "attention block B{b} H{heads} T{t} D{head_dim} f32 on {dev:?}: median of {runs} runs"
     );
     println!(
-        "{:<18} {:>8} {:>12} {:>10}",
-        "encoding", "causal", "median ms", "vs none"
+        "{:<18} {:>8} {:>12} {:>10} {:>10}",
+        "encoding", "causal", "median ms", "vs none", "per pair"
     );
     for causal in [false, true].into_iter().filter(|_| section("encodings")) {
         // Each encoding is timed in alternation with the block without one, so both see the
@@ -338,7 +338,11 @@ fn main() -> Result<()> {
         for case in &all {
             let mha = block(case, causal, d_model, heads, &vb)?;
             let opts = AttentionOptions::default();
-            let (base, ms) = common::paired_median_ms(
+            let common::Paired {
+                a_ms: base,
+                b_ms: ms,
+                ratio,
+            } = common::paired(
                 runs,
                 || {
                     let y = none.forward_with(&x, &opts, None)?.output;
@@ -355,14 +359,15 @@ fn main() -> Result<()> {
             )?;
             baseline.get_or_insert(base);
             println!(
-                "{:<18} {:>8} {:>12.2} {:>9.2}x",
+                "{:<18} {:>8} {:>12.2} {:>9.2}x {:>9.2}x",
                 case.name,
                 causal,
                 ms,
-                ms / base
+                ms / base,
+                ratio
             );
             json_line(json, &format!(
-                "\"bench\":\"attention\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4}",
+                "\"bench\":\"attention\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4},\"pair_ratio\":{ratio:.4}",
                 case.name,
                 ms / base
             ));
