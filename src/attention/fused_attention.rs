@@ -221,6 +221,9 @@ impl InplaceOp1 for CoreOp {
             candle_core::bail!("fused attention: k and v must be (B, Hkv, Tk, D) with Hkv | H");
         }
         let group = h / hkv;
+        if b * h * tq == 0 {
+            return Ok(()); // nothing to write (an empty batch)
+        }
         let guards = [&self.q, &self.k, &self.v].map(read_storage);
         let q = View::new(&guards[0].0, guards[0].1)?;
         let k = View::new(&guards[1].0, guards[1].1)?;

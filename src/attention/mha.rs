@@ -584,25 +584,21 @@ impl MultiHeadAttention {
             };
             if let Some(merged) = &merged {
                 self.attend_fused(&part, merged, start)?;
-                start += n;
-                if start >= t {
-                    break;
+            } else {
+                let (probs, out) = self.attend(&part, options.train)?;
+                outs.push(out);
+                if options.return_weights {
+                    weights.push(if kv == tk {
+                        probs
+                    } else {
+                        let hidden = Tensor::zeros(
+                            (b, cfg.num_heads, n, tk - kv),
+                            probs.dtype(),
+                            probs.device(),
+                        )?;
+                        Tensor::cat(&[&probs, &hidden], 3)?
+                    });
                 }
-                continue;
-            }
-            let (probs, out) = self.attend(&part, options.train)?;
-            outs.push(out);
-            if options.return_weights {
-                weights.push(if kv == tk {
-                    probs
-                } else {
-                    let hidden = Tensor::zeros(
-                        (b, cfg.num_heads, n, tk - kv),
-                        probs.dtype(),
-                        probs.device(),
-                    )?;
-                    Tensor::cat(&[&probs, &hidden], 3)?
-                });
             }
             start += n;
             if start >= t {
