@@ -12,6 +12,7 @@
 //!
 //! [`MultiHeadAttention`] calls the four hooks and never looks at the concrete encoding type.
 
+mod config;
 mod fused_attention;
 mod fused_softmax;
 mod kv_cache;
@@ -19,10 +20,9 @@ mod mask;
 mod mha;
 mod relative_bias;
 
+pub use config::{AttentionConfig, AttentionOptions, AttentionOutput, DEFAULT_LOGITS_BUDGET};
 pub use kv_cache::KvCache;
-pub use mha::{
-    AttentionConfig, AttentionOptions, AttentionOutput, MultiHeadAttention, DEFAULT_LOGITS_BUDGET,
-};
+pub use mha::MultiHeadAttention;
 pub(crate) use relative_bias::{bucket_sums, bucket_sums_apply};
 pub use relative_bias::{RelativeBias, RelativeValues};
 

@@ -1,0 +1,277 @@
+//! The attention block's configuration and its per-call options and output.
+
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+
+use crate::checkpoint::MetadataReader;
+use crate::error::{Error, Result};
+use crate::limits::check_elements;
+use crate::positions::Positions;
+
+/// Configuration of [`MultiHeadAttention`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    /// Model width (input and output features).
+    pub d_model: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (`num_heads` for MHA, 1 for MQA, a divisor for GQA).
+    pub num_kv_heads: usize,
+    /// Features per head (default `d_model / num_heads`).
+    pub head_dim: usize,
+    /// Whether the projections have biases (default false, as in Llama).
+    pub bias: bool,
+    /// Dropout on the attention weights in training (default 0).
+    pub dropout: f32,
+    /// Whether each query sees only keys at or before it (default false).
+    pub causal: bool,
+    /// Softmax scale (default `1 / √head_dim`; T5 uses 1).
+    pub softmax_scale: f64,
+    /// Queries per block: attention runs over blocks of this many queries, each against all
+    /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
+    /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
+    pub query_block: Option<usize>,
+    /// Bytes the logits of one query block may take when the block size is automatic
+    /// (default [`DEFAULT_LOGITS_BUDGET`](crate::DEFAULT_LOGITS_BUDGET)). A runtime setting, not stored in checkpoints.
+    pub logits_budget: usize,
+}
+
+/// Default [`AttentionConfig::logits_budget`]: 16 MiB of logits per query block (B2 H8: 256
+/// queries against 1024 keys), small enough for the allocator to reuse between blocks.
+pub const DEFAULT_LOGITS_BUDGET: usize = 16 << 20;
+
+impl AttentionConfig {
+    /// Defaults for `num_heads` heads over `d_model` features: as many KV heads as heads,
+    /// `head_dim = d_model / num_heads` (0 if it does not divide, which `validate` rejects),
+    /// no bias, no dropout, not causal, scale `1 / √head_dim`.
+    pub fn new(d_model: usize, num_heads: usize) -> Self {
+        let head_dim = if num_heads > 0 && d_model.is_multiple_of(num_heads) {
+            d_model / num_heads
+        } else {
+            0
+        };
+        Self {
+            d_model,
+            num_heads,
+            num_kv_heads: num_heads,
+            head_dim,
+            bias: false,
+            dropout: 0.0,
+            causal: false,
+            softmax_scale: if head_dim > 0 {
+                1.0 / (head_dim as f64).sqrt()
+            } else {
+                0.0
+            },
+            query_block: None,
+            logits_budget: DEFAULT_LOGITS_BUDGET,
+        }
+    }
+
+    /// Sets the number of key/value heads (grouped-query attention).
+    pub fn with_kv_heads(mut self, num_kv_heads: usize) -> Self {
+        self.num_kv_heads = num_kv_heads;
+        self
+    }
+
+    /// Sets the head width (and the default scale `1 / √head_dim`).
+    pub fn with_head_dim(mut self, head_dim: usize) -> Self {
+        self.head_dim = head_dim;
+        self.softmax_scale = if head_dim > 0 {
+            1.0 / (head_dim as f64).sqrt()
+        } else {
+            0.0
+        };
+        self
+    }
+
+    /// Turns projection biases on or off.
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// Sets the attention dropout.
+    pub fn with_dropout(mut self, dropout: f32) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// Makes the attention causal (or not).
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// Sets the softmax scale.
+    pub fn with_softmax_scale(mut self, scale: f64) -> Self {
+        self.softmax_scale = scale;
+        self
+    }
+
+    /// Fixes the number of queries per block (`None`: automatic, from the logits budget).
+    pub fn with_query_block(mut self, queries: Option<usize>) -> Self {
+        self.query_block = queries;
+        self
+    }
+
+    /// Sets the bytes the logits of one query block may take when the block size is automatic.
+    pub fn with_logits_budget(mut self, bytes: usize) -> Self {
+        self.logits_budget = bytes;
+        self
+    }
+
+    /// Queries per block for `batch × heads` rows of `keys` logits of `elem_size` bytes: the
+    /// fixed [`Self::query_block`], or as many whole rows as fit [`Self::logits_budget`] (at
+    /// least one), never more than `queries`.
+    pub fn query_block_for(
+        &self,
+        batch: usize,
+        queries: usize,
+        keys: usize,
+        elem_size: usize,
+    ) -> usize {
+        let block = self.query_block.unwrap_or_else(|| {
+            let row = batch
+                .saturating_mul(self.num_heads)
+                .saturating_mul(keys)
+                .saturating_mul(elem_size)
+                .max(1);
+            self.logits_budget / row
+        });
+        block.clamp(1, queries.max(1))
+    }
+
+    /// The configuration as `attention.*` string metadata for checkpoints.
+    pub fn to_metadata(&self) -> HashMap<String, String> {
+        [
+            ("d_model", self.d_model.to_string()),
+            ("num_heads", self.num_heads.to_string()),
+            ("num_kv_heads", self.num_kv_heads.to_string()),
+            ("head_dim", self.head_dim.to_string()),
+            ("bias", self.bias.to_string()),
+            ("dropout", self.dropout.to_string()),
+            ("causal", self.causal.to_string()),
+            ("softmax_scale", self.softmax_scale.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("attention.{k}"), v))
+        .collect()
+    }
+
+    /// Reads a configuration written by [`Self::to_metadata`] and validates it.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming a missing or unparsable key; as [`Self::validate`].
+    pub fn from_metadata(metadata: &HashMap<String, String>, source: &str) -> Result<Self> {
+        let r = MetadataReader { source, metadata };
+        let int = |k: &str| r.parse::<usize>(&format!("attention.{k}"), "a non-negative integer");
+        let flag = |k: &str| r.parse::<bool>(&format!("attention.{k}"), "true or false");
+        let cfg = Self {
+            d_model: int("d_model")?,
+            num_heads: int("num_heads")?,
+            num_kv_heads: int("num_kv_heads")?,
+            head_dim: int("head_dim")?,
+            bias: flag("bias")?,
+            dropout: r.parse("attention.dropout", "a number")?,
+            causal: flag("causal")?,
+            softmax_scale: r.parse("attention.softmax_scale", "a number")?,
+            query_block: None,
+            logits_budget: DEFAULT_LOGITS_BUDGET,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
+    /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
+    /// scale that is not finite and positive, a query block of 0, a logits budget of 0, or
+    /// projection weights past [`crate::limits::MAX_ELEMENTS`].
+    pub fn validate(&self) -> Result<()> {
+        if self.d_model == 0 {
+            return Err(Error::config("d_model", self.d_model, "at least 1"));
+        }
+        if self.num_heads == 0 {
+            return Err(Error::config("num_heads", self.num_heads, "at least 1"));
+        }
+        if self.head_dim == 0 {
+            return Err(Error::config(
+                "head_dim",
+                self.head_dim,
+                format!(
+                    "at least 1; by default d_model / num_heads, which needs num_heads ({}) to divide d_model ({})",
+                    self.num_heads, self.d_model
+                ),
+            ));
+        }
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(Error::config(
+                "num_kv_heads",
+                self.num_kv_heads,
+                format!("a divisor of num_heads ({})", self.num_heads),
+            ));
+        }
+        let width = check_elements(
+            "head_dim",
+            self.head_dim,
+            format!("num_heads ({}) × head_dim", self.num_heads).as_str(),
+            &[self.num_heads, self.head_dim],
+        )?;
+        check_elements(
+            "d_model",
+            self.d_model,
+            format!("d_model × num_heads × head_dim ({width})").as_str(),
+            &[self.d_model, width],
+        )?;
+        crate::absolute::check_dropout(self.dropout)?;
+        if self.query_block == Some(0) {
+            return Err(Error::config(
+                "query_block",
+                0,
+                "at least 1 query, or None (automatic)",
+            ));
+        }
+        if self.logits_budget == 0 {
+            return Err(Error::config("logits_budget", 0, "at least 1 byte"));
+        }
+        if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
+            return Err(Error::config(
+                "softmax_scale",
+                self.softmax_scale,
+                "a finite number > 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Per-call options of [`MultiHeadAttention::forward_with`].
+#[derive(Debug, Clone, Default)]
+pub struct AttentionOptions<'a> {
+    /// Positions of the chunk's tokens. Default: continue the cache (`Offset(cache.next_position())`),
+    /// or `Offset(0)` without one.
+    pub positions: Option<&'a Positions>,
+    /// `(B, T_keys)`, non-zero for real tokens and 0 for padding; covers cached keys too.
+    pub padding_mask: Option<&'a Tensor>,
+    /// Additive mask broadcastable to `(B, H, T, T_keys)`, added to the logits.
+    pub attn_mask: Option<&'a Tensor>,
+    /// Whether to return the attention weights.
+    pub return_weights: bool,
+    /// Training mode: dropout on, differentiable softmax. In inference (`false`) q, k and v
+    /// leave the graph after their projections (only the output projection stays
+    /// differentiable), so they can be rotated and normalised in place.
+    pub train: bool,
+}
+
+/// Output of [`MultiHeadAttention::forward_with`].
+#[derive(Debug, Clone)]
+pub struct AttentionOutput {
+    /// `(B, T, d_model)`.
+    pub output: Tensor,
+    /// `(B, H, T, T_keys)` attention weights before dropout, when asked for.
+    pub weights: Option<Tensor>,
+}
