@@ -119,7 +119,6 @@ fn cases(
             "sinusoidal",
             Arc::new(SinusoidalPositionalEncoding::new(
                 &SinusoidalConfig::new(d_model),
-                DType::F32,
                 dev,
             )?),
         ),

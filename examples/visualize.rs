@@ -37,7 +37,7 @@ fn rows(t: &Tensor) -> Result<Vec<Vec<f64>>> {
 }
 
 fn sinusoidal(out: &Path, dev: &Device) -> Result<()> {
-    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(64), DType::F32, dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(64), dev)?;
     let zeros = Tensor::zeros((1, 128, 64), DType::F32, dev)?;
     let table = pe
         .add_to_input(&zeros, &Positions::Offset(0), false)?

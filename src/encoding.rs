@@ -69,11 +69,9 @@ impl EncodingConfig {
     pub fn build(&self, vb: VarBuilder) -> Result<Option<Arc<dyn PositionalEncoding>>> {
         Ok(match self {
             EncodingConfig::None => None,
-            EncodingConfig::Sinusoidal(c) => Some(Arc::new(SinusoidalPositionalEncoding::new(
-                c,
-                vb.dtype(),
-                vb.device(),
-            )?)),
+            EncodingConfig::Sinusoidal(c) => {
+                Some(Arc::new(SinusoidalPositionalEncoding::new(c, vb.device())?))
+            }
             EncodingConfig::Learned(c) => Some(Arc::new(LearnedPositionalEncoding::new(c, vb)?)),
             EncodingConfig::Alibi(c) if c.learnable => Some(Arc::new(Alibi::new_learnable(c, vb)?)),
             EncodingConfig::Alibi(c) => Some(Arc::new(Alibi::new(c, vb.device())?)),

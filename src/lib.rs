@@ -35,7 +35,7 @@
 //! let dev = Device::Cpu;
 //! let varmap = VarMap::new();
 //! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-//! let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(64), DType::F32, &dev)?;
+//! let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(64), &dev)?;
 //! let attn = MultiHeadAttention::new(
 //!     &AttentionConfig::new(64, 8).with_kv_heads(2).with_causal(true),
 //!     Some(Arc::new(pe)),

@@ -137,7 +137,7 @@ fn parity_plain(dev: &Device) -> anyhow::Result<()> {
 
 fn parity_sinusoidal_causal_bias(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("attention.safetensors", dev)?;
-    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(D_MODEL), DType::F32, dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(D_MODEL), dev)?;
     let cfg = base_cfg().with_bias(true).with_causal(true);
     let mha = block(&fx, "sinusoidal", &cfg, Some(Arc::new(pe)), dev)?;
     let out = mha.forward_with(get(&fx, "x"), &with_weights(), None)?;
@@ -223,7 +223,6 @@ fn encodings(dev: &Device) -> anyhow::Result<Vec<NamedEncoding>> {
             "sinusoidal",
             Some(Arc::new(SinusoidalPositionalEncoding::new(
                 &SinusoidalConfig::new(D_MODEL),
-                DType::F32,
                 dev,
             )?)),
         ),
@@ -486,7 +485,7 @@ fn attention_dropout_only_in_training(dev: &Device) -> anyhow::Result<()> {
 
 fn half_precision_block(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("attention.safetensors", dev)?;
-    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(D_MODEL), DType::F32, dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(D_MODEL), dev)?;
     let cfg = base_cfg().with_bias(true).with_causal(true);
     for dtype in [DType::BF16, DType::F16] {
         let vb = VarBuilder::from_tensors(prefixed(&fx, "sinusoidal."), dtype, dev);

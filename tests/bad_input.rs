@@ -230,20 +230,16 @@ fn positions() {
 fn sinusoidal() {
     let mut s = Sweep::new("sinusoidal");
     let dev = cpu();
-    let pe = SinusoidalPositionalEncoding::new(
-        &SinusoidalConfig::new(8).with_max_len(16),
-        DType::F32,
-        &dev,
-    )
-    .expect("valid config");
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8).with_max_len(16), &dev)
+        .expect("valid config");
     s.case(
         "odd d_model",
         Kind::Config,
         &["d_model = 7", "even"],
-        || SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(7), DType::F32, &dev),
+        || SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(7), &dev),
     );
     s.case("zero d_model", Kind::Config, &["d_model = 0"], || {
-        SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(0), DType::F32, &dev)
+        SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(0), &dev)
     });
     s.case(
         "max_len 10^12",
@@ -251,16 +247,16 @@ fn sinusoidal() {
         &["max_len = 1000000000000", "at most"],
         || {
             let c = SinusoidalConfig::new(8).with_max_len(HUGE);
-            SinusoidalPositionalEncoding::new(&c, DType::F32, &dev)
+            SinusoidalPositionalEncoding::new(&c, &dev)
         },
     );
     s.case("NaN base", Kind::Config, &["base = NaN", "finite"], || {
         let c = SinusoidalConfig::new(8).with_base(f64::NAN);
-        SinusoidalPositionalEncoding::new(&c, DType::F32, &dev)
+        SinusoidalPositionalEncoding::new(&c, &dev)
     });
     s.case("negative base", Kind::Config, &["base = -2", "> 1"], || {
         let c = SinusoidalConfig::new(8).with_base(-2.0);
-        SinusoidalPositionalEncoding::new(&c, DType::F32, &dev)
+        SinusoidalPositionalEncoding::new(&c, &dev)
     });
     s.case(
         "dropout 1.5",
@@ -268,12 +264,12 @@ fn sinusoidal() {
         &["dropout = 1.5", "[0, 1)"],
         || {
             let c = SinusoidalConfig::new(8).with_dropout(1.5);
-            SinusoidalPositionalEncoding::new(&c, DType::F32, &dev)
+            SinusoidalPositionalEncoding::new(&c, &dev)
         },
     );
     s.case("NaN dropout", Kind::Config, &["dropout = NaN"], || {
         let c = SinusoidalConfig::new(8).with_dropout(f32::NAN);
-        SinusoidalPositionalEncoding::new(&c, DType::F32, &dev)
+        SinusoidalPositionalEncoding::new(&c, &dev)
     });
     s.case(
         "input of rank 2",
@@ -1033,7 +1029,6 @@ fn all_encodings(
             "sinusoidal",
             Arc::new(SinusoidalPositionalEncoding::new(
                 &SinusoidalConfig::new(8),
-                DType::F32,
                 dev,
             )?),
         ),

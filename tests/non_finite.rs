@@ -140,11 +140,7 @@ fn non_finite_values_in_masks_and_encodings_propagate() -> anyhow::Result<()> {
     assert_eq!(w.i((0, 0, 1, 3))?.to_scalar::<f32>()?, 0.0);
 
     // The encodings on their own: a NaN stays where it was (and in its RoPE pair), nowhere else.
-    let pe = SinusoidalPositionalEncoding::new(
-        &SinusoidalConfig::new(8).with_dropout(0.0),
-        DType::F32,
-        &dev,
-    )?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8).with_dropout(0.0), &dev)?;
     let x = poisoned_input(f32::NAN)?;
     let y = pe.add_to_input(&x, &Positions::Offset(0), false)?;
     assert_eq!(non_finite(&y)?, 1);

@@ -17,7 +17,7 @@ fn table_parity(dev: &Device) -> anyhow::Result<()> {
         let cfg = SinusoidalConfig::new(d_model)
             .with_max_len(100)
             .with_base(base);
-        let pe = SinusoidalPositionalEncoding::new(&cfg, DType::F32, dev)?;
+        let pe = SinusoidalPositionalEncoding::new(&cfg, dev)?;
         let table = pe.encodings(1_000_001)?;
         let ours = table.index_select(&positions, 0)?;
         let reference = get(&fx, &format!("table_d{d_model}_base{}", base as u64));
@@ -42,7 +42,7 @@ fn seed_f32_drifts_at_large_positions(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn forward_adds_table(dev: &Device) -> anyhow::Result<()> {
-    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8), DType::F32, dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8), dev)?;
     let x = Tensor::randn(0f32, 1.0, (3, 7, 8), dev)?;
     let y = pe.forward(&x)?;
     let expected = x.broadcast_add(&pe.encodings(7)?.unsqueeze(0)?)?;
@@ -54,11 +54,7 @@ fn forward_adds_table(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn offsets_and_ids(dev: &Device) -> anyhow::Result<()> {
-    let pe = SinusoidalPositionalEncoding::new(
-        &SinusoidalConfig::new(6).with_max_len(4),
-        DType::F32,
-        dev,
-    )?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(6).with_max_len(4), dev)?;
     let x = Tensor::randn(0f32, 1.0, (2, 3, 6), dev)?;
     let table = pe.encodings(20)?;
     // Offset 10 reads rows 10..13, past the initial max_len of 4.
@@ -85,11 +81,7 @@ fn offsets_and_ids(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn growth_is_shared_and_amortised(dev: &Device) -> anyhow::Result<()> {
-    let pe = SinusoidalPositionalEncoding::new(
-        &SinusoidalConfig::new(4).with_max_len(8),
-        DType::F32,
-        dev,
-    )?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(4).with_max_len(8), dev)?;
     let clone = pe.clone();
     let before = pe.encodings(8)?;
     let x = Tensor::zeros((1, 1, 4), DType::F32, dev)?;
@@ -102,7 +94,7 @@ fn growth_is_shared_and_amortised(dev: &Device) -> anyhow::Result<()> {
 
 fn dropout_only_in_training(dev: &Device) -> anyhow::Result<()> {
     let cfg = SinusoidalConfig::new(8).with_dropout(0.5);
-    let pe = SinusoidalPositionalEncoding::new(&cfg, DType::F32, dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&cfg, dev)?;
     let x = Tensor::ones((4, 16, 8), DType::F32, dev)?;
     let eval = pe.forward_t(&x, false)?;
     assert_close(&eval, &pe.forward(&x)?, 0.0, "eval is deterministic")?;
@@ -120,7 +112,7 @@ fn dropout_only_in_training(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn half_precision(dev: &Device) -> anyhow::Result<()> {
-    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(16), DType::BF16, dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(16), dev)?;
     for dtype in [DType::F16, DType::BF16] {
         let x = Tensor::zeros((1, 4, 16), dtype, dev)?;
         let y = pe.forward_with_positions(&x, &Positions::Offset(100_000), false)?;
@@ -134,8 +126,7 @@ fn half_precision(dev: &Device) -> anyhow::Result<()> {
 
 fn bad_input(dev: &Device) -> anyhow::Result<()> {
     for d in [0, 7] {
-        let err = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(d), DType::F32, dev)
-            .unwrap_err();
+        let err = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(d), dev).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -150,7 +141,7 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     }
     let cfg = SinusoidalConfig::new(8).with_max_len(0);
     assert!(matches!(
-        SinusoidalPositionalEncoding::new(&cfg, DType::F32, dev),
+        SinusoidalPositionalEncoding::new(&cfg, dev),
         Err(Error::InvalidConfig {
             name: "max_len",
             ..
@@ -158,7 +149,7 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     ));
     let cfg = SinusoidalConfig::new(8).with_max_len(1_000_000_000_000);
     assert!(matches!(
-        SinusoidalPositionalEncoding::new(&cfg, DType::F32, dev),
+        SinusoidalPositionalEncoding::new(&cfg, dev),
         Err(Error::InvalidConfig {
             name: "max_len",
             ..
@@ -166,19 +157,19 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     ));
     let cfg = SinusoidalConfig::new(8).with_base(f64::NAN);
     assert!(matches!(
-        SinusoidalPositionalEncoding::new(&cfg, DType::F32, dev),
+        SinusoidalPositionalEncoding::new(&cfg, dev),
         Err(Error::InvalidConfig { name: "base", .. })
     ));
     let cfg = SinusoidalConfig::new(8).with_dropout(1.0);
     assert!(matches!(
-        SinusoidalPositionalEncoding::new(&cfg, DType::F32, dev),
+        SinusoidalPositionalEncoding::new(&cfg, dev),
         Err(Error::InvalidConfig {
             name: "dropout",
             ..
         })
     ));
 
-    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8), DType::F32, dev)?;
+    let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8), dev)?;
     let err = pe
         .forward_with_positions(
             &Tensor::zeros((4, 8), DType::F32, dev)?,

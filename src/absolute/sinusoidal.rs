@@ -18,7 +18,7 @@
 
 use std::sync::{Arc, RwLock};
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
 use crate::attention::PositionalEncoding;
@@ -106,7 +106,7 @@ impl SinusoidalConfig {
 /// use candle_core::{Device, DType, Module, Tensor};
 /// use candle_posenc::{SinusoidalConfig, SinusoidalPositionalEncoding};
 ///
-/// let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8), DType::F32, &Device::Cpu)?;
+/// let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8), &Device::Cpu)?;
 /// let x = Tensor::zeros((2, 5, 8), DType::F32, &Device::Cpu)?;
 /// let y = pe.forward(&x)?; // x + PE[0..5]
 /// assert_eq!(y.dims(), &[2, 5, 8]);
@@ -123,14 +123,13 @@ pub struct SinusoidalPositionalEncoding {
 }
 
 impl SinusoidalPositionalEncoding {
-    /// Builds the table for `config.max_len` positions on `device`.
-    ///
-    /// `dtype` is accepted for symmetry with learned modules; the table is kept in f32 and cast
-    /// to the input's dtype at the addition.
+    /// Builds the table for `config.max_len` positions on `device` (a module without weights:
+    /// a configuration and a device). The table is kept in f32 and cast to the input's dtype at
+    /// the addition.
     ///
     /// # Errors
     /// As [`SinusoidalConfig::validate`].
-    pub fn new(config: &SinusoidalConfig, _dtype: DType, device: &Device) -> Result<Self> {
+    pub fn new(config: &SinusoidalConfig, device: &Device) -> Result<Self> {
         config.validate()?;
         let table = sinusoidal_table(0, config.max_len, config.d_model, config.base, device)?;
         Ok(Self {

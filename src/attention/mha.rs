@@ -50,7 +50,7 @@ use crate::{Error, Positions, Result};
 /// let dev = Device::Cpu;
 /// let varmap = VarMap::new();
 /// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-/// let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(32), DType::F32, &dev)?;
+/// let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(32), &dev)?;
 /// let cfg = AttentionConfig::new(32, 4).with_kv_heads(2).with_causal(true);
 /// let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(pe)), vb.pp("self_attn"))?;
 /// let x = Tensor::randn(0f32, 1.0, (2, 7, 32), &dev)?;
