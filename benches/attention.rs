@@ -20,6 +20,7 @@ mod common;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear_no_bias, Linear, VarBuilder, VarMap};
+use candle_posenc::plug::{AttentionContext, Columns, LogitsBias, RelativeValues};
 use candle_posenc::{
     Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig,
     ClippedRelativeBias, KvCache, LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention,
@@ -28,8 +29,9 @@ use candle_posenc::{
 };
 use std::sync::Arc;
 
-/// Shaw et al. computed as the formula is written: the (T, T, d) tensors a^K[r(i, j)] and
-/// a^V[r(i, j)] are built, then contracted per query position. The memory baseline.
+/// Shaw et al.'s keys computed as the formula is written: the (T, T, d) tensor a^K[r(i, j)] is
+/// built, then contracted per query position; the values term reaches the block as a table with
+/// an explicit (T, T) column map. The memory baseline.
 #[derive(Debug)]
 struct DirectShaw {
     keys: Tensor,
@@ -52,38 +54,38 @@ impl DirectShaw {
 }
 
 impl PositionalEncoding for DirectShaw {
+    /// `q_i · a^K[r(i, j)]` through the `(Tq, Tk, d)` tensor, as the formula is written.
     fn logits_bias(
         &self,
         q: &Tensor,
-        _: &Positions,
-        _: &Positions,
-        tk: usize,
-    ) -> candle_posenc::Result<Option<Tensor>> {
+        ctx: &AttentionContext,
+    ) -> candle_posenc::Result<Option<LogitsBias>> {
         let (b, h, tq, d) = q.dims4()?;
+        let tk = ctx.k_len;
         let ak = self.expanded(&self.keys, tq, tk)?; // (Tq, Tk, d)
         let qt = q
             .permute((2, 0, 1, 3))?
             .reshape((tq, b * h, d))?
             .contiguous()?;
         let bias = qt.matmul(&ak.transpose(1, 2)?.contiguous()?)?; // (Tq, B·H, Tk)
-        Ok(Some(bias.reshape((tq, b, h, tk))?.permute((1, 2, 0, 3))?))
+        let bias = bias.reshape((tq, b, h, tk))?.permute((1, 2, 0, 3))?;
+        Ok(Some(LogitsBias::Dense(bias)))
     }
 
-    fn value_term(
-        &self,
-        probs: &Tensor,
-        _: &Positions,
-        _: &Positions,
-    ) -> candle_posenc::Result<Option<Tensor>> {
-        let (b, h, tq, tk) = probs.dims4()?;
-        let av = self.expanded(&self.values, tq, tk)?; // (Tq, Tk, d)
-        let pt = probs
-            .permute((2, 0, 1, 3))?
-            .reshape((tq, b * h, tk))?
-            .contiguous()?;
-        let out = pt.matmul(&av)?; // (Tq, B·H, d)
-        let d = out.dim(2)?;
-        Ok(Some(out.reshape((tq, b, h, d))?.permute((1, 2, 0, 3))?))
+    /// `a^V` read at an explicit `(1, Tq, Tk)` map of `r(i, j)` (the plug carries a value term
+    /// as a table and a column rule; the block sums the weights per column).
+    fn value_term(&self, ctx: &AttentionContext) -> candle_posenc::Result<Option<RelativeValues>> {
+        let (tq, tk) = (ctx.q_len, ctx.k_len);
+        let idx: Vec<u32> = (0..tq)
+            .flat_map(|i| {
+                (0..tk).map(move |j| ((j as i64 - i as i64).clamp(-self.k, self.k) + self.k) as u32)
+            })
+            .collect();
+        let idx = Tensor::from_vec(idx, (1, tq, tk), self.values.device())?;
+        Ok(Some(RelativeValues::new(
+            self.values.clone(),
+            Columns::Index(idx),
+        )?))
     }
 }
 
@@ -390,7 +392,7 @@ fn main() -> Result<()> {
                 },
                 || {
                     for _ in 0..10 {
-                        let y = enc.add_to_input(&x, &positions, false)?;
+                        let y = enc.add_to_input(&x, &AttentionContext::chunk(&positions, t))?;
                         dev.synchronize()?;
                         drop(y);
                     }

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_posenc::{
-    Alibi, AlibiConfig, AlibiMode, Checkpoint, PositionalEncoding, Positions, RopeConfig,
+    Alibi, AlibiConfig, AlibiMode, AttentionContext, Checkpoint, Positions, QkLayout, RopeConfig,
     RotaryEmbedding, SinusoidalConfig, SinusoidalPositionalEncoding, T5Config,
 };
 use plot::{heatmap, line_chart, Labels};
@@ -40,7 +40,7 @@ fn sinusoidal(out: &Path, dev: &Device) -> Result<()> {
     let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(64), dev)?;
     let zeros = Tensor::zeros((1, 128, 64), DType::F32, dev)?;
     let table = pe
-        .add_to_input(&zeros, &Positions::Offset(0), false)?
+        .forward_with_positions(&zeros, &Positions::Offset(0), false)?
         .i(0)?;
     let labels = Labels {
         title: "sinusoidal table, d = 64",
@@ -75,7 +75,7 @@ fn rope(out: &Path, dev: &Device) -> Result<()> {
         let q = Tensor::ones((1, 1, n, 64), DType::F32, dev)?;
         let k = Tensor::ones((1, 1, 1, 64), DType::F32, dev)?;
         let at0 = Positions::Offset(0);
-        let (q, k) = PositionalEncoding::rotate_queries_keys(&rope, &q, &k, &at0, &at0)?;
+        let (q, k) = rope.rotate_queries_keys(&q, &k, &at0, &at0, QkLayout::Bhtd)?;
         // q at position m against k at position 0: the score at distance m.
         let dots = q.matmul(&k.t()?)?.flatten_all()?.to_vec1::<f32>()?;
         let pts = dots
@@ -106,7 +106,7 @@ fn alibi(out: &Path, dev: &Device) -> Result<()> {
     let cfg = AlibiConfig::new(heads).with_mode(AlibiMode::CausalPairwise);
     let n = 64;
     let at0 = Positions::Offset(0);
-    let bias = Alibi::new(&cfg, dev)?.bias(&at0, n, &at0, n)?;
+    let bias = Alibi::new(&cfg, dev)?.bias(&AttentionContext::new(&at0, n, &at0, n))?;
     let mut series = Vec::new();
     for h in 0..heads {
         // The last query's row, read from the key n-1 (distance 0) back to key 0.

@@ -10,8 +10,8 @@ use candle_nn::VarBuilder;
 
 use crate::absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
 use crate::absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
-use crate::attention::PositionalEncoding;
 use crate::checkpoint::MetadataReader;
+use crate::plug::PositionalEncoding;
 use crate::relative::alibi::{Alibi, AlibiConfig, AlibiMode};
 use crate::relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
 use crate::relative::shaw::{ShawConfig, ShawRelativePosition};
@@ -113,6 +113,7 @@ impl EncodingConfig {
                 put("first_head", c.first_head.to_string());
                 put("head_count", c.head_count.to_string());
                 let mode = match c.mode {
+                    AlibiMode::Auto => "auto",
                     AlibiMode::Causal => "causal",
                     AlibiMode::CausalPairwise => "causal_pairwise",
                     AlibiMode::Symmetric => "symmetric",
@@ -192,6 +193,7 @@ impl EncodingConfig {
             "alibi" => {
                 let raw = r.str("posenc.mode")?;
                 let mode = match raw {
+                    "auto" => AlibiMode::Auto,
                     "causal" => AlibiMode::Causal,
                     "causal_pairwise" => AlibiMode::CausalPairwise,
                     "symmetric" => AlibiMode::Symmetric,

@@ -74,6 +74,7 @@ pub mod encoding;
 mod error;
 mod graft;
 pub mod limits;
+pub mod plug;
 pub mod positions;
 pub mod relative;
 pub mod rotary;
@@ -82,11 +83,14 @@ pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncod
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
     AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention,
-    PositionalEncoding, RelativeBias, RelativeValues, DEFAULT_LOGITS_BUDGET,
+    DEFAULT_LOGITS_BUDGET,
 };
 pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;
 pub use error::{Error, Result};
+pub use plug::{
+    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+};
 pub use positions::{PositionIds, Positions};
 pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode};
 pub use relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};

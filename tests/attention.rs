@@ -8,9 +8,12 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::plug::{
+    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeValues,
+};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, Error, KvCache, LearnedConfig, LearnedPositionalEncoding,
-    MultiHeadAttention, PositionIds, PositionalEncoding, Positions, Result, SinusoidalConfig,
+    MultiHeadAttention, PositionIds, Positions, Result, SinusoidalConfig,
     SinusoidalPositionalEncoding,
 };
 use common::{assert_close, fixture, get, prefixed};
@@ -24,6 +27,7 @@ use common::{assert_close, fixture, get, prefixed};
 struct HookProbe {
     num_heads: usize,
     head_dim: usize,
+    device: Device,
 }
 
 impl HookProbe {
@@ -49,45 +53,33 @@ impl HookProbe {
 }
 
 impl PositionalEncoding for HookProbe {
-    fn rotate_queries_keys(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        qp: &Positions,
-        kp: &Positions,
-    ) -> Result<(Tensor, Tensor)> {
-        Ok((self.rotate(q, qp)?, self.rotate(k, kp)?))
+    fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
+        Ok((self.rotate(&q, ctx.queries)?, self.rotate(&k, ctx.keys)?))
     }
 
-    fn logits_bias(
-        &self,
-        q: &Tensor,
-        qp: &Positions,
-        kp: &Positions,
-        k_len: usize,
-    ) -> Result<Option<Tensor>> {
-        let dist = Positions::relative_distances(qp, q.dim(2)?, kp, k_len, q.device())?;
+    /// A dense bias (the distances in f32: candle's CUDA kernels have no integer `abs`).
+    fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
+        let dist =
+            Positions::relative_distances(ctx.queries, ctx.q_len, ctx.keys, ctx.k_len, q.device())?;
         let slopes: Vec<f32> = (0..self.num_heads)
             .map(|h| -(2f32.powi(-(h as i32 + 1))))
             .collect();
         let slopes =
             Tensor::new(slopes.as_slice(), q.device())?.reshape((1, self.num_heads, 1, 1))?;
-        let dist = dist.abs()?.to_dtype(DType::F32)?.unsqueeze(1)?;
-        Ok(Some(dist.broadcast_mul(&slopes)?))
+        let dist = dist.to_dtype(DType::F32)?.abs()?.unsqueeze(1)?;
+        Ok(Some(LogitsBias::Dense(dist.broadcast_mul(&slopes)?)))
     }
 
-    fn value_term(&self, probs: &Tensor, qp: &Positions, kp: &Positions) -> Result<Option<Tensor>> {
-        let (_, _, tq, tk) = probs.dims4()?;
-        let dist = Positions::relative_distances(qp, tq, kp, tk, probs.device())?;
-        let idx = (dist.clamp(-2i64, 2i64)? + 2.0)?.to_dtype(DType::U32)?; // (B|1, Tq, Tk)
-        let a = (Tensor::arange(0f32, (5 * self.head_dim) as f32, probs.device())?
+    /// The table's rows at `clamp(j − i, −2, 2) + 2`, as a column map for every position form.
+    fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
+        let device = &self.device;
+        let dist =
+            Positions::relative_distances(ctx.queries, ctx.q_len, ctx.keys, ctx.k_len, device)?;
+        let idx = (dist.to_dtype(DType::F32)?.clamp(-2f32, 2f32)? + 2.0)?.to_dtype(DType::U32)?;
+        let a = (Tensor::arange(0f32, (5 * self.head_dim) as f32, device)?
             .reshape((5, self.head_dim))?
             / 10.0)?;
-        let (bq, _, _) = idx.dims3()?;
-        let rel =
-            a.index_select(&idx.flatten_all()?, 0)?
-                .reshape((bq, 1, tq, tk, self.head_dim))?;
-        Ok(Some(probs.unsqueeze(4)?.broadcast_mul(&rel)?.sum(3)?))
+        Ok(Some(RelativeValues::new(a, Columns::Index(idx))?))
     }
 }
 
@@ -185,6 +177,7 @@ fn parity_rotation_bias_value_hooks(dev: &Device) -> anyhow::Result<()> {
     let probe = HookProbe {
         num_heads: HEADS,
         head_dim: HEAD_DIM,
+        device: dev.clone(),
     };
     let mha = block(
         &fx,
@@ -232,6 +225,7 @@ fn encodings(dev: &Device) -> anyhow::Result<Vec<NamedEncoding>> {
             Some(Arc::new(HookProbe {
                 num_heads: HEADS,
                 head_dim: HEAD_DIM,
+                device: dev.clone(),
             })),
         ),
     ])
@@ -425,6 +419,7 @@ fn training_path_is_differentiable(dev: &Device) -> anyhow::Result<()> {
     let probe: Arc<dyn PositionalEncoding> = Arc::new(HookProbe {
         num_heads: HEADS,
         head_dim: HEAD_DIM,
+        device: dev.clone(),
     });
     let mha = MultiHeadAttention::new(&base_cfg().with_causal(true), Some(probe), vb.pp("attn"))?;
     let x = Tensor::randn(0f32, 1.0, (2, 5, D_MODEL), dev)?;

@@ -14,12 +14,12 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, Checkpoint,
-    ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error, Interpolation, KvCache,
-    LearnedConfig, LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention, PositionIds,
-    PositionalEncoding, Positions, QkLayout, RopeConfig, RopeScaling, RotaryEmbedding, ShawConfig,
-    ShawRelativePosition, SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
-    YarnScaling,
+    alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionContext,
+    AttentionOptions, Checkpoint, ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error,
+    Interpolation, KvCache, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling,
+    MultiHeadAttention, PositionIds, PositionalEncoding, Positions, QkLayout, RopeConfig,
+    RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
+    SinusoidalPositionalEncoding, T5Config, T5RelativeBias, YarnScaling,
 };
 
 /// Which `Error` variant a case must produce.
@@ -444,32 +444,31 @@ fn relative() {
         "alibi queries of rank 3",
         Kind::Rank,
         &["rank 3", "expected rank 4"],
-        || alibi.logits_bias(&x(&[1, 3, 8]), &o, &o, 3),
+        || alibi.logits_bias(&x(&[1, 3, 8]), &AttentionContext::new(&o, 3, &o, 3)),
     );
     s.case(
         "alibi queries with wrong heads",
         Kind::Shape,
         &["[1, 3, 2, 8]", "4 heads"],
-        || alibi.logits_bias(&x(&[1, 3, 2, 8]), &o, &o, 2),
+        || alibi.logits_bias(&x(&[1, 3, 2, 8]), &AttentionContext::new(&o, 2, &o, 2)),
     );
     s.case(
         "alibi bias at an offset past u32",
         Kind::Config,
         &["position offset"],
         || {
-            alibi.bias(
-                &Positions::Offset(usize::MAX - 1),
-                4,
-                &Positions::Offset(0),
-                4,
-            )
+            let far = Positions::Offset(usize::MAX - 1);
+            alibi.bias(&AttentionContext::new(&far, 4, &Positions::Offset(0), 4))
         },
     );
     s.case(
         "alibi bias with ids of the wrong length",
         Kind::Shape,
         &["position ids"],
-        || alibi.bias(&Positions::Offset(0), 2, &ids(&[vec![0, 1, 2]]), 2),
+        || {
+            let k = ids(&[vec![0, 1, 2]]);
+            alibi.bias(&AttentionContext::new(&Positions::Offset(0), 2, &k, 2))
+        },
     );
     s.case(
         "t5 too few buckets",
@@ -500,7 +499,7 @@ fn relative() {
         &["1000000 × 1000000", "at most"],
         || {
             let a = Alibi::new(&AlibiConfig::new(2).with_mode(AlibiMode::Symmetric), &dev)?;
-            a.bias(&o, 1_000_000, &o, 1_000_000)
+            a.bias(&AttentionContext::new(&o, 1_000_000, &o, 1_000_000))
         },
     );
     s.case(
@@ -559,21 +558,24 @@ fn relative() {
         "shaw queries of wrong head_dim",
         Kind::Shape,
         &["[1, 2, 3, 5]", "4"],
-        || shaw.logits_bias(&x(&[1, 2, 3, 5]), &o, &o, 3),
+        || shaw.logits_bias(&x(&[1, 2, 3, 5]), &AttentionContext::new(&o, 3, &o, 3)),
     );
     s.case(
         "shaw probs of rank 3",
         Kind::Rank,
-        &["probabilities", "rank 3"],
-        || shaw.value_term(&x(&[2, 3, 3]), &o, &o),
+        &["attention weights", "rank 3"],
+        || {
+            let term = shaw.value_term(&AttentionContext::new(&o, 3, &o, 3))?;
+            term.expect("a value term").weighted_sum(&x(&[2, 3, 3]))
+        },
     );
     s.case(
         "alibi causal ids of another batch",
         Kind::Shape,
         &["key position ids", "batch 1 or 2", "[3, 1]"],
         || {
-            let q = ids(&[vec![0], vec![1]]);
-            alibi.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
+            let (q, k) = (ids(&[vec![0], vec![1]]), ids(&[vec![0], vec![1], vec![2]]));
+            alibi.bias(&AttentionContext::new(&q, 1, &k, 1).with_causal(true))
         },
     );
     s.case(
@@ -1093,28 +1095,26 @@ fn empty_sequences_give_empty_outputs() -> anyhow::Result<()> {
                 assert_eq!(cache.len(), 3);
                 // The hooks themselves, called directly with no token.
                 let (p0, p3) = (Positions::Offset(0), Positions::Offset(3));
-                let empty = enc.add_to_input(&x(&[2, 0, 8]), &p0, false)?;
+                let empty = enc.add_to_input(&x(&[2, 0, 8]), &AttentionContext::chunk(&p0, 0))?;
                 assert_eq!(empty.dims(), &[2, 0, 8]);
                 let q = x(&[2, 2, 0, 4]);
-                let (rq, rk) = enc.rotate_queries_keys(&q, &x(&[2, 2, 3, 4]), &p3, &p0)?;
-                assert_eq!(
-                    (rq.dims(), rk.dims()),
-                    (&[2, 2, 0, 4][..], &[2, 2, 3, 4][..])
-                );
-                let (rq, _) = enc.rotate_queries_keys_owned(q.clone(), q.clone(), &p3, &p3)?;
+                let ctx = AttentionContext::chunk(&p3, 0).with_causal(causal);
+                let (rq, _) = enc.rotate(q.clone(), q.clone(), &ctx)?;
                 assert_eq!(rq.dims(), &[2, 2, 0, 4]);
                 for tk in [0, 3] {
-                    if let Some(bias) = enc.logits_bias(&q, &p3, &p0, tk)? {
+                    let ctx = AttentionContext::new(&p3, 0, &p0, tk).with_causal(causal);
+                    if let Some(bias) = enc.logits_bias(&q, &ctx)? {
                         // ALiBi's causal bias is one row per head, broadcast over the queries.
+                        let dense = bias.to_dense(0, tk)?;
                         assert!(
-                            bias.broadcast_as((2, 2, 0, tk)).is_ok(),
+                            dense.broadcast_as((2, 2, 0, tk)).is_ok(),
                             "{:?}",
-                            bias.dims()
+                            dense.dims()
                         );
                     }
                     let probs = x(&[2, 2, 0, tk]);
-                    if let Some(term) = enc.value_term(&probs, &p3, &p0)? {
-                        assert_eq!(term.dims()[2], 0);
+                    if let Some(term) = enc.value_term(&ctx)? {
+                        assert_eq!(term.weighted_sum(&probs)?.dims()[2], 0);
                     }
                 }
                 Ok(out.output.dims().to_vec())

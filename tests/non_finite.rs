@@ -8,8 +8,8 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, PositionalEncoding, Positions, QkLayout, RopeConfig,
-    RotaryEmbedding, SinusoidalConfig, SinusoidalPositionalEncoding,
+    AttentionConfig, AttentionContext, AttentionOptions, PositionalEncoding, Positions, QkLayout,
+    RopeConfig, RotaryEmbedding, SinusoidalConfig, SinusoidalPositionalEncoding,
 };
 use common::zoo;
 
@@ -142,7 +142,7 @@ fn non_finite_values_in_masks_and_encodings_propagate() -> anyhow::Result<()> {
     // The encodings on their own: a NaN stays where it was (and in its RoPE pair), nowhere else.
     let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8).with_dropout(0.0), &dev)?;
     let x = poisoned_input(f32::NAN)?;
-    let y = pe.add_to_input(&x, &Positions::Offset(0), false)?;
+    let y = pe.add_to_input(&x, &AttentionContext::chunk(&Positions::Offset(0), 5))?;
     assert_eq!(non_finite(&y)?, 1);
     assert!(y.i((0, 2, 3))?.to_scalar::<f32>()?.is_nan());
     let rope = RotaryEmbedding::new(&RopeConfig::new(8), &dev)?;

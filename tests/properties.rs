@@ -18,10 +18,10 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_posenc::{
-    Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig,
-    ClippedRelativeBias, KvCache, PositionIds, PositionalEncoding, Positions, QkLayout, RopeConfig,
-    RopeLayout, RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition, T5Config,
-    T5RelativeBias, YarnScaling,
+    Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionContext, AttentionOptions,
+    ClippedBiasConfig, ClippedRelativeBias, KvCache, PositionIds, PositionalEncoding, Positions,
+    QkLayout, RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding, ShawConfig,
+    ShawRelativePosition, T5Config, T5RelativeBias, YarnScaling,
 };
 use common::{max_abs_diff, zoo};
 use proptest::prelude::*;
@@ -349,8 +349,11 @@ fn bias_case(
     };
     for (name, enc) in bias_encodings(heads, head_dim)? {
         let bias = |qp: &Positions, kp: &Positions| -> anyhow::Result<Tensor> {
-            let b = enc.logits_bias(&q, qp, kp, tk)?.expect("a bias encoding");
-            Ok(b.broadcast_as((1, heads, tq, tk))?.to_dtype(DType::F32)?)
+            let ctx = AttentionContext::new(qp, tq, kp, tk);
+            let b = enc.logits_bias(&q, &ctx)?.expect("a bias encoding");
+            Ok(b.to_dense(tq, tk)?
+                .broadcast_as((1, heads, tq, tk))?
+                .to_dtype(DType::F32)?)
         };
         let base = bias(&Positions::Offset(q0), &Positions::Offset(k0))?;
         let shifted = bias(

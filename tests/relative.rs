@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding};
 use candle_posenc::{
     alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions,
     ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error, KvCache, MultiHeadAttention,
-    PositionIds, PositionalEncoding, Positions, ShawConfig, ShawRelativePosition, T5Config,
-    T5RelativeBias,
+    PositionIds, Positions, ShawConfig, ShawRelativePosition, T5Config, T5RelativeBias,
 };
 use common::{assert_close, fixture, get, max_abs_diff, prefixed};
 
@@ -32,12 +32,31 @@ fn alibi_slopes_match_bloom(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// ALiBi's dense bias for `tq` queries against `tk` keys in causal attention or not.
+fn alibi_bias(
+    alibi: &Alibi,
+    q: &Positions,
+    tq: usize,
+    k: &Positions,
+    tk: usize,
+    causal: bool,
+) -> candle_posenc::Result<Tensor> {
+    alibi.bias(&AttentionContext::new(q, tq, k, tk).with_causal(causal))
+}
+
 fn alibi_bias_matches_bloom(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("alibi.safetensors", dev)?;
     for n in [1usize, 5, 8, 12, 33, 64] {
         let alibi = Alibi::new(&AlibiConfig::new(n), dev)?;
-        let bias = alibi.bias(&Positions::Offset(0), 7, &Positions::Offset(0), 7)?; // (1, n, 1, 7)
-                                                                                    // Ours is m·(j − i_last); BLOOM's is m·j. They differ by m·i_last, a per-row constant.
+        let bias = alibi_bias(
+            &alibi,
+            &Positions::Offset(0),
+            7,
+            &Positions::Offset(0),
+            7,
+            true,
+        )?; // (1, n, 1, 7)
+            // Ours is m·(j − i_last); BLOOM's is m·j. They differ by m·i_last, a per-row constant.
         let shift = alibi.slopes().affine(6.0, 0.0)?.reshape((1, n, 1, 1))?;
         let bloom = get(&fx, &format!("alibi_{n}")).reshape((1, n, 1, 7))?;
         // Values up to 6 · 0.5: f32 rounding of 3 is 2.4e-7.
@@ -54,7 +73,7 @@ fn alibi_bias_matches_bloom(dev: &Device) -> anyhow::Result<()> {
         &[vec![0, 0, 0, 1, 2, 3, 4], vec![0, 1, 2, 3, 4, 5, 6]],
         dev,
     )?);
-    let bias = alibi.bias(&ids, 7, &ids, 7)?; // (2, 12, 1, 7)
+    let bias = alibi_bias(&alibi, &ids, 7, &ids, 7, true)?; // (2, 12, 1, 7)
     let last = Tensor::new(&[4f32, 6.0], dev)?.reshape((2, 1, 1, 1))?;
     let shift = last.broadcast_mul(&alibi.slopes().reshape((1, 12, 1, 1))?)?;
     let bloom = get(&fx, "padded_alibi_12").reshape((2, 12, 1, 7))?;
@@ -69,14 +88,14 @@ fn alibi_forms_and_modes(dev: &Device) -> anyhow::Result<()> {
         &AlibiConfig::new(6).with_mode(AlibiMode::CausalPairwise),
         dev,
     )?;
-    let s = sym
-        .bias(&Positions::Offset(3), 4, &Positions::Offset(0), 7)?
-        .i(0)?
-        .to_vec3::<f32>()?;
-    let p = pair
-        .bias(&Positions::Offset(3), 4, &Positions::Offset(0), 7)?
-        .i(0)?
-        .to_vec3::<f32>()?;
+    // Explicit modes hold whatever the attention's causality.
+    let (q3, k0) = (Positions::Offset(3), Positions::Offset(0));
+    let rows = |a: &Alibi, causal| -> anyhow::Result<Vec<Vec<Vec<f32>>>> {
+        Ok(alibi_bias(a, &q3, 4, &k0, 7, causal)?
+            .i(0)?
+            .to_vec3::<f32>()?)
+    };
+    let (s, p) = (rows(&sym, true)?, rows(&pair, false)?);
     for (h, m) in slopes.iter().enumerate() {
         for i in 0..4 {
             for j in 0..7 {
@@ -116,11 +135,13 @@ fn alibi_forms_and_modes(dev: &Device) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     assert_close(&Tensor::cat(&steps, 1)?, &a, 1e-5, "per-key decode")?;
     // Far from the origin the per-key bias stays small (exact in f32).
-    let far = Alibi::new(&AlibiConfig::new(4), dev)?.bias(
+    let far = alibi_bias(
+        &Alibi::new(&AlibiConfig::new(4), dev)?,
         &Positions::Offset(1_000_000),
         1,
         &Positions::Offset(0),
         1_000_001,
+        true,
     )?;
     let last: f32 = far.i((0, 0, 0, 1_000_000))?.to_scalar()?;
     assert_eq!(last, 0.0);
@@ -152,16 +173,37 @@ fn alibi_head_range_learnable_and_cache(dev: &Device) -> anyhow::Result<()> {
         0.0,
         "init",
     )?;
-    let bias = learn.bias(&Positions::Offset(0), 3, &Positions::Offset(0), 3)?;
+    let bias = alibi_bias(
+        &learn,
+        &Positions::Offset(0),
+        3,
+        &Positions::Offset(0),
+        3,
+        false,
+    )?;
     let grads = bias.sum_all()?.backward()?;
     assert!(grads.get(&data).is_some(), "slopes get a gradient");
     // Fixed slopes: one bias build per shape.
     let alibi = Alibi::new(&AlibiConfig::new(4).with_mode(AlibiMode::Symmetric), dev)?;
     for _ in 0..3 {
-        alibi.bias(&Positions::Offset(0), 5, &Positions::Offset(0), 5)?;
+        alibi_bias(
+            &alibi,
+            &Positions::Offset(0),
+            5,
+            &Positions::Offset(0),
+            5,
+            false,
+        )?;
     }
     assert_eq!(alibi.bias_builds(), 1);
-    alibi.bias(&Positions::Offset(0), 6, &Positions::Offset(0), 6)?;
+    alibi_bias(
+        &alibi,
+        &Positions::Offset(0),
+        6,
+        &Positions::Offset(0),
+        6,
+        false,
+    )?;
     assert_eq!(alibi.bias_builds(), 2);
     Ok(())
 }
@@ -292,41 +334,27 @@ fn shaw_gradients_match_torch(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Every relative encoding, for 4 heads of width 4.
-fn shaw_index_built_once_per_shape(dev: &Device) -> anyhow::Result<()> {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let shaw = Arc::new(ShawRelativePosition::new(
-        &ShawConfig::new(4, 3),
-        vb.pp("shaw"),
-    )?);
-    let mha = MultiHeadAttention::new(
-        &AttentionConfig::new(16, 4).with_causal(true),
-        Some(shaw.clone()),
-        vb.pp("attn"),
-    )?;
-    let x = Tensor::randn(0f32, 1.0, (2, 7, 16), dev)?;
-    // Inference on the CPU reads Shaw's rows per distance and builds no index at all.
-    mha.forward(&x)?;
-    mha.forward(&x)?;
-    let inference = if dev.is_cpu() { 0 } else { 1 };
-    assert_eq!(shaw.bucket_builds(), inference);
-    // Elsewhere, the keys and values hooks of every forward share one index per shape.
-    let train = AttentionOptions {
-        train: true,
-        ..Default::default()
-    };
-    mha.forward_with(&x, &train, None)?;
-    mha.forward_with(&x, &train, None)?;
-    assert_eq!(shaw.bucket_builds(), 1);
-    mha.forward_with(&x.narrow(1, 0, 5)?, &train, None)?;
-    assert_eq!(shaw.bucket_builds(), 2);
-    Ok(())
+/// The dense bias a hook's answer stands for.
+fn dense_of(bias: Option<LogitsBias>, tq: usize, tk: usize) -> anyhow::Result<Tensor> {
+    Ok(match bias.expect("a bias") {
+        LogitsBias::Dense(t) => t,
+        LogitsBias::Relative(rows) => rows.to_dense(tq, tk)?,
+    })
 }
 
-/// The compact per-distance form of every relative bias expands to exactly its dense bias, for
-/// queries before, at and after their keys; explicit ids get no compact form.
-fn relative_form_equals_dense_bias(dev: &Device) -> anyhow::Result<()> {
+/// Positions `start..start + len` as explicit ids.
+fn ids_from(start: u32, len: usize, dev: &Device) -> anyhow::Result<Positions> {
+    Ok(Positions::ids(
+        &Tensor::arange(start, start + len as u32, dev)?.unsqueeze(0)?,
+    )?)
+}
+
+/// Every relative encoding answers offsets with rows on shifted columns (but the per-key
+/// causal ALiBi row, which is dense) and explicit ids with a dense bias or a column map; for
+/// the same positions both stand for exactly the same bias, for queries before, at and after
+/// their keys, causal or not, and Shaw's value term likewise; T5 and ALiBi equal their own
+/// dense `bias`.
+fn relative_forms_agree(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
     let mut encs = relative_encodings(dev, &vb)?;
@@ -337,43 +365,57 @@ fn relative_form_equals_dense_bias(dev: &Device) -> anyhow::Result<()> {
             dev,
         )?),
     ));
-    encs.push((
-        "t5_bidirectional",
-        Arc::new(T5RelativeBias::new(
-            &T5Config::new(4).with_num_buckets(8).with_max_distance(12),
-            vb.pp("t5b"),
-        )?),
-    ));
+    let t5 = T5RelativeBias::new(
+        &T5Config::new(4).with_num_buckets(8).with_max_distance(12),
+        vb.pp("t5b"),
+    )?;
+    encs.push(("t5_bidirectional", Arc::new(t5.clone())));
     let q = Tensor::randn(0f32, 1.0, (2, 4, 5, 4), dev)?;
-    let mut compact = 0;
+    let mut shifted = 0;
     for (name, enc) in &encs {
         for (qs, ks, tk) in [(0, 0, 5), (0, 0, 30), (20, 0, 25), (3, 9, 7), (40, 0, 1)] {
-            let (qp, kp) = (Positions::Offset(qs), Positions::Offset(ks));
-            let dense = enc.logits_bias(&q, &qp, &kp, tk)?.expect("a bias");
-            let Some(rel) = enc.relative_logits_bias(&q, &qp, &kp, tk)? else {
-                assert_eq!(
-                    *name, "alibi",
-                    "only the per-key ALiBi row has no compact form"
-                );
-                continue;
-            };
-            compact += 1;
-            let what = format!("{name} q at {qs}, {tk} keys at {ks}");
-            let expanded = rel.to_dense(5, tk)?.broadcast_as(dense.shape())?;
-            assert_close(
-                &expanded,
-                &dense.broadcast_as(expanded.shape())?,
-                0.0,
-                &what,
-            )?;
+            for causal in [false, true] {
+                let (qp, kp) = (Positions::Offset(qs), Positions::Offset(ks));
+                let (qi, ki) = (ids_from(qs as u32, 5, dev)?, ids_from(ks as u32, tk, dev)?);
+                let by_offset = AttentionContext::new(&qp, 5, &kp, tk).with_causal(causal);
+                let by_ids = AttentionContext::new(&qi, 5, &ki, tk).with_causal(causal);
+                let what = format!("{name} q at {qs}, {tk} keys at {ks}, causal {causal}");
+                let answer = enc.logits_bias(&q, &by_offset)?;
+                match &answer {
+                    Some(LogitsBias::Relative(r)) => {
+                        assert!(matches!(r.columns(), Columns::Shift(_)), "{what}");
+                        shifted += 1;
+                    }
+                    _ => assert!(
+                        *name == "alibi" && causal,
+                        "{what}: only causal ALiBi is dense"
+                    ),
+                }
+                let a = dense_of(answer, 5, tk)?;
+                let b = dense_of(enc.logits_bias(&q, &by_ids)?, 5, tk)?;
+                let shape = (2, 4, 5, tk);
+                assert_close(&a.broadcast_as(shape)?, &b.broadcast_as(shape)?, 0.0, &what)?;
+                if *name == "t5_bidirectional" {
+                    let own = t5.bias(&qp, 5, &kp, tk)?;
+                    assert_close(
+                        &a.broadcast_as(shape)?,
+                        &own.broadcast_as(shape)?,
+                        0.0,
+                        &what,
+                    )?;
+                }
+                if let Some(values) = enc.value_term(&by_offset)? {
+                    let probs = Tensor::rand(0f32, 1.0, shape, dev)?;
+                    let want = enc
+                        .value_term(&by_ids)?
+                        .expect("ids too")
+                        .weighted_sum(&probs)?;
+                    assert_close(&values.weighted_sum(&probs)?, &want, 1e-6, &what)?;
+                }
+            }
         }
-        let ids = Positions::ids(&Tensor::arange(0u32, 5, dev)?.unsqueeze(0)?)?;
-        assert!(
-            enc.relative_logits_bias(&q, &ids, &ids, 5)?.is_none(),
-            "{name}"
-        );
     }
-    assert_eq!(compact, 6 * 5);
+    assert_eq!(shifted, encs.len() * 5 * 2 - 5);
     Ok(())
 }
 
@@ -865,14 +907,13 @@ device_tests!(
     t5_compute_bias_matches_hf,
     clipped_bias_matches_seed,
     shaw_matches_direct_formula,
-    shaw_index_built_once_per_shape,
     shaw_gradients_match_torch,
     decode_with_cache_equals_full_forward,
     masks_are_respected,
     relative_order_matters,
     configs_round_trip_metadata,
     fused_inference_equals_unfused,
-    relative_form_equals_dense_bias,
+    relative_forms_agree,
     query_blocks_equal_one_block,
     bias_tables_built_once_per_shape,
     bad_input,

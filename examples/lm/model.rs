@@ -16,8 +16,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{linear_no_bias, Embedding, Init, Linear, VarBuilder, VarMap};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, EncodingConfig, MultiHeadAttention, PositionalEncoding,
-    Positions, Result,
+    AttentionConfig, AttentionContext, AttentionOptions, EncodingConfig, MultiHeadAttention,
+    PositionalEncoding, Positions, Result,
 };
 
 use super::data::Rng;
@@ -174,7 +174,8 @@ impl Lm {
         let positions = Positions::Offset(0);
         let mut h = self.embed.forward(tokens)?;
         if let Some(enc) = &self.input_encoding {
-            h = enc.add_to_input(&h, &positions, train)?;
+            let ctx = AttentionContext::chunk(&positions, tokens.dim(1)?).with_train(train);
+            h = enc.add_to_input(&h, &ctx)?;
         }
         let options = AttentionOptions {
             positions: Some(&positions),

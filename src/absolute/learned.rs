@@ -21,7 +21,7 @@ use candle_core::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
-use crate::attention::PositionalEncoding;
+use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::{Error, Positions, Result};
 
 /// What to do with positions at or past `max_len`.
@@ -309,13 +309,8 @@ impl Module for LearnedPositionalEncoding {
 }
 
 impl PositionalEncoding for LearnedPositionalEncoding {
-    /// No value term.
-    fn has_value_term(&self) -> bool {
-        false
-    }
-
-    fn add_to_input(&self, x: &Tensor, positions: &Positions, train: bool) -> Result<Tensor> {
-        self.forward_with_positions(x, positions, train)
+    fn add_to_input(&self, x: &Tensor, ctx: &AttentionContext) -> Result<Tensor> {
+        self.forward_with_positions(x, ctx.queries, ctx.train)
     }
 }
 

@@ -21,7 +21,7 @@ use std::sync::{Arc, RwLock};
 use candle_core::{Device, Module, Tensor};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
-use crate::attention::PositionalEncoding;
+use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::{Error, Positions, Result};
 
 /// Largest number of table elements (`positions × d_model`) ever built: 2^31.
@@ -253,12 +253,7 @@ impl Module for SinusoidalPositionalEncoding {
 }
 
 impl PositionalEncoding for SinusoidalPositionalEncoding {
-    /// No value term.
-    fn has_value_term(&self) -> bool {
-        false
-    }
-
-    fn add_to_input(&self, x: &Tensor, positions: &Positions, train: bool) -> Result<Tensor> {
-        self.forward_with_positions(x, positions, train)
+    fn add_to_input(&self, x: &Tensor, ctx: &AttentionContext) -> Result<Tensor> {
+        self.forward_with_positions(x, ctx.queries, ctx.train)
     }
 }

@@ -24,8 +24,9 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::fused_softmax::{read_storage, strided_terms, StorageGuard, TermGuards};
-use super::relative_bias::{add_bucket_sums, RelativeBias, RelativeValues};
-use crate::Result;
+use crate::error::{Error, Result};
+use crate::plug::relative::{add_indexed_sums, add_shifted_sums};
+use crate::plug::{Columns, RelativeBias, RelativeValues};
 
 /// The logits of one tile (`rows × Tk` floats), which must stay in the core's cache from the
 /// product that writes them to the one that reads them: half of a 2 MiB L2.
@@ -35,17 +36,6 @@ const TILE_BYTES: usize = 1 << 20;
 /// would repack the keys too often; more would leave too few tiles to share out).
 pub(crate) fn tile_rows(tk: usize) -> usize {
     (TILE_BYTES / (4 * tk.max(1))).clamp(16, 256)
-}
-
-/// Whether the fused core can run on these (already projected, rotated and scaled) tensors.
-pub(crate) fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    [q, k, v].iter().all(|t| {
-        t.device().is_cpu()
-            && t.dtype() == candle_core::DType::F32
-            && !t.track_op()
-            && t.rank() == 4
-            && t.layout().stride()[3] == 1
-    })
 }
 
 /// One query block of the core, written into rows `first_row..first_row + Tq` of `out`.
@@ -58,26 +48,16 @@ pub(crate) struct Core<'a> {
     pub v: &'a Tensor,
     /// Additive terms broadcastable to `(B, H, Tq, Tk)` (f32, CPU).
     pub dense: Vec<&'a Tensor>,
-    /// Relative terms (checked by `fused_softmax::relative_applies`).
+    /// Relative terms with shifted columns, f32 (checked against the block by the caller).
     pub relative: Vec<&'a RelativeBias>,
     /// `(B, Tk)` u8, non-zero = keep.
     pub padding: Option<&'a Tensor>,
     /// `Some(first)`: query row `i` sees keys `j ≤ first + i`.
     pub causal: Option<usize>,
-    /// A relative value term (`(W, D)` table).
+    /// A relative value term (`(W, D)` table), checked against the block by the caller.
     pub values: Option<&'a RelativeValues>,
     /// Query rows per tile ([`tile_rows`] of the key count).
     pub tile: usize,
-}
-
-/// Whether the fused core can add this relative value term.
-pub(crate) fn values_apply(values: &RelativeValues, head_dim: usize) -> bool {
-    let t = &values.table;
-    t.device().is_cpu()
-        && t.dtype() == candle_core::DType::F32
-        && t.dims().len() == 2
-        && t.dims()[0] > 0
-        && t.dims()[1] == head_dim
 }
 
 impl Core<'_> {
@@ -100,14 +80,7 @@ impl Core<'_> {
             dims: (b, h, tq, tk, d),
             tile: self.tile.max(1),
             values: match self.values {
-                Some(v) if values_apply(v, d) => Some((v.table.contiguous()?, v.shift)),
-                Some(v) => {
-                    return Err(crate::Error::shape(
-                        "relative value table",
-                        format!("an f32 CPU tensor of (width ≥ 1, {d})"),
-                        v.table.shape(),
-                    ))
-                }
+                Some(v) => Some(ValueOperands::new(v, (b, tq, tk, d))?),
                 None => None,
             },
         };
@@ -127,9 +100,39 @@ struct CoreOp {
     first_row: usize,
     /// `(B, H, Tq, Tk, D)`.
     dims: (usize, usize, usize, usize, usize),
-    /// The relative value table `(W, D)` (contiguous) and its shift.
-    values: Option<(Tensor, i64)>,
+    /// The relative value term, ready for the tiles.
+    values: Option<ValueOperands>,
     tile: usize,
+}
+
+/// A relative value term as the tiles read it: a contiguous f32 `(W, D)` table and its
+/// columns, an index map made contiguous `(1|B, Tq, Tk)` u32.
+struct ValueOperands {
+    table: Tensor,
+    columns: Columns,
+}
+
+impl ValueOperands {
+    /// Checks `values` against a block of `(B, Tq, Tk, D)` and prepares its tensors.
+    fn new(values: &RelativeValues, (b, tq, tk, d): (usize, usize, usize, usize)) -> Result<Self> {
+        values.check_block(b, tq, tk, d)?;
+        let table = values.table();
+        if !table.device().is_cpu() {
+            return Err(Error::shape(
+                "relative value table",
+                "a tensor on the CPU, where the attention runs",
+                table.shape(),
+            ));
+        }
+        let columns = match values.columns() {
+            Columns::Index(index) => Columns::Index(index.to_device(table.device())?.contiguous()?),
+            shift => shift.clone(),
+        };
+        Ok(Self {
+            table: table.to_dtype(candle_core::DType::F32)?.contiguous()?,
+            columns,
+        })
+    }
 }
 
 /// A strided f32 view `(B, H, T, D)` with unit stride on `D`.
@@ -230,20 +233,45 @@ impl InplaceOp1 for CoreOp {
         let v = View::new(&guards[2].0, guards[2].1)?;
         let terms = TermGuards::new(&self.terms, self.padding.as_ref());
         let pass = terms.pass((b, h, tq, tk), self.causal)?;
-        let values_guard = self
-            .values
-            .as_ref()
-            .map(|(t, shift)| (read_storage(t), *shift));
+        let values_guard = self.values.as_ref().map(|v| {
+            let index = match &v.columns {
+                Columns::Index(index) => Some(read_storage(index)),
+                Columns::Shift(_) => None,
+            };
+            (read_storage(&v.table), index, &v.columns)
+        });
         let values = match &values_guard {
             None => None,
-            Some(((g, l), shift)) => match (&***g, l.contiguous_offsets()) {
-                (Storage::Cpu(CpuStorage::F32(data)), Some((a, z)))
-                    if z > a && (z - a) % d == 0 =>
-                {
-                    Some((&data[a..z], (z - a) / d, *shift))
-                }
-                _ => candle_core::bail!("fused attention: the value table must be (W, D) f32"),
-            },
+            Some(((g, l), index, columns)) => {
+                let table = match (&***g, l.contiguous_offsets()) {
+                    (Storage::Cpu(CpuStorage::F32(data)), Some((a, z)))
+                        if z > a && (z - a) % d == 0 =>
+                    {
+                        &data[a..z]
+                    }
+                    _ => candle_core::bail!("fused attention: the value table must be (W, D) f32"),
+                };
+                let width = table.len() / d;
+                let rule = match (columns, index) {
+                    (Columns::Shift(shift), _) => TileColumns::Shift(*shift),
+                    (Columns::Index(_), Some((g, l))) => match (&***g, l.contiguous_offsets()) {
+                        (Storage::Cpu(CpuStorage::U32(ix)), Some((a, z)))
+                            if l.dims().len() == 3
+                                && l.dims()[1..] == [tq, tk]
+                                && (l.dims()[0] == 1 || l.dims()[0] == b) =>
+                        {
+                            TileColumns::Index(&ix[a..z], l.dims()[0])
+                        }
+                        _ => candle_core::bail!(
+                            "fused attention: the value columns must be a contiguous (1|B, Tq, Tk) u32 map"
+                        ),
+                    },
+                    (Columns::Index(_), None) => {
+                        candle_core::bail!("fused attention: value column map missing")
+                    }
+                };
+                Some((table, width, rule))
+            }
         };
         let out = OutPtr(out[start..].as_mut_ptr());
         let tile = self.tile;
@@ -285,9 +313,10 @@ impl InplaceOp1 for CoreOp {
                         (vp, 1, v.strides[2]),
                     )
                 };
-                let Some((table, width, shift)) = values else {
+                let Some((table, width, rule)) = &values else {
                     return;
                 };
+                let width = *width;
                 SUMS.with_borrow_mut(|sums| {
                     sums.clear();
                     sums.resize(rows * width, 0.0);
@@ -296,7 +325,16 @@ impl InplaceOp1 for CoreOp {
                         .zip(sums.chunks_exact_mut(width))
                         .enumerate()
                     {
-                        add_bucket_sums(row, i0 + li, shift, sums);
+                        match rule {
+                            TileColumns::Shift(shift) => {
+                                add_shifted_sums(row, i0 + li, *shift, sums)
+                            }
+                            TileColumns::Index(index, ib) => {
+                                let batch = if *ib == 1 { 0 } else { bi };
+                                let at = (batch * tq + i0 + li) * tk;
+                                add_indexed_sums(row, &index[at..at + keys], sums);
+                            }
+                        }
                     }
                     // SAFETY: as above; sums is rows × W, the table W × D.
                     unsafe {
@@ -312,6 +350,13 @@ impl InplaceOp1 for CoreOp {
         });
         Ok(())
     }
+}
+
+/// How a tile's rows pick the value table's rows: a shift, or a `(1|B, Tq, Tk)` index map
+/// (with its batch size).
+enum TileColumns<'a> {
+    Shift(i64),
+    Index(&'a [u32], usize),
 }
 
 /// `dst (m × n) = lhs (m × k) · rhs (k × n)`, or `+=` with `accumulate`, on this thread. `dst`
@@ -360,7 +405,6 @@ mod tests {
 
     use super::*;
     use crate::attention::mask::{apply_keep_mask, keep_mask};
-    use crate::attention::relative_bias::bucket_sums;
 
     /// The core against candle ops, for tiles of 1 to all rows: grouped heads, strided keys and
     /// values, a dense and a relative bias, relative values, padding (batch item 0 has its first
@@ -374,20 +418,29 @@ mod tests {
         let k = Tensor::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
         let v = Tensor::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
         let dense = Tensor::randn(0f32, 1.0, (1, h, 1, tk), &dev)?;
-        let relative = RelativeBias {
-            values: Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
-            shift: w as i64 + 2,
-        };
-        let values = RelativeValues {
-            table: Tensor::randn(0f32, 1.0, (w, d), &dev)?,
-            shift: 1,
-        };
+        let relative = RelativeBias::new(
+            Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
+            Columns::Shift(w as i64 + 2),
+        )?;
+        let table = Tensor::randn(0f32, 1.0, (w, d), &dev)?;
+        // Both column rules; the map holds entries past the table, which clamp to its last row.
+        let map: Vec<u32> = (0..b * tq * tk).map(|n| (n * 7 % (w + 3)) as u32).collect();
+        let map = Tensor::from_vec(map, (b, tq, tk), &dev)?;
+        let value_terms = [
+            RelativeValues::new(table.clone(), Columns::Shift(1))?,
+            RelativeValues::new(table.clone(), Columns::Shift(i64::MIN))?,
+            RelativeValues::new(table, Columns::Index(map))?,
+        ];
         let mut keep = vec![1u8; b * tk];
         keep[..2].fill(0);
         keep[tk + 9] = 0;
         let padding = Tensor::from_vec(keep, (b, tk), &dev)?;
-        for causal in [None, Some(tk - tq)] {
-            for pad in [None, Some(&padding)] {
+        for (causal, pad, values) in [None, Some(tk - tq)]
+            .into_iter()
+            .flat_map(|c| [None, Some(&padding)].map(|p| (c, p)))
+            .flat_map(|(c, p)| value_terms.iter().map(move |v| (c, p, v)))
+        {
+            {
                 // Reference: repeated heads, dense scores, masks, softmax, products.
                 let rep = |t: &Tensor| -> anyhow::Result<Tensor> {
                     Ok(t.unsqueeze(2)?
@@ -400,9 +453,7 @@ mod tests {
                     s = apply_keep_mask(&s, &keep)?;
                 }
                 let p = candle_nn::ops::softmax(&s, D::Minus1)?;
-                let sums = bucket_sums(&p, w, values.shift)?;
-                let want = (p.matmul(&rep(&v)?)? + sums.broadcast_matmul(&values.table)?)?
-                    .transpose(1, 2)?;
+                let want = (p.matmul(&rep(&v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?;
                 for tile in [1, 3, 5, 13] {
                     let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
                     Core {
@@ -413,7 +464,7 @@ mod tests {
                         relative: vec![&relative],
                         padding: pad,
                         causal,
-                        values: Some(&values),
+                        values: Some(values),
                         tile,
                     }
                     .write_into(&out, 0)?;

@@ -16,8 +16,8 @@
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::relative_bias::{row_segments, RelativeBias};
-use crate::Result;
+use crate::error::Result;
+use crate::plug::{row_segments, Columns, RelativeBias};
 
 /// A broadcast view of an additive term: storage offset and the strides of `(B, H, Tq, X)`,
 /// where `X` is `Tk` for a dense term and the row width for a relative one.
@@ -65,12 +65,11 @@ impl Strided {
             Some((shift, width)) => {
                 // Contiguous values (checked when built): one row of `width` columns.
                 let values = &src[base..base + width];
-                let (lo, hi) = row_segments(i, shift, width, row.len());
-                let first = (lo as i64 - i as i64 + shift) as usize;
-                let (left, rest) = row.split_at_mut(lo);
-                let (middle, right) = rest.split_at_mut(hi - lo);
+                let s = row_segments(i, shift, width, row.len());
+                let (left, rest) = row.split_at_mut(s.lo);
+                let (middle, right) = rest.split_at_mut(s.hi - s.lo);
                 left.iter_mut().for_each(|x| *x += values[0]);
-                for (x, y) in middle.iter_mut().zip(&values[first..]) {
+                for (x, y) in middle.iter_mut().zip(&values[s.first_col..]) {
                     *x += y;
                 }
                 right.iter_mut().for_each(|x| *x += values[width - 1]);
@@ -167,25 +166,11 @@ pub(crate) struct BiasMaskSoftmax {
     causal: Option<usize>,
 }
 
-/// Whether the fused pass applies to these logits.
-pub(crate) fn applies(scores: &Tensor) -> bool {
-    scores.device().is_cpu()
-        && scores.dtype() == candle_core::DType::F32
-        && scores.is_contiguous()
-        && !scores.track_op()
-}
-
-/// Whether a relative term can be read by the fused pass.
-pub(crate) fn relative_applies(bias: &RelativeBias) -> bool {
-    let v = &bias.values;
-    v.device().is_cpu() && v.dtype() == candle_core::DType::F32 && v.rank() == 4
-}
-
 /// Softmax of `scores + Σ dense + Σ relative` over kept keys, written into `scores`.
 ///
-/// `dense` terms must be f32 CPU tensors broadcastable to `scores`, `relative` terms pass
-/// [`relative_applies`]; `padding` `(B, Tk)` u8; `causal = Some(first)` keeps keys
-/// `j ≤ first + i` for query row `i`.
+/// `dense` terms must be f32 CPU tensors broadcastable to `scores`, `relative` terms f32 CPU
+/// rows of the shift form checked against the block; `padding` `(B, Tk)` u8;
+/// `causal = Some(first)` keeps keys `j ≤ first + i` for query row `i`.
 pub(crate) fn bias_mask_softmax_in_place(
     scores: &Tensor,
     dense: &[&Tensor],
@@ -213,13 +198,20 @@ pub(crate) fn strided_terms(
         .map(|t| Strided::new(t, shape, None))
         .collect::<Result<Vec<_>>>()?;
     for rel in relative {
-        let (_, _, _, width) = rel.dims()?;
-        let values = rel.values.contiguous()?;
+        let Columns::Shift(shift) = rel.columns() else {
+            return Err(crate::error::Error::shape(
+                "relative bias for a fused pass",
+                "rows with shifted columns (index maps are expanded first)",
+                rel.values().shape(),
+            ));
+        };
+        let width = rel.width();
+        let values = rel.values().contiguous()?;
         let (b, h, tq, _) = shape;
         terms.push(Strided::new(
             &values,
             (b, h, tq, width),
-            Some((rel.shift, width)),
+            Some((*shift, width)),
         )?);
     }
     Ok(terms)

@@ -11,6 +11,10 @@
 //! bidirectional: bias[h, i, j] = −m_h · |i − j|
 //! ```
 //!
+//! By default ([`AlibiMode::Auto`]) the form follows the attention it serves: the causal form
+//! in a causal block, the bidirectional one otherwise, read from the plug's
+//! [`AttentionContext`]. An explicit mode overrides that on purpose.
+//!
 //! # Shapes
 //! - causal, per-key form: `(1|B, H, 1, Tk)`; pairwise forms: `(1|B, H, Tq, Tk)`.
 //! - slopes: `(H,)`; learnable ones are the `VarBuilder` variable `slopes`.
@@ -23,13 +27,17 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use super::{check_queries, BucketCache, DistanceRange, ROWS_LAYOUT};
-use crate::attention::{PositionalEncoding, RelativeBias};
+use crate::error::{Error, Result};
 use crate::limits::check_elements;
-use crate::{Error, Positions, Result};
+use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
+use crate::positions::Positions;
 
 /// How the bias treats keys after the query.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AlibiMode {
+    /// Follow the attention (the default): [`AlibiMode::Causal`] when it is causal,
+    /// [`AlibiMode::Symmetric`] when it is bidirectional.
+    Auto,
     /// Decoder: keys after the query are masked by the attention; the bias is `m·(j − i_last)`
     /// per key.
     Causal,
@@ -49,20 +57,21 @@ pub struct AlibiConfig {
     pub first_head: usize,
     /// Heads this module serves (default: all).
     pub head_count: usize,
-    /// Causal (per-key), causal pairwise, or symmetric (default causal).
+    /// Follow the attention, or force causal (per-key), causal pairwise or symmetric (default
+    /// [`AlibiMode::Auto`]).
     pub mode: AlibiMode,
     /// Whether the slopes are a trainable variable `slopes` (default false).
     pub learnable: bool,
 }
 
 impl AlibiConfig {
-    /// All `num_heads` heads, causal, fixed slopes.
+    /// All `num_heads` heads, the form following the attention, fixed slopes.
     pub fn new(num_heads: usize) -> Self {
         Self {
             num_heads,
             first_head: 0,
             head_count: num_heads,
-            mode: AlibiMode::Causal,
+            mode: AlibiMode::Auto,
             learnable: false,
         }
     }
@@ -130,13 +139,18 @@ pub fn alibi_slopes(num_heads: usize) -> Result<Vec<f64>> {
 ///
 /// # Example
 /// ```
-/// use candle_core::{Device, DType};
-/// use candle_posenc::{alibi_slopes, Alibi, AlibiConfig, AlibiMode, Positions};
+/// use candle_core::Device;
+/// use candle_posenc::{alibi_slopes, Alibi, AlibiConfig, AttentionContext, Positions};
 ///
 /// assert_eq!(alibi_slopes(8)?[0], 0.5);
-/// let alibi = Alibi::new(&AlibiConfig::new(8).with_mode(AlibiMode::Symmetric), &Device::Cpu)?;
-/// let bias = alibi.bias(&Positions::Offset(0), 4, &Positions::Offset(0), 4)?;
+/// let alibi = Alibi::new(&AlibiConfig::new(8), &Device::Cpu)?;
+/// let p = Positions::Offset(0);
+/// // Bidirectional attention: −m·|i − j|, one row per query.
+/// let bias = alibi.bias(&AttentionContext::new(&p, 4, &p, 4))?;
 /// assert_eq!(bias.dims(), &[1, 8, 4, 4]);
+/// // Causal attention: m·(j − i_last), one row per key.
+/// let bias = alibi.bias(&AttentionContext::new(&p, 4, &p, 4).with_causal(true))?;
+/// assert_eq!(bias.dims(), &[1, 8, 1, 4]);
 /// # Ok::<(), candle_posenc::Error>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -219,22 +233,28 @@ impl Alibi {
         self.cache.builds()
     }
 
-    /// The bias for queries at `queries` and keys at `keys`.
+    /// The mode this bias takes in attention that is `causal` or not.
+    pub fn mode_for(&self, causal: bool) -> AlibiMode {
+        match (self.config.mode, causal) {
+            (AlibiMode::Auto, true) => AlibiMode::Causal,
+            (AlibiMode::Auto, false) => AlibiMode::Symmetric,
+            (mode, _) => mode,
+        }
+    }
+
+    /// The bias for `ctx`'s queries and keys, dense, in the mode [`Self::mode_for`] its
+    /// causality gives.
     ///
     /// # Shapes
-    /// Causal: `(1|B, H, 1, tk)`; pairwise modes: `(1|B, H, tq, tk)`.
+    /// Causal: `(1|B, H, 1, Tk)`; pairwise modes: `(1|B, H, Tq, Tk)`.
     ///
     /// # Errors
-    /// [`Error::Shape`] if explicit ids disagree on the batch size.
-    pub fn bias(
-        &self,
-        queries: &Positions,
-        tq: usize,
-        keys: &Positions,
-        tk: usize,
-    ) -> Result<Tensor> {
+    /// [`Error::Shape`] if explicit ids disagree on the batch size or the lengths.
+    pub fn bias(&self, ctx: &AttentionContext) -> Result<Tensor> {
+        let (queries, tq, keys, tk) = (ctx.queries, ctx.q_len, ctx.keys, ctx.k_len);
         queries.check_len(tq)?;
         keys.check_len(tk)?;
+        let mode = self.mode_for(ctx.causal);
         if tq == 0 {
             // No query row to anchor the causal form on: an empty bias.
             let h = self.config.head_count;
@@ -244,17 +264,19 @@ impl Alibi {
                 self.slopes.device(),
             )?);
         }
-        let build = || self.build_bias(queries, tq, keys, tk);
+        let build = || self.build_bias(mode, queries, tq, keys, tk);
         if self.config.learnable {
             // Trainable slopes: recompute so gradients reach them.
             return build();
         }
+        let layout = (mode as usize, 0);
         self.cache
-            .get_or_build(queries, tq, keys, tk, (0, 0), build)
+            .get_or_build(queries, tq, keys, tk, layout, build)
     }
 
     fn build_bias(
         &self,
+        mode: AlibiMode,
         queries: &Positions,
         tq: usize,
         keys: &Positions,
@@ -263,8 +285,8 @@ impl Alibi {
         let device = self.slopes.device();
         let h = self.config.head_count;
         let slopes = self.slopes.reshape((1, h, 1, 1))?;
-        match self.config.mode {
-            AlibiMode::Causal => {
+        match mode {
+            AlibiMode::Causal | AlibiMode::Auto => {
                 // m · (j − i_last) for every key j, where i_last is the chunk's last query
                 // position: the paper's −m·(i − j) plus the row constant m·(i − i_last), kept
                 // near zero so f32 stays exact at large positions. Shape (1|B, H, 1, Tk).
@@ -301,38 +323,14 @@ impl Alibi {
 }
 
 impl PositionalEncoding for Alibi {
-    /// No value term.
-    fn has_value_term(&self) -> bool {
-        false
-    }
-
-    fn logits_bias(
-        &self,
-        q: &Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-        k_len: usize,
-    ) -> Result<Option<Tensor>> {
-        let (_, _, tq, _) = check_queries(q, self.config.head_count)?;
-        Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
-    }
-
-    /// Pairwise modes with offsets: `−m·|d|` or `m·d` per distance, `(1, H, 1, Tq + Tk − 1)`
-    /// (the causal per-key row is already compact).
-    fn relative_logits_bias(
-        &self,
-        q: &Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-        k_len: usize,
-    ) -> Result<Option<RelativeBias>> {
+    /// The causal form as one row per key; the pairwise forms as rows per distance for offsets
+    /// (`(1, H, 1, Tq + Tk − 1)`), dense for explicit ids.
+    fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         let (_, h, tq, _) = check_queries(q, self.config.head_count)?;
-        let mode = self.config.mode;
-        if mode == AlibiMode::Causal {
-            return Ok(None);
-        }
-        let Some(range) = DistanceRange::of(q_positions, tq, k_positions, k_len) else {
-            return Ok(None);
+        let mode = self.mode_for(ctx.causal);
+        let range = DistanceRange::of(ctx.queries, tq, ctx.keys, ctx.k_len);
+        let (AlibiMode::CausalPairwise | AlibiMode::Symmetric, Some(range)) = (mode, range) else {
+            return Ok(Some(LogitsBias::Dense(self.bias(ctx)?)));
         };
         let build = || -> Result<Tensor> {
             let d: Vec<f32> = range
@@ -348,13 +346,13 @@ impl PositionalEncoding for Alibi {
         let values = if self.config.learnable {
             build()?
         } else {
+            let layout = (ROWS_LAYOUT.0, mode as usize);
+            let (qs, ks) = (&range.queries, &range.keys);
             self.cache
-                .get_or_build(&range.queries, tq, &range.keys, k_len, ROWS_LAYOUT, build)?
+                .get_or_build(qs, tq, ks, ctx.k_len, layout, build)?
         };
-        Ok(Some(RelativeBias {
-            values,
-            shift: range.shift(tq),
-        }))
+        let rows = RelativeBias::new(values, Columns::Shift(range.shift(tq)))?;
+        Ok(Some(LogitsBias::Relative(rows)))
     }
 }
 

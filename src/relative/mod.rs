@@ -18,8 +18,9 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::attention::{PositionalEncoding, RelativeBias};
-use crate::{Error, Positions, Result};
+use crate::error::{Error, Result};
+use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
+use crate::positions::Positions;
 
 /// Maps every query/key pair to `bucket(j − i)`: a `u32` tensor of shape `(B|1, Tq, Tk)`.
 ///
@@ -300,52 +301,37 @@ impl<C: RelativeBucketing> BucketedRelativeBias<C> {
 }
 
 impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
-    /// No value term.
-    fn has_value_term(&self) -> bool {
-        false
-    }
-
-    fn logits_bias(
-        &self,
-        q: &Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-        k_len: usize,
-    ) -> Result<Option<Tensor>> {
-        let (_, _, tq, _) = check_queries(q, self.config.num_heads())?;
-        Ok(Some(self.bias(q_positions, tq, k_positions, k_len)?))
-    }
-
-    /// For offsets: the table read at every distance of the block, `(1, H, 1, Tq + Tk − 1)`;
-    /// the distance → bucket lookup is built once per shape, the table is read every call.
-    fn relative_logits_bias(
-        &self,
-        q: &Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-        k_len: usize,
-    ) -> Result<Option<RelativeBias>> {
+    /// Rows of the table: for offsets, the table read at every distance of the block,
+    /// `(1, H, 1, Tq + Tk − 1)` with shifted columns (the distance → bucket lookup built once
+    /// per shape, the table read every call, so gradients reach it); for explicit ids, the
+    /// table's `(1, H, 1, num_buckets)` rows with the bucket of every pair as the column map.
+    fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         let (_, h, tq, _) = check_queries(q, self.config.num_heads())?;
-        let Some(range) = DistanceRange::of(q_positions, tq, k_positions, k_len) else {
-            return Ok(None);
+        let (k_len, cfg, device) = (ctx.k_len, &self.config, self.table.device());
+        let rows = match DistanceRange::of(ctx.queries, tq, ctx.keys, k_len) {
+            Some(range) => {
+                let (qs, ks) = (&range.queries, &range.keys);
+                let lookup = self
+                    .cache
+                    .get_or_build(qs, tq, ks, k_len, ROWS_LAYOUT, || {
+                        let buckets: Vec<u32> = range.distances().map(|d| cfg.bucket(d)).collect();
+                        Ok(Tensor::from_vec(buckets, range.width, device)?)
+                    })?;
+                let values = self.table.index_select(&lookup, 0)?.t()?;
+                RelativeBias::new(
+                    values.reshape((1, h, 1, range.width))?,
+                    Columns::Shift(range.shift(tq)),
+                )?
+            }
+            None => {
+                let (queries, keys) = (ctx.queries, ctx.keys);
+                let buckets =
+                    relative_buckets(queries, tq, keys, k_len, device, &|d| cfg.bucket(d))?;
+                let values = self.table.t()?.reshape((1, h, 1, cfg.num_buckets()))?;
+                RelativeBias::new(values, Columns::Index(buckets))?
+            }
         };
-        let cfg = &self.config;
-        let device = self.table.device();
-        let lookup =
-            self.cache
-                .get_or_build(&range.queries, tq, &range.keys, k_len, ROWS_LAYOUT, || {
-                    let buckets: Vec<u32> = range.distances().map(|d| cfg.bucket(d)).collect();
-                    Ok(Tensor::from_vec(buckets, range.width, device)?)
-                })?;
-        let values = self
-            .table
-            .index_select(&lookup, 0)?
-            .t()?
-            .reshape((1, h, 1, range.width))?;
-        Ok(Some(RelativeBias {
-            values,
-            shift: range.shift(tq),
-        }))
+        Ok(Some(LogitsBias::Relative(rows)))
     }
 }
 

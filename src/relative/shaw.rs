@@ -7,10 +7,11 @@
 //! z_i  = Σ_j α_ij (v_j + a^V[r(i, j)])             a^K, a^V: (2k + 1, d_head), learned
 //! ```
 //!
-//! The `(T, T, d)` tensors of the direct formula are never built:
-//! - keys: `q · a^Kᵀ` is a `(Tq, d) × (d, 2k + 1)` product, gathered at `r(i, j)`;
-//! - values: `α` is summed into `2k + 1` buckets per query (`Σ_{j: r(i,j) = r} α_ij`, a
-//!   scatter-add), then multiplied by `a^V`.
+//! The `(T, T, d)` tensors of the direct formula are never built. The plug's data forms carry
+//! both terms with `r(i, j)` as their column rule (a shift for offsets, a bucket map for ids):
+//! - keys: the rows `q · a^Kᵀ`, a `(Tq, d) × (d, 2k + 1)` product, read at `r(i, j)`;
+//! - values: `a^V` itself; the block sums `α` per column (`Σ_{j: r(i,j) = r} α_ij`) and
+//!   multiplies by `a^V`.
 //!
 //! Both cost `O(Tq·Tk + Tq·(2k + 1)·d)` memory and time per head instead of `O(Tq·Tk·d)`.
 //!
@@ -19,18 +20,17 @@
 //!   all heads (as in the paper).
 //! - logits bias: `(B, H, Tq, Tk)`; value term: `(B, H, Tq, head_dim)`.
 
-use std::sync::Arc;
-
 use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
-use super::{query_dims, relative_buckets, BucketCache};
-use crate::attention::{
-    bucket_sums, bucket_sums_apply, PositionalEncoding, RelativeBias, RelativeValues,
-};
-use crate::graft::{graft, GraftBackward};
+use crate::positions::Positions;
+
+use super::{query_dims, relative_buckets};
+use crate::error::{Error, Result};
 use crate::limits::check_elements;
-use crate::{Error, Positions, Result};
+use crate::plug::{
+    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+};
 
 /// Configuration of [`ShawRelativePosition`].
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +113,6 @@ pub struct ShawRelativePosition {
     config: ShawConfig,
     keys: Tensor,
     values: Option<Tensor>,
-    cache: Arc<BucketCache>,
 }
 
 impl ShawRelativePosition {
@@ -144,7 +143,6 @@ impl ShawRelativePosition {
             config: config.clone(),
             keys,
             values,
-            cache: Default::default(),
         })
     }
 
@@ -161,34 +159,6 @@ impl ShawRelativePosition {
     /// `a^V`, `(2k + 1, head_dim)`, when values are on.
     pub fn relative_values(&self) -> Option<&Tensor> {
         self.values.as_ref()
-    }
-
-    /// Index maps built so far (once per shape for offsets).
-    pub fn bucket_builds(&self) -> usize {
-        self.cache.builds()
-    }
-
-    /// `r(i, j)` broadcast to `(B, H, Tq, Tk)`, contiguous (gather and scatter need it whole),
-    /// cached per shape for offsets.
-    fn index(
-        &self,
-        qp: &Positions,
-        tq: usize,
-        kp: &Positions,
-        tk: usize,
-        b: usize,
-        h: usize,
-    ) -> Result<Tensor> {
-        let device = self.keys.device();
-        let cfg = &self.config;
-        // Cached expanded, so the keys and values hooks of one forward share one build.
-        self.cache.get_or_build(qp, tq, kp, tk, (b, h), || {
-            let idx = relative_buckets(qp, tq, kp, tk, device, &|d| cfg.bucket(d))?;
-            Ok(idx
-                .unsqueeze(1)?
-                .broadcast_as((b, h, tq, tk))?
-                .contiguous()?)
-        })
     }
 }
 
@@ -214,111 +184,43 @@ impl ShawRelativePosition {
         Ok(q.broadcast_matmul(&self.keys.to_dtype(q.dtype())?.t()?)?)
     }
 
-    /// For offsets, `r(i, j) = clamp(j − i + shift, 0, 2k)`: the shift `ks − qs + k`.
-    fn shift(&self, qp: &Positions, kp: &Positions) -> Option<i64> {
-        match (qp, kp) {
+    /// The column rule `r(i, j)`: for offsets `clamp(j − i + shift, 0, 2k)` with the shift
+    /// `ks − qs + k`; for explicit ids the bucket of every pair, `(1|B, Tq, Tk)`.
+    fn columns(&self, ctx: &AttentionContext) -> Result<Columns> {
+        let k = self.config.max_distance as i64;
+        Ok(match (ctx.queries, ctx.keys) {
             (Positions::Offset(qs), Positions::Offset(ks)) => {
-                Some(*ks as i64 - *qs as i64 + self.config.max_distance as i64)
+                Columns::Shift(*ks as i64 - *qs as i64 + k)
             }
-            _ => None,
-        }
-    }
-}
-
-/// The adjoint of summing weights per bucket: each weight's gradient is its bucket's.
-struct GatherAt(Tensor);
-
-impl GraftBackward for GatherAt {
-    const NAME: &'static str = "posenc-shaw-bucket-sums-grad";
-
-    fn grad(&self, grad_sums: &Tensor) -> candle_core::Result<Tensor> {
-        grad_sums.contiguous()?.gather(&self.0, 3)
+            (queries, keys) => {
+                let cfg = &self.config;
+                let device = self.keys.device();
+                let (tq, tk) = (ctx.q_len, ctx.k_len);
+                Columns::Index(relative_buckets(queries, tq, keys, tk, device, &|d| {
+                    cfg.bucket(d)
+                })?)
+            }
+        })
     }
 }
 
 impl PositionalEncoding for ShawRelativePosition {
-    /// Only with relative values.
-    fn has_value_term(&self) -> bool {
-        self.values.is_some()
-    }
-
-    /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`.
-    fn logits_bias(
-        &self,
-        q: &Tensor,
-        qp: &Positions,
-        kp: &Positions,
-        k_len: usize,
-    ) -> Result<Option<Tensor>> {
-        let (b, h, tq, _) = self.check_queries(q)?;
-        let index = self.index(qp, tq, kp, k_len, b, h)?;
-        Ok(Some(self.per_bucket(q)?.contiguous()?.gather(&index, 3)?))
-    }
-
-    /// For offsets: the `2k + 1` products `q_i · a^K[r]` per query, clamped per key.
-    fn relative_logits_bias(
-        &self,
-        q: &Tensor,
-        qp: &Positions,
-        kp: &Positions,
-        _k_len: usize,
-    ) -> Result<Option<RelativeBias>> {
+    /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`: the `2k + 1` products per query
+    /// as rows, read at `r(i, j)`.
+    fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         self.check_queries(q)?;
-        let Some(shift) = self.shift(qp, kp) else {
-            return Ok(None);
-        };
-        Ok(Some(RelativeBias {
-            values: self.per_bucket(q)?.contiguous()?,
-            shift,
-        }))
+        let rows = RelativeBias::new(self.per_bucket(q)?, self.columns(ctx)?)?;
+        Ok(Some(LogitsBias::Relative(rows)))
     }
 
-    /// For offsets: `a^V` itself, one row per clamped distance.
-    fn relative_value_term(
-        &self,
-        qp: &Positions,
-        kp: &Positions,
-    ) -> Result<Option<RelativeValues>> {
-        Ok(match (&self.values, self.shift(qp, kp)) {
-            (Some(table), Some(shift)) => Some(RelativeValues {
-                table: table.clone(),
-                shift,
-            }),
-            _ => None,
-        })
-    }
-
-    /// `Σ_r (Σ_{j: r(i,j) = r} α_ij) a^V[r]`.
-    fn value_term(&self, probs: &Tensor, qp: &Positions, kp: &Positions) -> Result<Option<Tensor>> {
-        let Some(values) = &self.values else {
-            return Ok(None);
-        };
-        let (b, h, tq, tk) = probs.dims4().map_err(|_| Error::Rank {
-            what: "attention probabilities",
-            expected: 4,
-            got: probs.rank(),
-            shape: probs.dims().to_vec(),
-        })?;
-        let buckets = 2 * self.config.max_distance + 1;
-        let summed = match self.shift(qp, kp) {
-            // Offsets, inference on the CPU: one pass over the weights, no index.
-            Some(shift) if bucket_sums_apply(probs) => bucket_sums(probs, buckets, shift)?,
-            _ => {
-                // candle 0.11's scatter_add backward breaks when the index is wider than the
-                // target, so the sums are computed outside the graph and grafted onto `probs`
-                // with their adjoint, a gather at the same index.
-                let index = self.index(qp, tq, kp, tk, b, h)?;
-                let sums = Tensor::zeros((b, h, tq, buckets), probs.dtype(), probs.device())?
-                    .scatter_add(&index, &probs.detach().contiguous()?, 3)?;
-                if probs.track_op() {
-                    graft(probs, &sums, GatherAt(index))?
-                } else {
-                    sums
-                }
-            }
-        };
-        Ok(Some(
-            summed.broadcast_matmul(&values.to_dtype(probs.dtype())?)?,
-        ))
+    /// `a^V`, one row per clamped distance, read at `r(i, j)`.
+    fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
+        match &self.values {
+            Some(table) => Ok(Some(RelativeValues::new(
+                table.clone(),
+                self.columns(ctx)?,
+            )?)),
+            None => Ok(None),
+        }
     }
 }

@@ -8,7 +8,7 @@ use super::inplace::RotateInPlace;
 use super::kernels::{rotate_fused, rotate_ops};
 use super::scaling::{Regime, RopeFrequencies, RopeScaling};
 use crate::absolute::gather_rows;
-use crate::attention::PositionalEncoding;
+use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::{Error, Positions, Result};
 
 /// Largest number of cos (or sin) table entries ever built (`positions × rotary_dim / 2`): 2^30.
@@ -699,35 +699,8 @@ impl Module for RotaryEmbedding {
 }
 
 impl PositionalEncoding for RotaryEmbedding {
-    /// No value term.
-    fn has_value_term(&self) -> bool {
-        false
-    }
-
-    fn rotate_queries_keys(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-    ) -> Result<(Tensor, Tensor)> {
-        RotaryEmbedding::rotate_queries_keys(self, q, k, q_positions, k_positions, QkLayout::Bhtd)
-    }
-
-    fn rotate_queries_keys_owned(
-        &self,
-        q: Tensor,
-        k: Tensor,
-        q_positions: &Positions,
-        k_positions: &Positions,
-    ) -> Result<(Tensor, Tensor)> {
-        RotaryEmbedding::rotate_queries_keys_owned(
-            self,
-            q,
-            k,
-            q_positions,
-            k_positions,
-            QkLayout::Bhtd,
-        )
+    /// Rotates the block's freshly projected q and k in place (they are owned).
+    fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
+        self.rotate_queries_keys_owned(q, k, ctx.queries, ctx.keys, QkLayout::Bhtd)
     }
 }

@@ -1,0 +1,302 @@
+//! Query blocks: the chunk's queries in blocks of bounded logits, each against the keys it can
+//! see, on the execution path chosen once per call.
+//!
+//! ```text
+//! for each block [s, s + n) of queries:
+//!     keys 0..kv  (kv = Tk, or under a plain causal mask the last key the block sees)
+//!     bias  = enc.logits_bias(q[s..s+n], ctx)       dense, or rows per clamped column
+//!     terms = bias + attn_mask                      consumed as the path reads them
+//!     out[s..s+n] = softmax(q kᵀ + terms, masked) v + enc.value_term(ctx)
+//! ```
+//!
+//! The encoding's answers are data; this file decides how each path consumes them: the fused
+//! core and the row pass read shifted rows in place and every other form through its broadcast
+//! strides; plain ops expand everything to `(B, H, n, kv)`.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::fused_attention;
+use super::unfused;
+use crate::error::{Error, Result};
+use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
+use crate::positions::Positions;
+
+/// The execution path of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// The fused CPU core: f32 inference without returned weights.
+    Fused,
+    /// Products as candle ops, bias, masks and softmax in one in-place pass: f32 CPU
+    /// inference returning the weights.
+    RowPass,
+    /// Candle ops throughout (training, other dtypes and devices): differentiable.
+    Ops,
+}
+
+impl Path {
+    /// The path for scaled, rotated `q`, `k` and `v` (inference detaches them, so only training
+    /// tracks gradients).
+    pub(crate) fn choose(q: &Tensor, k: &Tensor, v: &Tensor, train: bool, weights: bool) -> Path {
+        let cpu_f32 = [q, k, v].iter().all(|t| {
+            t.device().is_cpu()
+                && t.dtype() == DType::F32
+                && !t.track_op()
+                && t.rank() == 4
+                && t.layout().stride()[3] == 1
+        });
+        match (train, cpu_f32, weights) {
+            (false, true, false) => Path::Fused,
+            (false, true, true) => Path::RowPass,
+            _ => Path::Ops,
+        }
+    }
+}
+
+/// Everything the query blocks of one call share.
+pub(crate) struct Chunk<'a> {
+    /// `(B, H, T, D)`, rotated and scaled.
+    pub(crate) q: Tensor,
+    /// `(B, Hkv, Tk, D)`, cached keys included.
+    pub(crate) k: Tensor,
+    /// `(B, Hkv, Tk, D)`.
+    pub(crate) v: Tensor,
+    pub(crate) q_positions: &'a Positions,
+    pub(crate) k_positions: &'a Positions,
+    /// Additive mask broadcast to `(B, H, T, Tk)`.
+    pub(crate) attn_mask: Option<Tensor>,
+    /// `(B, Tk)` u8, non-zero = keep.
+    pub(crate) padding: Option<Tensor>,
+    pub(crate) causal: bool,
+    pub(crate) train: bool,
+    /// Dropout on the weights in training.
+    pub(crate) dropout: f32,
+    /// Queries per block.
+    pub(crate) block: usize,
+    pub(crate) return_weights: bool,
+    pub(crate) encoding: Option<&'a dyn PositionalEncoding>,
+}
+
+/// One query block's inputs, narrowed from the chunk.
+pub(crate) struct Block<'a> {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) padding: Option<&'a Tensor>,
+    /// `Some(first)`: query row `i` sees keys `j ≤ first + i`.
+    pub(crate) causal: Option<usize>,
+}
+
+/// The attention of a chunk: `(B, T, H, D)` outputs (heads not yet merged) and, when asked
+/// for, the `(B, H, T, Tk)` weights.
+pub(crate) struct Attended {
+    pub(crate) out: Tensor,
+    pub(crate) weights: Option<Tensor>,
+}
+
+impl Chunk<'_> {
+    /// Runs every query block on `path`.
+    pub(crate) fn attend(&self, path: Path) -> Result<Attended> {
+        let (b, h, t, d) = self.q.dims4()?;
+        let (_, hkv, tk, _) = self.k.dims4()?;
+        let (k, v) = match path {
+            Path::Fused => (self.k.clone(), self.v.clone()), // grouped heads read in place
+            _ => (repeat_kv(&self.k, h / hkv)?, repeat_kv(&self.v, h / hkv)?),
+        };
+        let merged = match path {
+            Path::Fused => Some(Tensor::zeros((b, t, h, d), DType::F32, self.q.device())?),
+            _ => None,
+        };
+        // With a plain causal mask, block [s, s + n) sees keys 0..s + n + tk − t only (no row is
+        // fully masked, so dropping the hidden keys changes nothing); otherwise every key.
+        let trim_keys = self.causal && self.padding.is_none() && self.attn_mask.is_none();
+        let (mut outs, mut weights) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < t {
+            let n = self.block.min(t - start);
+            let kv = if trim_keys {
+                (start + n + tk - t).min(tk)
+            } else {
+                tk
+            };
+            let q_positions = narrowed_positions(self.q_positions, start, n, t)?;
+            let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
+            let part = Block {
+                q: narrowed(&self.q, 2, start, n, t)?,
+                k: narrowed(&k, 2, 0, kv, tk)?,
+                v: narrowed(&v, 2, 0, kv, tk)?,
+                padding: self.padding.as_ref(),
+                causal: self.causal.then_some(start + tk - t),
+            };
+            let ctx = AttentionContext::new(&q_positions, n, &k_positions, kv)
+                .with_causal(self.causal)
+                .with_train(self.train);
+            let (bias, values) = match self.encoding {
+                Some(e) => (e.logits_bias(&part.q, &ctx)?, e.value_term(&ctx)?),
+                None => (None, None),
+            };
+            let mask = self
+                .attn_mask
+                .as_ref()
+                .map(|m| narrowed(m, 2, start, n, t))
+                .transpose()?;
+            let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q)?;
+            if let Some(merged) = &merged {
+                fused_attention::Core {
+                    q: &part.q,
+                    k: &part.k,
+                    v: &part.v,
+                    dense: terms.dense.iter().collect(),
+                    relative: terms.rows.iter().collect(),
+                    padding: part.padding,
+                    causal: part.causal,
+                    values: values.as_ref(),
+                    tile: fused_attention::tile_rows(kv),
+                }
+                .write_into(merged, start)?;
+            } else {
+                let row_pass = path == Path::RowPass;
+                let dropout = if self.train { self.dropout } else { 0.0 };
+                let (probs, out) = unfused::attend(
+                    &part,
+                    &terms,
+                    values.as_ref(),
+                    row_pass,
+                    self.train,
+                    dropout,
+                )?;
+                outs.push(out);
+                if self.return_weights {
+                    weights.push(pad_keys(probs, tk)?);
+                }
+            }
+            start += n;
+        }
+        let out = match merged {
+            Some(merged) => merged,
+            None => cat(outs, 2)?.transpose(1, 2)?,
+        };
+        let weights = match weights.is_empty() {
+            true => None,
+            false => Some(cat(weights, 2)?),
+        };
+        Ok(Attended { out, weights })
+    }
+}
+
+/// The additive terms of one query block's logits, in the forms its path reads.
+pub(crate) struct LogitTerms {
+    /// Broadcastable to `(B, H, n, kv)`, in the logits' dtype.
+    pub(crate) dense: Vec<Tensor>,
+    /// f32 rows with shifted columns (fused core and row pass only).
+    pub(crate) rows: Vec<RelativeBias>,
+}
+
+impl LogitTerms {
+    /// Checks the encoding's bias and the mask against the block's `dims` and converts them to
+    /// what `path` reads: shifted rows stay rows on the fused paths; everything else is dense.
+    fn new(
+        bias: Option<LogitsBias>,
+        mask: Option<Tensor>,
+        dims: (usize, usize, usize, usize),
+        path: Path,
+        q: &Tensor,
+    ) -> Result<Self> {
+        let (dtype, device) = (q.dtype(), q.device());
+        let mut terms = Self {
+            dense: Vec::new(),
+            rows: Vec::new(),
+        };
+        if let Some(mask) = mask {
+            terms.dense.push(mask.to_dtype(dtype)?);
+        }
+        match bias {
+            None => {}
+            Some(LogitsBias::Dense(t)) => {
+                check_device("dense logits bias", &t, device)?;
+                t.broadcast_as(dims).map_err(|_| {
+                    Error::shape(
+                        "dense logits bias from the encoding",
+                        format!(
+                            "a shape broadcastable to {dims:?} = (batch, heads, queries, keys)"
+                        ),
+                        t.shape(),
+                    )
+                })?;
+                terms.dense.push(t.to_dtype(dtype)?);
+            }
+            Some(LogitsBias::Relative(r)) => {
+                check_device("relative logits bias", r.values(), device)?;
+                r.check_block(dims)?;
+                match (path, r.columns()) {
+                    (Path::Fused | Path::RowPass, Columns::Shift(_)) => terms.rows.push(
+                        RelativeBias::new(r.values().to_dtype(DType::F32)?, r.columns().clone())?,
+                    ),
+                    _ => terms
+                        .dense
+                        .push(r.to_dense(dims.2, dims.3)?.to_dtype(dtype)?),
+                }
+            }
+        }
+        Ok(terms)
+    }
+}
+
+fn check_device(what: &'static str, t: &Tensor, device: &Device) -> Result<()> {
+    if !t.device().same_device(device) {
+        return Err(Error::shape(
+            what,
+            format!(
+                "a tensor on the attention's device ({:?})",
+                device.location()
+            ),
+            t.shape(),
+        ));
+    }
+    Ok(())
+}
+
+/// Repeats each KV head `n_rep` times: `(B, Hkv, T, D)` → `(B, Hkv·n_rep, T, D)`.
+fn repeat_kv(t: &Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(t.clone());
+    }
+    let (b, hkv, len, d) = t.dims4()?;
+    Ok(t.unsqueeze(2)?
+        .broadcast_as((b, hkv, n_rep, len, d))?
+        .reshape((b, hkv * n_rep, len, d))?)
+}
+
+/// `t.narrow(dim, start, len)`, or `t` itself when that is all of `total`.
+fn narrowed(t: &Tensor, dim: usize, start: usize, len: usize, total: usize) -> Result<Tensor> {
+    Ok(if start == 0 && len == total {
+        t.clone()
+    } else {
+        t.narrow(dim, start, len)?
+    })
+}
+
+/// The positions of tokens `start..start + len` of `total`.
+fn narrowed_positions(p: &Positions, start: usize, len: usize, total: usize) -> Result<Positions> {
+    if start == 0 && len == total {
+        return Ok(p.clone());
+    }
+    p.narrow(start, len)
+}
+
+/// A block's `(B, H, n, kv)` weights with zeros for the `tk − kv` keys it did not see.
+fn pad_keys(probs: Tensor, tk: usize) -> Result<Tensor> {
+    let (b, h, n, kv) = probs.dims4()?;
+    if kv == tk {
+        return Ok(probs);
+    }
+    let hidden = Tensor::zeros((b, h, n, tk - kv), probs.dtype(), probs.device())?;
+    Ok(Tensor::cat(&[&probs, &hidden], 3)?)
+}
+
+/// The tensors concatenated along `dim` (one tensor is returned as is).
+fn cat(mut parts: Vec<Tensor>, dim: usize) -> Result<Tensor> {
+    Ok(match parts.len() {
+        1 => parts.swap_remove(0),
+        _ => Tensor::cat(&parts, dim)?,
+    })
+}

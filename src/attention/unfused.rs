@@ -1,0 +1,63 @@
+//! One query block as candle ops (and, on the CPU in f32 inference, the in-place row pass):
+//! the path that returns the weights, trains, and runs on every device and dtype.
+//!
+//! ```text
+//! s = q kᵀ + Σ terms                  q already scaled; terms dense (B, H, n, kv) or shifted rows
+//! α = softmax(s masked)               masked logits filled with the dtype's lowest value
+//! out = dropout(α) v + Σ_j dropout(α)_ij table[c(i, j)]
+//! ```
+
+use candle_core::{Tensor, D};
+
+use super::blocks::{Block, LogitTerms};
+use super::fused_softmax;
+use super::mask::{apply_keep_mask, keep_mask};
+use crate::error::Result;
+use crate::plug::RelativeValues;
+
+/// The weights and output of one block, both `(B, H, n, ·)`. `row_pass` runs bias, masks and
+/// softmax in place (f32 CPU inference only); `dropout` is the training dropout (0 in
+/// inference, where the plain ops use candle's fused softmax).
+pub(crate) fn attend(
+    part: &Block,
+    terms: &LogitTerms,
+    values: Option<&RelativeValues>,
+    row_pass: bool,
+    train: bool,
+    dropout: f32,
+) -> Result<(Tensor, Tensor)> {
+    let mut scores = part.q.matmul(&part.k.t()?)?;
+    let probs = if row_pass {
+        fused_softmax::bias_mask_softmax_in_place(
+            &scores,
+            &terms.dense.iter().collect::<Vec<_>>(),
+            &terms.rows.iter().collect::<Vec<_>>(),
+            part.padding,
+            part.causal,
+        )?;
+        scores
+    } else {
+        for term in &terms.dense {
+            scores = scores.broadcast_add(term)?;
+        }
+        let (b, _, n, kv) = scores.dims4()?;
+        if let Some(keep) = keep_mask(part.causal, part.padding, b, n, kv, scores.device())? {
+            scores = apply_keep_mask(&scores, &keep)?;
+        }
+        if train {
+            candle_nn::ops::softmax(&scores, D::Minus1)?
+        } else {
+            candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
+        }
+    };
+    let dropped = if dropout > 0.0 {
+        candle_nn::ops::dropout(&probs, dropout)?
+    } else {
+        probs.clone()
+    };
+    let mut out = dropped.matmul(&part.v)?;
+    if let Some(values) = values {
+        out = (out + values.weighted_sum(&dropped)?)?;
+    }
+    Ok((probs, out))
+}

@@ -1,0 +1,203 @@
+//! The plug between positional encodings and attention: four hooks, one context, data forms.
+//!
+//! Every positional encoding enters attention in one or more of four ways, and
+//! [`PositionalEncoding`] has one hook for each, all no-ops by default:
+//!
+//! | hook | what happens | encodings |
+//! |---|---|---|
+//! | [`add_to_input`](PositionalEncoding::add_to_input) | `x + p[pos]` before the q/k/v projections | sinusoidal, learned |
+//! | [`rotate`](PositionalEncoding::rotate) | `q' = R(pos_q) q`, `k' = R(pos_k) k` after projection | rotary |
+//! | [`logits_bias`](PositionalEncoding::logits_bias) | `scores += b(pos_q, pos_k)`, may read `q` | ALiBi, T5, clipped bias, Shaw keys |
+//! | [`value_term`](PositionalEncoding::value_term) | `out_i += Σ_j α_ij table[c(i, j)]` | Shaw values |
+//!
+//! Each hook receives an [`AttentionContext`]: the positions of the queries and keys, how many
+//! keys there are, whether attention is causal and whether it trains. Encodings answer with
+//! data, not with code the block must call back: a bias is a dense tensor or rows per clamped
+//! distance ([`LogitsBias`], [`RelativeBias`]); a value term is a table row per clamped distance
+//! ([`RelativeValues`]). The block decides how each form is consumed on each of its execution
+//! paths (a fused CPU core that reads the rows directly, a row pass, plain candle ops that
+//! expand them), and never looks at the concrete encoding type.
+//!
+//! This module depends on neither the encodings nor the attention block; both depend on it.
+
+pub(crate) mod relative;
+
+pub(crate) use relative::row_segments;
+pub use relative::{Columns, RelativeBias, RelativeValues};
+
+use candle_core::Tensor;
+
+use crate::error::Result;
+use crate::positions::Positions;
+
+/// What a hook knows about the attention it serves.
+///
+/// For [`PositionalEncoding::add_to_input`] and [`PositionalEncoding::rotate`] the keys are the
+/// chunk's own fresh tokens (`keys` and `k_len` equal `queries` and `q_len`: keys are rotated
+/// once, at their own positions, before they enter a cache). For
+/// [`PositionalEncoding::logits_bias`] and [`PositionalEncoding::value_term`] the queries are
+/// one query block and the keys every key that block attends to, cached ones included.
+///
+/// The struct is `#[non_exhaustive]`: it grows (a layer index, a window) without breaking
+/// encodings that read it. Build one with [`AttentionContext::new`] and the `with_*` setters.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AttentionContext<'a> {
+    /// Positions of the queries.
+    pub queries: &'a Positions,
+    /// Number of queries.
+    pub q_len: usize,
+    /// Positions of the keys.
+    pub keys: &'a Positions,
+    /// Number of keys.
+    pub k_len: usize,
+    /// Whether each query sees only keys at or before it.
+    pub causal: bool,
+    /// Training mode (dropout on, gradients expected).
+    pub train: bool,
+}
+
+impl<'a> AttentionContext<'a> {
+    /// `q_len` queries at `queries` against `k_len` keys at `keys`; bidirectional, inference.
+    pub fn new(queries: &'a Positions, q_len: usize, keys: &'a Positions, k_len: usize) -> Self {
+        Self {
+            queries,
+            q_len,
+            keys,
+            k_len,
+            causal: false,
+            train: false,
+        }
+    }
+
+    /// The context of a chunk's own tokens: queries and keys at `positions`, `len` of each.
+    pub fn chunk(positions: &'a Positions, len: usize) -> Self {
+        Self::new(positions, len, positions, len)
+    }
+
+    /// Sets causality.
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// Sets training mode.
+    pub fn with_train(mut self, train: bool) -> Self {
+        self.train = train;
+        self
+    }
+}
+
+/// An additive term for the attention logits, as returned by
+/// [`PositionalEncoding::logits_bias`].
+#[derive(Debug, Clone)]
+pub enum LogitsBias {
+    /// A tensor broadcastable to `(B, H, Tq, Tk)` (e.g. ALiBi's per-key `(1, H, 1, Tk)` row).
+    Dense(Tensor),
+    /// Rows of values per clamped column ([`RelativeBias`]): never expanded on the fused CPU
+    /// path, expanded to `(B, H, Tq, Tk)` by the others.
+    Relative(RelativeBias),
+}
+
+impl LogitsBias {
+    /// The bias for `tq` queries and `tk` keys as a tensor broadcastable to `(B, H, Tq, Tk)`:
+    /// a dense bias as it is, rows expanded ([`RelativeBias::to_dense`]).
+    ///
+    /// # Errors
+    /// As [`RelativeBias::to_dense`].
+    pub fn to_dense(&self, tq: usize, tk: usize) -> Result<Tensor> {
+        match self {
+            LogitsBias::Dense(t) => Ok(t.clone()),
+            LogitsBias::Relative(rows) => rows.to_dense(tq, tk),
+        }
+    }
+}
+
+/// The plug: what an encoding does inside attention. Implement only the hooks you use.
+///
+/// # Example
+/// A third-party bias is one `impl`: here `−|j − i|` for every head, as rows per distance, which
+/// the block's fused CPU core reads without building a `(B, H, T, T)` tensor.
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_posenc::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
+/// use candle_posenc::{Positions, Result};
+///
+/// #[derive(Debug)]
+/// struct Distance;
+///
+/// impl PositionalEncoding for Distance {
+///     fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
+///         let (Positions::Offset(qs), Positions::Offset(ks)) = (ctx.queries, ctx.keys) else {
+///             return Ok(None); // (a real encoding would answer explicit ids too)
+///         };
+///         // Column c holds distance d = c − (q_len − 1) + ks − qs.
+///         let width = ctx.q_len + ctx.k_len - 1;
+///         let d0 = *ks as i64 - *qs as i64 - (ctx.q_len as i64 - 1);
+///         let row: Vec<f32> = (0..width as i64).map(|c| -((d0 + c).abs() as f32)).collect();
+///         let values = Tensor::from_vec(row, (1, 1, 1, width), q.device())?;
+///         let shift = ctx.q_len as i64 - 1;
+///         Ok(Some(LogitsBias::Relative(RelativeBias::new(values, Columns::Shift(shift))?)))
+///     }
+/// }
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
+pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
+    /// Input hook: returns `x` with position information added.
+    ///
+    /// # Shapes
+    /// `x`: `(B, T, d_model)` → `(B, T, d_model)`; `ctx.queries` are `x`'s positions.
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn add_to_input(&self, x: &Tensor, ctx: &AttentionContext) -> Result<Tensor> {
+        let _ = ctx;
+        Ok(x.clone())
+    }
+
+    /// Rotation hook: rotates freshly projected queries and keys (before keys enter a cache).
+    ///
+    /// The block hands over tensors it no longer needs, so an implementation may rotate them in
+    /// place and return them.
+    ///
+    /// # Shapes
+    /// `q`: `(B, H, Tq, D)`, `k`: `(B, Hkv, Tk_new, D)`; returns the same shapes (checked by
+    /// the block).
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
+        let _ = ctx;
+        Ok((q, k))
+    }
+
+    /// Bias hook: an additive term for the attention logits of one query block, or `None`.
+    ///
+    /// `q` is the block's rotated query already multiplied by the softmax scale, so a bias that
+    /// reads `q` (Shaw keys) is on the same scale as `q·kᵀ`; the bias is added to the scaled
+    /// logits as is.
+    ///
+    /// # Shapes
+    /// `q`: `(B, H, Tq, D)`; a [`LogitsBias::Dense`] broadcasts to `(B, H, Tq, Tk)`, a
+    /// [`LogitsBias::Relative`] has `(1|B, 1|H, 1|Tq, W)` values (checked by the block).
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
+        let _ = (q, ctx);
+        Ok(None)
+    }
+
+    /// Value hook: a term added to one query block's attention output before the heads are
+    /// merged, as a table row per clamped column, or `None`.
+    ///
+    /// # Shapes
+    /// The table is `(W, D)`, shared by every batch item and head (checked by the block).
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
+        let _ = ctx;
+        Ok(None)
+    }
+}

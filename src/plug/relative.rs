@@ -1,0 +1,531 @@
+//! Relative terms as data: rows of values per column, and the rule by which each (query, key)
+//! pair picks its column.
+//!
+//! ```text
+//! bias[b, h, i, j]  = values[b, h, r(i), c(i, j)]          values: (1|B, 1|H, 1|Tq, W), r(i) = 0 or i
+//! out[b, h, i, :]  += Σ_j α[b, h, i, j] · table[c(i, j), :]   table: (W, D)
+//!
+//! Columns::Shift(s):   c(i, j) = clamp(j − i + s, 0, W − 1)    (offset positions: a Toeplitz map)
+//! Columns::Index(m):   c(i, j) = min(m[b, i, j], W − 1)        (any positions; m: (1|B, Tq, Tk) u32)
+//! ```
+//!
+//! With offset positions every relative encoding has the shift form: T5 and the clipped bias
+//! give one row per head over the `Tq + Tk − 1` distances of a block, Shaw's keys one row of
+//! `2k + 1` products `q_i · a^K[r]` per query, the clamp doing the clipping. Any `i64` shift
+//! and any index value is valid: both clamp as written above, so no value of a form can make
+//! the block read outside its rows. The column sums of the value term are the adjoint of the
+//! expansion: `Σ_j α_ij table[c(i, j)] = Σ_c (Σ_{j: c(i,j) = c} α_ij) table[c]`.
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::graft::{graft, GraftBackward};
+use crate::limits::check_elements;
+
+/// How each (query, key) pair picks its column of a relative term; see the module docs.
+#[derive(Debug, Clone)]
+pub enum Columns {
+    /// `c(i, j) = clamp(j − i + shift, 0, W − 1)`: any shift is valid.
+    Shift(i64),
+    /// `c(i, j) = min(index[b, i, j], W − 1)`: a `(1|B, Tq, Tk)` `u32` map, for positions given
+    /// as explicit ids.
+    Index(Tensor),
+}
+
+impl Columns {
+    /// Checks the form of an index map (rank 3, `u32`).
+    fn check(&self) -> Result<()> {
+        if let Columns::Index(index) = self {
+            if index.rank() != 3 {
+                return Err(Error::Rank {
+                    what: "relative column index",
+                    expected: 3,
+                    got: index.rank(),
+                    shape: index.dims().to_vec(),
+                });
+            }
+            if index.dtype() != DType::U32 {
+                return Err(Error::DType {
+                    what: "relative column index",
+                    expected: "u32",
+                    got: index.dtype(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks an index map against a block of `batch` sequences, `tq` queries and `tk` keys.
+    fn check_block(&self, what: &'static str, batch: usize, tq: usize, tk: usize) -> Result<()> {
+        if let Columns::Index(index) = self {
+            let (b, q, k) = index.dims3()?;
+            if (b != 1 && b != batch) || q != tq || k != tk {
+                return Err(Error::shape(
+                    what,
+                    format!(
+                        "a column index of (1 or {batch}, {tq}, {tk}) = (batch, queries, keys)"
+                    ),
+                    index.shape(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The column map as a `(1|B, Tq, Tk)` `u32` tensor with every entry below `width`, on
+    /// `device` (built on the host for a shift).
+    fn index(
+        &self,
+        tq: usize,
+        tk: usize,
+        width: usize,
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
+        match self {
+            Columns::Shift(shift) => {
+                check_elements(
+                    "queries × keys",
+                    format!("{tq} × {tk}"),
+                    "the column map",
+                    &[tq, tk],
+                )?;
+                let mut index = Vec::with_capacity(tq * tk);
+                for i in 0..tq {
+                    let s = row_segments(i, *shift, width, tk);
+                    index.extend(std::iter::repeat_n(0u32, s.lo));
+                    index.extend((s.first_col..s.first_col + (s.hi - s.lo)).map(|c| c as u32));
+                    index.extend(std::iter::repeat_n(width as u32 - 1, tk - s.hi));
+                }
+                Ok(Tensor::from_vec(index, (1, tq, tk), device)?)
+            }
+            Columns::Index(index) => Ok(index
+                .to_device(device)?
+                .minimum((width - 1).min(u32::MAX as usize) as u32)?),
+        }
+    }
+}
+
+/// Where query row `i`'s columns stop being clamped: keys `j < lo` read column 0, keys
+/// `lo ≤ j < hi` read `first_col + (j − lo)`, keys `j ≥ hi` read column `W − 1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowSegments {
+    pub(crate) lo: usize,
+    pub(crate) hi: usize,
+    pub(crate) first_col: usize,
+}
+
+/// The [`RowSegments`] of row `i` for `Columns::Shift(shift)`, `width` columns and `tk` keys,
+/// exact for every `i64` shift (the arithmetic runs in `i128`).
+pub(crate) fn row_segments(i: usize, shift: i64, width: usize, tk: usize) -> RowSegments {
+    // Key j reads column j − first before clamping.
+    let first = i as i128 - shift as i128;
+    let lo = first.clamp(0, tk as i128) as usize;
+    let hi = (first + width as i128).clamp(0, tk as i128) as usize;
+    // When lo < hi, first ≤ lo < first + width, so the column lies in 0..width.
+    let first_col = if lo < hi {
+        (lo as i128 - first) as usize
+    } else {
+        0
+    };
+    RowSegments { lo, hi, first_col }
+}
+
+/// A relative logits bias given by rows of values per column; see the module docs.
+///
+/// Built through [`RelativeBias::new`], which checks the values; the block checks them against
+/// each query block before anything reads them.
+///
+/// # Shapes
+/// `values`: `(1|B, 1|H, 1|Tq, W)`; the bias it stands for is `(1|B, 1|H, Tq, Tk)`.
+#[derive(Debug, Clone)]
+pub struct RelativeBias {
+    values: Tensor,
+    columns: Columns,
+}
+
+impl RelativeBias {
+    /// Rows `values` read at `columns`.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless `values` is 4-D; [`Error::Shape`] for an empty last axis;
+    /// [`Error::DType`] for integer values; for an index map, [`Error::Rank`] unless it is 3-D
+    /// and [`Error::DType`] unless it is `u32`.
+    pub fn new(values: Tensor, columns: Columns) -> Result<Self> {
+        let (_, _, _, width) = values.dims4().map_err(|_| Error::Rank {
+            what: "relative bias values",
+            expected: 4,
+            got: values.rank(),
+            shape: values.dims().to_vec(),
+        })?;
+        if width == 0 {
+            return Err(Error::shape(
+                "relative bias values",
+                "(batch, heads, rows, width) with width ≥ 1",
+                values.shape(),
+            ));
+        }
+        check_float("relative bias values", &values)?;
+        columns.check()?;
+        Ok(Self { values, columns })
+    }
+
+    /// The rows, `(1|B, 1|H, 1|Tq, W)`.
+    pub fn values(&self) -> &Tensor {
+        &self.values
+    }
+
+    /// How each pair picks its column.
+    pub fn columns(&self) -> &Columns {
+        &self.columns
+    }
+
+    /// Columns per row, `W`.
+    pub fn width(&self) -> usize {
+        self.values.dims()[3]
+    }
+
+    /// Checks the rows against a query block of `(B, H, Tq, Tk)` logits.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] naming the expected shape.
+    pub(crate) fn check_block(&self, (b, h, tq, tk): (usize, usize, usize, usize)) -> Result<()> {
+        let (vb, vh, rows, w) = self.values.dims4()?;
+        if (vb != 1 && vb != b) || (vh != 1 && vh != h) || (rows != 1 && rows != tq) {
+            return Err(Error::shape(
+                "relative bias values",
+                format!("(1 or {b}, 1 or {h}, 1 or {tq}, width) = (batch, heads, rows, width)"),
+                self.values.shape(),
+            ));
+        }
+        let _ = w;
+        self.columns
+            .check_block("relative bias", if vb == 1 { b } else { vb }, tq, tk)
+    }
+
+    /// The bias for `tq` queries and `tk` keys as a dense `(1|B, 1|H, Tq, Tk)` tensor;
+    /// gradients flow to the values.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if the rows or the index map do not fit `tq` and `tk`;
+    /// [`Error::InvalidConfig`] if the result would pass [`crate::limits::MAX_ELEMENTS`].
+    pub fn to_dense(&self, tq: usize, tk: usize) -> Result<Tensor> {
+        let (vb, vh, rows, width) = self.values.dims4()?;
+        let batch = match &self.columns {
+            Columns::Index(index) => index.dim(0)?.max(vb),
+            Columns::Shift(_) => vb,
+        };
+        self.check_block((batch, vh, tq, tk))?;
+        check_elements(
+            "queries × keys",
+            format!("{tq} × {tk}"),
+            "batch × heads × queries × keys of a dense relative bias",
+            &[batch, vh, tq, tk],
+        )?;
+        let index = self.columns.index(tq, tk, width, self.values.device())?; // (1|B, Tq, Tk)
+        if rows == 1 && matches!(self.columns, Columns::Shift(_)) {
+            return Ok(self
+                .values
+                .reshape((vb, vh, width))?
+                .index_select(&index.flatten_all()?, 2)?
+                .reshape((vb, vh, tq, tk))?);
+        }
+        let values = self
+            .values
+            .broadcast_as((batch, vh, tq, width))?
+            .contiguous()?;
+        let index = index
+            .unsqueeze(1)?
+            .broadcast_as((batch, vh, tq, tk))?
+            .contiguous()?;
+        Ok(values.gather(&index, 3)?)
+    }
+}
+
+/// A relative value term given by one table row per column:
+/// `out[b, h, i, :] += Σ_j α[b, h, i, j] · table[c(i, j), :]`; see the module docs.
+///
+/// # Shapes
+/// `table`: `(W, D)`, shared by every batch item and head.
+#[derive(Debug, Clone)]
+pub struct RelativeValues {
+    table: Tensor,
+    columns: Columns,
+}
+
+impl RelativeValues {
+    /// Table rows read at `columns`.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless `table` is 2-D; [`Error::Shape`] for an empty table;
+    /// [`Error::DType`] for an integer table; the index map's errors as in [`RelativeBias::new`].
+    pub fn new(table: Tensor, columns: Columns) -> Result<Self> {
+        let (width, d) = table.dims2().map_err(|_| Error::Rank {
+            what: "relative value table",
+            expected: 2,
+            got: table.rank(),
+            shape: table.dims().to_vec(),
+        })?;
+        if width == 0 || d == 0 {
+            return Err(Error::shape(
+                "relative value table",
+                "(width ≥ 1, head_dim ≥ 1)",
+                table.shape(),
+            ));
+        }
+        check_float("relative value table", &table)?;
+        columns.check()?;
+        Ok(Self { table, columns })
+    }
+
+    /// The table, `(W, D)`.
+    pub fn table(&self) -> &Tensor {
+        &self.table
+    }
+
+    /// How each pair picks its row of the table.
+    pub fn columns(&self) -> &Columns {
+        &self.columns
+    }
+
+    /// Rows of the table, `W`.
+    pub fn width(&self) -> usize {
+        self.table.dims()[0]
+    }
+
+    /// Checks the term against a query block of `batch` sequences, `tq` queries, `tk` keys and
+    /// head width `d`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] naming the expected shape.
+    pub(crate) fn check_block(&self, batch: usize, tq: usize, tk: usize, d: usize) -> Result<()> {
+        if self.table.dims()[1] != d {
+            return Err(Error::shape(
+                "relative value table",
+                format!("(width, {d}) to match the attention's head_dim"),
+                self.table.shape(),
+            ));
+        }
+        self.columns
+            .check_block("relative value term", batch, tq, tk)
+    }
+
+    /// The term for attention weights `probs`: `Σ_j α_ij table[c(i, j)]`. Gradients flow to
+    /// `probs` and to the table.
+    ///
+    /// # Shapes
+    /// `probs`: `(B, H, Tq, Tk)` → `(B, H, Tq, D)`.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] / [`Error::Shape`] for weights or an index map that do not fit.
+    pub fn weighted_sum(&self, probs: &Tensor) -> Result<Tensor> {
+        let (b, _, tq, tk) = probs.dims4().map_err(|_| Error::Rank {
+            what: "attention weights",
+            expected: 4,
+            got: probs.rank(),
+            shape: probs.dims().to_vec(),
+        })?;
+        self.check_block(b, tq, tk, self.table.dims()[1])?;
+        let sums = column_sums(probs, &self.columns, self.width())?;
+        Ok(sums.broadcast_matmul(&self.table.to_dtype(probs.dtype())?)?)
+    }
+}
+
+fn check_float(what: &'static str, t: &Tensor) -> Result<()> {
+    if !t.dtype().is_float() {
+        return Err(Error::DType {
+            what,
+            expected: "a float dtype (f32, f64, bf16 or f16)",
+            got: t.dtype(),
+        });
+    }
+    Ok(())
+}
+
+/// Per query, the weights summed per column: `out[b, h, i, c] = Σ_{j: c(i,j) = c}
+/// probs[b, h, i, j]`, `(B, H, Tq, Tk)` → `(B, H, Tq, width)`, differentiable.
+///
+/// On the CPU in f32 one pass over the weights with no index tensor; elsewhere a scatter-add
+/// at the expanded column map. Either way the result is grafted onto `probs` with the
+/// expansion as its adjoint (candle 0.11's scatter-add backward breaks when the index is wider
+/// than the target).
+fn column_sums(probs: &Tensor, columns: &Columns, width: usize) -> Result<Tensor> {
+    let (b, h, tq, tk) = probs.dims4()?;
+    let plain = probs.detach();
+    let sums = if plain.device().is_cpu() && plain.dtype() == DType::F32 {
+        let index = match columns {
+            Columns::Index(index) => Some(index.to_device(plain.device())?.contiguous()?),
+            Columns::Shift(_) => None,
+        };
+        let shift = match columns {
+            Columns::Shift(s) => *s,
+            Columns::Index(_) => 0,
+        };
+        plain.contiguous()?.apply_op1_no_bwd(&ColumnSums {
+            width,
+            shift,
+            index,
+        })?
+    } else {
+        let index = columns
+            .index(tq, tk, width, plain.device())?
+            .unsqueeze(1)?
+            .broadcast_as((b, h, tq, tk))?
+            .contiguous()?;
+        Tensor::zeros((b, h, tq, width), plain.dtype(), plain.device())?.scatter_add(
+            &index,
+            &plain.contiguous()?,
+            3,
+        )?
+    };
+    if !probs.track_op() {
+        return Ok(sums);
+    }
+    graft(
+        probs,
+        &sums,
+        ExpandAt {
+            columns: columns.clone(),
+            tq,
+            tk,
+        },
+    )
+}
+
+/// The adjoint of the column sums: each weight's gradient is its column's.
+struct ExpandAt {
+    columns: Columns,
+    tq: usize,
+    tk: usize,
+}
+
+impl GraftBackward for ExpandAt {
+    const NAME: &'static str = "posenc-relative-column-sums-grad";
+
+    fn grad(&self, grad_sums: &Tensor) -> candle_core::Result<Tensor> {
+        RelativeBias::new(grad_sums.clone(), self.columns.clone())
+            .and_then(|rows| rows.to_dense(self.tq, self.tk))
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+}
+
+/// Adds query row `i`'s weights (keys `0..row.len()`) into `sums` per column
+/// `clamp(j − i + shift, 0, sums.len() − 1)`.
+pub(crate) fn add_shifted_sums(row: &[f32], i: usize, shift: i64, sums: &mut [f32]) {
+    let width = sums.len();
+    let s = row_segments(i, shift, width, row.len());
+    sums[0] += row[..s.lo].iter().sum::<f32>();
+    for (c, p) in sums[s.first_col..s.first_col + (s.hi - s.lo)]
+        .iter_mut()
+        .zip(&row[s.lo..s.hi])
+    {
+        *c += p;
+    }
+    sums[width - 1] += row[s.hi..].iter().sum::<f32>();
+}
+
+/// Adds a row's weights into `sums` at the columns `index` gives (clamped to the last one);
+/// `index` holds at least `row.len()` entries.
+pub(crate) fn add_indexed_sums(row: &[f32], index: &[u32], sums: &mut [f32]) {
+    let last = sums.len() - 1;
+    for (p, &c) in row.iter().zip(index) {
+        sums[(c as usize).min(last)] += p;
+    }
+}
+
+/// The CPU pass of [`column_sums`]: contiguous f32 weights in, `(B, H, Tq, width)` out.
+struct ColumnSums {
+    width: usize,
+    shift: i64,
+    /// A contiguous `(1|B, Tq, Tk)` u32 index map, or `None` for the shift.
+    index: Option<Tensor>,
+}
+
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "posenc-relative-column-sums"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, h, tq, tk) = layout.shape().dims4()?;
+        let (CpuStorage::F32(data), Some((start, end))) = (storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("relative column sums: weights must be contiguous f32");
+        };
+        let probs = &data[start..end];
+        let width = self.width;
+        if width == 0 {
+            candle_core::bail!("relative column sums: width must be at least 1");
+        }
+        let guard = self.index.as_ref().map(|t| t.storage_and_layout());
+        let index = match &guard {
+            None => None,
+            Some((g, l)) => match (&**g, l.contiguous_offsets()) {
+                (candle_core::Storage::Cpu(CpuStorage::U32(v)), Some((a, z))) => {
+                    let bi = l.dims()[0];
+                    if l.dims() != [bi, tq, tk] || (bi != 1 && bi != b) {
+                        candle_core::bail!("relative column sums: the index must be (1|B, Tq, Tk)");
+                    }
+                    Some((&v[a..z], bi))
+                }
+                _ => candle_core::bail!("relative column sums: the index must be contiguous u32"),
+            },
+        };
+        let mut out = vec![0f32; b * h * tq * width];
+        out.par_chunks_mut(width).enumerate().for_each(|(r, sums)| {
+            let row = &probs[r * tk..(r + 1) * tk];
+            let i = r % tq;
+            match index {
+                None => add_shifted_sums(row, i, self.shift, sums),
+                Some((index, bi)) => {
+                    let batch = if bi == 1 { 0 } else { r / (h * tq) };
+                    let at = (batch * tq + i) * tk;
+                    add_indexed_sums(row, &index[at..at + tk], sums);
+                }
+            }
+        });
+        Ok((CpuStorage::F32(out), Shape::from((b, h, tq, width))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The segments against the definition, for shifts far outside the window included.
+    #[test]
+    fn segments_match_the_clamp_for_every_shift() {
+        let (width, tk) = (5usize, 9usize);
+        for shift in [
+            i64::MIN,
+            i64::MIN + 1,
+            -100,
+            -7,
+            -1,
+            0,
+            3,
+            11,
+            100,
+            i64::MAX,
+        ] {
+            for i in [0usize, 1, 4, 8, usize::MAX] {
+                let s = row_segments(i, shift, width, tk);
+                for j in 0..tk {
+                    let want = (j as i128 - i as i128 + shift as i128).clamp(0, width as i128 - 1);
+                    let got = if j < s.lo {
+                        0
+                    } else if j < s.hi {
+                        (s.first_col + (j - s.lo)) as i128
+                    } else {
+                        width as i128 - 1
+                    };
+                    assert_eq!(got, want, "shift {shift} row {i} key {j}");
+                }
+            }
+        }
+    }
+}
