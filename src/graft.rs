@@ -9,7 +9,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use crate::Result;
+use crate::error::Result;
 
 /// The backward of a grafted op: the gradient with respect to its input, from the gradient
 /// with respect to its output.

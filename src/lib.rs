@@ -1,7 +1,7 @@
 //! # candle-posenc
 //!
-//! Transformer positional encodings for [candle](https://github.com/huggingface/candle), each a
-//! candle `Module`, plus a multi-head attention block that consumes any of them through one plug.
+//! Transformer positional encodings for [candle](https://github.com/huggingface/candle), plus a
+//! multi-head attention block that consumes any of them through one plug.
 //!
 //! | encoding | type | enters attention as |
 //! |---|---|---|
@@ -13,8 +13,12 @@
 //! | clipped relative bias | [`ClippedRelativeBias`] | bias on the logits |
 //! | Shaw relative keys and values (Shaw et al. 2018) | [`ShawRelativePosition`] | bias on the logits and term on the values |
 //!
-//! The plug is [`PositionalEncoding`]: four hooks (input, q/k rotation, logits bias, value term),
-//! each a no-op by default. [`MultiHeadAttention`] calls them, with causal and padding masks,
+//! The plug ([`plug`]) is [`PositionalEncoding`]: four hooks (input, rotation, logits bias,
+//! value term), each a no-op by default, each given an [`AttentionContext`] (positions of the
+//! queries and keys, the key count, causality, training). Encodings answer with data: a bias
+//! is a dense tensor or rows per clamped distance ([`LogitsBias`], [`RelativeBias`]), a value
+//! term a table row per clamped distance ([`RelativeValues`]). [`MultiHeadAttention`] decides how
+//! each form is consumed on each of its execution paths, with causal and padding masks,
 //! grouped KV heads and a [`KvCache`]. Positions are a value of their own, [`Positions`]: an
 //! offset or explicit per-token ids.
 //!
@@ -22,8 +26,8 @@
 //! see), sized automatically from [`AttentionConfig::logits_budget`] or fixed with
 //! [`AttentionConfig::query_block`], so long sequences run in bounded memory. On the CPU in f32
 //! inference, each head's tile of queries runs both products, bias, masks and softmax while
-//! its logits stay in cache; relative biases and values reach it as short rows per distance
-//! ([`RelativeBias`], [`RelativeValues`]) rather than `(B, H, T, T)` tensors.
+//! its logits stay in cache, reading relative biases and values as their rows rather than as
+//! `(B, H, T, T)` tensors.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -62,8 +66,8 @@
 //!
 //! Non-finite values are never silently replaced: a NaN or ±∞ in an input, a table or an
 //! additive mask propagates as NaN/±∞ to every output that depends on it, on every path
-//! (including the fused CPU softmax, whose flush of exponentials below e^-87 applies to finite
-//! logits only). A −∞ logit is a valid mask entry with weight 0. Masked keys are not read for
+//! (including the fused CPU softmax, whose flush of weights below e^-40 of the row's largest
+//! applies to finite logits only). A −∞ logit is a valid mask entry with weight 0. Masked keys are not read for
 //! their logits, but their values still enter the weighted sum with weight 0, and `0 · NaN` is
 //! NaN, as IEEE arithmetic (and PyTorch) has it.
 

@@ -5,7 +5,7 @@
 //! allocation fails. Every table, parameter and per-call tensor whose size follows from a
 //! configuration value is checked against [`MAX_ELEMENTS`] with checked arithmetic first.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The most elements (2^31) one table, parameter or bias tensor built by this crate may hold.
 pub const MAX_ELEMENTS: usize = 1 << 31;

@@ -17,7 +17,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Largest position id accepted (positions are stored as `u32`).
 pub const MAX_POSITION: usize = u32::MAX as usize;

@@ -148,6 +148,72 @@ fn alibi_forms_and_modes(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One default ALiBi serves both kinds of block: in a bidirectional block it is the symmetric
+/// `−m·|i − j|` (checked against the same block without an encoding and that bias as an
+/// additive mask, and against the explicit symmetric mode), in a causal block the causal form;
+/// the explicit causal mode still gives its per-key row on purpose.
+fn alibi_follows_the_block(dev: &Device) -> anyhow::Result<()> {
+    let (t, heads) = (9, 4);
+    let x = Tensor::randn(0f32, 1.0, (2, t, 16), dev)?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let weights = AttentionOptions {
+        return_weights: true,
+        ..Default::default()
+    };
+    let slopes = Tensor::new(alibi_slopes(heads)?.as_slice(), dev)?
+        .to_dtype(DType::F32)?
+        .reshape((1, heads, 1, 1))?;
+    let pos = Tensor::arange(0f32, t as f32, dev)?;
+    let dist = pos.unsqueeze(0)?.broadcast_sub(&pos.unsqueeze(1)?)?.abs()?;
+    let symmetric_bias = dist
+        .unsqueeze(0)?
+        .unsqueeze(0)?
+        .broadcast_mul(&slopes)?
+        .neg()?;
+    let with_mode = |mode| -> anyhow::Result<Option<Arc<dyn PositionalEncoding>>> {
+        Ok(Some(Arc::new(Alibi::new(
+            &AlibiConfig::new(heads).with_mode(mode),
+            dev,
+        )?)))
+    };
+    for causal in [false, true] {
+        let cfg = AttentionConfig::new(16, heads).with_causal(causal);
+        let auto = MultiHeadAttention::new(&cfg, with_mode(AlibiMode::Auto)?, vb.clone())?;
+        let explicit = auto.clone().with_encoding(with_mode(match causal {
+            true => AlibiMode::Causal,
+            false => AlibiMode::Symmetric,
+        })?);
+        for train in [false, true] {
+            let opts = AttentionOptions {
+                train,
+                ..weights.clone()
+            };
+            let a = auto.forward_with(&x, &opts, None)?;
+            let e = explicit.forward_with(&x, &opts, None)?;
+            let what = format!("causal {causal} train {train}");
+            assert_close(&a.output, &e.output, 0.0, &what)?;
+            let (aw, ew) = (a.weights.expect("weights"), e.weights.expect("weights"));
+            assert_close(&aw, &ew, 0.0, &what)?;
+            if !causal {
+                let none = auto.clone().with_encoding(None);
+                let masked = AttentionOptions {
+                    attn_mask: Some(&symmetric_bias),
+                    ..opts.clone()
+                };
+                let m = none.forward_with(&x, &masked, None)?;
+                assert_close(&a.output, &m.output, 1e-5, &what)?;
+                assert_close(&aw, &m.weights.expect("weights"), 1e-6, &what)?;
+                // The per-key causal row in a bidirectional block is another attention.
+                let forced = auto.clone().with_encoding(with_mode(AlibiMode::Causal)?);
+                let f = forced.forward_with(&x, &opts, None)?;
+                assert!(max_abs_diff(&f.output, &a.output)? > 1e-3, "{what}");
+            }
+        }
+    }
+    Ok(())
+}
+
 fn alibi_head_range_learnable_and_cache(dev: &Device) -> anyhow::Result<()> {
     let all = alibi_slopes(12)?;
     let shard = Alibi::new(&AlibiConfig::new(12).with_head_range(8, 4), dev)?;
@@ -902,6 +968,7 @@ device_tests!(
     alibi_slopes_match_bloom,
     alibi_bias_matches_bloom,
     alibi_forms_and_modes,
+    alibi_follows_the_block,
     alibi_head_range_learnable_and_cache,
     t5_buckets_match_hf,
     t5_compute_bias_matches_hf,

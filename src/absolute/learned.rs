@@ -21,8 +21,9 @@ use candle_core::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
+use crate::error::{Error, Result};
 use crate::plug::{AttentionContext, PositionalEncoding};
-use crate::{Error, Positions, Result};
+use crate::positions::Positions;
 
 /// What to do with positions at or past `max_len`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -53,8 +54,8 @@ pub struct LearnedConfig {
     pub interpolation: Interpolation,
 }
 
-/// Largest table accepted: 2^31 elements.
-const MAX_TABLE_ELEMENTS: usize = 1 << 31;
+/// Largest table accepted: the crate's one ceiling.
+const MAX_TABLE_ELEMENTS: usize = crate::limits::MAX_ELEMENTS;
 
 impl LearnedConfig {
     /// Defaults for width `d_model`: 512 positions, dropout 0.1, no interpolation.

@@ -8,7 +8,8 @@ pub mod sinusoidal;
 
 use candle_core::Tensor;
 
-use crate::{Error, Positions, Result};
+use crate::error::{Error, Result};
+use crate::positions::Positions;
 
 /// Rows of `table` (`(N, D)`) at `positions` for a chunk of `len` tokens: `(1, T, D)` for an
 /// offset, `(B, T, D)` for explicit ids. The caller guarantees the positions are inside the table.

@@ -21,11 +21,12 @@ use std::sync::{Arc, RwLock};
 use candle_core::{Device, Module, Tensor};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
+use crate::error::{Error, Result};
 use crate::plug::{AttentionContext, PositionalEncoding};
-use crate::{Error, Positions, Result};
+use crate::positions::Positions;
 
-/// Largest number of table elements (`positions × d_model`) ever built: 2^31.
-const MAX_TABLE_ELEMENTS: usize = 1 << 31;
+/// Largest number of table elements (`positions × d_model`) ever built: the crate's one ceiling.
+const MAX_TABLE_ELEMENTS: usize = crate::limits::MAX_ELEMENTS;
 
 /// Configuration of [`SinusoidalPositionalEncoding`].
 #[derive(Debug, Clone, PartialEq)]

@@ -2,12 +2,14 @@
 
 use candle_core::Tensor;
 
-use crate::{Positions, Result};
+use crate::error::Result;
+use crate::positions::Positions;
 
 /// Keys and values of the tokens seen so far, with their positions.
 ///
 /// Keys are stored after rotation (rotary encodings rotate each key once, at its own position),
-/// with `num_kv_heads` heads (grouped heads are expanded after the cache). Storage is candle-nn's
+/// with `num_kv_heads` heads (the fused CPU core reads each shared head in place; the other paths
+/// repeat grouped heads after the cache). Storage is candle-nn's
 /// growing [`candle_nn::kv_cache::KvCache`], so appending a token costs O(1) amortised copies.
 ///
 /// # Shapes
@@ -95,7 +97,7 @@ impl KvCache {
         if let Some(prev) = self.inner.k()? {
             let (pd, kd) = (prev.dims(), k.dims());
             if pd[0] != kd[0] || pd[1] != kd[1] || pd[3] != kd[3] {
-                return Err(crate::Error::shape(
+                return Err(crate::error::Error::shape(
                     "keys appended to the KV cache",
                     format!(
                         "(batch {}, kv heads {}, T, head_dim {}) like the cached keys",

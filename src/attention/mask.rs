@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The lowest finite value of a float dtype, used as the fill for masked logits.
 fn lowest(dtype: DType) -> f64 {

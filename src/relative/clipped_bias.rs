@@ -11,8 +11,8 @@
 //!   named `bias_table`).
 
 use super::{BucketedRelativeBias, RelativeBucketing};
+use crate::error::{Error, Result};
 use crate::limits::check_elements;
-use crate::{Error, Result};
 
 /// Configuration of [`ClippedRelativeBias`].
 #[derive(Debug, Clone, PartialEq)]

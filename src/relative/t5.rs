@@ -26,8 +26,8 @@
 //! where the decoder's self-attention is causal (`bidirectional = false`).
 
 use super::{BucketedRelativeBias, RelativeBucketing};
+use crate::error::{Error, Result};
 use crate::limits::check_elements;
-use crate::{Error, Result};
 
 /// Configuration of [`T5RelativeBias`].
 #[derive(Debug, Clone, PartialEq)]

@@ -21,7 +21,7 @@ use serde_json::{Map, Value};
 
 use super::rope::{RopeConfig, RopeLayout};
 use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 fn problem(key: impl Into<String>, problem: impl Into<String>) -> Error {
     Error::HfConfig {

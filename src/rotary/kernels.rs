@@ -15,8 +15,8 @@
 use candle_core::{Tensor, D};
 
 use super::{QkLayout, RopeLayout};
+use crate::error::Result;
 use crate::graft::{graft, GraftBackward};
-use crate::Result;
 
 /// Rotates `x` (`(B, H, T, D)` or `(B, T, H, D)`) with candle-nn's fused kernels, keeping
 /// gradients to `x` when it is part of a graph.

@@ -8,11 +8,13 @@ use super::inplace::RotateInPlace;
 use super::kernels::{rotate_fused, rotate_ops};
 use super::scaling::{Regime, RopeFrequencies, RopeScaling};
 use crate::absolute::gather_rows;
+use crate::error::{Error, Result};
 use crate::plug::{AttentionContext, PositionalEncoding};
-use crate::{Error, Positions, Result};
+use crate::positions::Positions;
 
-/// Largest number of cos (or sin) table entries ever built (`positions × rotary_dim / 2`): 2^30.
-const MAX_TABLE_ELEMENTS: usize = 1 << 30;
+/// Largest number of cos (or sin) table entries ever built (`positions × rotary_dim / 2`): half
+/// of the crate's one ceiling, so that cos and sin together stay within it.
+const MAX_TABLE_ELEMENTS: usize = crate::limits::MAX_ELEMENTS / 2;
 
 /// Which features form the rotated pairs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -20,7 +20,7 @@
 //! [`linear_inv_freq`], [`ntk_aware_inv_freq`], [`dynamic_ntk_inv_freq`], [`yarn_inv_freq`],
 //! [`llama3_inv_freq`], [`longrope_inv_freq`].
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Inverse frequencies and the factor that multiplies cos and sin.
 #[derive(Debug, Clone, PartialEq)]
