@@ -26,8 +26,9 @@
 //! t5 (causal buckets), clipped_bias (k = 32) and shaw (relative keys and values, k = 32); plus the oracle,
 //! the generator's own probabilities (the best possible score).
 //!
-//! Outputs: the markdown table on stdout and in `docs/extrapolation.md`, a PNG plot of loss
-//! against evaluation length in `docs/img/extrapolation_loss.png`, and one self-describing f16
+//! Outputs: the markdown table on stdout and between the table markers of
+//! `docs/extrapolation.md` (the page's prose is kept), a PNG plot of loss against evaluation
+//! length in `docs/img/extrapolation_loss.png`, and one self-describing f16
 //! safetensors checkpoint per row in `weights/extrapolation_<row>.safetensors` (what
 //! `attention_demo` evaluates). `--quick` writes everything under the system temp folder
 //! instead, so it never replaces the committed results; `--out DIR` puts every output in DIR.
@@ -119,6 +120,33 @@ fn recorded(s: &Settings, weights: &Path) -> Result<Vec<Row>> {
 
 type Row = (String, Vec<Option<Score>>);
 
+/// Marks where the table starts in `docs/extrapolation.md` (the page's prose is kept).
+const TABLE_START: &str =
+    "<!-- table: written by `cargo run --release --example extrapolation` -->\n";
+/// Marks where the table ends.
+const TABLE_END: &str = "<!-- end of table -->";
+
+/// Writes `table` into the page at `md`: between the table markers where the page has them, or
+/// as the whole file where there is no page yet or it holds only an earlier run's table.
+fn write_table(md: &Path, table: &str) -> Result<()> {
+    let text = match std::fs::read_to_string(md) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => table.to_string(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", md.display())),
+        Ok(page) if page.starts_with('|') => table.to_string(),
+        Ok(page) => match (page.find(TABLE_START), page.find(TABLE_END)) {
+            (Some(start), Some(end)) if start < end => {
+                format!("{}{TABLE_START}{table}{}", &page[..start], &page[end..])
+            }
+            _ => anyhow::bail!(
+                "{} has prose but no `{}` ... `{TABLE_END}` markers around its table",
+                md.display(),
+                TABLE_START.trim_end()
+            ),
+        },
+    };
+    std::fs::write(md, text).with_context(|| format!("writing {}", md.display()))
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -187,7 +215,7 @@ fn main() -> Result<()> {
         (false, false) => println!("(default run, {minutes:.1} minutes)"),
     }
     let md = docs.join("extrapolation.md");
-    std::fs::write(&md, &table).with_context(|| format!("writing {}", md.display()))?;
+    write_table(&md, &table)?;
 
     let series: Vec<(String, Vec<(f64, f64)>)> = rows
         .iter()
