@@ -134,6 +134,10 @@ impl Chunk<'_> {
                 Some(e) => (e.logits_bias(&part.q, &ctx)?, e.value_term(&ctx)?),
                 None => (None, None),
             };
+            if let Some(values) = &values {
+                check_device("relative value table", values.table(), self.q.device())?;
+                values.check_block(b, n, kv, d)?;
+            }
             let mask = self
                 .attn_mask
                 .as_ref()
@@ -213,6 +217,13 @@ impl LogitTerms {
             None => {}
             Some(LogitsBias::Dense(t)) => {
                 check_device("dense logits bias", &t, device)?;
+                if !t.dtype().is_float() {
+                    return Err(Error::DType {
+                        what: "dense logits bias from the encoding",
+                        expected: "a float dtype (f32, f64, bf16 or f16)",
+                        got: t.dtype(),
+                    });
+                }
                 t.broadcast_as(dims).map_err(|_| {
                     Error::shape(
                         "dense logits bias from the encoding",

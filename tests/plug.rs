@@ -1,0 +1,344 @@
+//! The plug's data forms: checked constructors, every shift and every index value valid on
+//! every execution path (the fused core, the row pass, plain ops), answers that do not fit the
+//! block refused with typed errors, and rotations that change shapes refused before any kernel
+//! reads them.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::plug::{
+    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, Error, MultiHeadAttention, Positions, Result, ShawConfig,
+    ShawRelativePosition,
+};
+use common::assert_close;
+
+const D_MODEL: usize = 16;
+const HEADS: usize = 4;
+const HEAD_DIM: usize = 4;
+const WIDTH: usize = 7;
+
+/// Rows and a value table read at a fixed shift, or (`by_index`) at the column map that shift
+/// stands for, computed from the definition `clamp(j − i + shift, 0, W − 1)` in i128.
+#[derive(Debug)]
+struct Shifted {
+    rows: Tensor,
+    table: Tensor,
+    shift: i64,
+    by_index: bool,
+}
+
+impl Shifted {
+    fn columns(&self, ctx: &AttentionContext) -> Result<Columns> {
+        if !self.by_index {
+            return Ok(Columns::Shift(self.shift));
+        }
+        let (tq, tk) = (ctx.q_len, ctx.k_len);
+        let map: Vec<u32> = (0..tq)
+            .flat_map(|i| {
+                (0..tk).map(move |j| {
+                    (j as i128 - i as i128 + self.shift as i128).clamp(0, WIDTH as i128 - 1) as u32
+                })
+            })
+            .collect();
+        Ok(Columns::Index(Tensor::from_vec(
+            map,
+            (1, tq, tk),
+            self.rows.device(),
+        )?))
+    }
+}
+
+impl PositionalEncoding for Shifted {
+    fn logits_bias(&self, _q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
+        let rows = RelativeBias::new(self.rows.clone(), self.columns(ctx)?)?;
+        Ok(Some(LogitsBias::Relative(rows)))
+    }
+
+    fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
+        Ok(Some(RelativeValues::new(
+            self.table.clone(),
+            self.columns(ctx)?,
+        )?))
+    }
+}
+
+fn block(
+    enc: Arc<dyn PositionalEncoding>,
+    causal: bool,
+    dev: &Device,
+) -> Result<MultiHeadAttention> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let cfg = AttentionConfig::new(D_MODEL, HEADS)
+        .with_kv_heads(2)
+        .with_causal(causal)
+        .with_query_block(Some(3));
+    MultiHeadAttention::new(&cfg, Some(enc), vb)
+}
+
+/// Every shift, however far outside the window, reads the columns its clamp gives, on the
+/// fused core (no weights returned), the row pass (weights returned) and the training ops.
+fn every_shift_on_every_path(dev: &Device) -> anyhow::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (2, 8, D_MODEL), dev)?;
+    let rows = Tensor::randn(0f32, 1.0, (1, HEADS, 1, WIDTH), dev)?;
+    let table = Tensor::randn(0f32, 1.0, (WIDTH, HEAD_DIM), dev)?;
+    for shift in [
+        i64::MIN,
+        i64::MIN + 1,
+        -1_000_000,
+        -3,
+        0,
+        4,
+        9,
+        1_000_000,
+        i64::MAX,
+    ] {
+        for causal in [false, true] {
+            let enc = |by_index| Shifted {
+                rows: rows.clone(),
+                table: table.clone(),
+                shift,
+                by_index,
+            };
+            let shifted = block(Arc::new(enc(false)), causal, dev)?;
+            let indexed = shifted.clone().with_encoding(Some(Arc::new(enc(true))));
+            let want = indexed
+                .forward_with(&x, &AttentionOptions::default(), None)?
+                .output;
+            let what = format!("shift {shift} causal {causal}");
+            for (train, return_weights) in [(false, false), (false, true), (true, false)] {
+                let opts = AttentionOptions {
+                    train,
+                    return_weights,
+                    ..Default::default()
+                };
+                let got = shifted.forward_with(&x, &opts, None)?.output;
+                let path = format!("{what} train {train} weights {return_weights}");
+                assert_close(&got, &want, 1e-5, &path)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Shaw with queries and keys far apart (cross attention, or a cache of another sequence):
+/// queries at 0, keys at 1000, and the reverse; the shifted forms equal explicit ids.
+fn shaw_far_apart(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let shaw = ShawRelativePosition::new(&ShawConfig::new(HEAD_DIM, 3), vb)?;
+    let q = Tensor::randn(0f32, 1.0, (2, HEADS, 5, HEAD_DIM), dev)?;
+    let ids = |start: u32, len: usize| -> anyhow::Result<Positions> {
+        Ok(Positions::ids(
+            &Tensor::arange(start, start + len as u32, dev)?.unsqueeze(0)?,
+        )?)
+    };
+    for (qs, ks) in [(0usize, 1000usize), (1000, 0), (0, 0)] {
+        let (qp, kp) = (Positions::Offset(qs), Positions::Offset(ks));
+        let (qi, ki) = (ids(qs as u32, 5)?, ids(ks as u32, 6)?);
+        let offsets = AttentionContext::new(&qp, 5, &kp, 6);
+        let explicit = AttentionContext::new(&qi, 5, &ki, 6);
+        let dense = |ctx| -> anyhow::Result<Tensor> {
+            Ok(shaw.logits_bias(&q, ctx)?.expect("a bias").to_dense(5, 6)?)
+        };
+        let what = format!("queries at {qs}, keys at {ks}");
+        let shape = (2, HEADS, 5, 6);
+        let (a, b) = (dense(&offsets)?, dense(&explicit)?);
+        assert_close(&a.broadcast_as(shape)?, &b.broadcast_as(shape)?, 0.0, &what)?;
+        let probs = Tensor::rand(0f32, 1.0, shape, dev)?;
+        let sum = |ctx| -> anyhow::Result<Tensor> {
+            Ok(shaw
+                .value_term(ctx)?
+                .expect("values")
+                .weighted_sum(&probs)?)
+        };
+        assert_close(&sum(&offsets)?, &sum(&explicit)?, 1e-6, &what)?;
+    }
+    Ok(())
+}
+
+/// The forms cannot be built invalid: wrong ranks, empty widths, integer values and index
+/// maps of another dtype are typed errors.
+fn constructors_check(dev: &Device) -> anyhow::Result<()> {
+    let t = |shape: &[usize]| Tensor::zeros(shape, DType::F32, dev);
+    let map = |dtype| Tensor::zeros((1, 2, 2), dtype, dev);
+    let cases: Vec<(&str, Result<()>)> = vec![
+        (
+            "rows of rank 3",
+            RelativeBias::new(t(&[1, 2, 3])?, Columns::Shift(0)).map(drop),
+        ),
+        (
+            "rows of width 0",
+            RelativeBias::new(t(&[1, 2, 1, 0])?, Columns::Shift(0)).map(drop),
+        ),
+        (
+            "integer rows",
+            RelativeBias::new(
+                Tensor::zeros((1, 1, 1, 3), DType::U32, dev)?,
+                Columns::Shift(0),
+            )
+            .map(drop),
+        ),
+        (
+            "an i64 map",
+            RelativeBias::new(t(&[1, 1, 1, 3])?, Columns::Index(map(DType::I64)?)).map(drop),
+        ),
+        (
+            "a map of rank 2",
+            RelativeValues::new(
+                t(&[3, 4])?,
+                Columns::Index(Tensor::zeros((2, 2), DType::U32, dev)?),
+            )
+            .map(drop),
+        ),
+        (
+            "a table of rank 3",
+            RelativeValues::new(t(&[1, 3, 4])?, Columns::Shift(0)).map(drop),
+        ),
+        (
+            "an empty table",
+            RelativeValues::new(t(&[0, 4])?, Columns::Shift(0)).map(drop),
+        ),
+        (
+            "an integer table",
+            RelativeValues::new(Tensor::zeros((3, 4), DType::U8, dev)?, Columns::Shift(0))
+                .map(drop),
+        ),
+    ];
+    for (what, result) in cases {
+        match result {
+            Err(Error::Rank { .. } | Error::Shape { .. } | Error::DType { .. }) => {}
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    // Entries past the table are valid: they clamp to its last row.
+    let table = Tensor::arange(0f32, 8.0, dev)?.reshape((2, 4))?;
+    let far = Tensor::new(&[[[0u32, 7, u32::MAX]]], dev)?;
+    let values = RelativeValues::new(table, Columns::Index(far))?;
+    let probs = Tensor::new(&[[[[1f32, 0.0, 0.0]]]], dev)?;
+    assert_eq!(
+        values
+            .weighted_sum(&probs)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        [0., 1., 2., 3.]
+    );
+    let probs = Tensor::new(&[[[[0f32, 0.5, 0.5]]]], dev)?;
+    assert_eq!(
+        values
+            .weighted_sum(&probs)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        [4., 5., 6., 7.]
+    );
+    Ok(())
+}
+
+/// An encoding whose answers do not fit the block: each is a typed error on every path.
+#[derive(Debug)]
+enum Misfit {
+    RowsWithHeads(usize),
+    RowsWithRows(usize),
+    MapOfShape(usize, usize),
+    DenseOfShape(usize),
+    IntegerDense,
+    TableOfWidth(usize),
+    NarrowKeys,
+    WideQueries,
+}
+
+impl PositionalEncoding for Misfit {
+    fn rotate(&self, q: Tensor, k: Tensor, _ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            Misfit::NarrowKeys => (q, k.narrow(3, 0, HEAD_DIM - 1)?),
+            Misfit::WideQueries => (Tensor::cat(&[&q, &q], 3)?, k),
+            _ => (q, k),
+        })
+    }
+
+    fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
+        let dev = q.device();
+        let (tq, tk) = (ctx.q_len, ctx.k_len);
+        let zeros = |shape: &[usize]| Tensor::zeros(shape, DType::F32, dev);
+        Ok(Some(match self {
+            Misfit::RowsWithHeads(h) => LogitsBias::Relative(RelativeBias::new(
+                zeros(&[1, *h, 1, 5])?,
+                Columns::Shift(0),
+            )?),
+            Misfit::RowsWithRows(r) => LogitsBias::Relative(RelativeBias::new(
+                zeros(&[1, HEADS, *r, 5])?,
+                Columns::Shift(0),
+            )?),
+            Misfit::MapOfShape(a, b) => {
+                let map = Tensor::zeros((1, tq + a, tk + b), DType::U32, dev)?;
+                LogitsBias::Relative(RelativeBias::new(
+                    zeros(&[1, HEADS, 1, 5])?,
+                    Columns::Index(map),
+                )?)
+            }
+            Misfit::DenseOfShape(h) => LogitsBias::Dense(zeros(&[1, *h, tq, tk])?),
+            Misfit::IntegerDense => {
+                LogitsBias::Dense(Tensor::zeros((1, 1, tq, tk), DType::U8, dev)?)
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    fn value_term(&self, _ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
+        match self {
+            Misfit::TableOfWidth(d) => Ok(Some(RelativeValues::new(
+                Tensor::zeros((5, *d), DType::F32, &Device::Cpu)?,
+                Columns::Shift(0),
+            )?)),
+            _ => Ok(None),
+        }
+    }
+}
+
+fn misfits_are_typed_errors(dev: &Device) -> anyhow::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (2, 6, D_MODEL), dev)?;
+    let misfits = [
+        Misfit::RowsWithHeads(3),
+        Misfit::RowsWithRows(2),
+        Misfit::MapOfShape(1, 0),
+        Misfit::MapOfShape(0, 1),
+        Misfit::DenseOfShape(3),
+        Misfit::IntegerDense,
+        Misfit::TableOfWidth(HEAD_DIM + 1),
+        Misfit::NarrowKeys,
+        Misfit::WideQueries,
+    ];
+    for misfit in misfits {
+        let what = format!("{misfit:?}");
+        let mha = block(Arc::new(misfit), false, dev)?;
+        for (train, return_weights) in [(false, false), (false, true), (true, false)] {
+            let opts = AttentionOptions {
+                train,
+                return_weights,
+                ..Default::default()
+            };
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                mha.forward_with(&x, &opts, None)
+            }));
+            match result {
+                Ok(Err(Error::Shape { .. } | Error::DType { .. })) => {}
+                Ok(other) => panic!("{what} train {train}: {other:?}"),
+                Err(_) => panic!("{what} train {train}: panicked"),
+            }
+        }
+    }
+    Ok(())
+}
+
+device_tests!(
+    every_shift_on_every_path,
+    shaw_far_apart,
+    constructors_check,
+    misfits_are_typed_errors
+);
