@@ -143,19 +143,32 @@ struct View {
 }
 
 impl View {
-    fn new<'a>(guard: &'a StorageGuard<'a>, layout: &Layout) -> candle_core::Result<Self> {
+    /// A view of `layout` over the guarded storage, which must be f32 of exactly the `dims`
+    /// the core reads (`(B, H, T, D)`), with unit stride on `D` and every element in storage.
+    fn new<'a>(
+        guard: &'a StorageGuard<'a>,
+        layout: &Layout,
+        dims: [usize; 4],
+    ) -> candle_core::Result<Self> {
         let Storage::Cpu(CpuStorage::F32(data)) = &***guard else {
             candle_core::bail!("fused attention: q, k and v must be f32 CPU tensors");
         };
+        if layout.dims() != dims || layout.stride()[3] != 1 {
+            candle_core::bail!(
+                "fused attention: a view of {:?} with strides {:?} where {dims:?} with unit stride on the last axis was expected",
+                layout.dims(),
+                layout.stride()
+            );
+        }
         let s = layout.stride();
         // The furthest element read, for the bounds check below.
         let last: usize = layout
             .dims()
             .iter()
             .zip(s)
-            .map(|(n, s)| n.saturating_sub(1) * s)
-            .sum();
-        if layout.dims().contains(&0) || layout.start_offset() + last >= data.len() {
+            .map(|(n, s)| n.saturating_sub(1).saturating_mul(*s))
+            .fold(0usize, usize::saturating_add);
+        if dims.contains(&0) || layout.start_offset().saturating_add(last) >= data.len() {
             candle_core::bail!("fused attention: a view reaches past its storage");
         }
         Ok(Self {
@@ -166,9 +179,13 @@ impl View {
     }
 
     /// The address of `[b, h, i, 0]`.
-    fn at(&self, b: usize, h: usize, i: usize) -> *const f32 {
+    ///
+    /// # Safety
+    /// `b`, `h` and `i` must lie inside the view's dimensions (checked against its storage in
+    /// [`View::new`]).
+    unsafe fn at(&self, b: usize, h: usize, i: usize) -> *const f32 {
         let [s0, s1, s2] = self.strides;
-        // SAFETY: callers stay inside the view's dimensions, which lie in the storage.
+        // SAFETY: the caller stays inside the view's dimensions, which lie in the storage.
         unsafe { self.ptr.add(b * s0 + h * s1 + i * s2) }
     }
 }
@@ -197,6 +214,10 @@ unsafe impl Send for View {}
 // SAFETY: as above.
 unsafe impl Sync for View {}
 
+// The per-thread buffers below are borrowed mutably for the whole of one tile's work
+// (`with_borrow_mut`); that is sound only because nothing inside that closure re-enters rayon
+// (gemm runs with `Parallelism::None`, the row pass is serial): a nested parallel call could run
+// another tile on this thread while the buffer is borrowed, and `RefCell` would panic.
 thread_local! {
     /// Each thread's tile of logits, reused across tiles and calls (no page faults).
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -228,9 +249,9 @@ impl InplaceOp1 for CoreOp {
             return Ok(()); // nothing to write (an empty batch)
         }
         let guards = [&self.q, &self.k, &self.v].map(read_storage);
-        let q = View::new(&guards[0].0, guards[0].1)?;
-        let k = View::new(&guards[1].0, guards[1].1)?;
-        let v = View::new(&guards[2].0, guards[2].1)?;
+        let q = View::new(&guards[0].0, guards[0].1, [b, h, tq, d])?;
+        let k = View::new(&guards[1].0, guards[1].1, [b, hkv, tk, d])?;
+        let v = View::new(&guards[2].0, guards[2].1, [b, hkv, tk, d])?;
         let terms = TermGuards::new(&self.terms, self.padding.as_ref());
         let pass = terms.pass((b, h, tq, tk), self.causal)?;
         let values_guard = self.values.as_ref().map(|v| {
@@ -284,7 +305,8 @@ impl InplaceOp1 for CoreOp {
                 Some(first) if self.trim => (first + i0 + rows).min(tk),
                 _ => tk,
             };
-            let (kp, vp) = (k.at(bi, hi / group, 0), v.at(bi, hi / group, 0));
+            // SAFETY: bi < B, hi / group < Hkv and row 0 < Tk (Tk ≥ 1: empty views are refused).
+            let (kp, vp) = unsafe { (k.at(bi, hi / group, 0), v.at(bi, hi / group, 0)) };
             TILE.with_borrow_mut(|s| {
                 s.resize(rows * keys, 0.0);
                 // SAFETY: S is rows × keys (resized above); the q rows, k and v rows read lie in
