@@ -245,6 +245,70 @@ fn random_block(
     )?)
 }
 
+/// Clones of a cache are independent: after a shared prompt, each branch continues with its
+/// own tokens (in chunks that make both grow their storage), and every branch's outputs equal
+/// those of a cache that only ever saw that branch; the original is untouched by its clones.
+fn kv_cache_clones_are_independent(dev: &Device) -> anyhow::Result<()> {
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, true, dev)?;
+        branch_and_compare(&mha, dev).map_err(|e| e.context(name))?;
+    }
+    Ok(())
+}
+
+fn branch_and_compare(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<()> {
+    let opts = AttentionOptions::default();
+    let prompt = Tensor::randn(0f32, 1.0, (2, 3, D_MODEL), dev)?;
+    let branches: Vec<Tensor> = (0..3)
+        .map(|_| Tensor::randn(0f32, 1.0, (2, 6, D_MODEL), dev))
+        .collect::<candle_core::Result<_>>()?;
+    let mut root = KvCache::with_capacity(4);
+    mha.forward_with(&prompt, &opts, Some(&mut root))?;
+    let mut clones: Vec<KvCache> = branches.iter().map(|_| root.clone()).collect();
+    // Interleaved appends: each clone writes after the others have.
+    let mut outs = vec![Vec::new(); branches.len()];
+    for (start, len) in [(0, 1), (1, 2), (3, 3)] {
+        for ((cache, tokens), out) in clones.iter_mut().zip(&branches).zip(&mut outs) {
+            let chunk = tokens.narrow(1, start, len)?;
+            out.push(mha.forward_with(&chunk, &opts, Some(cache))?.output);
+        }
+    }
+    for (i, (tokens, out)) in branches.iter().zip(&outs).enumerate() {
+        let mut alone = KvCache::with_capacity(4);
+        mha.forward_with(&prompt, &opts, Some(&mut alone))?;
+        let want = mha.forward_with(tokens, &opts, Some(&mut alone))?.output;
+        assert_close(&Tensor::cat(out, 1)?, &want, 1e-5, &format!("branch {i}"))?;
+    }
+    assert_eq!(root.len(), 3);
+    let next = Tensor::randn(0f32, 1.0, (2, 1, D_MODEL), dev)?;
+    let mut fresh = KvCache::new();
+    mha.forward_with(&prompt, &opts, Some(&mut fresh))?;
+    let want = mha.forward_with(&next, &opts, Some(&mut fresh))?.output;
+    let got = mha.forward_with(&next, &opts, Some(&mut root))?.output;
+    assert_close(&got, &want, 1e-5, "the original after its clones wrote")?;
+    Ok(())
+}
+
+/// A cache filled by an f32 block refuses the keys of an f64 block with a typed error.
+fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
+    let cfg = base_cfg().with_causal(true);
+    let vb = |dtype| {
+        let varmap = VarMap::new();
+        MultiHeadAttention::new(&cfg, None, VarBuilder::from_varmap(&varmap, dtype, dev))
+    };
+    let (f32_block, f64_block) = (vb(DType::F32)?, vb(DType::F64)?);
+    let opts = AttentionOptions::default();
+    let mut cache = KvCache::new();
+    let x = Tensor::randn(0f32, 1.0, (1, 2, D_MODEL), dev)?;
+    f32_block.forward_with(&x, &opts, Some(&mut cache))?;
+    let err = f64_block
+        .forward_with(&x.to_dtype(DType::F64)?, &opts, Some(&mut cache))
+        .unwrap_err();
+    assert!(matches!(err, Error::DType { .. }), "{err}");
+    assert_eq!(cache.len(), 2);
+    Ok(())
+}
+
 fn kv_cache_decoding_matches_full_forward(dev: &Device) -> anyhow::Result<()> {
     let x = Tensor::randn(0f32, 1.0, (2, 9, D_MODEL), dev)?;
     for (name, enc) in encodings(dev)? {
@@ -655,6 +719,8 @@ device_tests!(
     parity_learned_padding,
     parity_rotation_bias_value_hooks,
     kv_cache_decoding_matches_full_forward,
+    kv_cache_clones_are_independent,
+    kv_cache_refuses_another_dtype,
     kv_cache_with_position_ids,
     causal_weights_and_rows,
     padding_hides_keys,

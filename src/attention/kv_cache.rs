@@ -1,25 +1,59 @@
 //! A key/value cache for incremental decoding that also remembers the keys' positions.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::limits::MAX_ELEMENTS;
 use crate::positions::Positions;
 
 /// Keys and values of the tokens seen so far, with their positions.
 ///
 /// Keys are stored after rotation (rotary encodings rotate each key once, at its own position),
 /// with `num_kv_heads` heads (the fused CPU core reads each shared head in place; the other paths
-/// repeat grouped heads after the cache). Storage is candle-nn's
-/// growing [`candle_nn::kv_cache::KvCache`], so appending a token costs O(1) amortised copies.
+/// repeat grouped heads after the cache). Storage is preallocated and written in place; it
+/// starts at the capacity asked for and doubles when a chunk does not fit, so appending a token
+/// costs O(1) amortised copies.
+///
+/// A clone is an independent cache (beam search, branching): clones share storage only until
+/// one of them appends, which first copies what it holds (copy on write), so no clone ever sees
+/// another's keys.
 ///
 /// # Shapes
 /// keys and values: `(B, Hkv, T_cached, D)`.
+///
+/// # Example
+/// Two continuations of one prompt, as beam search makes them:
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::{AttentionConfig, AttentionOptions, KvCache, MultiHeadAttention};
+///
+/// let dev = Device::Cpu;
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// let attn = MultiHeadAttention::new(&AttentionConfig::new(16, 2).with_causal(true), None, vb)?;
+/// let opts = AttentionOptions::default();
+/// let mut cache = KvCache::with_capacity(64);
+/// attn.forward_with(&Tensor::randn(0f32, 1.0, (1, 3, 16), &dev)?, &opts, Some(&mut cache))?;
+/// let mut branch = cache.clone();
+/// attn.forward_with(&Tensor::ones((1, 1, 16), DType::F32, &dev)?, &opts, Some(&mut cache))?;
+/// attn.forward_with(&Tensor::zeros((1, 2, 16), DType::F32, &dev)?, &opts, Some(&mut branch))?;
+/// assert_eq!((cache.len(), branch.len()), (4, 5));
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct KvCache {
-    inner: candle_nn::kv_cache::KvCache,
-    /// Positions per storage block, as asked; capped at the first append (see `with_capacity`).
+    /// `(B, Hkv, capacity, D)` buffers, allocated at the first append.
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+    /// Positions of the first allocation, as asked (capped by the budget when allocated).
     capacity: usize,
     positions: Option<Positions>,
+    /// Shared by clones: a cache writes into its buffers only while it holds the only handle.
+    owner: Arc<()>,
 }
 
 impl Default for KvCache {
@@ -29,33 +63,35 @@ impl Default for KvCache {
 }
 
 impl KvCache {
-    /// An empty cache (storage grows by 512 positions at a time).
+    /// An empty cache (storage for 512 positions at the first append, doubling after).
     pub fn new() -> Self {
         Self::with_capacity(512)
     }
 
-    /// An empty cache whose storage grows `capacity` positions at a time.
+    /// An empty cache whose first storage holds `capacity` positions.
     ///
     /// The capacity is a hint: storage is allocated at the first append, for at most
-    /// [`crate::limits::MAX_ELEMENTS`] elements per block (so `with_capacity(10^12)` does not
-    /// abort on allocation), and grows past it as tokens arrive.
+    /// [`crate::limits::MAX_ELEMENTS`] elements per buffer (so `with_capacity(10^12)` does not
+    /// abort on allocation), and doubles past it as tokens arrive.
     pub fn with_capacity(capacity: usize) -> Self {
-        let capacity = capacity.max(1);
         Self {
-            inner: candle_nn::kv_cache::KvCache::new(2, capacity),
-            capacity,
+            k: None,
+            v: None,
+            len: 0,
+            capacity: capacity.max(1),
             positions: None,
+            owner: Arc::new(()),
         }
     }
 
     /// Number of cached tokens.
     pub fn len(&self) -> usize {
-        self.inner.current_seq_len()
+        self.len
     }
 
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
     /// Positions of the cached keys (`None` while empty).
@@ -71,48 +107,128 @@ impl KvCache {
 
     /// Drops everything.
     pub fn reset(&mut self) {
-        self.inner.reset();
+        self.k = None;
+        self.v = None;
+        self.len = 0;
         self.positions = None;
+        self.owner = Arc::new(());
     }
 
     /// Appends a chunk and returns every cached key and value with the keys' positions.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for keys or values whose batch, heads or width differ from the cached
+    /// ones; [`Error::DType`] for another dtype or device; [`Error::InvalidConfig`] if the
+    /// storage would pass [`crate::limits::MAX_ELEMENTS`].
     pub(crate) fn append(
         &mut self,
         k: &Tensor,
         v: &Tensor,
         positions: &Positions,
     ) -> Result<(Tensor, Tensor, Positions)> {
-        let cached = self.len();
-        let new_len = k.dim(2)?;
-        if self.inner.k()?.is_none() {
-            // First append: size one storage block for this batch, heads and head width.
-            let (b, h, _, d) = k.dims4()?;
-            let per_position = b.saturating_mul(h).saturating_mul(d).max(1);
-            let block = self
-                .capacity
-                .min(crate::limits::MAX_ELEMENTS / per_position)
-                .max(1);
-            self.inner = candle_nn::kv_cache::KvCache::new(2, block);
+        let (b, h, new_len, d) = k.dims4()?;
+        if v.dims4()? != (b, h, new_len, d) {
+            return Err(Error::shape(
+                "values appended to the KV cache",
+                format!("({b}, {h}, {new_len}, {d}) like the keys"),
+                v.shape(),
+            ));
         }
-        if let Some(prev) = self.inner.k()? {
-            let (pd, kd) = (prev.dims(), k.dims());
-            if pd[0] != kd[0] || pd[1] != kd[1] || pd[3] != kd[3] {
-                return Err(crate::error::Error::shape(
+        if let Some(prev) = &self.k {
+            let (pb, ph, _, pd) = prev.dims4()?;
+            if (pb, ph, pd) != (b, h, d) {
+                return Err(Error::shape(
                     "keys appended to the KV cache",
-                    format!(
-                        "(batch {}, kv heads {}, T, head_dim {}) like the cached keys",
-                        pd[0], pd[1], pd[3]
-                    ),
+                    format!("(batch {pb}, kv heads {ph}, T, head_dim {pd}) like the cached keys"),
                     k.shape(),
                 ));
+            }
+            if prev.dtype() != k.dtype() || !prev.device().same_device(k.device()) {
+                return Err(Error::DType {
+                    what: "keys appended to the KV cache",
+                    expected: "the dtype and device of the cached keys (reset the cache, or keep one per block)",
+                    got: k.dtype(),
+                });
             }
         }
         let all_positions = match &self.positions {
             None => positions.clone(),
-            Some(p) => p.extend(cached, positions, new_len, k.device())?,
+            Some(p) => p.extend(self.len, positions, new_len, k.device())?,
         };
-        let (k, v) = self.inner.append(&k.contiguous()?, &v.contiguous()?)?;
+        let total = self.len.checked_add(new_len).ok_or_else(|| {
+            Error::config(
+                "cached tokens",
+                self.len,
+                "fewer than usize::MAX with the new chunk",
+            )
+        })?;
+        self.reserve(total, (b, h, d), k)?;
+        let (kb, vb) = match (&self.k, &self.v) {
+            (Some(kb), Some(vb)) => (kb, vb),
+            _ => {
+                return Err(Error::config(
+                    "KV cache",
+                    "no storage",
+                    "storage after reserve",
+                ))
+            }
+        };
+        if new_len > 0 {
+            kb.slice_set(&k.contiguous()?, 2, self.len)?;
+            vb.slice_set(&v.contiguous()?, 2, self.len)?;
+        }
+        self.len = total;
         self.positions = Some(all_positions.clone());
-        Ok((k, v, all_positions))
+        Ok((
+            kb.narrow(2, 0, total)?,
+            vb.narrow(2, 0, total)?,
+            all_positions,
+        ))
+    }
+
+    /// Makes the buffers this cache's own and large enough for `needed` positions of
+    /// `(b, h, ·, d)` in `like`'s dtype and device.
+    fn reserve(
+        &mut self,
+        needed: usize,
+        (b, h, d): (usize, usize, usize),
+        like: &Tensor,
+    ) -> Result<()> {
+        let have = self.k.as_ref().map_or(Ok(0), |t| t.dim(2))?;
+        let shared = Arc::strong_count(&self.owner) > 1;
+        if needed <= have && !shared {
+            return Ok(());
+        }
+        let per_position = b.saturating_mul(h).saturating_mul(d).max(1);
+        let most = MAX_ELEMENTS / per_position;
+        if needed > most {
+            return Err(Error::config(
+                "cached tokens",
+                needed,
+                format!("at most {most} for batch × kv heads × head_dim = {per_position} (KV cache storage of at most {MAX_ELEMENTS} elements)"),
+            ));
+        }
+        let capacity = if needed <= have {
+            have
+        } else {
+            needed
+                .max(have.saturating_mul(2))
+                .max(self.capacity)
+                .min(most)
+        };
+        let grow = |old: &Option<Tensor>| -> Result<Tensor> {
+            let fresh = Tensor::zeros((b, h, capacity, d), like.dtype(), like.device())?;
+            if let Some(old) = old {
+                if self.len > 0 {
+                    fresh.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
+                }
+            }
+            Ok(fresh)
+        };
+        let (k, v) = (grow(&self.k)?, grow(&self.v)?);
+        self.k = Some(k);
+        self.v = Some(v);
+        self.owner = Arc::new(());
+        Ok(())
     }
 }
