@@ -7,7 +7,7 @@
 //! into [`Error::MissingTensor`] and [`Error::TensorShape`] so callers can match on them, and
 //! a checkpoint tensor of the wrong dtype, which becomes [`Error::Checkpoint`].
 
-use candle_core::Shape;
+use candle_core::{DType, Shape};
 
 /// Result alias used throughout the crate.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -201,4 +201,23 @@ impl From<Error> for candle_core::Error {
             other => candle_core::Error::Wrapped(Box::new(other)),
         }
     }
+}
+
+/// Whether `dtype` is one of the float dtypes the crate computes in: f32, f64, bf16 or f16
+/// (candle's 8-bit and smaller floats pass `DType::is_float` but have no matmul).
+pub(crate) fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
+
+/// [`Error::DType`] naming `what` unless [`is_float`]: the one rule for every table, weight,
+/// input and bias the crate reads.
+pub(crate) fn check_float(what: &'static str, dtype: DType) -> Result<()> {
+    if !is_float(dtype) {
+        return Err(Error::DType {
+            what,
+            expected: "a float dtype (f32, f64, bf16 or f16)",
+            got: dtype,
+        });
+    }
+    Ok(())
 }

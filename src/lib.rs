@@ -61,7 +61,7 @@
 //! Every input that depends on the caller (shapes, dtypes, positions, configurations,
 //! checkpoints, `config.json`) is validated and answered with a typed [`Error`] that names the
 //! value and what was expected; library code does not panic on it. Sizes that follow from a
-//! configuration are checked against [`limits::MAX_ELEMENTS`] with checked arithmetic before
+//! configuration are checked against [`limits::max_elements`] with checked arithmetic before
 //! anything is allocated. Empty sequences give empty outputs.
 //!
 //! Non-finite values are never silently replaced: a NaN or ±∞ in an input, a table or an

@@ -1,25 +1,44 @@
-//! Size limits checked before anything is allocated.
+//! The size budget checked before anything is allocated.
 //!
 //! Configurations and inputs come from callers, config files and checkpoints, so a size such as
 //! `max_len = 10^12` must be refused with an error instead of aborting the process when the
-//! allocation fails. Every table, parameter and per-call tensor whose size follows from a
-//! configuration value is checked against [`MAX_ELEMENTS`] with checked arithmetic first.
+//! allocation fails. Every table, parameter, cache and per-call tensor whose size follows from
+//! a configuration or an input is checked against one number, [`max_elements`] (by default
+//! [`MAX_ELEMENTS`]), with checked arithmetic first. A program that knows its memory sets the
+//! budget once with [`set_max_elements`].
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::{Error, Result};
 
-/// The most elements (2^31) one table, parameter or bias tensor built by this crate may hold.
+/// The default budget: 2^31 elements (8 GiB of f32) in any one tensor the crate builds.
 pub const MAX_ELEMENTS: usize = 1 << 31;
 
+static BUDGET: AtomicUsize = AtomicUsize::new(MAX_ELEMENTS);
+
+/// The most elements one table, parameter, cache buffer or intermediate tensor built by this
+/// crate may hold (process-wide).
+pub fn max_elements() -> usize {
+    BUDGET.load(Ordering::Relaxed)
+}
+
+/// Sets [`max_elements`] for the whole process (at least 1) and returns the previous budget.
+/// Objects built before keep what they hold; later checks use the new number.
+pub fn set_max_elements(elements: usize) -> usize {
+    BUDGET.swap(elements.max(1), Ordering::Relaxed)
+}
+
 /// The product of `dims`, or [`Error::InvalidConfig`] naming `name = value` if it overflows or
-/// exceeds [`MAX_ELEMENTS`]; `what` names the product in the message (e.g. `"max_len × d_model"`).
+/// exceeds [`max_elements`]; `what` names the product in the message (e.g. `"max_len × d_model"`).
 pub(crate) fn check_elements(
     name: &'static str,
     value: impl std::fmt::Display,
     what: &str,
     dims: &[usize],
 ) -> Result<usize> {
+    let budget = max_elements();
     dims.iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .filter(|&n| n <= MAX_ELEMENTS)
-        .ok_or_else(|| Error::config(name, value, format!("{what} at most {MAX_ELEMENTS}")))
+        .filter(|&n| n <= budget)
+        .ok_or_else(|| Error::config(name, value, format!("{what} at most {budget}")))
 }

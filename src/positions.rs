@@ -266,13 +266,7 @@ impl Positions {
                 })
             }
         };
-        if !x.dtype().is_float() {
-            return Err(Error::DType {
-                what,
-                expected: "a float dtype (f32, f64, bf16 or f16)",
-                got: x.dtype(),
-            });
-        }
+        crate::error::check_float(what, x.dtype())?;
         self.check(b, t)?;
         Ok((b, t))
     }
@@ -305,17 +299,22 @@ impl Positions {
     /// The positions as a `(1, len)` or `(B, len)` `u32` tensor.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if an offset would pass [`MAX_POSITION`]; device errors.
+    /// [`Error::InvalidConfig`] if an offset would pass [`MAX_POSITION`] or `len` ids the size
+    /// budget ([`crate::limits::max_elements`]); [`Error::Shape`] for ids of another length;
+    /// device errors.
     pub fn to_ids(&self, len: usize, device: &Device) -> Result<Tensor> {
         match self {
             Positions::Offset(start) => {
                 self.check_offset(len)?;
+                crate::limits::check_elements("sequence length", len, "position ids", &[len])?;
                 // In range after the check: start + len <= MAX_POSITION + 1 = 2^32.
-                let start = *start as u32;
-                let ids: Vec<u32> = (0..len as u32).map(|t| start + t).collect();
+                let ids: Vec<u32> = (*start..start + len).map(|p| p as u32).collect();
                 Ok(Tensor::from_vec(ids, (1, len), device)?)
             }
-            Positions::Ids(ids) => Ok(ids.ids().clone()),
+            Positions::Ids(ids) => {
+                self.check_len(len)?;
+                Ok(ids.ids().clone())
+            }
         }
     }
 
@@ -362,7 +361,7 @@ impl Positions {
     ///
     /// # Errors
     /// [`Error::Shape`] if explicit ids disagree on the batch size; [`Error::InvalidConfig`] if
-    /// `q_len × k_len` passes [`crate::limits::MAX_ELEMENTS`] or an offset passes
+    /// `q_len × k_len` passes [`crate::limits::max_elements`] or an offset passes
     /// [`MAX_POSITION`].
     pub fn relative_distances(
         queries: &Positions,

@@ -21,7 +21,8 @@ use candle_core::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
-use crate::error::{Error, Result};
+use crate::error::{check_float, Error, Result};
+use crate::limits::{check_elements, max_elements};
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
@@ -53,9 +54,6 @@ pub struct LearnedConfig {
     /// Behaviour past `max_len` (default: error).
     pub interpolation: Interpolation,
 }
-
-/// Largest table accepted: the crate's one ceiling.
-const MAX_TABLE_ELEMENTS: usize = crate::limits::MAX_ELEMENTS;
 
 impl LearnedConfig {
     /// Defaults for width `d_model`: 512 positions, dropout 0.1, no interpolation.
@@ -98,24 +96,26 @@ impl LearnedConfig {
         if self.max_len == 0 {
             return Err(Error::config("max_len", self.max_len, "at least 1"));
         }
-        if self.max_len.saturating_mul(self.d_model) > MAX_TABLE_ELEMENTS {
-            return Err(Error::config(
-                "max_len",
-                self.max_len,
-                format!("max_len × d_model at most {MAX_TABLE_ELEMENTS}"),
-            ));
-        }
+        check_elements(
+            "max_len",
+            self.max_len,
+            "max_len × d_model",
+            &[self.max_len, self.d_model],
+        )?;
         if let Interpolation::ToLength(n) = self.interpolation {
-            if n < self.max_len || n.saturating_mul(self.d_model) > MAX_TABLE_ELEMENTS {
+            if n < self.max_len {
                 return Err(Error::config(
                     "interpolation length",
                     n,
-                    format!(
-                        "at least max_len ({}) and at most {MAX_TABLE_ELEMENTS} / d_model",
-                        self.max_len
-                    ),
+                    format!("at least max_len ({})", self.max_len),
                 ));
             }
+            check_elements(
+                "interpolation length",
+                n,
+                "length × d_model",
+                &[n, self.d_model],
+            )?;
         }
         check_dropout(self.dropout)
     }
@@ -152,6 +152,7 @@ impl LearnedPositionalEncoding {
     /// integer `VarBuilder`.
     pub fn new(config: &LearnedConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
+        check_float("learned table (the VarBuilder's dtype)", vb.dtype())?;
         let weight = vb.get_with_hints(
             (config.max_len, config.d_model),
             "weight",
@@ -160,7 +161,7 @@ impl LearnedPositionalEncoding {
                 stdev: 0.02,
             },
         )?;
-        check_table_dtype(&weight)?;
+        check_float("learned table", weight.dtype())?;
         Ok(Self {
             config: config.clone(),
             weight,
@@ -182,7 +183,7 @@ impl LearnedPositionalEncoding {
                 weight.shape(),
             ));
         }
-        check_table_dtype(&weight)?;
+        check_float("learned table", weight.dtype())?;
         Ok(Self {
             config: config.clone(),
             weight,
@@ -203,7 +204,7 @@ impl LearnedPositionalEncoding {
     /// `align_corners=False`). `len == max_len` returns the table itself.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for `len == 0` or `len × d_model` past [`crate::limits::MAX_ELEMENTS`].
+    /// [`Error::InvalidConfig`] for `len == 0` or `len × d_model` past [`crate::limits::max_elements`].
     pub fn interpolated(&self, len: usize) -> Result<Tensor> {
         let n_in = self.config.max_len;
         if len == 0 {
@@ -252,11 +253,11 @@ impl LearnedPositionalEncoding {
                 len: max_len,
             }),
             Interpolation::ToSequenceLength => {
-                if end.saturating_mul(self.config.d_model) > MAX_TABLE_ELEMENTS {
+                if end.saturating_mul(self.config.d_model) > max_elements() {
                     return Err(Error::PositionOutOfRange {
                         table: "interpolated learned positional",
                         position: end - 1,
-                        len: MAX_TABLE_ELEMENTS / self.config.d_model,
+                        len: max_elements() / self.config.d_model,
                     });
                 }
                 self.interpolated(end)
@@ -313,16 +314,4 @@ impl PositionalEncoding for LearnedPositionalEncoding {
     fn add_to_input(&self, x: &Tensor, ctx: &AttentionContext) -> Result<Tensor> {
         self.forward_with_positions(x, ctx.queries, ctx.train)
     }
-}
-
-/// A positional table holds floats; an integer one is a caller's mistake, not something to cast.
-fn check_table_dtype(weight: &Tensor) -> Result<()> {
-    if !weight.dtype().is_float() {
-        return Err(Error::DType {
-            what: "learned table",
-            expected: "a float dtype (f32, f64, bf16 or f16)",
-            got: weight.dtype(),
-        });
-    }
-    Ok(())
 }

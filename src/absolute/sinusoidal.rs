@@ -22,11 +22,9 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
 use crate::error::{Error, Result};
+use crate::limits::{check_elements, max_elements};
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
-
-/// Largest number of table elements (`positions × d_model`) ever built: the crate's one ceiling.
-const MAX_TABLE_ELEMENTS: usize = crate::limits::MAX_ELEMENTS;
 
 /// Configuration of [`SinusoidalPositionalEncoding`].
 #[derive(Debug, Clone, PartialEq)]
@@ -86,13 +84,12 @@ impl SinusoidalConfig {
         if self.max_len == 0 {
             return Err(Error::config("max_len", self.max_len, "at least 1"));
         }
-        if self.max_len.saturating_mul(self.d_model) > MAX_TABLE_ELEMENTS {
-            return Err(Error::config(
-                "max_len",
-                self.max_len,
-                format!("max_len × d_model at most {MAX_TABLE_ELEMENTS}"),
-            ));
-        }
+        check_elements(
+            "max_len",
+            self.max_len,
+            "max_len × d_model",
+            &[self.max_len, self.d_model],
+        )?;
         if !(self.base.is_finite() && self.base > 1.0) {
             return Err(Error::config("base", self.base, "a finite number > 1"));
         }
@@ -160,19 +157,18 @@ impl SinusoidalPositionalEncoding {
                 return Ok(table.clone());
             }
         }
-        if end.saturating_mul(self.config.d_model) > MAX_TABLE_ELEMENTS {
-            return Err(Error::config(
-                "sequence end",
-                end,
-                format!("positions × d_model at most {MAX_TABLE_ELEMENTS}"),
-            ));
-        }
+        check_elements(
+            "sequence end",
+            end,
+            "positions × d_model",
+            &[end, self.config.d_model],
+        )?;
         let mut table = self.table.write().map_err(|_| poisoned())?;
         let have = table.dim(0)?;
         if have < end {
             // Double, so a growing sequence triggers O(log n) extensions, each computing only
             // the new rows.
-            let max_rows = MAX_TABLE_ELEMENTS / self.config.d_model;
+            let max_rows = max_elements() / self.config.d_model;
             let new_len = end.max(have.saturating_mul(2)).min(max_rows);
             let extra = sinusoidal_table(
                 have,

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::fused_attention;
 use super::unfused;
-use crate::error::{Error, Result};
+use crate::error::{check_float, Error, Result};
 use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
 use crate::positions::Positions;
 
@@ -217,13 +217,7 @@ impl LogitTerms {
             None => {}
             Some(LogitsBias::Dense(t)) => {
                 check_device("dense logits bias", &t, device)?;
-                if !t.dtype().is_float() {
-                    return Err(Error::DType {
-                        what: "dense logits bias from the encoding",
-                        expected: "a float dtype (f32, f64, bf16 or f16)",
-                        got: t.dtype(),
-                    });
-                }
+                check_float("dense logits bias from the encoding", t.dtype())?;
                 t.broadcast_as(dims).map_err(|_| {
                     Error::shape(
                         "dense logits bias from the encoding",

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::limits::check_elements;
 use crate::positions::Positions;
 
-/// Configuration of [`MultiHeadAttention`].
+/// Configuration of [`MultiHeadAttention`](super::MultiHeadAttention).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionConfig {
     /// Model width (input and output features).
@@ -190,7 +190,7 @@ impl AttentionConfig {
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
     /// scale that is not finite and positive, a query block of 0, a logits budget of 0, or
-    /// projection weights past [`crate::limits::MAX_ELEMENTS`].
+    /// projection weights past [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
             return Err(Error::config("d_model", self.d_model, "at least 1"));
@@ -249,7 +249,7 @@ impl AttentionConfig {
     }
 }
 
-/// Per-call options of [`MultiHeadAttention::forward_with`].
+/// Per-call options of [`MultiHeadAttention::forward_with`](super::MultiHeadAttention::forward_with).
 #[derive(Debug, Clone, Default)]
 pub struct AttentionOptions<'a> {
     /// Positions of the chunk's tokens. Default: continue the cache (`Offset(cache.next_position())`),
@@ -267,7 +267,7 @@ pub struct AttentionOptions<'a> {
     pub train: bool,
 }
 
-/// Output of [`MultiHeadAttention::forward_with`].
+/// Output of [`MultiHeadAttention::forward_with`](super::MultiHeadAttention::forward_with).
 #[derive(Debug, Clone)]
 pub struct AttentionOutput {
     /// `(B, T, d_model)`.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use crate::error::{Error, Result};
-use crate::limits::MAX_ELEMENTS;
+use crate::limits::max_elements;
 use crate::positions::Positions;
 
 /// Keys and values of the tokens seen so far, with their positions.
@@ -71,7 +71,7 @@ impl KvCache {
     /// An empty cache whose first storage holds `capacity` positions.
     ///
     /// The capacity is a hint: storage is allocated at the first append, for at most
-    /// [`crate::limits::MAX_ELEMENTS`] elements per buffer (so `with_capacity(10^12)` does not
+    /// [`crate::limits::max_elements`] elements per buffer (so `with_capacity(10^12)` does not
     /// abort on allocation), and doubles past it as tokens arrive.
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
@@ -119,7 +119,7 @@ impl KvCache {
     /// # Errors
     /// [`Error::Shape`] for keys or values whose batch, heads or width differ from the cached
     /// ones; [`Error::DType`] for another dtype or device; [`Error::InvalidConfig`] if the
-    /// storage would pass [`crate::limits::MAX_ELEMENTS`].
+    /// storage would pass [`crate::limits::max_elements`].
     pub(crate) fn append(
         &mut self,
         k: &Tensor,
@@ -200,12 +200,13 @@ impl KvCache {
             return Ok(());
         }
         let per_position = b.saturating_mul(h).saturating_mul(d).max(1);
-        let most = MAX_ELEMENTS / per_position;
+        let budget = max_elements();
+        let most = budget / per_position;
         if needed > most {
             return Err(Error::config(
                 "cached tokens",
                 needed,
-                format!("at most {most} for batch × kv heads × head_dim = {per_position} (KV cache storage of at most {MAX_ELEMENTS} elements)"),
+                format!("at most {most} for batch × kv heads × head_dim = {per_position} (KV cache storage of at most {budget} elements)"),
             ));
         }
         let capacity = if needed <= have {

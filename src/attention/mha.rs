@@ -28,7 +28,7 @@ use super::blocks::{Chunk, Path};
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::KvCache;
 use super::mask::check_padding;
-use crate::error::{Error, Result};
+use crate::error::{check_float, is_float, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
@@ -75,13 +75,7 @@ impl MultiHeadAttention {
         vb: VarBuilder,
     ) -> Result<Self> {
         config.validate()?;
-        if !vb.dtype().is_float() {
-            return Err(Error::DType {
-                what: "attention weights (the VarBuilder's dtype)",
-                expected: "a float dtype (f32, f64, bf16 or f16)",
-                got: vb.dtype(),
-            });
-        }
+        check_float("attention weights (the VarBuilder's dtype)", vb.dtype())?;
         let (d, hd) = (config.d_model, config.head_dim);
         let q_proj = linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?;
         let k_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?;
@@ -126,7 +120,7 @@ impl MultiHeadAttention {
     /// [`Error::Rank`] / [`Error::Shape`] for a malformed input, positions, mask or cache
     /// chunk, or for an encoding's answer that does not fit the block; [`Error::DType`] for an
     /// input whose dtype is not the weights'; [`Error::InvalidConfig`] if the logits (batch ×
-    /// heads × queries × keys) would pass [`crate::limits::MAX_ELEMENTS`]; the encoding's own
+    /// heads × queries × keys) would pass [`crate::limits::max_elements`]; the encoding's own
     /// errors (e.g. [`Error::PositionOutOfRange`]).
     pub fn forward_with(
         &self,
@@ -139,9 +133,16 @@ impl MultiHeadAttention {
         let positions = options.positions.unwrap_or(&next);
         let (b, t) = self.check_input(x, positions)?;
         let cached = cache.as_ref().map_or(0, |c| c.len());
-        let block = self.check_logits(b, t, cached, options.return_weights)?;
-        if t == 0 {
-            return self.empty_output(b, cached, x, options.return_weights);
+        let tk = cached.saturating_add(t);
+        let block = self.check_logits(b, t, tk, options.return_weights)?;
+        let full = (b, cfg.num_heads, t, tk);
+        let attn_mask = self.attn_mask(options, full)?;
+        let padding = options
+            .padding_mask
+            .map(|p| check_padding(p, b, tk))
+            .transpose()?;
+        if t == 0 || b == 0 {
+            return self.empty_output(full, x, options.return_weights);
         }
         let enc = self.encoding.as_deref();
         let ctx = AttentionContext::chunk(positions, t)
@@ -160,15 +161,11 @@ impl MultiHeadAttention {
             Some(cache) => cache.append(&k, &v, positions)?,
             None => (k, v, positions.clone()),
         };
-        let tk = k.dim(2)?;
         let q = (q * cfg.softmax_scale)?;
         let path = Path::choose(&q, &k, &v, options.train, options.return_weights);
         let attended = Chunk {
-            attn_mask: self.attn_mask(options, (b, cfg.num_heads, t, tk))?,
-            padding: options
-                .padding_mask
-                .map(|p| check_padding(p, b, tk))
-                .transpose()?,
+            attn_mask,
+            padding,
             q,
             k,
             v,
@@ -209,11 +206,10 @@ impl MultiHeadAttention {
         Ok((b, t))
     }
 
-    /// Queries per block for `t` queries against `cached + t` keys, after checking that one
-    /// block's logits (all queries' when the weights are returned) can be allocated.
-    fn check_logits(&self, b: usize, t: usize, cached: usize, weights: bool) -> Result<usize> {
+    /// Queries per block for `t` queries against `tk` keys, after checking that one block's
+    /// logits (all queries' when the weights are returned) can be allocated.
+    fn check_logits(&self, b: usize, t: usize, tk: usize, weights: bool) -> Result<usize> {
         let cfg = &self.config;
-        let tk = t.saturating_add(cached);
         let elem = self.q_proj.weight().dtype().size_in_bytes();
         let block = cfg.query_block_for(b, t, tk, elem);
         let rows = if weights { t } else { block };
@@ -230,20 +226,20 @@ impl MultiHeadAttention {
         Ok(block)
     }
 
-    /// The output of a chunk with no query: empty (candle's linear layers cannot reshape an
-    /// empty chunk, and there is nothing to append to the cache).
+    /// The output of a chunk with no query or no sequence: empty, shaped as `full` =
+    /// `(B, H, T, T_keys)` says (candle's linear layers cannot reshape an empty chunk), and
+    /// nothing is appended to the cache.
     fn empty_output(
         &self,
-        b: usize,
-        cached: usize,
+        (b, h, t, tk): (usize, usize, usize, usize),
         x: &Tensor,
         weights: bool,
     ) -> Result<AttentionOutput> {
         let empty = |shape: &[usize]| Tensor::zeros(shape, x.dtype(), x.device());
         Ok(AttentionOutput {
-            output: empty(&[b, 0, self.config.d_model])?,
+            output: empty(&[b, t, self.config.d_model])?,
             weights: match weights {
-                true => Some(empty(&[b, self.config.num_heads, 0, cached])?),
+                true => Some(empty(&[b, h, t, tk])?),
                 false => None,
             },
         })
@@ -313,6 +309,13 @@ impl MultiHeadAttention {
         let Some(mask) = options.attn_mask else {
             return Ok(None);
         };
+        if !is_float(mask.dtype()) {
+            return Err(Error::DType {
+                what: "additive attention mask",
+                expected: "a float mask added to the logits (0 to attend, -inf or a large negative value to hide); a 0/1 keep-mask of keys goes in padding_mask",
+                got: mask.dtype(),
+            });
+        }
         Ok(Some(mask.broadcast_as(full).map_err(|_| {
             Error::shape(
                 "additive attention mask",

@@ -208,7 +208,7 @@ impl RelativeBias {
     ///
     /// # Errors
     /// [`Error::Shape`] if the rows or the index map do not fit `tq` and `tk`;
-    /// [`Error::InvalidConfig`] if the result would pass [`crate::limits::MAX_ELEMENTS`].
+    /// [`Error::InvalidConfig`] if the result would pass [`crate::limits::max_elements`].
     pub fn to_dense(&self, tq: usize, tk: usize) -> Result<Tensor> {
         let (vb, vh, rows, width) = self.values.dims4()?;
         let batch = match &self.columns {
@@ -332,14 +332,7 @@ impl RelativeValues {
 }
 
 fn check_float(what: &'static str, t: &Tensor) -> Result<()> {
-    if !t.dtype().is_float() {
-        return Err(Error::DType {
-            what,
-            expected: "a float dtype (f32, f64, bf16 or f16)",
-            got: t.dtype(),
-        });
-    }
-    Ok(())
+    crate::error::check_float(what, t.dtype())
 }
 
 /// Per query, the weights summed per column: `out[b, h, i, c] = Σ_{j: c(i,j) = c}

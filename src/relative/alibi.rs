@@ -98,7 +98,7 @@ impl AlibiConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for zero heads, more than [`crate::limits::MAX_ELEMENTS`] heads, or a
+    /// [`Error::InvalidConfig`] for zero heads, more than [`crate::limits::max_elements`] heads, or a
     /// head range outside `0..num_heads`.
     pub fn validate(&self) -> Result<()> {
         check_num_heads(self.num_heads)?;
@@ -121,7 +121,7 @@ impl AlibiConfig {
 /// The ALiBi slopes of a model with `num_heads` heads, in f64 (BLOOM's formula).
 ///
 /// # Errors
-/// [`Error::InvalidConfig`] for zero heads or more than [`crate::limits::MAX_ELEMENTS`].
+/// [`Error::InvalidConfig`] for zero heads or more than [`crate::limits::max_elements`].
 pub fn alibi_slopes(num_heads: usize) -> Result<Vec<f64>> {
     check_num_heads(num_heads)?;
     let closest = 1usize << (usize::BITS - 1 - num_heads.leading_zeros());

@@ -36,7 +36,7 @@ impl ClippedBiasConfig {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for zero heads, a zero or absurd (> 2^30) clip distance, or a table
-    /// past [`crate::limits::MAX_ELEMENTS`].
+    /// past [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.num_heads == 0 {
             return Err(Error::config("num_heads", self.num_heads, "at least 1"));

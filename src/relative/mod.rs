@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::error::{Error, Result};
+use crate::error::{check_float, Error, Result};
 use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
 use crate::positions::Positions;
 
@@ -242,6 +242,7 @@ impl<C: RelativeBucketing> BucketedRelativeBias<C> {
     /// [`Error::TensorShape`] for a checkpoint without the table or with another shape.
     pub fn new(config: &C, vb: candle_nn::VarBuilder) -> Result<Self> {
         config.validate()?;
+        check_float("relative bias table (the VarBuilder's dtype)", vb.dtype())?;
         let table = vb.pp(C::TABLE).get_with_hints(
             (config.num_buckets(), config.num_heads()),
             "weight",

@@ -26,7 +26,7 @@ use candle_nn::{Init, VarBuilder};
 use crate::positions::Positions;
 
 use super::{query_dims, relative_buckets};
-use crate::error::{Error, Result};
+use crate::error::{check_float, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
@@ -63,7 +63,7 @@ impl ShawConfig {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a zero head width, a zero or absurd (> 2^20) clip distance, or
-    /// tables past [`crate::limits::MAX_ELEMENTS`].
+    /// tables past [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.head_dim == 0 {
             return Err(Error::config("head_dim", self.head_dim, "at least 1"));
@@ -123,6 +123,7 @@ impl ShawRelativePosition {
     /// As [`ShawConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
     pub fn new(config: &ShawConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
+        check_float("Shaw tables (the VarBuilder's dtype)", vb.dtype())?;
         let shape = (2 * config.max_distance + 1, config.head_dim);
         let init = Init::Randn {
             mean: 0.0,

@@ -87,7 +87,7 @@ impl T5Config {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero heads, too few buckets (< 2, or < 4 bidirectional), or
     /// a `max_distance` not greater than the exact range (`num_buckets / 2`, halved again when
-    /// bidirectional), or a table past [`crate::limits::MAX_ELEMENTS`].
+    /// bidirectional), or a table past [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.num_heads == 0 {
             return Err(Error::config("num_heads", self.num_heads, "at least 1"));
@@ -123,7 +123,8 @@ impl T5Config {
         let (offset, r) = if self.bidirectional {
             (if d > 0 { n } else { 0 }, d.unsigned_abs())
         } else {
-            (0, (-d).max(0) as u64)
+            // Keys after the query share bucket 0; |d| without negating (i64::MIN has no −d).
+            (0, if d < 0 { d.unsigned_abs() } else { 0 })
         };
         let within = if r < exact as u64 {
             r as usize

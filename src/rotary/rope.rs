@@ -13,8 +13,10 @@ use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
 /// Largest number of cos (or sin) table entries ever built (`positions × rotary_dim / 2`): half
-/// of the crate's one ceiling, so that cos and sin together stay within it.
-const MAX_TABLE_ELEMENTS: usize = crate::limits::MAX_ELEMENTS / 2;
+/// of the crate's one budget, so that cos and sin together stay within it.
+fn max_table_elements() -> usize {
+    crate::limits::max_elements() / 2
+}
 
 /// Which features form the rotated pairs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -135,7 +137,7 @@ impl RopeConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an odd, zero or absurd (past [`crate::limits::MAX_ELEMENTS`])
+    /// [`Error::InvalidConfig`] for an odd, zero or absurd (past [`crate::limits::max_elements`])
     /// `head_dim`, an odd, zero or too large
     /// `rotary_dim`, a non-positive or non-finite base or xPos scale base, or bad scaling
     /// parameters (see [`RopeScaling::validate`]).
@@ -549,7 +551,7 @@ impl RotaryEmbedding {
         let mut t = self.tables.write().map_err(|_| poisoned())?;
         let have = if t.regime == regime { t.rows()? } else { 0 };
         if have < end {
-            let max_rows = MAX_TABLE_ELEMENTS / (self.config.rotary_dim / 2);
+            let max_rows = max_table_elements() / (self.config.rotary_dim / 2);
             let rows = match regime {
                 // A dynamic table is only valid for its own length.
                 Regime::Dynamic(_) => end,
@@ -615,11 +617,12 @@ fn check_xpos_range(config: &RopeConfig, end: usize) -> Result<()> {
 }
 
 fn check_table_size(rows: usize, rotary_dim: usize) -> Result<()> {
-    if rows.saturating_mul(rotary_dim / 2) > MAX_TABLE_ELEMENTS {
+    let max = max_table_elements();
+    if rows.saturating_mul(rotary_dim / 2) > max {
         return Err(Error::config(
             "sequence end",
             rows,
-            format!("positions × rotary_dim / 2 at most {MAX_TABLE_ELEMENTS}"),
+            format!("positions × rotary_dim / 2 at most {max}"),
         ));
     }
     Ok(())

@@ -1,0 +1,74 @@
+//! The size budget is one number a user reads and sets, and every size that follows from a
+//! configuration or an input obeys it at once. (Its own test binary: the budget is
+//! process-wide, so lowering it must not race other tests.)
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::limits::{max_elements, set_max_elements, MAX_ELEMENTS};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, Error, KvCache, LearnedConfig, LearnedPositionalEncoding,
+    MultiHeadAttention, Positions, RopeConfig, RotaryEmbedding, SinusoidalConfig,
+    SinusoidalPositionalEncoding,
+};
+
+#[test]
+fn budget_is_one_number() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    assert_eq!(max_elements(), MAX_ELEMENTS);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4), None, vb.pp("a"))?;
+    let x = Tensor::zeros((1, 64, 16), DType::F32, &dev)?;
+    let weights = AttentionOptions {
+        return_weights: true,
+        ..Default::default()
+    };
+    mha.forward_with(&x, &weights, None)?;
+
+    assert_eq!(set_max_elements(4096), MAX_ELEMENTS);
+    let refused: Vec<(&str, Error)> = vec![
+        (
+            "logits of 4 × 64 × 64",
+            mha.forward_with(&x, &weights, None).unwrap_err(),
+        ),
+        (
+            "a sinusoidal table of 512 × 16",
+            SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(16), &dev).unwrap_err(),
+        ),
+        (
+            "a learned table of 1024 × 16",
+            LearnedPositionalEncoding::new(&LearnedConfig::new(16).with_max_len(1024), vb.pp("l"))
+                .unwrap_err(),
+        ),
+        (
+            "RoPE tables for 4096 positions",
+            RotaryEmbedding::new(&RopeConfig::new(64).with_max_position(4096), &dev).unwrap_err(),
+        ),
+        (
+            "8192 position ids",
+            Positions::Offset(0).to_ids(8192, &dev).unwrap_err(),
+        ),
+        ("a KV cache of 1 × 4 × 2048 × 4", {
+            let mut cache = KvCache::with_capacity(1);
+            let opts = AttentionOptions::default();
+            let x = Tensor::zeros((1, 1, 16), DType::F32, &dev)?;
+            let mut err = None;
+            for _ in 0..2048 {
+                if let Err(e) = mha.forward_with(&x, &opts, Some(&mut cache)) {
+                    err = Some(e);
+                    break;
+                }
+            }
+            err.ok_or_else(|| anyhow::anyhow!("the cache grew past the budget"))?
+        }),
+    ];
+    set_max_elements(MAX_ELEMENTS);
+    for (what, err) in refused {
+        assert!(
+            matches!(err, Error::InvalidConfig { .. }) && err.to_string().contains("4096"),
+            "{what}: {err}"
+        );
+    }
+    mha.forward_with(&x, &weights, None)?;
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! Classes of bad input found by an outside probe, each tested as a class: empty batches, ids
+//! past `u32`, masks of the wrong kind (including on empty chunks), dtypes outside the four the
+//! crate computes in, and distances at the ends of `i64`.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, ClippedBiasConfig, ClippedRelativeBias, Error, KvCache,
+    LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention, Positions, ShawConfig,
+    ShawRelativePosition, T5Config, T5RelativeBias,
+};
+use common::zoo;
+
+/// An empty batch (B = 0, T > 0) gives empty outputs and weights on every path, with and
+/// without a cache, for every encoding; the cache is left as it was.
+fn empty_batch_gives_empty_outputs(dev: &Device) -> anyhow::Result<()> {
+    let (d_model, heads) = (16, 4);
+    let x = Tensor::zeros((0, 5, d_model), DType::F32, dev)?;
+    for (i, config) in zoo::configs(d_model, heads, d_model / heads)
+        .iter()
+        .enumerate()
+    {
+        let attn = AttentionConfig::new(d_model, heads).with_causal(true);
+        let (mha, _vars) = zoo::attention(config, &attn, DType::F32, dev)?;
+        for (train, return_weights) in [(false, false), (false, true), (true, false)] {
+            let opts = AttentionOptions {
+                train,
+                return_weights,
+                ..Default::default()
+            };
+            let what = format!("{} train {train}", zoo::label(i, config));
+            let out = mha.forward_with(&x, &opts, None)?;
+            assert_eq!(out.output.dims(), &[0, 5, d_model], "{what}");
+            if let Some(w) = out.weights {
+                assert_eq!(w.dims(), &[0, heads, 5, 5], "{what}");
+            }
+            let mut cache = KvCache::new();
+            let out = mha.forward_with(&x, &opts, Some(&mut cache))?;
+            assert_eq!(out.output.dims(), &[0, 5, d_model], "{what}");
+            assert!(cache.is_empty(), "{what}");
+        }
+    }
+    Ok(())
+}
+
+/// Ids for more positions than `u32` holds, or than the budget allows, are refused before
+/// anything is allocated (they used to be truncated to none).
+fn position_ids_past_u32(dev: &Device) -> anyhow::Result<()> {
+    for (start, len) in [
+        (0usize, 1usize << 32),
+        (1, (1 << 32) - 1),
+        (0, (1 << 32) + 1),
+    ] {
+        let err = Positions::Offset(start).to_ids(len, dev).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidConfig { .. }),
+            "{start} + {len}: {err}"
+        );
+    }
+    let ids = Positions::Offset(0).to_ids(3, dev)?;
+    let err = Positions::ids(&ids)?.to_ids(4, dev).unwrap_err();
+    assert!(matches!(err, Error::Shape { .. }), "{err}");
+    Ok(())
+}
+
+/// An additive mask must be a float tensor (a 0/1 u8 mask added as +1 was a silent wrong
+/// answer); masks are checked on empty chunks too.
+fn masks_of_the_wrong_kind(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4), None, vb)?;
+    for t in [3usize, 0] {
+        let x = Tensor::zeros((2, t, 16), DType::F32, dev)?;
+        for dtype in [DType::U8, DType::U32, DType::I64] {
+            let mask = Tensor::ones((2, 1, t, t), dtype, dev)?;
+            let opts = AttentionOptions {
+                attn_mask: Some(&mask),
+                ..Default::default()
+            };
+            let err = mha.forward_with(&x, &opts, None).unwrap_err();
+            assert!(
+                matches!(err, Error::DType { .. }),
+                "T = {t}, {dtype:?}: {err}"
+            );
+            assert!(err.to_string().contains("padding_mask"), "{err}");
+        }
+        let misshapen = Tensor::zeros((3, 1, t + 1, t + 1), DType::F32, dev)?;
+        let opts = AttentionOptions {
+            attn_mask: Some(&misshapen),
+            ..Default::default()
+        };
+        let err = mha.forward_with(&x, &opts, None).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "T = {t}: {err}");
+        let padding = Tensor::ones((2, t + 2), DType::U8, dev)?;
+        let opts = AttentionOptions {
+            padding_mask: Some(&padding),
+            ..Default::default()
+        };
+        let err = mha.forward_with(&x, &opts, None).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "T = {t}: {err}");
+    }
+    Ok(())
+}
+
+/// One rule for every weight and table: f32, f64, bf16 or f16. Integer and 8-bit float
+/// `VarBuilder`s are refused when the module is built (T5, clipped and Shaw tables used to
+/// load through an integer one, −7.0 becoming 0; an F8 block failed at its first matmul).
+fn one_dtype_rule_for_every_table(dev: &Device) -> anyhow::Result<()> {
+    for dtype in [DType::U8, DType::U32, DType::I64, DType::F8E4M3] {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+        let results = [
+            (
+                "attention",
+                MultiHeadAttention::new(&AttentionConfig::new(16, 4), None, vb.pp("a")).map(drop),
+            ),
+            (
+                "t5",
+                T5RelativeBias::new(&T5Config::new(4), vb.pp("t5")).map(drop),
+            ),
+            (
+                "clipped",
+                ClippedRelativeBias::new(&ClippedBiasConfig::new(4, 3), vb.pp("c")).map(drop),
+            ),
+            (
+                "shaw",
+                ShawRelativePosition::new(&ShawConfig::new(4, 3), vb.pp("s")).map(drop),
+            ),
+            (
+                "learned",
+                LearnedPositionalEncoding::new(&LearnedConfig::new(16), vb.pp("l")).map(drop),
+            ),
+        ];
+        for (name, result) in results {
+            match result {
+                Err(Error::DType { got, .. }) => assert_eq!(got, dtype, "{name}"),
+                other => panic!("{name} through a {dtype:?} VarBuilder: {other:?}"),
+            }
+        }
+        assert!(
+            varmap.all_vars().is_empty(),
+            "{dtype:?}: nothing is created"
+        );
+    }
+    Ok(())
+}
+
+/// T5's buckets at the ends of `i64` (|i64::MIN| has no i64 negation): the farthest buckets,
+/// never a wrap to bucket 0.
+fn t5_buckets_at_the_ends_of_i64(_dev: &Device) -> anyhow::Result<()> {
+    for bidirectional in [false, true] {
+        let cfg = T5Config::new(4).with_bidirectional(bidirectional);
+        let far_before = cfg.bucket(-1_000_000);
+        assert_eq!(
+            cfg.bucket(i64::MIN),
+            far_before,
+            "bidirectional {bidirectional}"
+        );
+        assert_eq!(cfg.bucket(i64::MIN + 1), far_before);
+        assert_eq!(cfg.bucket(i64::MAX), cfg.bucket(1_000_000));
+    }
+    Ok(())
+}
+
+device_tests!(
+    empty_batch_gives_empty_outputs,
+    position_ids_past_u32,
+    masks_of_the_wrong_kind,
+    one_dtype_rule_for_every_table,
+    t5_buckets_at_the_ends_of_i64
+);
