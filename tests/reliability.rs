@@ -8,8 +8,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, ClippedBiasConfig, ClippedRelativeBias, Error, KvCache,
-    LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention, Positions, ShawConfig,
-    ShawRelativePosition, T5Config, T5RelativeBias,
+    LearnedConfig, LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention, Positions,
+    QkLayout, RopeConfig, RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition, T5Config,
+    T5RelativeBias, YarnScaling,
 };
 use common::zoo;
 
@@ -164,10 +165,108 @@ fn t5_buckets_at_the_ends_of_i64(_dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Configurations that would turn finite input into NaN or ∞ are refused: the examples the
+/// probe found, then every scaling over a sweep of extreme values, each either refused with a
+/// typed error or giving finite rotations at positions up to 50 000.
+fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result<()> {
+    let longrope = |orig: usize, attention_factor: Option<f64>| {
+        RopeScaling::LongRope(LongRopeScaling {
+            short_factor: vec![1.0; 4],
+            long_factor: vec![2.0; 4],
+            original_max_position_embeddings: orig,
+            factor: 4.0,
+            attention_factor,
+        })
+    };
+    let refused = [
+        (
+            "subnormal linear factor",
+            RopeScaling::Linear { factor: 1e-310 },
+        ),
+        ("LongRoPE original length 1", longrope(1, None)),
+        (
+            "YaRN attention factor 1e300",
+            RopeScaling::Yarn(YarnScaling::new(4.0, 64).with_attention_factor(1e300)),
+        ),
+        (
+            "LongRoPE attention factor 1e-320",
+            longrope(64, Some(1e-320)),
+        ),
+    ];
+    for (what, scaling) in refused {
+        let cfg = RopeConfig::new(8).with_scaling(scaling);
+        let err = RotaryEmbedding::new(&cfg, dev).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{what}: {err}");
+        assert!(cfg.validate().is_err(), "{what}: validate accepts it");
+    }
+    for scale in [1e300, 1e-300, f64::MIN_POSITIVE / 2.0] {
+        let err = AttentionConfig::new(16, 4)
+            .with_softmax_scale(scale)
+            .validate()
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidConfig { .. }),
+            "scale {scale}: {err}"
+        );
+    }
+    let varmap = VarMap::new();
+    let half = VarBuilder::from_varmap(&varmap, DType::F16, dev);
+    let big = AttentionConfig::new(16, 4).with_softmax_scale(1e6);
+    assert!(matches!(
+        MultiHeadAttention::new(&big, None, half),
+        Err(Error::InvalidConfig { .. })
+    ));
+    // The sweep: whatever is accepted rotates finite input to finite output.
+    let q = Tensor::ones((1, 1, 3, 8), DType::F32, dev)?;
+    let mut accepted = 0;
+    for v in [1e-300, 1e-30, 1e-5, 0.5, 1.0, 3.0, 1e5, 1e30, 1e300] {
+        let scalings = [
+            RopeScaling::Linear { factor: v },
+            RopeScaling::NtkAware { alpha: v },
+            RopeScaling::Dynamic {
+                factor: v,
+                original_max_position_embeddings: 64,
+            },
+            RopeScaling::Yarn(YarnScaling::new(v, 64)),
+            RopeScaling::Yarn(YarnScaling::new(4.0, 64).with_mscale(v, 1.0)),
+            RopeScaling::Llama3 {
+                factor: v,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64,
+            },
+            longrope(64, Some(v)),
+        ];
+        for scaling in scalings {
+            let what = format!("{scaling:?}");
+            let Ok(rope) = RotaryEmbedding::new(&RopeConfig::new(8).with_scaling(scaling), dev)
+            else {
+                continue;
+            };
+            accepted += 1;
+            for start in [0usize, 1000, 50_000] {
+                let p = Positions::Offset(start);
+                let (rq, rk) = rope.rotate_queries_keys(&q, &q, &p, &p, QkLayout::Bhtd)?;
+                for t in [rq, rk] {
+                    let finite = t
+                        .flatten_all()?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .all(|x| x.is_finite());
+                    assert!(finite, "{what} at {start}");
+                }
+            }
+        }
+    }
+    assert!(accepted > 30, "only {accepted} configurations accepted");
+    Ok(())
+}
+
 device_tests!(
     empty_batch_gives_empty_outputs,
     position_ids_past_u32,
     masks_of_the_wrong_kind,
     one_dtype_rule_for_every_table,
-    t5_buckets_at_the_ends_of_i64
+    t5_buckets_at_the_ends_of_i64,
+    configurations_that_cannot_give_finite_output
 );

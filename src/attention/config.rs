@@ -189,7 +189,7 @@ impl AttentionConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
-    /// scale that is not finite and positive, a query block of 0, a logits budget of 0, or
+    /// scale that is not a positive normal f32, a query block of 0, a logits budget of 0, or
     /// projection weights past [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
@@ -238,11 +238,14 @@ impl AttentionConfig {
         if self.logits_budget == 0 {
             return Err(Error::config("logits_budget", 0, "at least 1 byte"));
         }
-        if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
+        // The scale multiplies q in the weights' dtype: it must be a normal f32 (bf16 has the
+        // same range; f16 weights are checked against theirs when the block is built).
+        let scale = self.softmax_scale;
+        if !(scale.is_finite() && scale >= f32::MIN_POSITIVE as f64 && scale <= f32::MAX as f64) {
             return Err(Error::config(
                 "softmax_scale",
-                self.softmax_scale,
-                "a finite number > 0",
+                scale,
+                "a finite number > 0 within f32's normal range",
             ));
         }
         Ok(())

@@ -76,6 +76,13 @@ impl MultiHeadAttention {
     ) -> Result<Self> {
         config.validate()?;
         check_float("attention weights (the VarBuilder's dtype)", vb.dtype())?;
+        if vb.dtype() == DType::F16 && config.softmax_scale > f64::from(half::f16::MAX) {
+            return Err(Error::config(
+                "softmax_scale",
+                config.softmax_scale,
+                "at most 65504 for f16 weights (the scale multiplies q in their dtype)",
+            ));
+        }
         let (d, hd) = (config.d_model, config.head_dim);
         let q_proj = linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?;
         let k_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?;

@@ -172,7 +172,22 @@ impl RopeConfig {
                 return Err(Error::config("xpos_scale_base", g, "a finite number > 0"));
             }
         }
-        self.scaling.validate(self.rotary_dim)
+        // The cos and sin tables built at construction (and the frequencies behind them).
+        let rows = self.max_position.clamp(1, INITIAL_ROWS_CAP);
+        crate::limits::check_elements(
+            "rotary_dim",
+            self.rotary_dim,
+            format!("2 × {rows} rows × rotary_dim / 2 of the first cos and sin tables").as_str(),
+            &[2, rows, self.rotary_dim / 2],
+        )?;
+        self.scaling.validate(self.rotary_dim)?;
+        // Every regime the tables can take must be finite (LongRoPE's long factors and
+        // attention factor apply past the original length only).
+        for seq_len in [0, usize::MAX] {
+            self.scaling
+                .frequencies(self.rotary_dim, self.base, seq_len)?;
+        }
+        Ok(())
     }
 }
 
@@ -651,12 +666,16 @@ fn build_tables(
         .scaling
         .frequencies(config.rotary_dim, config.base, regime.seq_len())?;
     let half = freqs.inv_freq.len();
+    check_table_size(rows, config.rotary_dim)?;
     let n = rows * half;
     let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
     // xPos: ζ_i = (2i/d + 0.4) / 1.4, scale ζ_i^(n/γ) for queries and its inverse for keys.
-    let zeta: Vec<f64> = (0..half)
-        .map(|i| ((2 * i) as f64 / config.rotary_dim as f64 + 0.4) / 1.4)
-        .collect();
+    let zeta: Vec<f64> = match config.xpos_scale_base {
+        Some(_) => (0..half)
+            .map(|i| ((2 * i) as f64 / config.rotary_dim as f64 + 0.4) / 1.4)
+            .collect(),
+        None => Vec::new(),
+    };
     let (mut cos_k, mut sin_k) = match config.xpos_scale_base {
         Some(_) => (Vec::with_capacity(n), Vec::with_capacity(n)),
         None => (Vec::new(), Vec::new()),

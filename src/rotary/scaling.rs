@@ -31,6 +31,38 @@ pub struct RopeFrequencies {
     pub attention_factor: f64,
 }
 
+impl RopeFrequencies {
+    /// Checks that these frequencies give finite f32 tables: every inverse frequency finite and
+    /// ≥ 0, the attention factor finite, > 0 and within f32's normal range. A scaling whose
+    /// settings pass one by one can still fail here (a LongRoPE original length of 1 makes
+    /// `ln 1 = 0` a divisor; a YaRN attention factor of 1e300 overflows f32).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the scaling (`scaling`) and the value that is not finite.
+    pub fn check_finite(&self, scaling: &str) -> Result<()> {
+        if let Some(bad) = self
+            .inv_freq
+            .iter()
+            .find(|f| !(f.is_finite() && **f >= 0.0))
+        {
+            return Err(Error::config(
+                "rope inverse frequency",
+                bad,
+                format!("finite and >= 0; the {scaling} scaling settings give none"),
+            ));
+        }
+        let a = self.attention_factor;
+        if !(a.is_finite() && a >= f32::MIN_POSITIVE as f64 && a <= f32::MAX as f64) {
+            return Err(Error::config(
+                "rope attention factor",
+                a,
+                format!("a finite number > 0 within f32's range; the {scaling} scaling settings give none"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// YaRN parameters (Peng et al. 2023, "YaRN: Efficient Context Window Extension").
 #[derive(Debug, Clone, PartialEq)]
 pub struct YarnScaling {
@@ -173,10 +205,11 @@ impl RopeScaling {
     /// `rotary_dim / 2`, or NTK scaling with `rotary_dim <= 2` (its exponent `d/(d−2)` diverges).
     pub fn validate(&self, rotary_dim: usize) -> Result<()> {
         let positive = |name: &'static str, v: f64| -> Result<()> {
-            if v.is_finite() && v > 0.0 {
+            // Subnormal factors are refused too: their reciprocals overflow.
+            if v.is_normal() && v > 0.0 {
                 Ok(())
             } else {
-                Err(Error::config(name, v, "a finite number > 0"))
+                Err(Error::config(name, v, "a finite, normal number > 0"))
             }
         };
         let length = |name: &'static str, v: usize| -> Result<()> {
@@ -301,7 +334,7 @@ impl RopeScaling {
             inv_freq,
             attention_factor: 1.0,
         };
-        Ok(match self {
+        let freqs = match self {
             RopeScaling::None => plain(default_inv_freq(rotary_dim, base)),
             RopeScaling::Linear { factor } => plain(linear_inv_freq(rotary_dim, base, *factor)),
             RopeScaling::NtkAware { alpha } => plain(ntk_aware_inv_freq(rotary_dim, base, *alpha)),
@@ -330,7 +363,9 @@ impl RopeScaling {
                 *original_max_position_embeddings,
             )),
             RopeScaling::LongRope(l) => longrope_inv_freq(rotary_dim, base, l, seq_len),
-        })
+        };
+        freqs.check_finite(self.name())?;
+        Ok(freqs)
     }
 
     /// Which table a sequence ending at `seq_len` needs: tables only change with the length for
