@@ -386,6 +386,12 @@ impl Positions {
                 k.shape(),
             ));
         }
+        crate::limits::check_elements(
+            "queries × keys",
+            format!("{q_len} × {k_len}"),
+            "batch × queries × keys of the distances",
+            &[qb.max(kb), q_len, k_len],
+        )?;
         Ok(k.unsqueeze(1)?.broadcast_sub(&q.unsqueeze(2)?)?)
     }
 }

@@ -6,9 +6,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::limits::{max_elements, set_max_elements, MAX_ELEMENTS};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, Error, KvCache, LearnedConfig, LearnedPositionalEncoding,
-    MultiHeadAttention, Positions, RopeConfig, RotaryEmbedding, SinusoidalConfig,
-    SinusoidalPositionalEncoding,
+    AttentionConfig, AttentionContext, AttentionOptions, Error, KvCache, LearnedConfig,
+    LearnedPositionalEncoding, MultiHeadAttention, PositionalEncoding, Positions, RopeConfig,
+    RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
+    SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
 };
 
 #[test]
@@ -24,6 +25,11 @@ fn budget_is_one_number() -> anyhow::Result<()> {
         ..Default::default()
     };
     mha.forward_with(&x, &weights, None)?;
+    let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 64), vb.pp("s"))?;
+    let t5 = T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?;
+    let ids = Positions::ids(&Tensor::zeros((8, 16), DType::U32, &dev)?)?;
+    let keys = Positions::ids(&Tensor::zeros((1, 64), DType::U32, &dev)?)?;
+    let at0 = Positions::Offset(0);
 
     assert_eq!(set_max_elements(4096), MAX_ELEMENTS);
     let refused: Vec<(&str, Error)> = vec![
@@ -61,6 +67,30 @@ fn budget_is_one_number() -> anyhow::Result<()> {
             }
             err.ok_or_else(|| anyhow::anyhow!("the cache grew past the budget"))?
         }),
+        (
+            "distances of 8 sequences × 16 × 64 ids (16 × 64 alone fit)",
+            Positions::relative_distances(&ids, 16, &keys, 64, &dev).unwrap_err(),
+        ),
+        (
+            "T5 rows for 5000 keys",
+            t5.logits_bias(
+                &Tensor::zeros((1, 4, 1, 4), DType::F32, &dev)?,
+                &AttentionContext::new(&at0, 1, &at0, 5000),
+            )
+            .unwrap_err(),
+        ),
+        (
+            "Shaw's products of 2 × 4 × 16 × 129",
+            shaw.logits_bias(
+                &Tensor::zeros((2, 4, 16, 4), DType::F32, &dev)?,
+                &AttentionContext::new(&at0, 16, &at0, 16),
+            )
+            .unwrap_err(),
+        ),
+        (
+            "four projections of 64 × 64 (each alone fits)",
+            AttentionConfig::new(64, 4).validate().unwrap_err(),
+        ),
     ];
     set_max_elements(MAX_ELEMENTS);
     for (what, err) in refused {

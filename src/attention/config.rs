@@ -227,6 +227,18 @@ impl AttentionConfig {
             format!("d_model × num_heads × head_dim ({width})").as_str(),
             &[self.d_model, width],
         )?;
+        // The four projections together: q and o hold H·D rows or columns, k and v Hkv·D.
+        let heads = 2 * self.num_heads + 2 * self.num_kv_heads;
+        check_elements(
+            "d_model",
+            self.d_model,
+            format!(
+                "d_model × (2·num_heads + 2·num_kv_heads) × head_dim ({heads} × {}) of the four projections together",
+                self.head_dim
+            )
+            .as_str(),
+            &[self.d_model, heads, self.head_dim],
+        )?;
         crate::absolute::check_dropout(self.dropout)?;
         if self.query_block == Some(0) {
             return Err(Error::config(

@@ -328,7 +328,7 @@ impl PositionalEncoding for Alibi {
     fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         let (_, h, tq, _) = check_queries(q, self.config.head_count)?;
         let mode = self.mode_for(ctx.causal);
-        let range = DistanceRange::of(ctx.queries, tq, ctx.keys, ctx.k_len);
+        let range = DistanceRange::of(ctx.queries, tq, ctx.keys, ctx.k_len)?;
         let (AlibiMode::CausalPairwise | AlibiMode::Symmetric, Some(range)) = (mode, range) else {
             return Ok(Some(LogitsBias::Dense(self.bias(ctx)?)));
         };

@@ -95,20 +95,37 @@ pub(crate) struct DistanceRange {
 }
 
 impl DistanceRange {
-    pub(crate) fn of(queries: &Positions, tq: usize, keys: &Positions, tk: usize) -> Option<Self> {
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for offsets past [`crate::positions::MAX_POSITION`] or a range
+    /// past the size budget.
+    pub(crate) fn of(
+        queries: &Positions,
+        tq: usize,
+        keys: &Positions,
+        tk: usize,
+    ) -> Result<Option<Self>> {
         let (Positions::Offset(qs), Positions::Offset(ks)) = (queries, keys) else {
-            return None;
+            return Ok(None);
         };
         if tq == 0 || tk == 0 {
-            return None;
+            return Ok(None);
         }
+        queries.check_len(tq)?;
+        keys.check_len(tk)?;
+        crate::limits::check_elements(
+            "queries + keys",
+            format!("{tq} + {tk}"),
+            "the distances of a block (queries + keys − 1)",
+            &[tq + tk - 1],
+        )?;
         let m = (*qs).min(*ks);
-        Some(Self {
+        Ok(Some(Self {
             d_min: *ks as i64 - (qs + tq - 1) as i64,
             width: tq + tk - 1,
             queries: Positions::Offset(qs - m),
             keys: Positions::Offset(ks - m),
-        })
+        }))
     }
 
     /// The shift of a [`RelativeBias`](crate::RelativeBias) over this range.
@@ -309,7 +326,7 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
     fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         let (_, h, tq, _) = check_queries(q, self.config.num_heads())?;
         let (k_len, cfg, device) = (ctx.k_len, &self.config, self.table.device());
-        let rows = match DistanceRange::of(ctx.queries, tq, ctx.keys, k_len) {
+        let rows = match DistanceRange::of(ctx.queries, tq, ctx.keys, k_len)? {
             Some(range) => {
                 let (qs, ks) = (&range.queries, &range.keys);
                 let lookup = self

@@ -182,6 +182,14 @@ impl ShawRelativePosition {
 
     /// `q · a^Kᵀ`: `(B, H, Tq, d) × (d, 2k + 1)` → `(B, H, Tq, 2k + 1)`.
     fn per_bucket(&self, q: &Tensor) -> Result<Tensor> {
+        let (b, h, tq, _) = q.dims4()?;
+        let width = 2 * self.config.max_distance + 1;
+        check_elements(
+            "max_distance",
+            self.config.max_distance,
+            format!("batch × heads × queries × (2k + 1) of the products q · a^K ({b} × {h} × {tq} × {width})").as_str(),
+            &[b, h, tq, width],
+        )?;
         Ok(q.broadcast_matmul(&self.keys.to_dtype(q.dtype())?.t()?)?)
     }
 
