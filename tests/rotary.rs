@@ -960,19 +960,33 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     assert_eq!(key, "rope_scaling.short_factor");
     let (key, _) = hf_error(&format!(r#"{{{base}, "rope_scaling": "linear"}}"#));
     assert_eq!(key, "rope_scaling");
-    // Values out of range are InvalidConfig, as from the builder.
-    expect_config_error(
-        RopeConfig::from_hf_json(&format!(
-            r#"{{{base}, "rope_scaling": {{"type": "linear", "factor": -1}}}}"#
-        )),
-        "linear factor",
-    );
-    expect_config_error(
-        RopeConfig::from_hf_json(&format!(
-            r#"{{{base}, "max_position_embeddings": 64, "rope_scaling": {{"type": "longrope", "short_factor": [1, 1], "long_factor": [1, 1]}}}}"#
-        )),
-        "short_factor",
-    );
+    // Values the checks refuse are reported under the file's own key, never a field of ours
+    // that the file does not contain.
+    for (json, want) in [
+        (
+            r#""rope_scaling": {"type": "linear", "factor": -1}"#,
+            "rope_scaling.factor",
+        ),
+        (
+            r#""max_position_embeddings": 64, "rope_scaling": {"type": "longrope", "short_factor": [1, 1], "long_factor": [1, 1]}"#,
+            "rope_scaling.short_factor",
+        ),
+        (r#""rope_theta": 0.5"#, "rope_theta"),
+        (
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": -1}"#,
+            "rope_parameters.rope_theta",
+        ),
+        (r#""rotary_pct": 0.0"#, "rotary_pct"),
+        (
+            r#""rope_scaling": {"type": "yarn", "factor": 4, "attention_factor": 1e300}, "max_position_embeddings": 64"#,
+            "rope_scaling.attention_factor",
+        ),
+    ] {
+        let (key, problem) = hf_error(&format!("{{{base}, {json}}}"));
+        assert_eq!(key, want, "{json}: {problem}");
+    }
+    let (key, _) = hf_error(r#"{"hidden_size": 12, "num_attention_heads": 4}"#);
+    assert_eq!(key, "hidden_size / num_attention_heads");
     Ok(())
 }
 

@@ -181,53 +181,61 @@ impl RopeConfig {
             ));
         }
 
-        // Head size.
-        let head_dim = match top.usize("head_dim")? {
-            Some(d) => d,
+        // Head size, and the key each derived setting came from (errors name those keys).
+        let (head_dim, head_key) = match top.usize("head_dim")? {
+            Some(d) => (d, "head_dim".to_string()),
             None => {
-                let hidden = first(&top, &["hidden_size", "n_embd", "d_model"])?;
-                let heads = first(&top, &["num_attention_heads", "n_head", "num_heads"])?;
+                let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model"])?;
+                let (heads, heads_key) =
+                    first(&top, &["num_attention_heads", "n_head", "num_heads"])?;
                 if heads == 0 || !hidden.is_multiple_of(heads) {
                     return Err(problem(
-                        "num_attention_heads",
+                        heads_key,
                         format!(
-                            "is {heads}, expected a non-zero divisor of hidden_size ({hidden})"
+                            "is {heads}, expected a non-zero divisor of {hidden_key} ({hidden})"
                         ),
                     ));
                 }
-                hidden / heads
+                (hidden / heads, format!("{hidden_key} / {heads_key}"))
             }
         };
 
         let model_type = top.str("model_type")?;
-        let base = match (model_type, top.f64("rotary_emb_base")?) {
+        let (base, base_key) = match (model_type, top.f64("rotary_emb_base")?) {
             // GPT-NeoX's own key wins there.
-            (Some("gpt_neox"), Some(b)) => b,
+            (Some("gpt_neox"), Some(b)) => (b, "rotary_emb_base".to_string()),
             (_, neox_base) => match params.f64("rope_theta")? {
-                Some(b) => b,
-                None => match top.f64("rope_theta")? {
-                    Some(b) => b,
-                    None => neox_base.unwrap_or(10_000.0),
+                Some(b) => (b, params.name("rope_theta")),
+                None => match (top.f64("rope_theta")?, neox_base) {
+                    (Some(b), _) => (b, "rope_theta".to_string()),
+                    (None, Some(b)) => (b, "rotary_emb_base".to_string()),
+                    (None, None) => (10_000.0, "rope_theta".to_string()),
                 },
             },
         };
 
         let mut config = RopeConfig::new(head_dim).with_base(base);
+        let mut rotary_key = head_key.clone();
         if let Some(f) = params.f64("partial_rotary_factor")? {
             config = config.with_partial_rotary_factor(f);
+            rotary_key = params.name("partial_rotary_factor");
         } else if let Some(f) = top.f64("partial_rotary_factor")? {
             config = config.with_partial_rotary_factor(f);
+            rotary_key = "partial_rotary_factor".into();
         } else if let Some(f) = top.f64("rotary_pct")? {
             config = config.with_partial_rotary_factor(f);
+            rotary_key = "rotary_pct".into();
         } else if let Some(d) = top.usize("rotary_dim")? {
             config = config.with_rotary_dim(d);
+            rotary_key = "rotary_dim".into();
         } else if model_type == Some("gpt_neox") {
             // GPTNeoXConfig's default rotary_pct.
             config = config.with_partial_rotary_factor(0.25);
+            rotary_key = "model_type".into();
         }
         if !config.rotary_dim.is_multiple_of(2) {
             return Err(problem(
-                "partial_rotary_factor",
+                rotary_key.clone(),
                 format!(
                     "gives an odd rotary dimension {} for head_dim {head_dim}, expected an even one",
                     config.rotary_dim
@@ -287,6 +295,13 @@ impl RopeConfig {
                     None => max_pos_required(),
                 },
             }
+        };
+        let original_key = if top.get("original_max_position_embeddings").is_some() || is_phi3 {
+            "original_max_position_embeddings".to_string()
+        } else if params.get("original_max_position_embeddings").is_some() {
+            params.name("original_max_position_embeddings")
+        } else {
+            "max_position_embeddings".to_string()
         };
         let factor = || -> Result<f64> { params.required("factor", params.f64("factor")?) };
         let scaling = match rope_type {
@@ -351,16 +366,42 @@ impl RopeConfig {
             }
         };
         let config = config.with_scaling(scaling);
-        config.validate()?;
+        // A value the checks refuse is reported under the key of the file it came from.
+        let blame = |field: &str| -> String {
+            match field {
+                "head_dim" => head_key.clone(),
+                "rotary_dim" => rotary_key.clone(),
+                "base" => base_key.clone(),
+                "original_max_position_embeddings" => original_key.clone(),
+                "rope attention factor" if params.get("attention_factor").is_some() => {
+                    params.name("attention_factor")
+                }
+                "rope inverse frequency" | "rope attention factor" => type_key.clone(),
+                f if f.ends_with(" factor") => params.name("factor"),
+                f => params.name(f),
+            }
+        };
+        config.validate().map_err(|e| match e {
+            Error::InvalidConfig {
+                name,
+                value,
+                expected,
+            } => problem(
+                blame(name),
+                format!("gives {name} = {value}, expected {expected}"),
+            ),
+            other => other,
+        })?;
         Ok(config)
     }
 }
 
-/// The first of `keys` present (as a non-negative integer), or an error naming the first.
-fn first(obj: &Obj, keys: &[&str]) -> Result<usize> {
+/// The first of `keys` present (as a non-negative integer) and its name, or an error naming
+/// the first.
+fn first<'k>(obj: &Obj, keys: &[&'k str]) -> Result<(usize, &'k str)> {
     for key in keys {
         if let Some(v) = obj.usize(key)? {
-            return Ok(v);
+            return Ok((v, key));
         }
     }
     Err(problem(
