@@ -946,8 +946,8 @@ fn configs_and_metadata() {
     );
     s.case(
         "hf: absurd head_dim",
-        Kind::Config,
-        &["head_dim = 1000000000000"],
+        Kind::HfConfig,
+        &["`head_dim`", "head_dim = 1000000000000"],
         hf(r#"{"head_dim": 1000000000000, "max_position_embeddings": 4096}"#),
     );
     s.case(
