@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
 
 use crate::absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
 use crate::absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
@@ -25,7 +26,12 @@ use crate::Result;
 pub const KIND_KEY: &str = "posenc.kind";
 
 /// The configuration of any encoding in the crate.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) as one object tagged by `kind` ([`EncodingConfig::kind`]), with the
+/// encoding's configuration beside it, e.g. as JSON `{"kind": "none"}` or
+/// `{"kind": "t5", "num_heads": 8, "num_buckets": 32, "max_distance": 128, "bidirectional": true}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum EncodingConfig {
     /// No positional information at all.
     None,
@@ -58,6 +64,23 @@ impl EncodingConfig {
             EncodingConfig::ClippedBias(_) => "clipped_bias",
             EncodingConfig::Shaw(_) => "shaw",
             EncodingConfig::Rotary(_) => "rotary",
+        }
+    }
+
+    /// Checks the encoding's configuration (a no-op for [`EncodingConfig::None`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidConfig`] from the configuration's own `validate`.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            EncodingConfig::None => Ok(()),
+            EncodingConfig::Sinusoidal(c) => c.validate(),
+            EncodingConfig::Learned(c) => c.validate(),
+            EncodingConfig::Alibi(c) => c.validate(),
+            EncodingConfig::T5(c) => c.validate(),
+            EncodingConfig::ClippedBias(c) => c.validate(),
+            EncodingConfig::Shaw(c) => c.validate(),
+            EncodingConfig::Rotary(c) => c.validate(),
         }
     }
 

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::MetadataReader;
 use crate::error::{Error, Result};
@@ -10,7 +11,16 @@ use crate::limits::check_elements;
 use crate::positions::Positions;
 
 /// Configuration of [`MultiHeadAttention`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
+/// "dropout": 0.0, "causal": false, "softmax_scale": 0.125}`. Only `d_model` and `num_heads`
+/// are required; the other fields default as in [`AttentionConfig::new`] and its builders (a
+/// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
+/// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
+/// their defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "AttentionConfigFields")]
 pub struct AttentionConfig {
     /// Model width (input and output features).
     pub d_model: usize,
@@ -31,10 +41,59 @@ pub struct AttentionConfig {
     /// Queries per block: attention runs over blocks of this many queries, each against all
     /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
+    #[serde(skip)]
     pub query_block: Option<usize>,
     /// Bytes the logits of one query block may take when the block size is automatic
     /// (default [`DEFAULT_LOGITS_BUDGET`](crate::DEFAULT_LOGITS_BUDGET)). A runtime setting, not stored in checkpoints.
+    #[serde(skip)]
     pub logits_budget: usize,
+}
+
+/// The serialised form of [`AttentionConfig`]: a field left out keeps its value from
+/// [`AttentionConfig::new`] and its builders, which depend on the fields given.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AttentionConfigFields {
+    d_model: usize,
+    num_heads: usize,
+    #[serde(default)]
+    num_kv_heads: Option<usize>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    #[serde(default)]
+    bias: Option<bool>,
+    #[serde(default)]
+    dropout: Option<f32>,
+    #[serde(default)]
+    causal: Option<bool>,
+    #[serde(default)]
+    softmax_scale: Option<f64>,
+}
+
+impl From<AttentionConfigFields> for AttentionConfig {
+    fn from(f: AttentionConfigFields) -> Self {
+        let mut c = AttentionConfig::new(f.d_model, f.num_heads);
+        if let Some(kv) = f.num_kv_heads {
+            c = c.with_kv_heads(kv);
+        }
+        // Before the scale: a head width sets the default scale.
+        if let Some(d) = f.head_dim {
+            c = c.with_head_dim(d);
+        }
+        if let Some(bias) = f.bias {
+            c = c.with_bias(bias);
+        }
+        if let Some(p) = f.dropout {
+            c = c.with_dropout(p);
+        }
+        if let Some(causal) = f.causal {
+            c = c.with_causal(causal);
+        }
+        if let Some(scale) = f.softmax_scale {
+            c = c.with_softmax_scale(scale);
+        }
+        c
+    }
 }
 
 /// Default [`AttentionConfig::logits_budget`]: 16 MiB of logits per query block (B2 H8: 256
