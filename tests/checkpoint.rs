@@ -222,34 +222,160 @@ fn corrupt_files(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `meta` with the JSON under `key` changed by `edit`.
+fn edit_json(
+    meta: &HashMap<String, String>,
+    key: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> HashMap<String, String> {
+    let mut value: Value = serde_json::from_str(&meta[key]).expect("JSON written by the crate");
+    edit(value.as_object_mut().expect("a configuration is an object"));
+    let mut meta = meta.clone();
+    meta.insert(key.to_string(), value.to_string());
+    meta
+}
+
 fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
+    const KEY: &str = candle_posenc::checkpoint::ENCODING_KEY;
     let base = EncodingConfig::Learned(LearnedConfig::new(8)).to_metadata();
-    let cases: Vec<(&str, Option<&str>, &str)> = vec![
-        ("posenc.kind", Some("wavelet"), "unknown encoding `wavelet`"),
-        ("posenc.kind", None, "posenc.kind"),
-        ("posenc.d_model", Some("eight"), "posenc.d_model"),
-        ("posenc.max_len", None, "posenc.max_len"),
+    assert_eq!(base.keys().collect::<Vec<_>>(), [KEY]);
+    type Edit = Box<dyn FnOnce(&mut serde_json::Map<String, Value>)>;
+    let cases: Vec<(Edit, Vec<&str>)> = vec![
         (
-            "posenc.interpolation",
-            Some("cubic"),
-            "posenc.interpolation",
+            Box::new(|m| {
+                m.insert("kind".into(), json!("wavelet"));
+            }),
+            vec![
+                "unknown variant `wavelet`",
+                "`none`, `sinusoidal`, `learned`, `alibi`, `t5`, `clipped_bias`, `shaw`, `rotary`",
+            ],
+        ),
+        (
+            Box::new(|m| {
+                m.remove("kind");
+            }),
+            vec!["missing field `kind`"],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("d_model".into(), json!("eight"));
+            }),
+            vec![r#"invalid type: string "eight", expected usize"#],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("d_model".into(), json!(-8));
+            }),
+            vec!["invalid value: integer `-8`, expected usize"],
+        ),
+        (
+            Box::new(|m| {
+                m.remove("d_model");
+            }),
+            vec!["missing field `d_model`"],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("interpolation".into(), json!("cubic"));
+            }),
+            vec!["unknown variant `cubic`", "`to_sequence_length`"],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("interpolation".into(), json!({"to_length": "far"}));
+            }),
+            vec![r#"invalid type: string "far""#],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("max_lenn".into(), json!(9));
+            }),
+            vec!["unknown field `max_lenn`"],
         ),
     ];
-    for (key, value, needle) in cases {
-        let mut m = base.clone();
-        match value {
-            Some(v) => m.insert(key.to_string(), v.to_string()),
-            None => m.remove(key),
-        };
+    for (edit, needles) in cases {
+        let m = edit_json(&base, KEY, edit);
         let err = EncodingConfig::from_metadata(&m, "f.safetensors").unwrap_err();
+        assert!(matches!(err, Error::Checkpoint { .. }), "{err}");
+        let text = err.to_string();
+        for needle in needles
+            .iter()
+            .chain(&["f.safetensors", "`posenc.encoding`"])
+        {
+            assert!(text.contains(needle), "`{needle}` not in: {text}");
+        }
+    }
+    // Not JSON at all, and no entry at all.
+    for (m, needle) in [
+        (
+            HashMap::from([(KEY.to_string(), "kind=learned".to_string())]),
+            "expected value",
+        ),
+        (HashMap::new(), "missing"),
+    ] {
+        let err = EncodingConfig::from_metadata(&m, "f").unwrap_err();
         assert!(
-            matches!(err, Error::Checkpoint { .. }) && err.to_string().contains(needle),
+            matches!(err, Error::Checkpoint { .. })
+                && err.to_string().contains(needle)
+                && err.to_string().contains(KEY),
             "{err}"
         );
     }
+    // JSON has no NaN or infinity (serde_json writes `null`): such a configuration fails to
+    // load, optional fields included (`null` is not read as "not set").
+    let rope = RopeConfig::new(8);
+    let yarn = YarnScaling::new(4.0, 64);
+    for (enc, needle) in [
+        (
+            EncodingConfig::Sinusoidal(SinusoidalConfig::new(8).with_base(f64::NAN)),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Rotary(rope.clone().with_xpos(f64::NAN)),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Rotary(rope.clone().with_scaling(RopeScaling::Yarn(
+                yarn.clone().with_attention_factor(f64::INFINITY),
+            ))),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Rotary(
+                rope.clone()
+                    .with_scaling(RopeScaling::Yarn(yarn.with_mscale(f64::NAN, 1.0))),
+            ),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Learned(LearnedConfig::new(8).with_dropout(f32::NAN)),
+            "invalid type: null, expected f32",
+        ),
+    ] {
+        let m = enc.to_metadata();
+        assert!(m[KEY].contains("null"), "{m:?}");
+        let err = EncodingConfig::from_metadata(&m, "f").unwrap_err();
+        assert!(
+            matches!(err, Error::Checkpoint { .. }) && err.to_string().contains(needle),
+            "{enc:?}: {err}"
+        );
+    }
+    // A field with a default may be left out: it reads back as the default.
+    let m = edit_json(&base, KEY, |m| {
+        m.remove("max_len");
+    });
+    assert_eq!(
+        EncodingConfig::from_metadata(&m, "f")?,
+        EncodingConfig::Learned(LearnedConfig::new(8))
+    );
     // Parsable but invalid: an odd sinusoidal width.
-    let mut m = EncodingConfig::Sinusoidal(SinusoidalConfig::new(8)).to_metadata();
-    m.insert("posenc.d_model".into(), "7".into());
+    let m = edit_json(
+        &EncodingConfig::Sinusoidal(SinusoidalConfig::new(8)).to_metadata(),
+        KEY,
+        |m| {
+            m.insert("d_model".into(), json!(7));
+        },
+    );
     assert!(matches!(
         EncodingConfig::from_metadata(&m, "f"),
         Err(Error::InvalidConfig {
@@ -257,18 +383,72 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
             ..
         })
     ));
-    let mut m = AttentionConfig::new(16, 4).to_metadata();
-    m.insert("attention.causal".into(), "maybe".into());
+    let key = candle_posenc::checkpoint::ATTENTION_KEY;
+    let m = edit_json(&AttentionConfig::new(16, 4).to_metadata(), key, |m| {
+        m.insert("causal".into(), json!("maybe"));
+    });
     let err = AttentionConfig::from_metadata(&m, "f").unwrap_err();
-    assert!(err.to_string().contains("attention.causal"), "{err}");
+    assert!(
+        matches!(err, Error::Checkpoint { .. })
+            && err.to_string().contains("posenc.attention")
+            && err
+                .to_string()
+                .contains(r#"invalid type: string "maybe", expected a boolean"#),
+        "{err}"
+    );
+    let m = edit_json(&AttentionConfig::new(16, 4).to_metadata(), key, |m| {
+        m.insert("num_kv_heads".into(), json!(3));
+    });
+    assert!(matches!(
+        AttentionConfig::from_metadata(&m, "f"),
+        Err(Error::InvalidConfig {
+            name: "num_kv_heads",
+            ..
+        })
+    ));
+    Ok(())
+}
+
+/// Every encoding (every scaling too) and an attention configuration survive a saved file,
+/// next to metadata of the caller's own, which is kept as it is.
+fn every_config_round_trips_through_a_checkpoint(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(16, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let tensors = HashMap::from([("w".to_string(), Tensor::ones((2, 3), DType::F32, dev)?)]);
+    for (i, enc) in all_encodings().into_iter().enumerate() {
+        let mut meta = enc.to_metadata();
+        meta.extend(attn.to_metadata());
+        meta.insert("model.name".into(), format!("case {i}"));
+        let path = tmp(&format!("every_config_{i}.safetensors"));
+        save(&path, &tensors, &meta)?;
+        let ckpt = Checkpoint::load(&path, dev)?;
+        std::fs::remove_file(&path)?;
+        assert_eq!(ckpt.metadata(), &meta);
+        assert_eq!(
+            EncodingConfig::from_metadata(ckpt.metadata(), ckpt.source())?,
+            enc
+        );
+        assert_eq!(
+            AttentionConfig::from_metadata(ckpt.metadata(), ckpt.source())?,
+            attn
+        );
+    }
     Ok(())
 }
 
 /// Every scaling variant, the optional YaRN and LongRoPE fields both set and left out.
 fn all_scalings() -> Vec<RopeScaling> {
+    // Numbers whose shortest decimal form serde_json's default (not exactly rounding) float
+    // parser reads back one ulp off.
     let longrope = LongRopeScaling {
-        short_factor: vec![1.0, 1.25, 1.5, 2.0],
-        long_factor: vec![2.0, 3.0, 4.0, 8.0],
+        short_factor: vec![
+            2.1330548074688482,
+            1.9123759403810574,
+            1.6501232966577781,
+            2.0,
+        ],
+        long_factor: vec![1.1305562829743285, 3.0, 0.1 + 0.2, 8.0],
         original_max_position_embeddings: 64,
         factor: 8.0,
         attention_factor: None,
@@ -553,5 +733,6 @@ device_tests!(
     missing_and_misshapen_tensors,
     corrupt_files,
     lying_metadata,
+    every_config_round_trips_through_a_checkpoint,
     shared_encoding_is_arc,
 );

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::MetadataReader;
+use crate::checkpoint::{json_entry, read_json_entry, ATTENTION_KEY};
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
 use crate::positions::Positions;
@@ -56,17 +56,17 @@ pub struct AttentionConfig {
 struct AttentionConfigFields {
     d_model: usize,
     num_heads: usize,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     num_kv_heads: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     head_dim: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     bias: Option<bool>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     dropout: Option<f32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     causal: Option<bool>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     softmax_scale: Option<f64>,
 }
 
@@ -202,43 +202,22 @@ impl AttentionConfig {
         block.clamp(1, queries.max(1))
     }
 
-    /// The configuration as `attention.*` string metadata for checkpoints.
+    /// The configuration as checkpoint metadata: one entry, [`ATTENTION_KEY`] → this
+    /// configuration as JSON (without the runtime settings [`Self::query_block`] and
+    /// [`Self::logits_budget`]).
     pub fn to_metadata(&self) -> HashMap<String, String> {
-        [
-            ("d_model", self.d_model.to_string()),
-            ("num_heads", self.num_heads.to_string()),
-            ("num_kv_heads", self.num_kv_heads.to_string()),
-            ("head_dim", self.head_dim.to_string()),
-            ("bias", self.bias.to_string()),
-            ("dropout", self.dropout.to_string()),
-            ("causal", self.causal.to_string()),
-            ("softmax_scale", self.softmax_scale.to_string()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (format!("attention.{k}"), v))
-        .collect()
+        json_entry(ATTENTION_KEY, self)
     }
 
-    /// Reads a configuration written by [`Self::to_metadata`] and validates it.
+    /// Reads the configuration that [`Self::to_metadata`] wrote and validates it; the runtime
+    /// settings take their defaults.
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] naming a missing or unparsable key; as [`Self::validate`].
+    /// [`Error::Checkpoint`] naming [`ATTENTION_KEY`] when it is missing or its value is not
+    /// the JSON of a configuration (malformed, a missing or unknown field, a value of the wrong
+    /// type); as [`Self::validate`].
     pub fn from_metadata(metadata: &HashMap<String, String>, source: &str) -> Result<Self> {
-        let r = MetadataReader { source, metadata };
-        let int = |k: &str| r.parse::<usize>(&format!("attention.{k}"), "a non-negative integer");
-        let flag = |k: &str| r.parse::<bool>(&format!("attention.{k}"), "true or false");
-        let cfg = Self {
-            d_model: int("d_model")?,
-            num_heads: int("num_heads")?,
-            num_kv_heads: int("num_kv_heads")?,
-            head_dim: int("head_dim")?,
-            bias: flag("bias")?,
-            dropout: r.parse("attention.dropout", "a number")?,
-            causal: flag("causal")?,
-            softmax_scale: r.parse("attention.softmax_scale", "a number")?,
-            query_block: None,
-            logits_budget: DEFAULT_LOGITS_BUDGET,
-        };
+        let cfg: Self = read_json_entry(metadata, source, ATTENTION_KEY)?;
         cfg.validate()?;
         Ok(cfg)
     }

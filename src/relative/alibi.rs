@@ -71,13 +71,13 @@ pub struct AlibiConfig {
 #[serde(deny_unknown_fields)]
 struct AlibiConfigFields {
     num_heads: usize,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     first_head: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     head_count: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     mode: Option<AlibiMode>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     learnable: Option<bool>,
 }
 

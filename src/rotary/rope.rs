@@ -87,19 +87,19 @@ pub struct RopeConfig {
 #[serde(deny_unknown_fields)]
 struct RopeConfigFields {
     head_dim: usize,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     rotary_dim: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     base: Option<f64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     layout: Option<RopeLayout>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     scaling: Option<RopeScaling>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     max_position: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     xpos_scale_base: Option<f64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     kernel: Option<RopeKernel>,
 }
 

@@ -52,13 +52,25 @@ pub struct YarnScaling {
     #[serde(default = "yarn_defaults::beta_slow")]
     pub beta_slow: f64,
     /// DeepSeek-style `mscale` (used with `mscale_all_dim`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub mscale: Option<f64>,
     /// DeepSeek-style `mscale_all_dim`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub mscale_all_dim: Option<f64>,
     /// Explicit attention factor; overrides the one derived from `factor`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub attention_factor: Option<f64>,
     /// Round the correction range to whole dimensions (default true, as HF).
     #[serde(default = "yarn_defaults::truncate")]
@@ -141,7 +153,11 @@ pub struct LongRopeScaling {
     /// `max_position_embeddings / original_max_position_embeddings` when absent).
     pub factor: f64,
     /// Explicit attention factor; overrides the one derived from `factor`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub attention_factor: Option<f64>,
 }
 
