@@ -141,7 +141,7 @@ fn write_weights(device: &Device) -> Result<()> {
     Ok(())
 }
 
-/// The encoding stored under `name.posenc.*` in the checkpoint's metadata.
+/// The encoding stored under `name.posenc.encoding` in the checkpoint's metadata.
 fn encoding_of(ckpt: &Checkpoint, name: &str) -> Result<EncodingConfig> {
     let prefix = format!("{name}.");
     let meta: HashMap<String, String> = ckpt

@@ -5,16 +5,43 @@
 //! `vb.pp("model.layers.0.self_attn")`), and training code restores a `VarMap` with
 //! [`Checkpoint::load_into`], which checks every variable before changing any.
 //!
-//! Configurations are stored in the metadata under `posenc.*` keys (see
-//! [`crate::EncodingConfig::to_metadata`]), so a file says which encoding it holds.
+//! # Metadata
+//!
+//! A file says what it holds: each configuration is one metadata entry whose value is the
+//! configuration's serde serialisation as JSON.
+//!
+//! | key | value | written / read by |
+//! |---|---|---|
+//! | [`ENCODING_KEY`] `posenc.encoding` | the [`EncodingConfig`](crate::EncodingConfig), tagged by `kind` | [`EncodingConfig::to_metadata`](crate::EncodingConfig::to_metadata) / [`from_metadata`](crate::EncodingConfig::from_metadata) |
+//! | [`ATTENTION_KEY`] `posenc.attention` | the [`AttentionConfig`](crate::AttentionConfig) (without its runtime settings) | [`AttentionConfig::to_metadata`](crate::AttentionConfig::to_metadata) / [`from_metadata`](crate::AttentionConfig::from_metadata) |
+//!
+//! For example:
+//!
+//! ```text
+//! posenc.encoding  = {"kind":"rotary","head_dim":16,"rotary_dim":16,"base":10000.0,"layout":"half","scaling":{"rope_type":"dynamic","factor":2.0,"original_max_position_embeddings":64},"max_position":2048,"kernel":"fused"}
+//! posenc.attention = {"d_model":64,"num_heads":4,"num_kv_heads":4,"head_dim":16,"bias":false,"dropout":0.0,"causal":true,"softmax_scale":0.25}
+//! ```
+//!
+//! Reading checks the JSON and then the values, with typed errors naming the key. Other keys
+//! are the caller's (a model's own settings, scores, a vocabulary) and are kept as they are.
+//! Files of the earlier one-key-per-field format (`posenc.kind`, `posenc.d_model`, ...,
+//! `attention.*`) are not read; the error says so.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
+
+/// Metadata key whose value is the JSON of the file's [`EncodingConfig`](crate::EncodingConfig).
+pub const ENCODING_KEY: &str = "posenc.encoding";
+
+/// Metadata key whose value is the JSON of the file's [`AttentionConfig`](crate::AttentionConfig).
+pub const ATTENTION_KEY: &str = "posenc.attention";
 
 /// Tensors and metadata read from a safetensors file.
 #[derive(Debug, Clone)]
@@ -290,30 +317,66 @@ impl candle_nn::var_builder::SimpleBackend for CheckedTensors {
     }
 }
 
-/// Reads typed values out of checkpoint metadata, naming the key in every error.
-pub(crate) struct MetadataReader<'a> {
-    pub(crate) source: &'a str,
-    pub(crate) metadata: &'a HashMap<String, String>,
+/// One metadata entry: `key` → `value` serialised as JSON.
+pub(crate) fn json_entry<T: Serialize>(key: &str, value: &T) -> HashMap<String, String> {
+    // serde_json fails only on maps with non-string keys and on a hand-written `Serialize`
+    // that fails; the configurations have neither. Were it to happen, the entry says so and
+    // reading it back is an `Error::Checkpoint` naming the key, not a panic here.
+    let json = serde_json::to_string(value)
+        .unwrap_or_else(|e| format!("<the configuration could not be serialised: {e}>"));
+    HashMap::from([(key.to_string(), json)])
 }
 
-impl MetadataReader<'_> {
-    pub(crate) fn error(&self, key: &str, reason: impl std::fmt::Display) -> Error {
-        Error::Checkpoint {
-            path: self.source.into(),
-            reason: format!("metadata `{key}`: {reason}"),
-        }
-    }
+/// serde `deserialize_with` for the optional fields of configurations: a field that is present
+/// must hold a `T`. `null` is refused rather than read as "not set": serde_json writes a NaN or
+/// an infinity as `null`, and a configuration holding one must fail to load, not load without
+/// it. (An unset field is left out when written and read back with `#[serde(default)]`.)
+pub(crate) fn non_null<'de, D, T>(deserializer: D) -> std::result::Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    T::deserialize(deserializer).map(Some)
+}
 
-    pub(crate) fn str(&self, key: &str) -> Result<&str> {
-        self.metadata
-            .get(key)
-            .map(String::as_str)
-            .ok_or_else(|| self.error(key, "missing"))
-    }
+/// Longest stretch of a metadata value quoted in an error.
+const QUOTED_CHARS: usize = 200;
 
-    pub(crate) fn parse<T: std::str::FromStr>(&self, key: &str, expected: &str) -> Result<T> {
-        let raw = self.str(key)?;
-        raw.parse()
-            .map_err(|_| self.error(key, format!("`{raw}` is not {expected}")))
-    }
+/// Deserialises the JSON value of metadata entry `key`.
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming `key` when it is missing (pointing out keys of the earlier
+/// one-key-per-field format when the file has them) or its value does not deserialise (with
+/// serde_json's message and the value, shortened past [`QUOTED_CHARS`] characters).
+pub(crate) fn read_json_entry<T: DeserializeOwned>(
+    metadata: &HashMap<String, String>,
+    source: &str,
+    key: &str,
+) -> Result<T> {
+    let bad = |reason: String| Error::Checkpoint {
+        path: source.into(),
+        reason: format!("metadata `{key}`: {reason}"),
+    };
+    let Some(raw) = metadata.get(key) else {
+        // `posenc.kind` first: it names the old format best.
+        let legacy = metadata
+            .keys()
+            .filter(|k| {
+                (k.starts_with("posenc.") || k.starts_with("attention."))
+                    && ![ENCODING_KEY, ATTENTION_KEY].contains(&k.as_str())
+            })
+            .min_by_key(|k| (k.as_str() != "posenc.kind", k.as_str()));
+        return Err(bad(match legacy {
+            Some(old) => format!(
+                "missing; the file has `{old}`, a key of the earlier one-key-per-field format, \
+                 which is no longer read (each configuration is now one JSON value)"
+            ),
+            None => "missing".into(),
+        }));
+    };
+    serde_json::from_str(raw).map_err(|e| {
+        let shown: String = raw.chars().take(QUOTED_CHARS).collect();
+        let more = if shown.len() < raw.len() { "..." } else { "" };
+        bad(format!("{e}, in `{shown}{more}`"))
+    })
 }

@@ -21,6 +21,7 @@ use candle_posenc::{
     RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
     SinusoidalPositionalEncoding, T5Config, T5RelativeBias, YarnScaling,
 };
+use serde_json::json;
 
 /// Which `Error` variant a case must produce.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -962,24 +963,58 @@ fn configs_and_metadata() {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
     };
+    let enc_meta = |v: serde_json::Value| meta(&[("posenc.encoding", &v.to_string())]);
     s.case(
-        "metadata without kind",
+        "metadata without the encoding",
         Kind::Checkpoint,
-        &["posenc.kind", "missing"],
+        &["m.safetensors", "posenc.encoding", "missing"],
         || EncodingConfig::from_metadata(&meta(&[]), "m.safetensors"),
+    );
+    s.case(
+        "metadata in the old one-key-per-field format",
+        Kind::Checkpoint,
+        &[
+            "posenc.encoding",
+            "missing",
+            "`posenc.kind`",
+            "no longer read",
+        ],
+        || {
+            let m = meta(&[("posenc.kind", "sinusoidal"), ("posenc.d_model", "8")]);
+            EncodingConfig::from_metadata(&m, "m")
+        },
+    );
+    s.case(
+        "metadata encoding without kind",
+        Kind::Checkpoint,
+        &["posenc.encoding", "missing field `kind`"],
+        || EncodingConfig::from_metadata(&enc_meta(json!({"d_model": 8})), "m"),
     );
     s.case(
         "metadata unknown kind",
         Kind::Checkpoint,
-        &["warp", "sinusoidal"],
-        || EncodingConfig::from_metadata(&meta(&[("posenc.kind", "warp")]), "m"),
+        &["posenc.encoding", "`warp`", "sinusoidal", "rotary"],
+        || EncodingConfig::from_metadata(&enc_meta(json!({"kind": "warp"})), "m"),
     );
     s.case(
         "metadata d_model not a number",
         Kind::Checkpoint,
-        &["posenc.d_model", "`abc`"],
+        &["posenc.encoding", r#""abc""#, "expected usize"],
         || {
-            let m = meta(&[("posenc.kind", "sinusoidal"), ("posenc.d_model", "abc")]);
+            let m = enc_meta(json!({"kind": "sinusoidal", "d_model": "abc"}));
+            EncodingConfig::from_metadata(&m, "m")
+        },
+    );
+    s.case(
+        "metadata that is not JSON",
+        Kind::Checkpoint,
+        &[
+            "posenc.encoding",
+            "EOF while parsing",
+            r#"{"kind":"sinusoidal","#,
+        ],
+        || {
+            let m = meta(&[("posenc.encoding", r#"{"kind":"sinusoidal","#)]);
             EncodingConfig::from_metadata(&m, "m")
         },
     );
@@ -988,19 +1023,29 @@ fn configs_and_metadata() {
         Kind::Config,
         &["d_model = 7"],
         || {
-            let m = EncodingConfig::Sinusoidal(SinusoidalConfig::new(8)).to_metadata();
-            let mut m = m.clone();
-            m.insert("posenc.d_model".into(), "7".into());
+            let m = enc_meta(json!({"kind": "sinusoidal", "d_model": 7}));
             EncodingConfig::from_metadata(&m, "m")
         },
     );
     s.case(
-        "attention metadata NaN scale",
-        Kind::Config,
-        &["softmax_scale = NaN"],
+        "attention metadata NaN scale (JSON has no NaN: written as null)",
+        Kind::Checkpoint,
+        &["posenc.attention", "invalid type: null, expected f64"],
         || {
-            let mut m = AttentionConfig::new(8, 2).to_metadata();
-            m.insert("attention.softmax_scale".into(), "NaN".into());
+            let m = AttentionConfig::new(8, 2)
+                .with_softmax_scale(f64::NAN)
+                .to_metadata();
+            AttentionConfig::from_metadata(&m, "m")
+        },
+    );
+    s.case(
+        "attention metadata negative scale",
+        Kind::Config,
+        &["softmax_scale = -1"],
+        || {
+            let m = AttentionConfig::new(8, 2)
+                .with_softmax_scale(-1.0)
+                .to_metadata();
             AttentionConfig::from_metadata(&m, "m")
         },
     );

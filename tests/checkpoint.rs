@@ -10,10 +10,13 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::checkpoint::{save, save_varmap};
 use candle_posenc::{
-    AttentionConfig, Checkpoint, EncodingConfig, Error, Interpolation, LearnedConfig,
-    LearnedPositionalEncoding, MultiHeadAttention, SinusoidalConfig,
+    AlibiConfig, AlibiMode, AttentionConfig, Checkpoint, ClippedBiasConfig, EncodingConfig, Error,
+    Interpolation, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention,
+    RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig, SinusoidalConfig, T5Config,
+    YarnScaling, DEFAULT_LOGITS_BUDGET,
 };
 use common::{assert_close, fixture, get};
+use serde_json::{json, Value};
 
 fn tmp(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("candle-posenc-tests-{}", std::process::id()));
@@ -219,34 +222,160 @@ fn corrupt_files(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `meta` with the JSON under `key` changed by `edit`.
+fn edit_json(
+    meta: &HashMap<String, String>,
+    key: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> HashMap<String, String> {
+    let mut value: Value = serde_json::from_str(&meta[key]).expect("JSON written by the crate");
+    edit(value.as_object_mut().expect("a configuration is an object"));
+    let mut meta = meta.clone();
+    meta.insert(key.to_string(), value.to_string());
+    meta
+}
+
 fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
+    const KEY: &str = candle_posenc::checkpoint::ENCODING_KEY;
     let base = EncodingConfig::Learned(LearnedConfig::new(8)).to_metadata();
-    let cases: Vec<(&str, Option<&str>, &str)> = vec![
-        ("posenc.kind", Some("wavelet"), "unknown encoding `wavelet`"),
-        ("posenc.kind", None, "posenc.kind"),
-        ("posenc.d_model", Some("eight"), "posenc.d_model"),
-        ("posenc.max_len", None, "posenc.max_len"),
+    assert_eq!(base.keys().collect::<Vec<_>>(), [KEY]);
+    type Edit = Box<dyn FnOnce(&mut serde_json::Map<String, Value>)>;
+    let cases: Vec<(Edit, Vec<&str>)> = vec![
         (
-            "posenc.interpolation",
-            Some("cubic"),
-            "posenc.interpolation",
+            Box::new(|m| {
+                m.insert("kind".into(), json!("wavelet"));
+            }),
+            vec![
+                "unknown variant `wavelet`",
+                "`none`, `sinusoidal`, `learned`, `alibi`, `t5`, `clipped_bias`, `shaw`, `rotary`",
+            ],
+        ),
+        (
+            Box::new(|m| {
+                m.remove("kind");
+            }),
+            vec!["missing field `kind`"],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("d_model".into(), json!("eight"));
+            }),
+            vec![r#"invalid type: string "eight", expected usize"#],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("d_model".into(), json!(-8));
+            }),
+            vec!["invalid value: integer `-8`, expected usize"],
+        ),
+        (
+            Box::new(|m| {
+                m.remove("d_model");
+            }),
+            vec!["missing field `d_model`"],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("interpolation".into(), json!("cubic"));
+            }),
+            vec!["unknown variant `cubic`", "`to_sequence_length`"],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("interpolation".into(), json!({"to_length": "far"}));
+            }),
+            vec![r#"invalid type: string "far""#],
+        ),
+        (
+            Box::new(|m| {
+                m.insert("max_lenn".into(), json!(9));
+            }),
+            vec!["unknown field `max_lenn`"],
         ),
     ];
-    for (key, value, needle) in cases {
-        let mut m = base.clone();
-        match value {
-            Some(v) => m.insert(key.to_string(), v.to_string()),
-            None => m.remove(key),
-        };
+    for (edit, needles) in cases {
+        let m = edit_json(&base, KEY, edit);
         let err = EncodingConfig::from_metadata(&m, "f.safetensors").unwrap_err();
+        assert!(matches!(err, Error::Checkpoint { .. }), "{err}");
+        let text = err.to_string();
+        for needle in needles
+            .iter()
+            .chain(&["f.safetensors", "`posenc.encoding`"])
+        {
+            assert!(text.contains(needle), "`{needle}` not in: {text}");
+        }
+    }
+    // Not JSON at all, and no entry at all.
+    for (m, needle) in [
+        (
+            HashMap::from([(KEY.to_string(), "kind=learned".to_string())]),
+            "expected value",
+        ),
+        (HashMap::new(), "missing"),
+    ] {
+        let err = EncodingConfig::from_metadata(&m, "f").unwrap_err();
         assert!(
-            matches!(err, Error::Checkpoint { .. }) && err.to_string().contains(needle),
+            matches!(err, Error::Checkpoint { .. })
+                && err.to_string().contains(needle)
+                && err.to_string().contains(KEY),
             "{err}"
         );
     }
+    // JSON has no NaN or infinity (serde_json writes `null`): such a configuration fails to
+    // load, optional fields included (`null` is not read as "not set").
+    let rope = RopeConfig::new(8);
+    let yarn = YarnScaling::new(4.0, 64);
+    for (enc, needle) in [
+        (
+            EncodingConfig::Sinusoidal(SinusoidalConfig::new(8).with_base(f64::NAN)),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Rotary(rope.clone().with_xpos(f64::NAN)),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Rotary(rope.clone().with_scaling(RopeScaling::Yarn(
+                yarn.clone().with_attention_factor(f64::INFINITY),
+            ))),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Rotary(
+                rope.clone()
+                    .with_scaling(RopeScaling::Yarn(yarn.with_mscale(f64::NAN, 1.0))),
+            ),
+            "invalid type: null, expected f64",
+        ),
+        (
+            EncodingConfig::Learned(LearnedConfig::new(8).with_dropout(f32::NAN)),
+            "invalid type: null, expected f32",
+        ),
+    ] {
+        let m = enc.to_metadata();
+        assert!(m[KEY].contains("null"), "{m:?}");
+        let err = EncodingConfig::from_metadata(&m, "f").unwrap_err();
+        assert!(
+            matches!(err, Error::Checkpoint { .. }) && err.to_string().contains(needle),
+            "{enc:?}: {err}"
+        );
+    }
+    // A field with a default may be left out: it reads back as the default.
+    let m = edit_json(&base, KEY, |m| {
+        m.remove("max_len");
+    });
+    assert_eq!(
+        EncodingConfig::from_metadata(&m, "f")?,
+        EncodingConfig::Learned(LearnedConfig::new(8))
+    );
     // Parsable but invalid: an odd sinusoidal width.
-    let mut m = EncodingConfig::Sinusoidal(SinusoidalConfig::new(8)).to_metadata();
-    m.insert("posenc.d_model".into(), "7".into());
+    let m = edit_json(
+        &EncodingConfig::Sinusoidal(SinusoidalConfig::new(8)).to_metadata(),
+        KEY,
+        |m| {
+            m.insert("d_model".into(), json!(7));
+        },
+    );
     assert!(matches!(
         EncodingConfig::from_metadata(&m, "f"),
         Err(Error::InvalidConfig {
@@ -254,10 +383,331 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
             ..
         })
     ));
-    let mut m = AttentionConfig::new(16, 4).to_metadata();
-    m.insert("attention.causal".into(), "maybe".into());
+    let key = candle_posenc::checkpoint::ATTENTION_KEY;
+    let m = edit_json(&AttentionConfig::new(16, 4).to_metadata(), key, |m| {
+        m.insert("causal".into(), json!("maybe"));
+    });
     let err = AttentionConfig::from_metadata(&m, "f").unwrap_err();
-    assert!(err.to_string().contains("attention.causal"), "{err}");
+    assert!(
+        matches!(err, Error::Checkpoint { .. })
+            && err.to_string().contains("posenc.attention")
+            && err
+                .to_string()
+                .contains(r#"invalid type: string "maybe", expected a boolean"#),
+        "{err}"
+    );
+    let m = edit_json(&AttentionConfig::new(16, 4).to_metadata(), key, |m| {
+        m.insert("num_kv_heads".into(), json!(3));
+    });
+    assert!(matches!(
+        AttentionConfig::from_metadata(&m, "f"),
+        Err(Error::InvalidConfig {
+            name: "num_kv_heads",
+            ..
+        })
+    ));
+    Ok(())
+}
+
+/// Every encoding (every scaling too) and an attention configuration survive a saved file,
+/// next to metadata of the caller's own, which is kept as it is.
+fn every_config_round_trips_through_a_checkpoint(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(16, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let tensors = HashMap::from([("w".to_string(), Tensor::ones((2, 3), DType::F32, dev)?)]);
+    for (i, enc) in all_encodings().into_iter().enumerate() {
+        let mut meta = enc.to_metadata();
+        meta.extend(attn.to_metadata());
+        meta.insert("model.name".into(), format!("case {i}"));
+        let path = tmp(&format!("every_config_{i}.safetensors"));
+        save(&path, &tensors, &meta)?;
+        let ckpt = Checkpoint::load(&path, dev)?;
+        std::fs::remove_file(&path)?;
+        assert_eq!(ckpt.metadata(), &meta);
+        assert_eq!(
+            EncodingConfig::from_metadata(ckpt.metadata(), ckpt.source())?,
+            enc
+        );
+        assert_eq!(
+            AttentionConfig::from_metadata(ckpt.metadata(), ckpt.source())?,
+            attn
+        );
+    }
+    Ok(())
+}
+
+/// Every scaling variant, the optional YaRN and LongRoPE fields both set and left out.
+fn all_scalings() -> Vec<RopeScaling> {
+    // Numbers whose shortest decimal form serde_json's default (not exactly rounding) float
+    // parser reads back one ulp off.
+    let longrope = LongRopeScaling {
+        short_factor: vec![
+            2.1330548074688482,
+            1.9123759403810574,
+            1.6501232966577781,
+            2.0,
+        ],
+        long_factor: vec![1.1305562829743285, 3.0, 0.1 + 0.2, 8.0],
+        original_max_position_embeddings: 64,
+        factor: 8.0,
+        attention_factor: None,
+    };
+    vec![
+        RopeScaling::None,
+        RopeScaling::Linear { factor: 2.5 },
+        RopeScaling::NtkAware { alpha: 4.0 },
+        RopeScaling::Dynamic {
+            factor: 2.0,
+            original_max_position_embeddings: 128,
+        },
+        RopeScaling::Yarn(YarnScaling::new(4.0, 64)),
+        RopeScaling::Yarn(
+            YarnScaling::new(16.0, 4096)
+                .with_betas(24.0, 0.5)
+                .with_mscale(0.707, 1.1)
+                .with_attention_factor(1.3)
+                .with_truncate(false),
+        ),
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        },
+        RopeScaling::LongRope(longrope.clone()),
+        RopeScaling::LongRope(LongRopeScaling {
+            attention_factor: Some(1.19),
+            ..longrope
+        }),
+    ]
+}
+
+/// Every encoding kind, every enum value inside them (interpolations, ALiBi modes, pair layouts,
+/// kernels, scalings), and non-default values in every field.
+fn all_encodings() -> Vec<EncodingConfig> {
+    let mut v = vec![
+        EncodingConfig::None,
+        EncodingConfig::Sinusoidal(SinusoidalConfig::new(16)),
+        EncodingConfig::Sinusoidal(
+            SinusoidalConfig::new(32)
+                .with_max_len(77)
+                .with_base(123.456)
+                .with_dropout(0.3),
+        ),
+        EncodingConfig::Learned(LearnedConfig::new(8).with_dropout(0.0)),
+        EncodingConfig::Learned(
+            LearnedConfig::new(8)
+                .with_max_len(12)
+                .with_interpolation(Interpolation::ToSequenceLength),
+        ),
+        EncodingConfig::Learned(
+            LearnedConfig::new(8)
+                .with_max_len(12)
+                .with_interpolation(Interpolation::ToLength(48)),
+        ),
+        EncodingConfig::Alibi(AlibiConfig::new(8)),
+        EncodingConfig::Alibi(
+            AlibiConfig::new(12)
+                .with_head_range(4, 4)
+                .with_mode(AlibiMode::CausalPairwise),
+        ),
+        EncodingConfig::Alibi(
+            AlibiConfig::new(4)
+                .with_mode(AlibiMode::Symmetric)
+                .with_learnable(true),
+        ),
+        EncodingConfig::T5(T5Config::new(4)),
+        EncodingConfig::T5(
+            T5Config::new(2)
+                .with_num_buckets(8)
+                .with_max_distance(16)
+                .with_bidirectional(false),
+        ),
+        EncodingConfig::ClippedBias(ClippedBiasConfig::new(4, 16)),
+        EncodingConfig::Shaw(ShawConfig::new(8, 4)),
+        EncodingConfig::Shaw(ShawConfig::new(8, 4).with_values(false)),
+        EncodingConfig::Rotary(
+            RopeConfig::new(16)
+                .with_rotary_dim(10)
+                .with_base(500_000.0)
+                .with_layout(RopeLayout::Interleaved)
+                .with_max_position(33)
+                .with_xpos(512.0)
+                .with_kernel(RopeKernel::Ops),
+        ),
+    ];
+    for scaling in all_scalings() {
+        v.push(EncodingConfig::Rotary(
+            RopeConfig::new(8).with_scaling(scaling),
+        ));
+    }
+    v
+}
+
+#[test]
+fn every_config_round_trips_through_json() -> anyhow::Result<()> {
+    for c in all_encodings() {
+        let text = serde_json::to_string(&c)?;
+        let back: EncodingConfig = serde_json::from_str(&text)?;
+        assert_eq!(back, c, "{text}");
+        back.validate()?;
+        // The tag is the kind's name, and a rotary scaling's tag its name.
+        let value: Value = serde_json::from_str(&text)?;
+        assert_eq!(value["kind"], c.kind(), "{text}");
+        if let EncodingConfig::Rotary(r) = &c {
+            assert_eq!(value["scaling"]["rope_type"], r.scaling.name(), "{text}");
+        }
+    }
+    // The kinds and scalings above are all there are.
+    let kinds: std::collections::BTreeSet<_> = all_encodings().iter().map(|c| c.kind()).collect();
+    assert_eq!(kinds.len(), 8, "{kinds:?}");
+    let names: std::collections::BTreeSet<_> = all_scalings().iter().map(|s| s.name()).collect();
+    assert_eq!(names.len(), 7, "{names:?}");
+
+    let attn = AttentionConfig::new(24, 6)
+        .with_kv_heads(2)
+        .with_head_dim(8)
+        .with_bias(true)
+        .with_dropout(0.25)
+        .with_causal(true)
+        .with_softmax_scale(0.3);
+    let text = serde_json::to_string(&attn)?;
+    assert_eq!(
+        serde_json::from_str::<AttentionConfig>(&text)?,
+        attn,
+        "{text}"
+    );
+    // Runtime settings are not written, and read back as their defaults.
+    let runtime = attn
+        .clone()
+        .with_query_block(Some(3))
+        .with_logits_budget(1000);
+    let text = serde_json::to_string(&runtime)?;
+    assert!(
+        !text.contains("query_block") && !text.contains("logits_budget"),
+        "{text}"
+    );
+    let back: AttentionConfig = serde_json::from_str(&text)?;
+    assert_eq!(back, attn);
+    assert_eq!(
+        (back.query_block, back.logits_budget),
+        (None, DEFAULT_LOGITS_BUDGET)
+    );
+    Ok(())
+}
+
+#[test]
+fn json_with_required_fields_only_gives_the_documented_defaults() -> anyhow::Result<()> {
+    let enc = |v: Value| serde_json::from_value::<EncodingConfig>(v);
+    let cases = [
+        (json!({"kind": "none"}), EncodingConfig::None),
+        (
+            json!({"kind": "sinusoidal", "d_model": 64}),
+            EncodingConfig::Sinusoidal(SinusoidalConfig::new(64)),
+        ),
+        (
+            json!({"kind": "learned", "d_model": 32}),
+            EncodingConfig::Learned(LearnedConfig::new(32)),
+        ),
+        (
+            json!({"kind": "alibi", "num_heads": 12}),
+            EncodingConfig::Alibi(AlibiConfig::new(12)),
+        ),
+        (
+            json!({"kind": "alibi", "num_heads": 12, "first_head": 4}),
+            EncodingConfig::Alibi(AlibiConfig::new(12).with_head_range(4, 12)),
+        ),
+        (
+            json!({"kind": "t5", "num_heads": 4}),
+            EncodingConfig::T5(T5Config::new(4)),
+        ),
+        (
+            json!({"kind": "clipped_bias", "num_heads": 4, "max_distance": 16}),
+            EncodingConfig::ClippedBias(ClippedBiasConfig::new(4, 16)),
+        ),
+        (
+            json!({"kind": "shaw", "head_dim": 16, "max_distance": 8}),
+            EncodingConfig::Shaw(ShawConfig::new(16, 8)),
+        ),
+        (
+            json!({"kind": "rotary", "head_dim": 64}),
+            EncodingConfig::Rotary(RopeConfig::new(64)),
+        ),
+        (
+            json!({"kind": "rotary", "head_dim": 64, "scaling": {"rope_type": "yarn",
+                "factor": 4.0, "original_max_position_embeddings": 4096}}),
+            EncodingConfig::Rotary(
+                RopeConfig::new(64).with_scaling(RopeScaling::Yarn(YarnScaling::new(4.0, 4096))),
+            ),
+        ),
+        (
+            json!({"kind": "rotary", "head_dim": 64, "scaling": {"rope_type": "default"}}),
+            EncodingConfig::Rotary(RopeConfig::new(64)),
+        ),
+    ];
+    for (value, want) in cases {
+        assert_eq!(enc(value.clone())?, want, "{value}");
+    }
+    let attn = |v: Value| serde_json::from_value::<AttentionConfig>(v);
+    assert_eq!(
+        attn(json!({"d_model": 512, "num_heads": 8}))?,
+        AttentionConfig::new(512, 8)
+    );
+    // A head width without a scale gets the scale 1/√head_dim, as `with_head_dim` does.
+    assert_eq!(
+        attn(json!({"d_model": 512, "num_heads": 8, "head_dim": 16, "num_kv_heads": 2}))?,
+        AttentionConfig::new(512, 8)
+            .with_head_dim(16)
+            .with_kv_heads(2)
+    );
+    assert_eq!(
+        attn(json!({"d_model": 512, "num_heads": 8, "head_dim": 16, "softmax_scale": 1.0}))?,
+        AttentionConfig::new(512, 8)
+            .with_head_dim(16)
+            .with_softmax_scale(1.0)
+    );
+
+    // Required fields are required, and a misspelt field is an error, not a silent default.
+    for (value, needle) in [
+        (json!({"kind": "sinusoidal"}), "missing field `d_model`"),
+        (json!({"kind": "rotary"}), "missing field `head_dim`"),
+        (
+            json!({"kind": "clipped_bias", "num_heads": 2}),
+            "missing field `max_distance`",
+        ),
+        (
+            json!({"kind": "rotary", "head_dim": 8, "scaling": {"rope_type": "linear"}}),
+            "missing field `factor`",
+        ),
+        (
+            json!({"kind": "sinusoidal", "d_model": 8, "max_lenght": 9}),
+            "unknown field `max_lenght`",
+        ),
+        (
+            json!({"kind": "alibi", "num_heads": 8, "slopes": [1]}),
+            "unknown field `slopes`",
+        ),
+        (
+            json!({"kind": "rotary", "head_dim": 8, "scaling": {"rope_type": "yarn",
+                "factor": 2.0, "original_max_position_embeddings": 8, "beta": 3}}),
+            "unknown field `beta`",
+        ),
+        (json!({"d_model": 8}), "missing field `kind`"),
+    ] {
+        let err = enc(value.clone()).expect_err("must fail");
+        assert!(err.to_string().contains(needle), "{value}: {err}");
+    }
+    for (value, needle) in [
+        (json!({"d_model": 8}), "missing field `num_heads`"),
+        (
+            json!({"d_model": 8, "num_heads": 2, "query_block": 4}),
+            "unknown field `query_block`",
+        ),
+    ] {
+        let err = attn(value.clone()).expect_err("must fail");
+        assert!(err.to_string().contains(needle), "{value}: {err}");
+    }
     Ok(())
 }
 
@@ -283,5 +733,6 @@ device_tests!(
     missing_and_misshapen_tensors,
     corrupt_files,
     lying_metadata,
+    every_config_round_trips_through_a_checkpoint,
     shared_encoding_is_arc,
 );

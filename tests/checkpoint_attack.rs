@@ -208,7 +208,7 @@ fn malformed_headers_are_errors() {
         ),
         (
             "metadata value not a string",
-            raw(r#"{"__metadata__":{"posenc.kind":3}}"#, &[]),
+            raw(r#"{"__metadata__":{"posenc.encoding":3}}"#, &[]),
             "invalid JSON in header",
         ),
         (
@@ -355,8 +355,11 @@ fn metadata_that_lies_about_the_encoding() -> anyhow::Result<()> {
         "{err:?}"
     );
     // Says rotary with an odd head_dim: refused when the metadata is read.
-    let mut meta = EncodingConfig::Rotary(RopeConfig::new(8)).to_metadata();
-    meta.insert("posenc.head_dim".into(), "7".into());
+    let meta = with_field(
+        EncodingConfig::Rotary(RopeConfig::new(8)).to_metadata(),
+        "head_dim",
+        7.into(),
+    );
     let err = EncodingConfig::from_metadata(&meta, "lies").expect_err("odd head_dim");
     assert!(err.to_string().contains("head_dim = 7"), "{err}");
     // Says d_model 8, holds projections for 4.
@@ -384,14 +387,26 @@ fn metadata_that_lies_about_the_encoding() -> anyhow::Result<()> {
         other => panic!("{other:?}"),
     }
     // Says a kind that does not exist.
-    let mut meta = t5_meta(2);
-    meta.insert("posenc.kind".into(), "t6".into());
+    let meta = with_field(t5_meta(2), "kind", "t6".into());
     let err = EncodingConfig::from_metadata(&meta, "lies").expect_err("unknown kind");
     assert!(
         matches!(&err, Error::Checkpoint { reason, .. } if reason.contains("`t6`")),
         "{err:?}"
     );
     Ok(())
+}
+
+/// Encoding metadata with one field of its JSON replaced by `value`.
+fn with_field(
+    mut meta: HashMap<String, String>,
+    field: &str,
+    value: serde_json::Value,
+) -> HashMap<String, String> {
+    let key = candle_posenc::checkpoint::ENCODING_KEY;
+    let mut json: serde_json::Value = serde_json::from_str(&meta[key]).expect("crate's JSON");
+    json[field] = value;
+    meta.insert(key.into(), json.to_string());
+    meta
 }
 
 /// The values of every variable of `varmap`, by name.
@@ -566,7 +581,21 @@ fn fuzz_seeds_are_valid_inputs() -> anyhow::Result<()> {
         Ok(v)
     };
     for p in seeds("checkpoint_load")? {
-        Checkpoint::load(&p, &Device::Cpu).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+        let ck = Checkpoint::load(&p, &Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+        // The configurations a seed carries are current and valid.
+        let meta = ck.metadata();
+        if meta.contains_key(candle_posenc::checkpoint::ENCODING_KEY) {
+            EncodingConfig::from_metadata(meta, ck.source())?;
+        }
+        if meta.contains_key(candle_posenc::checkpoint::ATTENTION_KEY) {
+            AttentionConfig::from_metadata(meta, ck.source())?;
+        }
+        anyhow::ensure!(
+            meta.keys().all(|k| k.starts_with("posenc.")),
+            "{}: old metadata keys {meta:?}",
+            p.display()
+        );
     }
     for p in seeds("hf_config")? {
         RopeConfig::from_hf_json(&std::fs::read_to_string(&p)?)

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_posenc::{EncodingConfig, Interpolation, LearnedConfig, RopeConfig};
+use candle_posenc::{AttentionConfig, EncodingConfig, Interpolation, LearnedConfig, RopeConfig};
 use indicatif::ProgressBar;
 use lm::data::Task;
 use lm::model::{Lm, ModelConfig};
@@ -236,8 +236,13 @@ fn checkpoint_round_trip_gives_the_same_scores() -> anyhow::Result<()> {
     let after = evaluate_lengths(&s, &loaded.lm, EVAL_STREAM, 3, "t")?;
     assert_eq!(before, after);
     let meta = loaded.checkpoint.metadata();
-    assert_eq!(meta["posenc.kind"], "t5");
-    assert_eq!(meta["attention.causal"], "true");
+    assert!(meta["posenc.encoding"].starts_with(r#"{"kind":"t5","#));
+    assert!(meta["posenc.attention"].contains(r#""causal":true"#));
+    assert_eq!(EncodingConfig::from_metadata(meta, "t5")?, v.eval);
+    assert_eq!(
+        AttentionConfig::from_metadata(meta, "t5")?,
+        s.model.attention()
+    );
     Ok(())
 }
 

@@ -361,7 +361,7 @@ pub fn evaluate_lengths(
 }
 
 /// The checkpoint of a variant: every variable stored in f16 (to keep `weights/` small) and
-/// metadata naming the encoding (`posenc.*`), the attention block (`attention.*`), the model
+/// metadata naming the encoding (`posenc.encoding`), the attention block (`posenc.attention`), the model
 /// (`lm.*`), the task, the training settings and the held-out scores measured on these very
 /// f16 weights (`lm.eval.*`).
 pub struct Trained {

@@ -1,5 +1,6 @@
 //! Fuzzes the checkpoint metadata parsers directly (faster than through safetensors): the input
-//! is read as `key=value` lines, and `EncodingConfig::from_metadata` and
+//! is read as `key=value` lines (the seeds: `posenc.encoding=` and `posenc.attention=` with a
+//! configuration's JSON, as checkpoints hold them), and `EncodingConfig::from_metadata` and
 //! `AttentionConfig::from_metadata` must give `Ok` or an `Err`, never a panic. A configuration
 //! that parses must survive a round trip through `to_metadata`, and, when its tables are small,
 //! build and run through attention at a position taken from the input: validated parameter

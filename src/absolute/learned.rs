@@ -19,6 +19,7 @@
 
 use candle_core::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
 use crate::error::{check_float, Error, Result};
@@ -27,7 +28,10 @@ use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
 /// What to do with positions at or past `max_len`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+///
+/// Serialised in snake case: `"off"`, `"to_sequence_length"`, `{"to_length": 2048}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Interpolation {
     /// Such positions are an error ([`Error::PositionOutOfRange`]). The default.
     #[default]
@@ -43,16 +47,42 @@ pub enum Interpolation {
 }
 
 /// Configuration of [`LearnedPositionalEncoding`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"d_model": 64, "max_len": 512, "dropout": 0.1, "interpolation": "off"}`; only `d_model`
+/// is required, the other fields default as in [`LearnedConfig::new`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LearnedConfig {
     /// Model width, > 0.
     pub d_model: usize,
     /// Positions in the learned table (default 512).
+    #[serde(default = "defaults::max_len")]
     pub max_len: usize,
     /// Dropout applied after the addition in training mode (default 0.1).
+    #[serde(default = "defaults::dropout")]
     pub dropout: f32,
     /// Behaviour past `max_len` (default: error).
+    #[serde(default = "defaults::interpolation")]
     pub interpolation: Interpolation,
+}
+
+/// Values of the fields a serialised [`LearnedConfig`] leaves out: those of
+/// [`LearnedConfig::new`].
+mod defaults {
+    use super::{Interpolation, LearnedConfig};
+
+    pub(super) fn max_len() -> usize {
+        LearnedConfig::new(0).max_len
+    }
+
+    pub(super) fn dropout() -> f32 {
+        LearnedConfig::new(0).dropout
+    }
+
+    pub(super) fn interpolation() -> Interpolation {
+        LearnedConfig::new(0).interpolation
+    }
 }
 
 impl LearnedConfig {

@@ -19,6 +19,7 @@
 use std::sync::{Arc, RwLock};
 
 use candle_core::{Device, Module, Tensor};
+use serde::{Deserialize, Serialize};
 
 use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
 use crate::error::{Error, Result};
@@ -27,16 +28,42 @@ use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
 /// Configuration of [`SinusoidalPositionalEncoding`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"d_model": 64, "max_len": 5000, "base": 10000.0, "dropout": 0.1}`; only `d_model` is
+/// required, the other fields default as in [`SinusoidalConfig::new`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SinusoidalConfig {
     /// Model width; must be even and non-zero.
     pub d_model: usize,
     /// Positions precomputed at construction (default 5000). Longer sequences grow the table.
+    #[serde(default = "defaults::max_len")]
     pub max_len: usize,
     /// Frequency base (default 10000).
+    #[serde(default = "defaults::base")]
     pub base: f64,
     /// Dropout applied after the addition in training mode (default 0.1, as in the paper).
+    #[serde(default = "defaults::dropout")]
     pub dropout: f32,
+}
+
+/// Values of the fields a serialised [`SinusoidalConfig`] leaves out: those of
+/// [`SinusoidalConfig::new`].
+mod defaults {
+    use super::SinusoidalConfig;
+
+    pub(super) fn max_len() -> usize {
+        SinusoidalConfig::new(0).max_len
+    }
+
+    pub(super) fn base() -> f64 {
+        SinusoidalConfig::new(0).base
+    }
+
+    pub(super) fn dropout() -> f32 {
+        SinusoidalConfig::new(0).dropout
+    }
 }
 
 impl SinusoidalConfig {

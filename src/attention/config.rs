@@ -3,14 +3,24 @@
 use std::collections::HashMap;
 
 use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::MetadataReader;
+use crate::checkpoint::{json_entry, read_json_entry, ATTENTION_KEY};
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
 use crate::positions::Positions;
 
 /// Configuration of [`MultiHeadAttention`](super::MultiHeadAttention).
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
+/// "dropout": 0.0, "causal": false, "softmax_scale": 0.125}`. Only `d_model` and `num_heads`
+/// are required; the other fields default as in [`AttentionConfig::new`] and its builders (a
+/// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
+/// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
+/// their defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "AttentionConfigFields")]
 pub struct AttentionConfig {
     /// Model width (input and output features).
     pub d_model: usize,
@@ -31,10 +41,59 @@ pub struct AttentionConfig {
     /// Queries per block: attention runs over blocks of this many queries, each against all
     /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
+    #[serde(skip)]
     pub query_block: Option<usize>,
     /// Bytes the logits of one query block may take when the block size is automatic
     /// (default [`DEFAULT_LOGITS_BUDGET`](crate::DEFAULT_LOGITS_BUDGET)). A runtime setting, not stored in checkpoints.
+    #[serde(skip)]
     pub logits_budget: usize,
+}
+
+/// The serialised form of [`AttentionConfig`]: a field left out keeps its value from
+/// [`AttentionConfig::new`] and its builders, which depend on the fields given.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AttentionConfigFields {
+    d_model: usize,
+    num_heads: usize,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    num_kv_heads: Option<usize>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    head_dim: Option<usize>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    bias: Option<bool>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    dropout: Option<f32>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    causal: Option<bool>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    softmax_scale: Option<f64>,
+}
+
+impl From<AttentionConfigFields> for AttentionConfig {
+    fn from(f: AttentionConfigFields) -> Self {
+        let mut c = AttentionConfig::new(f.d_model, f.num_heads);
+        if let Some(kv) = f.num_kv_heads {
+            c = c.with_kv_heads(kv);
+        }
+        // Before the scale: a head width sets the default scale.
+        if let Some(d) = f.head_dim {
+            c = c.with_head_dim(d);
+        }
+        if let Some(bias) = f.bias {
+            c = c.with_bias(bias);
+        }
+        if let Some(p) = f.dropout {
+            c = c.with_dropout(p);
+        }
+        if let Some(causal) = f.causal {
+            c = c.with_causal(causal);
+        }
+        if let Some(scale) = f.softmax_scale {
+            c = c.with_softmax_scale(scale);
+        }
+        c
+    }
 }
 
 /// Default [`AttentionConfig::logits_budget`]: 16 MiB of logits per query block (B2 H8: 256
@@ -143,43 +202,22 @@ impl AttentionConfig {
         block.clamp(1, queries.max(1))
     }
 
-    /// The configuration as `attention.*` string metadata for checkpoints.
+    /// The configuration as checkpoint metadata: one entry, [`ATTENTION_KEY`] → this
+    /// configuration as JSON (without the runtime settings [`Self::query_block`] and
+    /// [`Self::logits_budget`]).
     pub fn to_metadata(&self) -> HashMap<String, String> {
-        [
-            ("d_model", self.d_model.to_string()),
-            ("num_heads", self.num_heads.to_string()),
-            ("num_kv_heads", self.num_kv_heads.to_string()),
-            ("head_dim", self.head_dim.to_string()),
-            ("bias", self.bias.to_string()),
-            ("dropout", self.dropout.to_string()),
-            ("causal", self.causal.to_string()),
-            ("softmax_scale", self.softmax_scale.to_string()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (format!("attention.{k}"), v))
-        .collect()
+        json_entry(ATTENTION_KEY, self)
     }
 
-    /// Reads a configuration written by [`Self::to_metadata`] and validates it.
+    /// Reads the configuration that [`Self::to_metadata`] wrote and validates it; the runtime
+    /// settings take their defaults.
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] naming a missing or unparsable key; as [`Self::validate`].
+    /// [`Error::Checkpoint`] naming [`ATTENTION_KEY`] when it is missing or its value is not
+    /// the JSON of a configuration (malformed, a missing or unknown field, a value of the wrong
+    /// type); as [`Self::validate`].
     pub fn from_metadata(metadata: &HashMap<String, String>, source: &str) -> Result<Self> {
-        let r = MetadataReader { source, metadata };
-        let int = |k: &str| r.parse::<usize>(&format!("attention.{k}"), "a non-negative integer");
-        let flag = |k: &str| r.parse::<bool>(&format!("attention.{k}"), "true or false");
-        let cfg = Self {
-            d_model: int("d_model")?,
-            num_heads: int("num_heads")?,
-            num_kv_heads: int("num_kv_heads")?,
-            head_dim: int("head_dim")?,
-            bias: flag("bias")?,
-            dropout: r.parse("attention.dropout", "a number")?,
-            causal: flag("causal")?,
-            softmax_scale: r.parse("attention.softmax_scale", "a number")?,
-            query_block: None,
-            logits_budget: DEFAULT_LOGITS_BUDGET,
-        };
+        let cfg: Self = read_json_entry(metadata, source, ATTENTION_KEY)?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -25,6 +25,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
 
 use super::{check_queries, BucketCache, DistanceRange, ROWS_LAYOUT};
 use crate::error::{Error, Result};
@@ -33,7 +34,10 @@ use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, Rel
 use crate::positions::Positions;
 
 /// How the bias treats keys after the query.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Serialised in snake case: `"causal"`, `"causal_pairwise"`, `"symmetric"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AlibiMode {
     /// Follow the attention (the default): [`AlibiMode::Causal`] when it is causal,
     /// [`AlibiMode::Symmetric`] when it is bidirectional.
@@ -49,7 +53,13 @@ pub enum AlibiMode {
 }
 
 /// Configuration of [`Alibi`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"num_heads": 8, "first_head": 0, "head_count": 8, "mode": "causal", "learnable": false}`;
+/// only `num_heads` is required, the other fields default as in [`AlibiConfig::new`]
+/// (`head_count` to `num_heads`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "AlibiConfigFields")]
 pub struct AlibiConfig {
     /// Heads of the whole model, > 0 (slopes depend on it).
     pub num_heads: usize,
@@ -62,6 +72,33 @@ pub struct AlibiConfig {
     pub mode: AlibiMode,
     /// Whether the slopes are a trainable variable `slopes` (default false).
     pub learnable: bool,
+}
+
+/// The serialised form of [`AlibiConfig`]: a field left out keeps its value from
+/// [`AlibiConfig::new`], which depends on `num_heads`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AlibiConfigFields {
+    num_heads: usize,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    first_head: Option<usize>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    head_count: Option<usize>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    mode: Option<AlibiMode>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    learnable: Option<bool>,
+}
+
+impl From<AlibiConfigFields> for AlibiConfig {
+    fn from(f: AlibiConfigFields) -> Self {
+        let mut c = AlibiConfig::new(f.num_heads);
+        c.first_head = f.first_head.unwrap_or(c.first_head);
+        c.head_count = f.head_count.unwrap_or(c.head_count);
+        c.mode = f.mode.unwrap_or(c.mode);
+        c.learnable = f.learnable.unwrap_or(c.learnable);
+        c
+    }
 }
 
 impl AlibiConfig {

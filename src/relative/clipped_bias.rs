@@ -10,12 +10,18 @@
 //! - table `bias_table.weight`: `(2·max_distance + 1, num_heads)` (the seeds' `nn.Embedding`
 //!   named `bias_table`).
 
+use serde::{Deserialize, Serialize};
+
 use super::{BucketedRelativeBias, RelativeBucketing};
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
 
 /// Configuration of [`ClippedRelativeBias`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON `{"num_heads": 8, "max_distance": 16}`;
+/// both are required.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ClippedBiasConfig {
     /// Attention heads, > 0.
     pub num_heads: usize,

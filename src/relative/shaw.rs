@@ -22,6 +22,7 @@
 
 use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
 
 use crate::positions::Positions;
 
@@ -33,14 +34,25 @@ use crate::plug::{
 };
 
 /// Configuration of [`ShawRelativePosition`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"head_dim": 64, "max_distance": 16, "values": true}`; `values` may be left out for its
+/// default (as in [`ShawConfig::new`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ShawConfig {
     /// Features per head, > 0.
     pub head_dim: usize,
     /// Clip distance `k`, > 0.
     pub max_distance: usize,
     /// Whether values get `a^V` as well as keys `a^K` (default true).
+    #[serde(default = "default_values")]
     pub values: bool,
+}
+
+/// The `values` of a serialised [`ShawConfig`] that leaves it out: that of [`ShawConfig::new`].
+fn default_values() -> bool {
+    ShawConfig::new(0, 0).values
 }
 
 impl ShawConfig {

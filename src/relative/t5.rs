@@ -25,22 +25,49 @@
 //! candle-transformers' T5 uses bidirectional buckets in the decoder as well; this follows HF,
 //! where the decoder's self-attention is causal (`bidirectional = false`).
 
+use serde::{Deserialize, Serialize};
+
 use super::{BucketedRelativeBias, RelativeBucketing};
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
 
 /// Configuration of [`T5RelativeBias`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"num_heads": 8, "num_buckets": 32, "max_distance": 128, "bidirectional": true}`; only
+/// `num_heads` is required, the other fields default as in [`T5Config::new`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct T5Config {
     /// Attention heads, > 0.
     pub num_heads: usize,
     /// Buckets (default 32); at least 2, or 4 when bidirectional.
+    #[serde(default = "defaults::num_buckets")]
     pub num_buckets: usize,
     /// Distance from which every farther pair shares the last bucket (default 128).
+    #[serde(default = "defaults::max_distance")]
     pub max_distance: usize,
     /// Encoder-style (keys after the query get their own buckets) or decoder-style (default
     /// true).
+    #[serde(default = "defaults::bidirectional")]
     pub bidirectional: bool,
+}
+
+/// Values of the fields a serialised [`T5Config`] leaves out: those of [`T5Config::new`].
+mod defaults {
+    use super::T5Config;
+
+    pub(super) fn num_buckets() -> usize {
+        T5Config::new(0).num_buckets
+    }
+
+    pub(super) fn max_distance() -> usize {
+        T5Config::new(0).max_distance
+    }
+
+    pub(super) fn bidirectional() -> bool {
+        T5Config::new(0).bidirectional
+    }
 }
 
 impl T5Config {

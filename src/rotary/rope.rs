@@ -3,6 +3,7 @@
 use std::sync::{Arc, RwLock};
 
 use candle_core::{DType, Device, Module, Tensor};
+use serde::{Deserialize, Serialize};
 
 use super::inplace::RotateInPlace;
 use super::kernels::{rotate_fused, rotate_ops};
@@ -19,7 +20,10 @@ fn max_table_elements() -> usize {
 }
 
 /// Which features form the rotated pairs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+///
+/// Serialised in snake case: `"half"`, `"interleaved"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RopeLayout {
     /// Feature `i` pairs with `i + d/2` ("rotate half"): GPT-NeoX, HF Llama, the seeds.
     #[default]
@@ -39,7 +43,10 @@ pub enum QkLayout {
 }
 
 /// How the rotation is computed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+///
+/// Serialised in snake case: `"fused"`, `"ops"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RopeKernel {
     /// candle-nn's fused kernels, with a backward pass added by this crate.
     #[default]
@@ -49,7 +56,14 @@ pub enum RopeKernel {
 }
 
 /// Configuration of [`RotaryEmbedding`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names, e.g. as JSON
+/// `{"head_dim": 64, "rotary_dim": 64, "base": 10000.0, "layout": "half",
+/// "scaling": {"rope_type": "default"}, "max_position": 2048, "kernel": "fused"}`
+/// (`xpos_scale_base` only when set). Only `head_dim` is required; the other fields default as
+/// in [`RopeConfig::new`] (`rotary_dim` to `head_dim`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "RopeConfigFields")]
 pub struct RopeConfig {
     /// Size of each attention head; must be even.
     pub head_dim: usize,
@@ -65,9 +79,46 @@ pub struct RopeConfig {
     /// Positions precomputed at construction (default 2048); tables grow on demand past it.
     pub max_position: usize,
     /// xPos scale base γ (Sun et al. 2022), or `None` for plain RoPE.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub xpos_scale_base: Option<f64>,
     /// Fused kernels or tensor ops (default fused).
     pub kernel: RopeKernel,
+}
+
+/// The serialised form of [`RopeConfig`]: a field left out keeps its value from
+/// [`RopeConfig::new`], which depends on `head_dim`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RopeConfigFields {
+    head_dim: usize,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    rotary_dim: Option<usize>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    base: Option<f64>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    layout: Option<RopeLayout>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    scaling: Option<RopeScaling>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    max_position: Option<usize>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    xpos_scale_base: Option<f64>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    kernel: Option<RopeKernel>,
+}
+
+impl From<RopeConfigFields> for RopeConfig {
+    fn from(f: RopeConfigFields) -> Self {
+        let mut c = RopeConfig::new(f.head_dim);
+        c.rotary_dim = f.rotary_dim.unwrap_or(c.rotary_dim);
+        c.base = f.base.unwrap_or(c.base);
+        c.layout = f.layout.unwrap_or(c.layout);
+        c.scaling = f.scaling.unwrap_or(c.scaling);
+        c.max_position = f.max_position.unwrap_or(c.max_position);
+        c.xpos_scale_base = f.xpos_scale_base.or(c.xpos_scale_base);
+        c.kernel = f.kernel.unwrap_or(c.kernel);
+        c
+    }
 }
 
 impl RopeConfig {

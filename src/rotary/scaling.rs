@@ -20,6 +20,8 @@
 //! [`linear_inv_freq`], [`ntk_aware_inv_freq`], [`dynamic_ntk_inv_freq`], [`yarn_inv_freq`],
 //! [`llama3_inv_freq`], [`longrope_inv_freq`].
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 
 /// Inverse frequencies and the factor that multiplies cos and sin.
@@ -64,24 +66,64 @@ impl RopeFrequencies {
 }
 
 /// YaRN parameters (Peng et al. 2023, "YaRN: Efficient Context Window Extension").
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names (HF's); `factor` and
+/// `original_max_position_embeddings` are required, the other fields default as in
+/// [`YarnScaling::new`], and the optional ones are written only when set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct YarnScaling {
     /// Context extension factor (HF `factor`).
     pub factor: f64,
     /// Pretraining context length `L` (HF `original_max_position_embeddings`).
     pub original_max_position_embeddings: usize,
     /// Rotations at which the ramp starts extrapolating (default 32).
+    #[serde(default = "yarn_defaults::beta_fast")]
     pub beta_fast: f64,
     /// Rotations at which the ramp ends (default 1).
+    #[serde(default = "yarn_defaults::beta_slow")]
     pub beta_slow: f64,
     /// DeepSeek-style `mscale` (used with `mscale_all_dim`).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub mscale: Option<f64>,
     /// DeepSeek-style `mscale_all_dim`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub mscale_all_dim: Option<f64>,
     /// Explicit attention factor; overrides the one derived from `factor`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub attention_factor: Option<f64>,
     /// Round the correction range to whole dimensions (default true, as HF).
+    #[serde(default = "yarn_defaults::truncate")]
     pub truncate: bool,
+}
+
+/// Values of the fields a serialised [`YarnScaling`] leaves out: those of [`YarnScaling::new`].
+mod yarn_defaults {
+    use super::YarnScaling;
+
+    pub(super) fn beta_fast() -> f64 {
+        YarnScaling::new(1.0, 1).beta_fast
+    }
+
+    pub(super) fn beta_slow() -> f64 {
+        YarnScaling::new(1.0, 1).beta_slow
+    }
+
+    pub(super) fn truncate() -> bool {
+        YarnScaling::new(1.0, 1).truncate
+    }
 }
 
 impl YarnScaling {
@@ -127,7 +169,11 @@ impl YarnScaling {
 }
 
 /// LongRoPE parameters (Ding et al. 2024; Phi-3's `su` scaling).
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialised (serde) with its field names (HF's); every field is required but
+/// `attention_factor`, which is written only when set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LongRopeScaling {
     /// Per-frequency rescale factors used up to `original_max_position_embeddings`.
     pub short_factor: Vec<f64>,
@@ -139,14 +185,25 @@ pub struct LongRopeScaling {
     /// `max_position_embeddings / original_max_position_embeddings` when absent).
     pub factor: f64,
     /// Explicit attention factor; overrides the one derived from `factor`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::checkpoint::non_null"
+    )]
     pub attention_factor: Option<f64>,
 }
 
 /// How RoPE frequencies are scaled for longer contexts.
-#[derive(Debug, Clone, PartialEq, Default)]
+///
+/// Serialised (serde) as an object tagged by `rope_type`, named as [`RopeScaling::name`] says,
+/// with the variant's parameters beside it, e.g. as JSON `{"rope_type": "default"}` or
+/// `{"rope_type": "linear", "factor": 4.0}`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum RopeScaling {
     /// Plain RoPE, `inv_freq[i] = base^(-2i/d)`.
     #[default]
+    #[serde(rename = "default")]
     None,
     /// Position interpolation: every frequency divided by `factor`.
     Linear {
@@ -180,6 +237,7 @@ pub enum RopeScaling {
         original_max_position_embeddings: usize,
     },
     /// LongRoPE.
+    #[serde(rename = "longrope")]
     LongRope(LongRopeScaling),
 }
 
