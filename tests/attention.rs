@@ -289,6 +289,46 @@ fn branch_and_compare(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<
     Ok(())
 }
 
+/// Truncating a cache undoes appends: decoding after a truncation equals decoding from a cache
+/// that never saw the dropped tokens, with offsets and with explicit ids, for every encoding;
+/// keeping more than the cache holds is a typed error.
+fn kv_cache_truncates(dev: &Device) -> anyhow::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (1, 6, D_MODEL), dev)?;
+    let ids = |v: &[u32]| -> anyhow::Result<Positions> {
+        Ok(Positions::ids(&Tensor::new(v, dev)?.unsqueeze(0)?)?)
+    };
+    let (first, kept, next) = (ids(&[0, 1, 2, 3])?, ids(&[0, 1])?, ids(&[5, 6])?);
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, true, dev)?;
+        for explicit in [false, true] {
+            let run =
+                |cache: &mut KvCache, start: usize, len: usize, p| -> anyhow::Result<Tensor> {
+                    let o = AttentionOptions {
+                        positions: if explicit { Some(p) } else { None },
+                        ..Default::default()
+                    };
+                    Ok(mha
+                        .forward_with(&x.narrow(1, start, len)?, &o, Some(cache))?
+                        .output)
+                };
+            let mut cache = KvCache::new();
+            run(&mut cache, 0, 4, &first)?;
+            cache.truncate(2)?;
+            assert_eq!(cache.len(), 2);
+            let got = run(&mut cache, 4, 2, &next)?;
+            let mut fresh = KvCache::new();
+            run(&mut fresh, 0, 2, &kept)?;
+            let want = run(&mut fresh, 4, 2, &next)?;
+            assert_close(&got, &want, 1e-5, &format!("{name} ids {explicit}"))?;
+            assert!(matches!(
+                cache.truncate(5),
+                Err(Error::InvalidConfig { .. })
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A cache filled by an f32 block refuses the keys of an f64 block with a typed error.
 fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
     let cfg = base_cfg().with_causal(true);
@@ -720,6 +760,7 @@ device_tests!(
     parity_rotation_bias_value_hooks,
     kv_cache_decoding_matches_full_forward,
     kv_cache_clones_are_independent,
+    kv_cache_truncates,
     kv_cache_refuses_another_dtype,
     kv_cache_with_position_ids,
     causal_weights_and_rows,

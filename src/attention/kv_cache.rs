@@ -105,6 +105,28 @@ impl KvCache {
         self.positions.as_ref().map_or(0, |p| p.end(self.len()))
     }
 
+    /// Keeps the first `len` cached tokens and forgets the rest (a rejected draft in
+    /// speculative decoding, or one step undone); the storage is kept for the next appends.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if `len` is more than the cache holds.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(Error::config(
+                "cached tokens to keep",
+                len,
+                format!("at most the {} cached", self.len),
+            ));
+        }
+        if len == 0 {
+            self.positions = None;
+        } else if let Some(p) = &self.positions {
+            self.positions = Some(p.narrow(0, len)?);
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// Drops everything.
     pub fn reset(&mut self) {
         self.k = None;
