@@ -29,13 +29,14 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::{is_float, Error, Result};
 
 /// Metadata key whose value is the JSON of the file's [`EncodingConfig`](crate::EncodingConfig).
 pub const ENCODING_KEY: &str = "posenc.encoding";
@@ -68,6 +69,12 @@ pub fn save<P: AsRef<Path>>(
     // safetensors wants contiguous data; make copies only where needed.
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
+        if name == "__metadata__" || name.is_empty() {
+            return Err(Error::Checkpoint {
+                path: shown,
+                reason: format!("a tensor may not be named `{name}` (the safetensors header reserves `__metadata__`, and names are non-empty)"),
+            });
+        }
         owned.push((name.clone(), t.contiguous()?));
     }
     owned.sort_by(|a, b| a.0.cmp(&b.0));
@@ -77,15 +84,29 @@ pub fn save<P: AsRef<Path>>(
             path: shown.clone(),
             reason: format!("cannot serialise: {e}"),
         })?;
-    let tmp = path.with_extension("safetensors.tmp");
-    std::fs::write(&tmp, bytes).map_err(|source| Error::Io {
-        path: tmp.display().to_string(),
-        source,
-    })?;
-    std::fs::rename(&tmp, path).map_err(|source| Error::Io {
-        path: shown,
-        source,
-    })
+    // A temporary name of this call's own (process and counter), so concurrent saves into one
+    // folder never write each other's files.
+    static SAVES: AtomicU64 = AtomicU64::new(0);
+    let n = SAVES.fetch_add(1, Ordering::Relaxed);
+    let file = path
+        .file_name()
+        .map_or_else(|| "checkpoint".into(), |f| f.to_string_lossy());
+    let tmp = path.with_file_name(format!(".{file}.{}-{n}.tmp", std::process::id()));
+    let written = std::fs::write(&tmp, bytes)
+        .map_err(|source| Error::Io {
+            path: tmp.display().to_string(),
+            source,
+        })
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|source| Error::Io {
+                path: shown,
+                source,
+            })
+        });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Writes every variable of `varmap` (by its VarMap name) with `metadata`; see [`save`].
@@ -194,13 +215,31 @@ impl Checkpoint {
 
     /// Renames tensors: `rename(name)` gives the new name, or `None` to keep the old one. Use
     /// it to map a foreign naming scheme onto this crate's.
-    pub fn renamed(mut self, rename: impl Fn(&str) -> Option<String>) -> Self {
-        self.tensors = self
-            .tensors
-            .into_iter()
-            .map(|(k, v)| (rename(&k).unwrap_or(k), v))
-            .collect();
-        self
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming both tensors when two of them would get the same name (one
+    /// would be lost).
+    pub fn renamed(mut self, rename: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut renamed = HashMap::with_capacity(self.tensors.len());
+        let mut from: HashMap<String, String> = HashMap::with_capacity(self.tensors.len());
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        for old in names {
+            let Some(tensor) = self.tensors.remove(&old) else {
+                continue;
+            };
+            let new = rename(&old).unwrap_or_else(|| old.clone());
+            if let Some(first) = from.get(&new) {
+                return Err(Error::Checkpoint {
+                    path: self.source,
+                    reason: format!("renaming maps both `{first}` and `{old}` to `{new}`"),
+                });
+            }
+            from.insert(new.clone(), old);
+            renamed.insert(new, tensor);
+        }
+        self.tensors = renamed;
+        Ok(self)
     }
 
     /// A `VarBuilder` over the tensors, converting to `dtype` on `device`. Missing or
@@ -249,14 +288,15 @@ impl Checkpoint {
     }
 }
 
-/// An integer tensor may not become a float parameter (a table stored as `i64` is a corrupt or
-/// foreign file, not something to convert).
+/// A tensor and the parameter it fills must both be floats (f32, f64, bf16, f16) or both
+/// integers: an integer table is a corrupt or foreign file, not something to convert, and
+/// floats written into an integer variable would be truncated. The crate's one dtype rule.
 fn dtype_fits(source: &str, name: &str, t: &Tensor, want: DType) -> Result<()> {
-    if want.is_float() && !t.dtype().is_float() {
+    if is_float(want) != is_float(t.dtype()) {
         return Err(Error::Checkpoint {
             path: source.into(),
             reason: format!(
-                "tensor `{name}` has dtype {:?}, expected a float dtype for a {want:?} parameter",
+                "tensor `{name}` has dtype {:?}, which cannot fill a {want:?} parameter (floats fill f32, f64, bf16 or f16 parameters, integers integer ones)",
                 t.dtype()
             ),
         });

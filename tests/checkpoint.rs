@@ -131,7 +131,7 @@ fn hf_named_tensors(dev: &Device) -> anyhow::Result<()> {
     )?;
     // A naming scheme of another model can be mapped onto ours.
     let renamed = Checkpoint::load(&path, dev)?
-        .renamed(|n| n.strip_prefix("transformer.").map(|s| format!("gpt.{s}")));
+        .renamed(|n| n.strip_prefix("transformer.").map(|s| format!("gpt.{s}")))?;
     assert!(renamed.tensors().contains_key("gpt.wpe.weight"));
     Ok(())
 }
@@ -736,3 +736,97 @@ device_tests!(
     every_config_round_trips_through_a_checkpoint,
     shared_encoding_is_arc,
 );
+
+/// Eight threads saving different checkpoints into one folder at once: every file holds its
+/// own tensors (the temporary names are per call: paths that differ only in their extension
+/// used to share one), and no temporary file is left behind.
+#[test]
+fn concurrent_saves_do_not_mix() -> anyhow::Result<()> {
+    let dir = tmp("concurrent");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                let dir = dir.clone();
+                s.spawn(move || -> anyhow::Result<()> {
+                    for round in 0..5 {
+                        let t =
+                            Tensor::full(i as f32 + round as f32 / 10.0, (64, 64), &Device::Cpu)?;
+                        let tensors = HashMap::from([("t".to_string(), t)]);
+                        let meta = HashMap::from([("who".to_string(), format!("{i}"))]);
+                        save(dir.join(format!("ckpt.{i}")), &tensors, &meta)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a saving thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    for i in 0..8 {
+        let ck = Checkpoint::load(dir.join(format!("ckpt.{i}")), &Device::Cpu)?;
+        assert_eq!(ck.metadata()["who"], format!("{i}"));
+        let v = ck.get("t", &[64, 64])?.flatten_all()?.to_vec1::<f32>()?;
+        assert!(
+            v.iter().all(|x| (*x - (i as f32 + 0.4)).abs() < 1e-6),
+            "file {i}"
+        );
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir)?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// Names a file cannot hold are refused when saving (a tensor named `__metadata__` used to
+/// write an unloadable file); a renaming that maps two tensors to one name is an error (one
+/// used to be dropped); floats do not fill integer variables (they were truncated).
+#[test]
+fn names_and_dtypes_that_lose_data_are_refused() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let t = Tensor::ones((2, 2), DType::F32, &dev)?;
+    for name in ["__metadata__", ""] {
+        let err = save(
+            tmp("reserved.safetensors"),
+            &HashMap::from([(name.to_string(), t.clone())]),
+            &HashMap::new(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Checkpoint { .. }), "`{name}`: {err}");
+    }
+    let path = tmp("two_names.safetensors");
+    save(
+        &path,
+        &HashMap::from([
+            ("a.w".to_string(), t.clone()),
+            ("b.w".to_string(), t.clone()),
+        ]),
+        &HashMap::new(),
+    )?;
+    let ck = Checkpoint::load(&path, &dev)?;
+    let err = ck.clone().renamed(|_| Some("w".into())).unwrap_err();
+    assert!(
+        err.to_string().contains("`a.w`") && err.to_string().contains("`b.w`"),
+        "{err}"
+    );
+    let ck = ck.renamed(|n| n.strip_prefix("a.").map(String::from))?;
+    assert!(ck.get("w", &[2, 2]).is_ok() && ck.get("b.w", &[2, 2]).is_ok());
+    // A float tensor into an integer variable.
+    let varmap = VarMap::new();
+    varmap.get((2, 2), "w", candle_nn::Init::Const(0.0), DType::U8, &dev)?;
+    let err = ck.load_into(&varmap).unwrap_err();
+    assert!(matches!(err, Error::Checkpoint { .. }), "{err}");
+    let kept = varmap.data().lock().expect("lock")["w"]
+        .as_tensor()
+        .sum_all()?;
+    assert_eq!(kept.to_dtype(DType::F32)?.to_scalar::<f32>()?, 0.0);
+    std::fs::remove_file(&path)?;
+    Ok(())
+}
