@@ -214,6 +214,51 @@ fn alibi_follows_the_block(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// ALiBi, T5 and the clipped bias are candle `Module`s on logits `(B, H, Tq, Tk)`, queries at
+/// the last `Tq` key positions: each adds exactly its own bias; ALiBi's default form there is
+/// the symmetric one, which under a causal mask gives the causal attention; more queries than
+/// keys is a typed error.
+fn bias_modules_add_to_logits(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let logits = Tensor::randn(0f32, 1.0, (2, 4, 3, 7), dev)?;
+    let (q, k) = (Positions::Offset(4), Positions::Offset(0));
+    let alibi = Alibi::new(&AlibiConfig::new(4), dev)?;
+    let t5 = T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?;
+    let clipped = ClippedRelativeBias::new(&ClippedBiasConfig::new(4, 3), vb.pp("c"))?;
+    let sym = alibi_bias(&alibi, &q, 3, &k, 7, false)?;
+    for (name, got, bias) in [
+        ("alibi", alibi.forward(&logits)?, sym.clone()),
+        ("t5", t5.forward(&logits)?, t5.bias(&q, 3, &k, 7)?),
+        (
+            "clipped",
+            clipped.forward(&logits)?,
+            clipped.bias(&q, 3, &k, 7)?,
+        ),
+    ] {
+        assert_close(&got, &logits.broadcast_add(&bias)?, 0.0, name)?;
+    }
+    // Under a causal mask the symmetric form is the causal attention.
+    let causal = alibi_bias(&alibi, &q, 3, &k, 7, true)?;
+    let keep: Vec<f32> = (0..3)
+        .flat_map(|i| (0..7).map(move |j| if j <= i + 4 { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    let mask = Tensor::from_vec(keep, (1, 1, 3, 7), dev)?;
+    let soft = |b: &Tensor| {
+        candle_nn::ops::softmax_last_dim(&logits.broadcast_add(b)?.broadcast_add(&mask)?)
+    };
+    assert_close(&soft(&sym)?, &soft(&causal)?, 1e-6, "alibi causal")?;
+    let wide = Tensor::zeros((1, 4, 8, 7), DType::F32, dev)?;
+    for err in [
+        alibi.forward(&wide),
+        t5.forward(&wide),
+        clipped.forward(&wide),
+    ] {
+        assert!(err.is_err());
+    }
+    Ok(())
+}
+
 fn alibi_head_range_learnable_and_cache(dev: &Device) -> anyhow::Result<()> {
     let all = alibi_slopes(12)?;
     let shard = Alibi::new(&AlibiConfig::new(12).with_head_range(8, 4), dev)?;
@@ -969,6 +1014,7 @@ device_tests!(
     alibi_bias_matches_bloom,
     alibi_forms_and_modes,
     alibi_follows_the_block,
+    bias_modules_add_to_logits,
     alibi_head_range_learnable_and_cache,
     t5_buckets_match_hf,
     t5_compute_bias_matches_hf,

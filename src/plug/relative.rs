@@ -190,7 +190,7 @@ impl RelativeBias {
     /// # Errors
     /// [`Error::Shape`] naming the expected shape.
     pub(crate) fn check_block(&self, (b, h, tq, tk): (usize, usize, usize, usize)) -> Result<()> {
-        let (vb, vh, rows, w) = self.values.dims4()?;
+        let (vb, vh, rows, _) = self.values.dims4()?;
         if (vb != 1 && vb != b) || (vh != 1 && vh != h) || (rows != 1 && rows != tq) {
             return Err(Error::shape(
                 "relative bias values",
@@ -198,7 +198,6 @@ impl RelativeBias {
                 self.values.shape(),
             ));
         }
-        let _ = w;
         self.columns
             .check_block("relative bias", if vb == 1 { b } else { vb }, tq, tk)
     }

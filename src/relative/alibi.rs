@@ -27,7 +27,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use super::{check_queries, BucketCache, DistanceRange, ROWS_LAYOUT};
+use super::{check_queries, logits_positions, BucketCache, DistanceRange, ROWS_LAYOUT};
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
@@ -356,6 +356,19 @@ impl Alibi {
                 }
             }
         }
+    }
+}
+
+impl candle_core::Module for Alibi {
+    /// Adds the bias to logits `(B, H, Tq, Tk)` whose queries are the last `Tq` of the `Tk`
+    /// keys. [`AlibiMode::Auto`] takes the bidirectional form `−m·|i − j|` here: a module on
+    /// logits does not know the attention's mask, and for keys at or before the query that form
+    /// equals the causal one, so it is right under a causal mask too.
+    fn forward(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
+        let (tq, tk) = logits_positions(logits, self.config.head_count)?;
+        let (q, k) = (Positions::Offset(tk - tq), Positions::Offset(0));
+        let bias = self.bias(&AttentionContext::new(&q, tq, &k, tk))?;
+        logits.broadcast_add(&bias.to_dtype(logits.dtype())?)
     }
 }
 

@@ -353,6 +353,35 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
     }
 }
 
+/// The positions of logits `(B, H, Tq, Tk)` read as a candle `Module` input: keys `0..Tk`, the
+/// queries the last `Tq` of them (as in decoding with a cache), so `Tq ≤ Tk`.
+pub(crate) fn logits_positions(logits: &Tensor, heads: usize) -> Result<(usize, usize)> {
+    let (_, h, tq, tk) = logits.dims4().map_err(|_| Error::Rank {
+        what: "attention logits",
+        expected: 4,
+        got: logits.rank(),
+        shape: logits.dims().to_vec(),
+    })?;
+    if h != heads || tq > tk {
+        return Err(Error::shape(
+            "attention logits",
+            format!("(batch, {heads} heads, queries, keys) with no more queries than keys (queries are the last keys' positions)"),
+            logits.shape(),
+        ));
+    }
+    Ok((tq, tk))
+}
+
+impl<C: RelativeBucketing> candle_core::Module for BucketedRelativeBias<C> {
+    /// Adds the bias to logits `(B, H, Tq, Tk)` whose queries are the last `Tq` of the `Tk`
+    /// keys (all of them when `Tq = Tk`).
+    fn forward(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
+        let (tq, tk) = logits_positions(logits, self.config.num_heads())?;
+        let bias = self.bias(&Positions::Offset(tk - tq), tq, &Positions::Offset(0), tk)?;
+        logits.broadcast_add(&bias.to_dtype(logits.dtype())?)
+    }
+}
+
 /// Checks that the query tensor handed to a bias hook is `(B, H, Tq, D)`.
 pub(crate) fn query_dims(q: &Tensor) -> Result<(usize, usize, usize, usize)> {
     q.dims4().map_err(|_| Error::Rank {

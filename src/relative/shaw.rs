@@ -104,6 +104,10 @@ impl ShawConfig {
 
 /// Shaw et al.'s learned relative key (and value) representations.
 ///
+/// Not a candle `Module`: its bias reads the queries and its value term the attention weights,
+/// so no single tensor is its natural input. Use it through the attention block (or call its
+/// plug hooks, which return the rows `q · a^Kᵀ` and the table `a^V` with their column rule).
+///
 /// # Example
 /// ```
 /// use std::sync::Arc;
