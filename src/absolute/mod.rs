@@ -1,8 +1,9 @@
 //! Absolute encodings: a vector per position, added to the token embeddings.
 //!
 //! Both share the addition `x + p[positions]` implemented here, so each file only says how its
-//! table is made.
+//! table is made; [`embeddings::Embeddings`] is the input layer that adds them once.
 
+pub mod embeddings;
 pub mod learned;
 pub mod sinusoidal;
 

@@ -35,6 +35,11 @@ use crate::positions::Positions;
 
 /// Multi-head self-attention that consumes any [`PositionalEncoding`].
 ///
+/// An absolute encoding (sinusoidal, learned) given to the block enters through its input hook:
+/// the block adds the positions to its own input, so every block that holds one adds them
+/// again. Models with absolute positions (GPT-2, BERT) add them once, at the input layer
+/// ([`Embeddings`](crate::absolute::embeddings::Embeddings)), and give the blocks no encoding.
+///
 /// # Example
 /// ```
 /// use std::sync::Arc;
