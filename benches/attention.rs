@@ -18,8 +18,8 @@
 mod common;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear_no_bias, Linear, VarBuilder, VarMap};
+use candle_core::{Device, Module, Tensor};
+use candle_nn::{linear_no_bias, Linear, VarBuilder};
 use candle_posenc::plug::{AttentionContext, Columns, LogitsBias, RelativeValues};
 use candle_posenc::{
     Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig,
@@ -255,8 +255,7 @@ impl PlainAttention {
 fn peak_child(name: &str, t: usize, causal: bool) -> Result<()> {
     let dev = Device::Cpu;
     let (d_model, heads, head_dim) = (512, 8, 64);
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::inference_vb(&dev);
     // One learned table long enough for the decoding section too.
     let all = cases(d_model, heads, head_dim, t, &dev, &vb)?;
     let case = all
@@ -318,8 +317,7 @@ fn main() -> Result<()> {
     let t = if quick { 256 } else { 1024 };
     let runs = if quick { 3 } else { 25 };
     let d_model = heads * head_dim;
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::inference_vb(&dev);
     let x = Tensor::randn(0f32, 1.0, (b, t, d_model), &dev)?;
     // One learned table long enough for the decoding section too.
     let all = cases(d_model, heads, head_dim, 8192, &dev, &vb)?;

@@ -14,6 +14,7 @@
 //! Run: `cargo run --release --example kerple` (prints the agreement of the fused and the
 //! training path, and the time of the rows against the same bias handed over dense).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -87,15 +88,42 @@ impl PositionalEncoding for Kerple {
     }
 }
 
-fn main() -> anyhow::Result<()> {
-    let dev = Device::Cpu;
-    let (b, t, d_model, heads) = (2, 1024, 512, 8);
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// Builds KERPLE and a causal block over `vb`: the rows form and the same bias handed over dense.
+fn blocks(
+    vb: &VarBuilder,
+    heads: usize,
+    d_model: usize,
+) -> Result<(MultiHeadAttention, MultiHeadAttention)> {
     let kerple = Kerple::new(heads, vb.pp("kerple"))?;
     let cfg = AttentionConfig::new(d_model, heads).with_causal(true);
     let rows = MultiHeadAttention::new(&cfg, Some(Arc::new(kerple.clone())), vb.pp("attn"))?;
     let dense = rows.clone().with_encoding(Some(Arc::new(kerple.dense())));
+    Ok((rows, dense))
+}
+
+fn main() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (b, t, d_model, heads) = (2, 1024, 512, 8);
+    // Training: the variables of a VarMap (the block keeps gradients for them).
+    let varmap = VarMap::new();
+    let (rows_train, _) = blocks(
+        &VarBuilder::from_varmap(&varmap, DType::F32, &dev),
+        heads,
+        d_model,
+    )?;
+    // Inference: the same values as plain tensors, as a model loaded from a checkpoint.
+    let plain: HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("varmap lock"))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+        .collect();
+    let (rows, dense) = blocks(
+        &VarBuilder::from_tensors(plain, DType::F32, &dev),
+        heads,
+        d_model,
+    )?;
     let x = Tensor::randn(0f32, 1.0, (b, t, d_model), &dev)?;
 
     // Inference takes the fused core; training the differentiable ops. Same attention.
@@ -104,7 +132,7 @@ fn main() -> anyhow::Result<()> {
         train: true,
         ..Default::default()
     };
-    let plain = rows.forward_with(&x, &train, None)?.output;
+    let plain = rows_train.forward_with(&x, &train, None)?.output;
     let diff = (&fused - &plain)?.abs()?.max_all()?.to_scalar::<f32>()?;
     println!("KERPLE-log, B{b} T{t} d_model {d_model} H{heads}, causal");
     println!("fused inference vs training path: max |difference| {diff:.2e}");

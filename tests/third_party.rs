@@ -8,6 +8,7 @@ mod common;
 #[path = "../examples/kerple.rs"]
 mod kerple;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -21,14 +22,27 @@ fn kerple_through_every_path(dev: &Device) -> anyhow::Result<()> {
     let x = Tensor::randn(0f32, 1.0, (2, t, d_model), dev)?;
     let ids = Positions::ids(&Tensor::arange(5u32, 5 + t as u32, dev)?.unsqueeze(0)?)?;
     for causal in [false, true] {
-        let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-        let enc = Kerple::new(heads, vb.pp("kerple"))?;
         let cfg = AttentionConfig::new(d_model, heads)
             .with_causal(causal)
             .with_query_block(Some(8));
-        let rows = MultiHeadAttention::new(&cfg, Some(Arc::new(enc.clone())), vb.pp("attn"))?;
-        let dense = rows.clone().with_encoding(Some(Arc::new(enc.dense())));
+        let build = |vb: &VarBuilder| -> anyhow::Result<(MultiHeadAttention, MultiHeadAttention)> {
+            let enc = Kerple::new(heads, vb.pp("kerple"))?;
+            let rows = MultiHeadAttention::new(&cfg, Some(Arc::new(enc.clone())), vb.pp("attn"))?;
+            let dense = rows.clone().with_encoding(Some(Arc::new(enc.dense())));
+            Ok((rows, dense))
+        };
+        // Training through a VarMap's variables; inference on the same values as plain
+        // tensors (a block whose weights track gradients takes the differentiable path).
+        let varmap = VarMap::new();
+        let (trained, _) = build(&VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
+        let plain: HashMap<String, Tensor> = varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock"))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+            .collect();
+        let (rows, dense) = build(&VarBuilder::from_tensors(plain, DType::F32, dev))?;
         let at5 = Positions::Offset(5);
         let opts = |train, positions| AttentionOptions {
             train,
@@ -42,7 +56,9 @@ fn kerple_through_every_path(dev: &Device) -> anyhow::Result<()> {
         for (name, other) in [
             (
                 "training path",
-                rows.forward_with(&x, &opts(true, Some(&at5)), None)?.output,
+                trained
+                    .forward_with(&x, &opts(true, Some(&at5)), None)?
+                    .output,
             ),
             (
                 "dense form",
@@ -71,7 +87,7 @@ fn kerple_through_every_path(dev: &Device) -> anyhow::Result<()> {
                 .collect::<anyhow::Result<Vec<_>>>()?;
             assert_close(&Tensor::cat(&steps, 1)?, &rows.forward(&x)?, 2e-5, "decode")?;
         }
-        let out = rows.forward_with(&x, &opts(true, None), None)?.output;
+        let out = trained.forward(&x)?;
         let grads = out.sqr()?.sum_all()?.backward()?;
         let data = varmap.data().lock().expect("varmap lock");
         for name in ["kerple.r1", "kerple.r2"] {

@@ -78,3 +78,38 @@ pub fn paired(
         ratio: ratios[runs / 2],
     })
 }
+
+/// A `VarBuilder` whose tensors are drawn as a `VarMap` draws them (same initialisers) but are
+/// plain tensors, not variables: a model loaded for inference, whose attention takes the fast
+/// paths (a block whose weights track gradients takes the differentiable one).
+pub fn inference_vb(dev: &Device) -> candle_nn::VarBuilder<'static> {
+    struct Detached(candle_nn::VarMap);
+    impl candle_nn::var_builder::SimpleBackend for Detached {
+        fn get(
+            &self,
+            s: candle_core::Shape,
+            name: &str,
+            h: candle_nn::Init,
+            dtype: candle_core::DType,
+            dev: &Device,
+        ) -> candle_core::Result<candle_core::Tensor> {
+            Ok(self.0.get(s, name, h, dtype, dev)?.detach())
+        }
+        fn get_unchecked(
+            &self,
+            name: &str,
+            _: candle_core::DType,
+            _: &Device,
+        ) -> candle_core::Result<candle_core::Tensor> {
+            candle_core::bail!("no tensor `{name}` without a shape")
+        }
+        fn contains_tensor(&self, name: &str) -> bool {
+            self.0.data().lock().is_ok_and(|d| d.contains_key(name))
+        }
+    }
+    candle_nn::VarBuilder::from_backend(
+        Box::new(Detached(candle_nn::VarMap::new())),
+        candle_core::DType::F32,
+        dev.clone(),
+    )
+}

@@ -380,7 +380,7 @@ impl Trained {
             .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?;
         let mut tensors = HashMap::new();
         for (name, var) in data.iter() {
-            tensors.insert(name.clone(), var.as_tensor().to_dtype(DType::F16)?);
+            tensors.insert(name.clone(), var.as_tensor().detach().to_dtype(DType::F16)?);
         }
         let mut metadata = s.model.to_metadata();
         metadata.extend(s.model.attention().to_metadata());

@@ -18,7 +18,9 @@ use candle_core::{DType, Device, Tensor};
 use super::fused_attention;
 use super::unfused;
 use crate::error::{check_float, Error, Result};
-use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
+use crate::plug::{
+    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+};
 use crate::positions::Positions;
 
 /// The execution path of one call.
@@ -34,9 +36,15 @@ pub(crate) enum Path {
 }
 
 impl Path {
-    /// The path for scaled, rotated `q`, `k` and `v` (inference detaches them, so only training
-    /// tracks gradients).
-    pub(crate) fn choose(q: &Tensor, k: &Tensor, v: &Tensor, train: bool, weights: bool) -> Path {
+    /// The path for scaled, rotated `q`, `k` and `v`: plain ops whenever gradients are needed
+    /// (`differentiable`, or any of them tracked by an encoding's parameters).
+    pub(crate) fn choose(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        differentiable: bool,
+        weights: bool,
+    ) -> Path {
         let cpu_f32 = [q, k, v].iter().all(|t| {
             t.device().is_cpu()
                 && t.dtype() == DType::F32
@@ -44,7 +52,7 @@ impl Path {
                 && t.rank() == 4
                 && t.layout().stride()[3] == 1
         });
-        match (train, cpu_f32, weights) {
+        match (differentiable, cpu_f32, weights) {
             (false, true, false) => Path::Fused,
             (false, true, true) => Path::RowPass,
             _ => Path::Ops,
@@ -67,7 +75,10 @@ pub(crate) struct Chunk<'a> {
     /// `(B, Tk)` u8, non-zero = keep.
     pub(crate) padding: Option<Tensor>,
     pub(crate) causal: bool,
+    /// Training mode: dropout on.
     pub(crate) train: bool,
+    /// Gradients wanted: the differentiable softmax.
+    pub(crate) differentiable: bool,
     /// Dropout on the weights in training.
     pub(crate) dropout: f32,
     /// Queries per block.
@@ -93,23 +104,20 @@ pub(crate) struct Attended {
     pub(crate) weights: Option<Tensor>,
 }
 
+/// An encoding's answers for one query block.
+type Answers = (Option<LogitsBias>, Option<RelativeValues>);
+
 impl Chunk<'_> {
-    /// Runs every query block on `path`.
+    /// Runs every query block on `path`, or on plain ops when the encoding's answers track
+    /// gradients (learned biases or tables in a graph): the path is still chosen once, from
+    /// the first block's answers.
     pub(crate) fn attend(&self, path: Path) -> Result<Attended> {
         let (b, h, t, d) = self.q.dims4()?;
         let (_, hkv, tk, _) = self.k.dims4()?;
-        let (k, v) = match path {
-            Path::Fused => (self.k.clone(), self.v.clone()), // grouped heads read in place
-            _ => (repeat_kv(&self.k, h / hkv)?, repeat_kv(&self.v, h / hkv)?),
-        };
-        let merged = match path {
-            Path::Fused => Some(Tensor::zeros((b, t, h, d), DType::F32, self.q.device())?),
-            _ => None,
-        };
         // With a plain causal mask, block [s, s + n) sees keys 0..s + n + tk − t only (no row is
         // fully masked, so dropping the hidden keys changes nothing); otherwise every key.
         let trim_keys = self.causal && self.padding.is_none() && self.attn_mask.is_none();
-        let (mut outs, mut weights) = (Vec::new(), Vec::new());
+        let mut spans = Vec::new();
         let mut start = 0;
         while start < t {
             let n = self.block.min(t - start);
@@ -118,8 +126,37 @@ impl Chunk<'_> {
             } else {
                 tk
             };
-            let q_positions = narrowed_positions(self.q_positions, start, n, t)?;
-            let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
+            spans.push((start, n, kv));
+            start += n;
+        }
+        let mut first = match spans.first() {
+            Some(&span) => Some(self.answers(span)?),
+            None => None,
+        };
+        let tracked = first.as_ref().is_some_and(|(bias, values)| {
+            let bias = match bias {
+                Some(LogitsBias::Dense(t)) => t.track_op(),
+                Some(LogitsBias::Relative(r)) => r.values().track_op(),
+                None => false,
+            };
+            bias || values.as_ref().is_some_and(|v| v.table().track_op())
+        });
+        let path = if tracked { Path::Ops } else { path };
+        let differentiable = self.differentiable || tracked;
+        let (k, v) = match path {
+            Path::Fused => (self.k.clone(), self.v.clone()), // grouped heads read in place
+            _ => (repeat_kv(&self.k, h / hkv)?, repeat_kv(&self.v, h / hkv)?),
+        };
+        let merged = match path {
+            Path::Fused => Some(Tensor::zeros((b, t, h, d), DType::F32, self.q.device())?),
+            _ => None,
+        };
+        let (mut outs, mut weights) = (Vec::new(), Vec::new());
+        for &(start, n, kv) in &spans {
+            let (bias, values) = match first.take() {
+                Some(answers) => answers,
+                None => self.answers((start, n, kv))?,
+            };
             let part = Block {
                 q: narrowed(&self.q, 2, start, n, t)?,
                 k: narrowed(&k, 2, 0, kv, tk)?,
@@ -127,17 +164,6 @@ impl Chunk<'_> {
                 padding: self.padding.as_ref(),
                 causal: self.causal.then_some(start + tk - t),
             };
-            let ctx = AttentionContext::new(&q_positions, n, &k_positions, kv)
-                .with_causal(self.causal)
-                .with_train(self.train);
-            let (bias, values) = match self.encoding {
-                Some(e) => (e.logits_bias(&part.q, &ctx)?, e.value_term(&ctx)?),
-                None => (None, None),
-            };
-            if let Some(values) = &values {
-                check_device("relative value table", values.table(), self.q.device())?;
-                values.check_block(b, n, kv, d)?;
-            }
             let mask = self
                 .attn_mask
                 .as_ref()
@@ -165,7 +191,7 @@ impl Chunk<'_> {
                     &terms,
                     values.as_ref(),
                     row_pass,
-                    self.train,
+                    differentiable,
                     dropout,
                 )?;
                 outs.push(out);
@@ -173,7 +199,6 @@ impl Chunk<'_> {
                     weights.push(pad_keys(probs, tk)?);
                 }
             }
-            start += n;
         }
         let out = match merged {
             Some(merged) => merged,
@@ -184,6 +209,28 @@ impl Chunk<'_> {
             false => Some(cat(weights, 2)?),
         };
         Ok(Attended { out, weights })
+    }
+
+    /// The encoding's answers for the query block `(start, n, kv)`, checked where the block's
+    /// paths do not check them again.
+    fn answers(&self, (start, n, kv): (usize, usize, usize)) -> Result<Answers> {
+        let Some(e) = self.encoding else {
+            return Ok((None, None));
+        };
+        let (b, _, t, d) = self.q.dims4()?;
+        let tk = self.k.dim(2)?;
+        let q_positions = narrowed_positions(self.q_positions, start, n, t)?;
+        let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
+        let ctx = AttentionContext::new(&q_positions, n, &k_positions, kv)
+            .with_causal(self.causal)
+            .with_train(self.train);
+        let q = narrowed(&self.q, 2, start, n, t)?;
+        let (bias, values) = (e.logits_bias(&q, &ctx)?, e.value_term(&ctx)?);
+        if let Some(values) = &values {
+            check_device("relative value table", values.table(), self.q.device())?;
+            values.check_block(b, n, kv, d)?;
+        }
+        Ok((bias, values))
     }
 }
 

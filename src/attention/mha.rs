@@ -164,7 +164,11 @@ impl MultiHeadAttention {
             Some(e) => e.add_to_input(x, &ctx)?,
             None => x.clone(),
         };
-        let (q, k, v) = self.project(&x, options.train)?;
+        // Gradients are kept whenever anything upstream tracks them (the input, the weights, an
+        // encoding's parameters), whatever the entry point; only then do q, k and v stay in
+        // the graph.
+        let differentiable = options.train || x.track_op() || self.weights_track();
+        let (q, k, v) = self.project(&x, differentiable)?;
         let (q, k) = match enc {
             Some(e) => self.check_rotated(e.rotate(q, k, &ctx)?, (b, t))?,
             None => (q, k),
@@ -174,7 +178,7 @@ impl MultiHeadAttention {
             None => (k, v, positions.clone()),
         };
         let q = (q * cfg.softmax_scale)?;
-        let path = Path::choose(&q, &k, &v, options.train, options.return_weights);
+        let path = Path::choose(&q, &k, &v, differentiable, options.return_weights);
         let attended = Chunk {
             attn_mask,
             padding,
@@ -185,6 +189,7 @@ impl MultiHeadAttention {
             k_positions: &k_positions,
             causal: cfg.causal,
             train: options.train,
+            differentiable,
             dropout: cfg.dropout,
             block,
             return_weights: options.return_weights,
@@ -257,10 +262,16 @@ impl MultiHeadAttention {
         })
     }
 
-    /// The projections split into heads: q `(B, H, T, D)`, k and v `(B, Hkv, T, D)`. In
-    /// inference they leave the graph (candle's fused softmax has no backward, so nothing
-    /// would reach q and k anyway), so they can be rotated and normalised in place.
-    fn project(&self, x: &Tensor, train: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    /// Whether any projection weight or bias tracks gradients (a `VarMap` variable).
+    fn weights_track(&self) -> bool {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+            .iter()
+            .any(|p| p.weight().track_op() || p.bias().is_some_and(|b| b.track_op()))
+    }
+
+    /// The projections split into heads: q `(B, H, T, D)`, k and v `(B, Hkv, T, D)`. Unless
+    /// `differentiable`, they leave the graph, so they can be rotated and normalised in place.
+    fn project(&self, x: &Tensor, differentiable: bool) -> Result<(Tensor, Tensor, Tensor)> {
         let cfg = &self.config;
         let split = |proj: &Linear, heads: usize| -> Result<Tensor> {
             let y = proj.forward(x)?;
@@ -269,7 +280,7 @@ impl MultiHeadAttention {
                 .reshape((b, len, heads, cfg.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            Ok(if train { y } else { y.detach() })
+            Ok(if differentiable { y } else { y.detach() })
         };
         Ok((
             split(&self.q_proj, cfg.num_heads)?,

@@ -16,14 +16,15 @@ use crate::error::Result;
 use crate::plug::RelativeValues;
 
 /// The weights and output of one block, both `(B, H, n, ·)`. `row_pass` runs bias, masks and
-/// softmax in place (f32 CPU inference only); `dropout` is the training dropout (0 in
-/// inference, where the plain ops use candle's fused softmax).
+/// softmax in place (f32 CPU inference only); `differentiable` takes candle's differentiable
+/// softmax (otherwise its fused one, which has no backward); `dropout` is the training dropout
+/// (0 in inference).
 pub(crate) fn attend(
     part: &Block,
     terms: &LogitTerms,
     values: Option<&RelativeValues>,
     row_pass: bool,
-    train: bool,
+    differentiable: bool,
     dropout: f32,
 ) -> Result<(Tensor, Tensor)> {
     let mut scores = part.q.matmul(&part.k.t()?)?;
@@ -44,7 +45,7 @@ pub(crate) fn attend(
         if let Some(keep) = keep_mask(part.causal, part.padding, b, n, kv, scores.device())? {
             scores = apply_keep_mask(&scores, &keep)?;
         }
-        if train {
+        if differentiable {
             candle_nn::ops::softmax(&scores, D::Minus1)?
         } else {
             candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?

@@ -58,7 +58,9 @@ pub fn label(i: usize, c: &EncodingConfig) -> String {
 }
 
 /// Attention with the encoding built from `config`; weights (and learned tables) are drawn at
-/// random into a fresh `VarMap`, in `dtype`, which is returned with the block.
+/// random into a fresh `VarMap`, in `dtype`, which is returned with the block. The block holds
+/// plain copies of the variables (as a model loaded from a checkpoint does), so its inference
+/// takes the fast paths; train through the `VarMap` with [`attention_from`]'s block.
 pub fn attention(
     config: &EncodingConfig,
     attn: &AttentionConfig,
@@ -68,16 +70,18 @@ pub fn attention(
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, dtype, device);
     let enc = config.build(vb.pp("enc"))?;
-    let mha = MultiHeadAttention::new(attn, enc, vb.pp("attn"))?;
+    MultiHeadAttention::new(attn, enc, vb.pp("attn"))?;
     // Randomise the learned tables that a VarMap creates as zeros or constants.
     for var in varmap.all_vars() {
         let noise = Tensor::randn(0f32, 0.5, var.shape(), device)?.to_dtype(var.dtype())?;
         var.set(&(var.as_tensor() + noise)?)?;
     }
+    let mha = attention_from(config, attn, &varmap, dtype, device)?;
     Ok((mha, varmap))
 }
 
-/// The same block with the weights of `varmap` converted to `dtype`.
+/// The same block with plain (untracked) copies of the weights of `varmap`, converted to
+/// `dtype`.
 pub fn attention_from(
     config: &EncodingConfig,
     attn: &AttentionConfig,
@@ -90,7 +94,7 @@ pub fn attention_from(
         .lock()
         .map_err(|_| anyhow::anyhow!("poisoned"))?
         .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
         .collect();
     let vb = VarBuilder::from_tensors(tensors, dtype, device);
     let enc = config.build(vb.pp("enc"))?;

@@ -1,0 +1,104 @@
+//! Every entry point of the block trains: whatever a user calls (`Module::forward`,
+//! `forward_with` in inference or training mode, with or without the weights), every variable
+//! of the block and of its encoding — T5 and clipped tables, Shaw's tables, learned absolute
+//! tables, learnable ALiBi slopes — gets the same non-zero gradient.
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::{
+    AlibiConfig, AttentionConfig, AttentionOptions, EncodingConfig, MultiHeadAttention,
+};
+use common::{max_abs_diff, zoo};
+
+fn every_entry_point_trains(dev: &Device) -> anyhow::Result<()> {
+    let mut configs = zoo::configs(16, 4, 4);
+    configs.push(EncodingConfig::Alibi(
+        AlibiConfig::new(4).with_learnable(true),
+    ));
+    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let probe = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    for (i, config) in configs.iter().enumerate() {
+        for causal in [false, true] {
+            let varmap = VarMap::new();
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+            let attn = AttentionConfig::new(16, 4)
+                .with_kv_heads(2)
+                .with_causal(causal);
+            let mha = MultiHeadAttention::new(&attn, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
+            for var in varmap.all_vars() {
+                let noise = Tensor::randn(0f32, 0.5, var.shape(), dev)?;
+                var.set(&(var.as_tensor() + noise)?)?;
+            }
+            let vars: Vec<(String, Tensor)> = varmap
+                .data()
+                .lock()
+                .map_err(|_| anyhow::anyhow!("varmap lock"))?
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+                .collect();
+            let grads = |out: Tensor| -> anyhow::Result<HashMap<String, Tensor>> {
+                let g = (out * &probe)?.sum_all()?.backward()?;
+                vars.iter()
+                    .map(|(name, v)| {
+                        let grad = g
+                            .get(v)
+                            .ok_or_else(|| anyhow::anyhow!("{name} gets no gradient"))?;
+                        Ok((name.clone(), grad.clone()))
+                    })
+                    .collect()
+            };
+            let what = format!("{} causal {causal}", zoo::label(i, config));
+            let reference = grads(
+                mha.forward_with(
+                    &x,
+                    &AttentionOptions {
+                        train: true,
+                        ..Default::default()
+                    },
+                    None,
+                )?
+                .output,
+            )
+            .map_err(|e| e.context(what.clone()))?;
+            let entry_points = [
+                ("Module::forward", mha.forward(&x)?),
+                (
+                    "forward_with, inference",
+                    mha.forward_with(&x, &AttentionOptions::default(), None)?
+                        .output,
+                ),
+                (
+                    "forward_with, weights",
+                    mha.forward_with(
+                        &x,
+                        &AttentionOptions {
+                            return_weights: true,
+                            ..Default::default()
+                        },
+                        None,
+                    )?
+                    .output,
+                ),
+            ];
+            for (entry, out) in entry_points {
+                let got = grads(out).map_err(|e| e.context(format!("{what}: {entry}")))?;
+                for (name, want) in &reference {
+                    let scale = want.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+                    assert!(scale > 0.0, "{what}: {name} has a zero gradient");
+                    let diff = max_abs_diff(&got[name], want)?;
+                    assert!(
+                        diff <= 1e-5 * scale.max(1.0),
+                        "{what}: {entry}: {name} differs by {diff:e}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+device_tests!(every_entry_point_trains);
