@@ -314,9 +314,10 @@ pub struct AttentionOptions<'a> {
     pub attn_mask: Option<&'a Tensor>,
     /// Whether to return the attention weights.
     pub return_weights: bool,
-    /// Training mode: dropout on, differentiable softmax. In inference (`false`) q, k and v
-    /// leave the graph after their projections (only the output projection stays
-    /// differentiable), so they can be rotated and normalised in place.
+    /// Training mode: dropout on. Gradients do not depend on it: whenever the input, the
+    /// weights or an encoding's answers track gradients (a `VarMap`'s variables), the block
+    /// takes its differentiable path, whatever this flag says; when nothing does (a model
+    /// loaded from a checkpoint), inference takes the fast paths, rotating q and k in place.
     pub train: bool,
 }
 
