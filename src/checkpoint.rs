@@ -45,6 +45,35 @@ pub const ENCODING_KEY: &str = "posenc.encoding";
 pub const ATTENTION_KEY: &str = "posenc.attention";
 
 /// Tensors and metadata read from a safetensors file.
+///
+/// # Example
+/// A self-describing checkpoint: saved with its configurations, rebuilt from the file alone.
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::checkpoint::save_varmap;
+/// use candle_posenc::{AttentionConfig, Checkpoint, EncodingConfig, MultiHeadAttention, T5Config};
+///
+/// let dev = Device::Cpu;
+/// let (encoding, attention) = (EncodingConfig::T5(T5Config::new(4)), AttentionConfig::new(32, 4));
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// MultiHeadAttention::new(&attention, encoding.build(vb.pp("t5"))?, vb.pp("attn"))?;
+/// let mut metadata = encoding.to_metadata();
+/// metadata.extend(attention.to_metadata());
+/// let path = std::env::temp_dir().join(format!("posenc-doc-{}.safetensors", std::process::id()));
+/// save_varmap(&path, &varmap, &metadata)?;
+///
+/// let file = Checkpoint::load(&path, &dev)?;
+/// let encoding = EncodingConfig::from_metadata(file.metadata(), file.source())?;
+/// let attention = AttentionConfig::from_metadata(file.metadata(), file.source())?;
+/// let vb = file.var_builder(DType::F32, &dev);
+/// let block = MultiHeadAttention::new(&attention, encoding.build(vb.pp("t5"))?, vb.pp("attn"))?;
+/// let y = block.forward_with(&Tensor::zeros((1, 3, 32), DType::F32, &dev)?, &Default::default(), None)?;
+/// assert_eq!(y.output.dims(), &[1, 3, 32]);
+/// # std::fs::remove_file(&path).ok();
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     source: String,

@@ -36,6 +36,22 @@ use crate::rotary::{RopeConfig, RotaryEmbedding};
 /// Serialised (serde) as one object tagged by `kind` ([`EncodingConfig::kind`]), with the
 /// encoding's configuration beside it, e.g. as JSON `{"kind": "none"}` or
 /// `{"kind": "t5", "num_heads": 8, "num_buckets": 32, "max_distance": 128, "bidirectional": true}`.
+///
+/// # Example
+/// An encoding chosen in a JSON file, built with its learned tables:
+/// ```
+/// use candle_core::{DType, Device};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::EncodingConfig;
+///
+/// let config: EncodingConfig = serde_json::from_str(r#"{"kind": "t5", "num_heads": 8}"#)?;
+/// assert_eq!(config.kind(), "t5");
+/// let varmap = VarMap::new();
+/// let encoding = config.build(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+/// assert!(encoding.is_some());
+/// assert_eq!(varmap.all_vars().len(), 1); // the (32 buckets × 8 heads) table
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum EncodingConfig {
