@@ -90,6 +90,9 @@ impl Columns {
                     "the column map",
                     &[tq, tk],
                 )?;
+                if tq == 0 || tk == 0 {
+                    return Ok(Tensor::zeros((1, tq, tk), DType::U32, device)?);
+                }
                 let mut index = Vec::with_capacity(tq * tk);
                 for i in 0..tq {
                     let s = row_segments(i, *shift, width, tk);

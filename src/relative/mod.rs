@@ -46,6 +46,10 @@ pub(crate) fn relative_buckets(
     let d_min = k_lo as i64 - q_hi as i64;
     let d_max = k_hi as i64 - q_lo as i64;
     if let (Positions::Offset(qs), Positions::Offset(ks)) = (queries, keys) {
+        if tq == 0 || tk == 0 {
+            // No pair: nothing to look up (the span of an empty side is not a range).
+            return Ok(Tensor::zeros((1, tq, tk), DType::U32, device)?);
+        }
         // Toeplitz: entry (i, j) is bucket(ks + j − qs − i); build it on the host directly.
         let mut data = Vec::with_capacity(tq * tk);
         let lookup: Vec<u32> = (d_min..=d_max).map(bucket).collect();
