@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_posenc::{
-    ClippedBiasConfig, ClippedRelativeBias, Columns, Error, LogitsBias, Positions, RelativeBias,
-    T5Config, T5RelativeBias,
+    Alibi, AlibiConfig, AttentionContext, ClippedBiasConfig, ClippedRelativeBias, Columns, Error,
+    LogitsBias, PositionalEncoding, Positions, RelativeBias, RelativeValues, ShawConfig,
+    ShawRelativePosition, T5Config, T5RelativeBias,
 };
 
 /// A size past the budget is refused even when another size is 0: `0 × 2^40` elements is 0,
@@ -67,4 +68,70 @@ fn sizes_hidden_by_an_empty_axis(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-device_tests!(sizes_hidden_by_an_empty_axis);
+/// Integer tensors handed to the plug by a caller are refused with `Error::DType` before any
+/// kernel sees them: the weights of `RelativeValues::weighted_sum` (a matmul error before) and
+/// the queries of every bias hook (Shaw multiplies them: a matmul error before; the others read
+/// only their shape and answered as if they were float).
+fn integer_tensors_at_the_plug(dev: &Device) -> anyhow::Result<()> {
+    let table = Tensor::ones((3, 4), DType::F32, dev)?;
+    for columns in [
+        Columns::Shift(1),
+        Columns::Index(Tensor::zeros((1, 2, 5), DType::U32, dev)?),
+    ] {
+        let values = RelativeValues::new(table.clone(), columns)?;
+        for dtype in [DType::U8, DType::U32, DType::I64] {
+            let probs = Tensor::ones((1, 2, 2, 5), dtype, dev)?;
+            let err = values.weighted_sum(&probs).unwrap_err();
+            assert!(matches!(err, Error::DType { .. }), "{dtype:?}: {err}");
+        }
+        assert_eq!(
+            values
+                .weighted_sum(&Tensor::ones((1, 2, 2, 5), DType::F32, dev)?)?
+                .dims(),
+            &[1, 2, 2, 4]
+        );
+    }
+    let vb = VarBuilder::zeros(DType::F32, dev);
+    let (heads, head_dim) = (2, 4);
+    let encodings: Vec<(&str, Box<dyn PositionalEncoding>)> = vec![
+        (
+            "shaw",
+            Box::new(ShawRelativePosition::new(
+                &ShawConfig::new(head_dim, 3),
+                vb.pp("s"),
+            )?),
+        ),
+        (
+            "t5",
+            Box::new(T5RelativeBias::new(&T5Config::new(heads), vb.pp("t"))?),
+        ),
+        (
+            "clipped",
+            Box::new(ClippedRelativeBias::new(
+                &ClippedBiasConfig::new(heads, 3),
+                vb.pp("c"),
+            )?),
+        ),
+        (
+            "alibi",
+            Box::new(Alibi::new(&AlibiConfig::new(heads), dev)?),
+        ),
+    ];
+    let at0 = Positions::Offset(0);
+    let ctx = AttentionContext::new(&at0, 3, &at0, 3);
+    for (name, enc) in &encodings {
+        for dtype in [DType::U8, DType::U32, DType::I64] {
+            let q = Tensor::ones((1, heads, 3, head_dim), dtype, dev)?;
+            let err = enc.logits_bias(&q, &ctx).unwrap_err();
+            assert!(
+                matches!(err, Error::DType { .. }),
+                "{name} {dtype:?}: {err}"
+            );
+        }
+        let q = Tensor::ones((1, heads, 3, head_dim), DType::F32, dev)?;
+        assert!(enc.logits_bias(&q, &ctx)?.is_some(), "{name}");
+    }
+    Ok(())
+}
+
+device_tests!(sizes_hidden_by_an_empty_axis, integer_tensors_at_the_plug);

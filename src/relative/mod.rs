@@ -357,14 +357,17 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
     }
 }
 
-/// Checks that the query tensor handed to a bias hook is `(B, H, Tq, D)`.
+/// Checks that the query tensor handed to a bias hook is `(B, H, Tq, D)` and float (Shaw
+/// multiplies it; the others read its shape only, but one rule serves every hook).
 pub(crate) fn query_dims(q: &Tensor) -> Result<(usize, usize, usize, usize)> {
-    q.dims4().map_err(|_| Error::Rank {
+    let dims = q.dims4().map_err(|_| Error::Rank {
         what: "queries",
         expected: 4,
         got: q.rank(),
         shape: q.dims().to_vec(),
-    })
+    })?;
+    check_float("queries", q.dtype())?;
+    Ok(dims)
 }
 
 /// Checks the query tensor handed to a bias hook: `(B, H, Tq, D)` with the expected heads.
