@@ -3,14 +3,16 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
+use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    Alibi, AlibiConfig, AttentionContext, ClippedBiasConfig, ClippedRelativeBias, Columns, Error,
-    LogitsBias, PositionalEncoding, Positions, RelativeBias, RelativeValues, ShawConfig,
-    ShawRelativePosition, T5Config, T5RelativeBias,
+    Alibi, AlibiConfig, AttentionConfig, AttentionContext, AttentionOptions, ClippedBiasConfig,
+    ClippedRelativeBias, Columns, Error, KvCache, LogitsBias, MultiHeadAttention,
+    PositionalEncoding, Positions, RelativeBias, RelativeValues, ShawConfig, ShawRelativePosition,
+    T5Config, T5RelativeBias,
 };
 
 /// A size past the budget is refused even when another size is 0: `0 × 2^40` elements is 0,
@@ -134,4 +136,76 @@ fn integer_tensors_at_the_plug(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-device_tests!(sizes_hidden_by_an_empty_axis, integer_tensors_at_the_plug);
+/// The cache's positions after an undo are exact: `truncate` used to keep the end of the
+/// forgotten ids (an upper bound), so `next_position` and the next chunk continued after tokens
+/// no longer cached; and a forward that fails after its chunk was appended (an encoding's
+/// answer that does not fit, a mask) used to leave the chunk in the cache.
+fn cache_positions_after_an_undo(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let mha = MultiHeadAttention::new(&AttentionConfig::new(8, 2), None, vb.pp("a"))?;
+    let x = Tensor::ones((1, 3, 8), DType::F32, dev)?;
+    fn at(p: &Positions) -> AttentionOptions<'_> {
+        AttentionOptions {
+            positions: Some(p),
+            ..Default::default()
+        }
+    }
+    // Offsets that stop being contiguous, and explicit ids.
+    let ids = |v: &[u32]| Positions::ids(&Tensor::new(v, dev)?.unsqueeze(0)?);
+    for (first, second) in [
+        (Positions::Offset(0), Positions::Offset(100)),
+        (ids(&[0, 1, 2])?, ids(&[50, 60, 70])?),
+        (ids(&[9, 4, 2])?, Positions::Offset(40)),
+    ] {
+        let mut cache = KvCache::new();
+        mha.forward_with(&x, &at(&first), Some(&mut cache))?;
+        let after_first = cache.next_position();
+        mha.forward_with(&x, &at(&second), Some(&mut cache))?;
+        assert!(cache.next_position() > after_first);
+        cache.truncate(3)?;
+        assert_eq!(
+            cache.next_position(),
+            after_first,
+            "{first:?} then {second:?}"
+        );
+        let kept = cache.positions().expect("3 cached");
+        assert_eq!(kept.end(3), after_first);
+        // The next chunk continues from the kept tokens.
+        let mut whole = KvCache::new();
+        mha.forward_with(&x, &at(&first), Some(&mut whole))?;
+        let a = mha.forward_with(&x, &Default::default(), Some(&mut cache))?;
+        let b = mha.forward_with(&x, &Default::default(), Some(&mut whole))?;
+        assert_eq!(cache.next_position(), whole.next_position());
+        common::assert_close(&a.output, &b.output, 0.0, "after truncate")?;
+    }
+    // A failed chunk leaves the cache as it was, then the cache works on.
+    let t5 = T5RelativeBias::new(&T5Config::new(3), vb.pp("t5"))?; // 3 heads for a 2-head block
+    let bad = mha.clone().with_encoding(Some(Arc::new(t5)));
+    let mut cache = KvCache::new();
+    mha.forward_with(&x, &Default::default(), Some(&mut cache))?;
+    let before = (cache.len(), cache.next_position());
+    let err = bad
+        .forward_with(&x, &Default::default(), Some(&mut cache))
+        .unwrap_err();
+    assert!(matches!(err, Error::Shape { .. }), "{err}");
+    assert_eq!((cache.len(), cache.next_position()), before);
+    let mask = Tensor::zeros((1, 2, 3, 6), DType::F32, dev)?;
+    let padding = Tensor::ones((1, 5), DType::U8, dev)?; // 6 keys: refused before the append
+    let opts = AttentionOptions {
+        attn_mask: Some(&mask),
+        padding_mask: Some(&padding),
+        ..Default::default()
+    };
+    assert!(mha.forward_with(&x, &opts, Some(&mut cache)).is_err());
+    assert_eq!((cache.len(), cache.next_position()), before);
+    mha.forward_with(&x, &Default::default(), Some(&mut cache))?;
+    assert_eq!((cache.len(), cache.next_position()), (6, 6));
+    Ok(())
+}
+
+device_tests!(
+    sizes_hidden_by_an_empty_axis,
+    integer_tensors_at_the_plug,
+    cache_positions_after_an_undo
+);
