@@ -30,6 +30,10 @@ pub fn set_max_elements(elements: usize) -> usize {
 
 /// The product of `dims`, or [`Error::InvalidConfig`] naming `name = value` if it overflows or
 /// exceeds [`max_elements`]; `what` names the product in the message (e.g. `"max_len × d_model"`).
+///
+/// Each size must be within the budget on its own too: a zero elsewhere makes the product 0,
+/// but the work around a tensor (a loop over its rows, a lookup per distance) still follows
+/// every size, so `0 × 2^40` is refused like `1 × 2^40`.
 pub(crate) fn check_elements(
     name: &'static str,
     value: impl std::fmt::Display,
@@ -39,6 +43,6 @@ pub(crate) fn check_elements(
     let budget = max_elements();
     dims.iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .filter(|&n| n <= budget)
+        .filter(|&n| n <= budget && dims.iter().all(|&d| d <= budget))
         .ok_or_else(|| Error::config(name, value, format!("{what} at most {budget}")))
 }

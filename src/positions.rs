@@ -296,6 +296,26 @@ impl Positions {
         })
     }
 
+    /// The positions of the first `len` tokens with an exact [`Self::end`] (unlike
+    /// `narrow`, whose ids keep the chunk's end as an upper bound): for what outlives the call,
+    /// such as a truncated cache's positions. Reads the kept ids back to the host once.
+    ///
+    /// # Errors
+    /// Propagates candle's error for a range past the ids.
+    pub(crate) fn prefix(&self, len: usize) -> Result<Positions> {
+        Ok(match self {
+            Positions::Offset(s) => Positions::Offset(*s),
+            Positions::Ids(ids) => {
+                let kept = ids.ids.narrow(1, 0, len)?;
+                let end = match kept.elem_count() {
+                    0 => 0,
+                    _ => kept.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize + 1,
+                };
+                Positions::Ids(PositionIds { ids: kept, end })
+            }
+        })
+    }
+
     /// The positions as a `(1, len)` or `(B, len)` `u32` tensor.
     ///
     /// # Errors

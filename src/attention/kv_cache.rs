@@ -121,10 +121,23 @@ impl KvCache {
         if len == 0 {
             self.positions = None;
         } else if let Some(p) = &self.positions {
-            self.positions = Some(p.narrow(0, len)?);
+            // Exact, so `next_position` does not count the forgotten tokens.
+            self.positions = Some(p.prefix(len)?);
         }
         self.len = len;
         Ok(())
+    }
+
+    /// What [`Self::append`] changes (the length and the positions; storage past the length is
+    /// free to overwrite), to [`Self::restore`] when the chunk fails after it was appended.
+    pub(crate) fn mark(&self) -> (usize, Option<Positions>) {
+        (self.len, self.positions.clone())
+    }
+
+    /// Puts back the length and positions of [`Self::mark`].
+    pub(crate) fn restore(&mut self, (len, positions): (usize, Option<Positions>)) {
+        self.len = len;
+        self.positions = positions;
     }
 
     /// Drops everything.

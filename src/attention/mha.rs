@@ -123,7 +123,7 @@ impl MultiHeadAttention {
     ///
     /// With a cache, the chunk's keys and values are appended first and the queries attend to
     /// every cached key; feeding a sequence token by token gives the same outputs as one call on
-    /// the whole sequence.
+    /// the whole sequence. A call that returns an error leaves the cache as it was.
     ///
     /// # Shapes
     /// `x`: `(B, T, d_model)` → output `(B, T, d_model)`, weights `(B, H, T, T_keys)`.
@@ -138,7 +138,7 @@ impl MultiHeadAttention {
         &self,
         x: &Tensor,
         options: &AttentionOptions,
-        cache: Option<&mut KvCache>,
+        mut cache: Option<&mut KvCache>,
     ) -> Result<AttentionOutput> {
         let cfg = &self.config;
         let next = Positions::Offset(cache.as_ref().map_or(0, |c| c.next_position()));
@@ -173,7 +173,8 @@ impl MultiHeadAttention {
             Some(e) => self.check_rotated(e.rotate(q, k, &ctx)?, (b, t))?,
             None => (q, k),
         };
-        let (k, v, k_positions) = match cache {
+        let mark = cache.as_ref().map(|c| c.mark());
+        let (k, v, k_positions) = match cache.as_deref_mut() {
             Some(cache) => cache.append(&k, &v, positions)?,
             None => (k, v, positions.clone()),
         };
@@ -195,7 +196,13 @@ impl MultiHeadAttention {
             return_weights: options.return_weights,
             encoding: enc,
         }
-        .attend(path)?;
+        .attend(path)
+        .inspect_err(|_| {
+            // A chunk that fails (an encoding's answer, a mask) leaves the cache as it was.
+            if let (Some(cache), Some(mark)) = (cache, mark) {
+                cache.restore(mark);
+            }
+        })?;
         let merged = attended.out.reshape((b, t, cfg.num_heads * cfg.head_dim))?;
         Ok(AttentionOutput {
             output: self.o_proj.forward(&merged)?,

@@ -90,6 +90,9 @@ impl Columns {
                     "the column map",
                     &[tq, tk],
                 )?;
+                if tq == 0 || tk == 0 {
+                    return Ok(Tensor::zeros((1, tq, tk), DType::U32, device)?);
+                }
                 let mut index = Vec::with_capacity(tq * tk);
                 for i in 0..tq {
                     let s = row_segments(i, *shift, width, tk);
@@ -316,7 +319,8 @@ impl RelativeValues {
     /// `probs`: `(B, H, Tq, Tk)` → `(B, H, Tq, D)`.
     ///
     /// # Errors
-    /// [`Error::Rank`] / [`Error::Shape`] for weights or an index map that do not fit.
+    /// [`Error::Rank`] / [`Error::Shape`] for weights or an index map that do not fit;
+    /// [`Error::DType`] for integer weights.
     pub fn weighted_sum(&self, probs: &Tensor) -> Result<Tensor> {
         let (b, _, tq, tk) = probs.dims4().map_err(|_| Error::Rank {
             what: "attention weights",
@@ -324,6 +328,7 @@ impl RelativeValues {
             got: probs.rank(),
             shape: probs.dims().to_vec(),
         })?;
+        check_float("attention weights", probs)?;
         self.check_block(b, tq, tk, self.table.dims()[1])?;
         let sums = column_sums(probs, &self.columns, self.width())?;
         Ok(sums.broadcast_matmul(&self.table.to_dtype(probs.dtype())?)?)

@@ -46,6 +46,10 @@ pub(crate) fn relative_buckets(
     let d_min = k_lo as i64 - q_hi as i64;
     let d_max = k_hi as i64 - q_lo as i64;
     if let (Positions::Offset(qs), Positions::Offset(ks)) = (queries, keys) {
+        if tq == 0 || tk == 0 {
+            // No pair: nothing to look up (the span of an empty side is not a range).
+            return Ok(Tensor::zeros((1, tq, tk), DType::U32, device)?);
+        }
         // Toeplitz: entry (i, j) is bucket(ks + j − qs − i); build it on the host directly.
         let mut data = Vec::with_capacity(tq * tk);
         let lookup: Vec<u32> = (d_min..=d_max).map(bucket).collect();
@@ -382,14 +386,17 @@ impl<C: RelativeBucketing> candle_core::Module for BucketedRelativeBias<C> {
     }
 }
 
-/// Checks that the query tensor handed to a bias hook is `(B, H, Tq, D)`.
+/// Checks that the query tensor handed to a bias hook is `(B, H, Tq, D)` and float (Shaw
+/// multiplies it; the others read its shape only, but one rule serves every hook).
 pub(crate) fn query_dims(q: &Tensor) -> Result<(usize, usize, usize, usize)> {
-    q.dims4().map_err(|_| Error::Rank {
+    let dims = q.dims4().map_err(|_| Error::Rank {
         what: "queries",
         expected: 4,
         got: q.rank(),
         shape: q.dims().to_vec(),
-    })
+    })?;
+    check_float("queries", q.dtype())?;
+    Ok(dims)
 }
 
 /// Checks the query tensor handed to a bias hook: `(B, H, Tq, D)` with the expected heads.
