@@ -221,3 +221,19 @@ pub(crate) fn check_float(what: &'static str, dtype: DType) -> Result<()> {
     }
     Ok(())
 }
+
+/// Checks that `value` is a positive normal f32 (finite, at least `f32::MIN_POSITIVE`): what a
+/// scale or an ε must be to keep finite input finite in every float dtype the crate runs in.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] naming `name` otherwise.
+pub(crate) fn check_normal_f32(name: &'static str, value: f64) -> Result<()> {
+    if !(value.is_finite() && value >= f32::MIN_POSITIVE as f64 && value <= f32::MAX as f64) {
+        return Err(Error::config(
+            name,
+            value,
+            "a finite number > 0 within f32's normal range",
+        ));
+    }
+    Ok(())
+}

@@ -77,6 +77,7 @@ pub mod checkpoint;
 pub mod encoding;
 mod error;
 mod graft;
+pub mod hf;
 pub mod limits;
 pub mod plug;
 pub mod positions;
@@ -86,12 +87,13 @@ pub mod rotary;
 pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
-    AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention,
-    DEFAULT_LOGITS_BUDGET,
+    AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention, QkNormConfig,
+    QkNormScope, DEFAULT_LOGITS_BUDGET,
 };
 pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;
 pub use error::{Error, Result};
+pub use hf::{HfAttentionConfig, HfFamily};
 pub use plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };

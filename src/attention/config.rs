@@ -6,16 +6,18 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{json_entry, read_json_entry, ATTENTION_KEY};
-use crate::error::{Error, Result};
+use crate::error::{check_normal_f32, Error, Result};
 use crate::limits::check_elements;
 use crate::positions::Positions;
+
+use super::qk_norm::QkNormConfig;
 
 /// Configuration of [`MultiHeadAttention`](super::MultiHeadAttention).
 ///
 /// Serialised (serde) with its field names, e.g. as JSON
 /// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
-/// "dropout": 0.0, "causal": false, "softmax_scale": 0.125}`. Only `d_model` and `num_heads`
-/// are required; the other fields default as in [`AttentionConfig::new`] and its builders (a
+/// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null}`.
+/// Only `d_model` and `num_heads` are required (`out_bias` defaults to `bias`); the other fields default as in [`AttentionConfig::new`] and its builders (a
 /// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
 /// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
 /// their defaults.
@@ -30,14 +32,20 @@ pub struct AttentionConfig {
     pub num_kv_heads: usize,
     /// Features per head (default `d_model / num_heads`).
     pub head_dim: usize,
-    /// Whether the projections have biases (default false, as in Llama).
+    /// Whether the query, key and value projections have biases (default false, as in Llama).
     pub bias: bool,
+    /// Whether the output projection has a bias (default: as [`Self::bias`]; Qwen2 has biases
+    /// on q, k and v only).
+    pub out_bias: bool,
     /// Dropout on the attention weights in training (default 0).
     pub dropout: f32,
     /// Whether each query sees only keys at or before it (default false).
     pub causal: bool,
     /// Softmax scale (default `1 / √head_dim`; T5 uses 1).
     pub softmax_scale: f64,
+    /// RMS normalisation of the projected queries and keys before the rotation (Qwen3,
+    /// Gemma 3, OLMo 2; default none).
+    pub qk_norm: Option<QkNormConfig>,
     /// Queries per block: attention runs over blocks of this many queries, each against all
     /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
@@ -63,11 +71,15 @@ struct AttentionConfigFields {
     #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     bias: Option<bool>,
     #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    out_bias: Option<bool>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     dropout: Option<f32>,
     #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     causal: Option<bool>,
     #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     softmax_scale: Option<f64>,
+    #[serde(default)]
+    qk_norm: Option<QkNormConfig>,
 }
 
 impl From<AttentionConfigFields> for AttentionConfig {
@@ -83,6 +95,9 @@ impl From<AttentionConfigFields> for AttentionConfig {
         if let Some(bias) = f.bias {
             c = c.with_bias(bias);
         }
+        if let Some(bias) = f.out_bias {
+            c = c.with_out_bias(bias);
+        }
         if let Some(p) = f.dropout {
             c = c.with_dropout(p);
         }
@@ -92,7 +107,7 @@ impl From<AttentionConfigFields> for AttentionConfig {
         if let Some(scale) = f.softmax_scale {
             c = c.with_softmax_scale(scale);
         }
-        c
+        c.with_qk_norm(f.qk_norm)
     }
 }
 
@@ -103,7 +118,7 @@ pub const DEFAULT_LOGITS_BUDGET: usize = 16 << 20;
 impl AttentionConfig {
     /// Defaults for `num_heads` heads over `d_model` features: as many KV heads as heads,
     /// `head_dim = d_model / num_heads` (0 if it does not divide, which `validate` rejects),
-    /// no bias, no dropout, not causal, scale `1 / √head_dim`.
+    /// no bias, no dropout, not causal, scale `1 / √head_dim`, no query/key norm.
     pub fn new(d_model: usize, num_heads: usize) -> Self {
         let head_dim = if num_heads > 0 && d_model.is_multiple_of(num_heads) {
             d_model / num_heads
@@ -116,6 +131,7 @@ impl AttentionConfig {
             num_kv_heads: num_heads,
             head_dim,
             bias: false,
+            out_bias: false,
             dropout: 0.0,
             causal: false,
             softmax_scale: if head_dim > 0 {
@@ -123,6 +139,7 @@ impl AttentionConfig {
             } else {
                 0.0
             },
+            qk_norm: None,
             query_block: None,
             logits_budget: DEFAULT_LOGITS_BUDGET,
         }
@@ -145,9 +162,23 @@ impl AttentionConfig {
         self
     }
 
-    /// Turns projection biases on or off.
+    /// Turns the biases of all four projections on or off.
     pub fn with_bias(mut self, bias: bool) -> Self {
         self.bias = bias;
+        self.out_bias = bias;
+        self
+    }
+
+    /// Turns the output projection's bias on or off (after [`Self::with_bias`], which sets it
+    /// too).
+    pub fn with_out_bias(mut self, bias: bool) -> Self {
+        self.out_bias = bias;
+        self
+    }
+
+    /// Sets the query/key RMS norm (`None`: none).
+    pub fn with_qk_norm(mut self, qk_norm: Option<QkNormConfig>) -> Self {
+        self.qk_norm = qk_norm;
         self
     }
 
@@ -227,8 +258,9 @@ impl AttentionConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
-    /// scale that is not a positive normal f32, a query block of 0, a logits budget of 0, or
-    /// projection weights past [`crate::limits::max_elements`].
+    /// scale that is not a positive normal f32, a query/key norm ε that is not one either, a
+    /// query block of 0, a logits budget of 0, or projection weights past
+    /// [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
             return Err(Error::config("d_model", self.d_model, "at least 1"));
@@ -278,6 +310,9 @@ impl AttentionConfig {
             &[self.d_model, heads, self.head_dim],
         )?;
         crate::absolute::check_dropout(self.dropout)?;
+        if let Some(norm) = &self.qk_norm {
+            norm.validate()?;
+        }
         if self.query_block == Some(0) {
             return Err(Error::config(
                 "query_block",
@@ -290,15 +325,7 @@ impl AttentionConfig {
         }
         // The scale multiplies q in the weights' dtype: it must be a normal f32 (bf16 has the
         // same range; f16 weights are checked against theirs when the block is built).
-        let scale = self.softmax_scale;
-        if !(scale.is_finite() && scale >= f32::MIN_POSITIVE as f64 && scale <= f32::MAX as f64) {
-            return Err(Error::config(
-                "softmax_scale",
-                scale,
-                "a finite number > 0 within f32's normal range",
-            ));
-        }
-        Ok(())
+        check_normal_f32("softmax_scale", self.softmax_scale)
     }
 }
 

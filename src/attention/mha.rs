@@ -3,6 +3,7 @@
 //! ```text
 //! x' = enc.add_to_input(x)
 //! q = x' W_qᵀ, k = x' W_kᵀ, v = x' W_vᵀ              split into H (q) and Hkv (k, v) heads
+//! q, k = q_norm(q), k_norm(k)                        when configured (RMS, per head or all)
 //! q, k = enc.rotate(q, k)
 //! k, v = cache.append(k, v)                          keys rotated once, at their own position
 //! s = (scale · q) kᵀ + enc.logits_bias(scale · q) + attn_mask,   masked where causal/padding
@@ -16,7 +17,9 @@
 //! pass, plain ops) live in `blocks.rs`, chosen once per call.
 //!
 //! Weights are named like HF Llama (`q_proj`, `k_proj`, `v_proj`, `o_proj`, each with `weight`
-//! and optional `bias`), so such checkpoints load through a `VarBuilder` prefix.
+//! and optional `bias`; `q_norm` and `k_norm` with `weight` when the queries and keys are
+//! normalised), so such checkpoints load through a `VarBuilder` prefix; other families' names
+//! and fused layouts load through [`crate::hf`].
 //! Reference: Vaswani et al. 2017; grouped-query attention: Ainslie et al. 2023.
 
 use std::sync::Arc;
@@ -28,6 +31,7 @@ use super::blocks::{Chunk, Path};
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::KvCache;
 use super::mask::check_padding;
+use super::qk_norm::QkNorm;
 use crate::error::{check_float, is_float, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{AttentionContext, PositionalEncoding};
@@ -64,6 +68,7 @@ pub struct MultiHeadAttention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    qk_norm: Option<QkNorm>,
     encoding: Option<Arc<dyn PositionalEncoding>>,
 }
 
@@ -92,13 +97,19 @@ impl MultiHeadAttention {
         let q_proj = linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?;
         let k_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?;
         let v_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("v_proj"))?;
-        let o_proj = linear_b(config.num_heads * hd, d, config.bias, vb.pp("o_proj"))?;
+        let o_proj = linear_b(config.num_heads * hd, d, config.out_bias, vb.pp("o_proj"))?;
+        let qk_norm = config
+            .qk_norm
+            .as_ref()
+            .map(|norm| QkNorm::new(norm, (config.num_heads, config.num_kv_heads, hd), &vb))
+            .transpose()?;
         Ok(Self {
             config: config.clone(),
             q_proj,
             k_proj,
             v_proj,
             o_proj,
+            qk_norm,
             encoding,
         })
     }
@@ -269,30 +280,34 @@ impl MultiHeadAttention {
         })
     }
 
-    /// Whether any projection weight or bias tracks gradients (a `VarMap` variable).
+    /// Whether any projection weight or bias, or a query/key norm's scale, tracks gradients
+    /// (a `VarMap` variable).
     fn weights_track(&self) -> bool {
         [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
             .iter()
             .any(|p| p.weight().track_op() || p.bias().is_some_and(|b| b.track_op()))
+            || self.qk_norm.as_ref().is_some_and(QkNorm::tracks)
     }
 
-    /// The projections split into heads: q `(B, H, T, D)`, k and v `(B, Hkv, T, D)`. Unless
-    /// `differentiable`, they leave the graph, so they can be rotated and normalised in place.
+    /// The projections split into heads (queries and keys normalised when configured): q
+    /// `(B, H, T, D)`, k and v `(B, Hkv, T, D)`. Unless `differentiable`, they leave the graph,
+    /// so they can be rotated and normalised in place.
     fn project(&self, x: &Tensor, differentiable: bool) -> Result<(Tensor, Tensor, Tensor)> {
         let cfg = &self.config;
-        let split = |proj: &Linear, heads: usize| -> Result<Tensor> {
+        let split = |proj: &Linear, heads: usize, norm: Option<bool>| -> Result<Tensor> {
             let y = proj.forward(x)?;
             let (b, len, _) = y.dims3()?;
-            let y = y
-                .reshape((b, len, heads, cfg.head_dim))?
-                .transpose(1, 2)?
-                .contiguous()?;
+            let y = match (&self.qk_norm, norm) {
+                (Some(qk_norm), Some(keys)) => qk_norm.apply(&y, keys, heads)?,
+                _ => y.reshape((b, len, heads, cfg.head_dim))?,
+            };
+            let y = y.transpose(1, 2)?.contiguous()?;
             Ok(if differentiable { y } else { y.detach() })
         };
         Ok((
-            split(&self.q_proj, cfg.num_heads)?,
-            split(&self.k_proj, cfg.num_kv_heads)?,
-            split(&self.v_proj, cfg.num_kv_heads)?,
+            split(&self.q_proj, cfg.num_heads, Some(false))?,
+            split(&self.k_proj, cfg.num_kv_heads, Some(true))?,
+            split(&self.v_proj, cfg.num_kv_heads, None)?,
         ))
     }
 

@@ -18,8 +18,10 @@ mod fused_softmax;
 mod kv_cache;
 mod mask;
 mod mha;
+mod qk_norm;
 mod unfused;
 
 pub use config::{AttentionConfig, AttentionOptions, AttentionOutput, DEFAULT_LOGITS_BUDGET};
 pub use kv_cache::KvCache;
 pub use mha::MultiHeadAttention;
+pub use qk_norm::{QkNormConfig, QkNormScope};

@@ -17,105 +17,12 @@
 //! Not read: per-model default thetas (HF falls back to a class default such as 500000 for
 //! Cohere when `rope_theta` is absent; here it is 10000), and per-layer-type parameters.
 
-use serde_json::{Map, Value};
+use serde_json::Map;
 
 use super::rope::{RopeConfig, RopeLayout};
 use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
-
-fn problem(key: impl Into<String>, problem: impl Into<String>) -> Error {
-    Error::HfConfig {
-        key: key.into(),
-        problem: problem.into(),
-    }
-}
-
-/// One JSON object and the dotted prefix its keys are reported under.
-struct Obj<'a> {
-    map: &'a Map<String, Value>,
-    prefix: &'a str,
-}
-
-impl<'a> Obj<'a> {
-    fn name(&self, key: &str) -> String {
-        format!("{}{key}", self.prefix)
-    }
-
-    /// The value at `key`, `None` when absent or `null`.
-    fn get(&self, key: &str) -> Option<&'a Value> {
-        self.map.get(key).filter(|v| !v.is_null())
-    }
-
-    fn f64(&self, key: &str) -> Result<Option<f64>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .filter(|x| x.is_finite())
-                .map(Some)
-                .ok_or_else(|| problem(self.name(key), format!("is {v}, expected a number"))),
-        }
-    }
-
-    fn usize(&self, key: &str) -> Result<Option<usize>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .or_else(|| {
-                    // `8192.0` is an integer written as a float; HF accepts it.
-                    v.as_f64()
-                        .filter(|x| x.fract() == 0.0 && *x >= 0.0 && *x <= u32::MAX as f64)
-                        .map(|x| x as u64)
-                })
-                .and_then(|x| usize::try_from(x).ok())
-                .map(Some)
-                .ok_or_else(|| {
-                    problem(
-                        self.name(key),
-                        format!("is {v}, expected a non-negative integer"),
-                    )
-                }),
-        }
-    }
-
-    fn bool(&self, key: &str) -> Result<Option<bool>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| problem(self.name(key), format!("is {v}, expected true or false"))),
-        }
-    }
-
-    fn str(&self, key: &str) -> Result<Option<&'a str>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| problem(self.name(key), format!("is {v}, expected a string"))),
-        }
-    }
-
-    fn list(&self, key: &str) -> Result<Option<Vec<f64>>> {
-        let Some(v) = self.get(key) else {
-            return Ok(None);
-        };
-        let bad = || problem(self.name(key), "expected a list of numbers");
-        let items = v.as_array().ok_or_else(bad)?;
-        items
-            .iter()
-            .map(|x| x.as_f64().filter(|x| x.is_finite()).ok_or_else(bad))
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
-    }
-
-    fn required<T>(&self, key: &str, value: Option<T>) -> Result<T> {
-        value.ok_or_else(|| problem(self.name(key), "is missing"))
-    }
-}
+use crate::hf::json::{first, parse_root, problem, Obj};
 
 impl RopeConfig {
     /// The rotary configuration of an HF model's `config.json` text (see the [module
@@ -144,11 +51,7 @@ impl RopeConfig {
     /// the wrong type, an unknown `rope_type`, per-layer-type parameters, or an odd rotary
     /// dimension; then the errors of [`RopeConfig::validate`].
     pub fn from_hf_json(text: &str) -> Result<Self> {
-        let root: Value = serde_json::from_str(text)
-            .map_err(|e| problem("<root>", format!("is not valid JSON: {e}")))?;
-        let map = root
-            .as_object()
-            .ok_or_else(|| problem("<root>", "is not a JSON object"))?;
+        let map = &parse_root(text)?;
         let top = Obj { map, prefix: "" };
 
         // HF reads `rope_scaling` first when a file has both.
@@ -394,18 +297,4 @@ impl RopeConfig {
         })?;
         Ok(config)
     }
-}
-
-/// The first of `keys` present (as a non-negative integer) and its name, or an error naming
-/// the first.
-fn first<'k>(obj: &Obj, keys: &[&'k str]) -> Result<(usize, &'k str)> {
-    for key in keys {
-        if let Some(v) = obj.usize(key)? {
-            return Ok((v, key));
-        }
-    }
-    Err(problem(
-        keys.first().copied().unwrap_or("?"),
-        "is missing (needed when head_dim is absent)",
-    ))
 }

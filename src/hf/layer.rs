@@ -1,0 +1,460 @@
+//! [`HfAttentionConfig`]: one attention layer of an HF model, read from its `config.json`, and
+//! the block built from the layer's tensors under HF's names.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use serde_json::Value;
+
+use super::json::{first, parse_root, problem, Obj};
+use super::weights::{remap, QkvLayout, WeightLayout};
+use crate::attention::{AttentionConfig, MultiHeadAttention, QkNormConfig, QkNormScope};
+use crate::encoding::EncodingConfig;
+use crate::error::{Error, Result};
+use crate::plug::PositionalEncoding;
+use crate::relative::alibi::AlibiConfig;
+use crate::relative::t5::T5Config;
+use crate::rotary::RopeConfig;
+
+/// The model families whose attention layers load from HF names, chosen by `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HfFamily {
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `olmo2`: `q_proj`, `k_proj`, `v_proj`,
+    /// `o_proj` (and `q_norm`, `k_norm` for Qwen3 and OLMo 2); RoPE.
+    Llama,
+    /// `phi3`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE (LongRoPE).
+    Phi3,
+    /// `gpt_neox`: fused `query_key_value` (rows per head), `dense`; partial RoPE.
+    GptNeoX,
+    /// `bloom`: fused `query_key_value` (rows per head), `dense`; ALiBi.
+    Bloom,
+    /// `gpt2`: Conv1D `c_attn` and `c_proj`, stored transposed; absolute positions at the
+    /// embeddings (`wpe`), none in the block.
+    Gpt2,
+    /// `gptj`: `q_proj`, `k_proj`, `v_proj`, `out_proj`; RoPE on adjacent pairs of the first
+    /// `rotary_dim` features.
+    GptJ,
+    /// `falcon`: fused `query_key_value` (multi-query, grouped or per head), `dense`; RoPE.
+    Falcon,
+    /// `t5`: `q`, `k`, `v`, `o` and the first layer's `relative_attention_bias`; T5 buckets,
+    /// no softmax scaling.
+    T5,
+}
+
+impl HfFamily {
+    /// The family of an HF `model_type`, if the crate loads it.
+    pub fn from_model_type(model_type: &str) -> Option<Self> {
+        Some(match model_type {
+            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "olmo2" => HfFamily::Llama,
+            "phi3" => HfFamily::Phi3,
+            "gpt_neox" => HfFamily::GptNeoX,
+            "bloom" => HfFamily::Bloom,
+            "gpt2" => HfFamily::Gpt2,
+            "gptj" => HfFamily::GptJ,
+            "falcon" => HfFamily::Falcon,
+            "t5" => HfFamily::T5,
+            _ => return None,
+        })
+    }
+}
+
+/// One attention layer of an HF model: the block's settings, its encoding and where its
+/// weights live, read from the model's `config.json`.
+///
+/// Keys read (as HF transformers reads them for each `model_type`):
+/// - the family from `model_type` ([`HfFamily::from_model_type`]);
+/// - sizes: `hidden_size` (`n_embd`, `d_model`), `num_attention_heads` (`n_head`,
+///   `num_heads`), `num_key_value_heads` (Falcon: `multi_query`, `new_decoder_architecture`,
+///   `num_kv_heads`), `head_dim` (T5: `d_kv`), else `hidden_size / heads`;
+/// - biases: `attention_bias` (Llama, Qwen3, Gemma, OLMo 2, GPT-NeoX), `bias` (Falcon); Qwen2
+///   has biases on q, k and v but not on the output, BLOOM and GPT-2 on all four, Mistral,
+///   Phi-3, GPT-J and T5 on none;
+/// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
+///   (1);
+/// - query/key RMS norms: Qwen3 (per head) and OLMo 2 (over all heads), ε from
+///   `rms_norm_eps`;
+/// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
+///   interleaved rotary), ALiBi (BLOOM), T5's `relative_attention_num_buckets` and
+///   `relative_attention_max_distance`, none for GPT-2.
+///
+/// Settings the block does not have yet are refused rather than ignored: sliding windows
+/// (`sliding_window`, which Mistral's config class sets to 4096 unless the file says `null`;
+/// Qwen's `use_sliding_window`; `layer_types`), logit soft-capping,
+/// Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling.
+///
+/// Decoders are causal; T5 reads as its encoder's self-attention (bidirectional buckets, not
+/// causal), [`Self::with_causal`] gives its decoder's.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::hf::{HfAttentionConfig, HfFamily};
+///
+/// let json = r#"{"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+///     "num_key_value_heads": 2, "rope_theta": 1000000.0, "max_position_embeddings": 4096}"#;
+/// let config = HfAttentionConfig::from_json(json)?;
+/// assert_eq!(config.family, HfFamily::Llama);
+/// assert!(config.attention.bias && !config.attention.out_bias);
+/// // A real model: `VarBuilder::from_mmaped_safetensors` over its files, and the layer's prefix.
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let block = config.load(vb.pp("model.layers.0.self_attn"))?;
+/// let x = Tensor::zeros((1, 5, 64), DType::F32, &Device::Cpu)?;
+/// assert_eq!(block.forward(&x)?.dims(), &[1, 5, 64]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct HfAttentionConfig {
+    /// The family (weight names and layout).
+    pub family: HfFamily,
+    /// The block's settings.
+    pub attention: AttentionConfig,
+    /// The positional encoding.
+    pub encoding: EncodingConfig,
+}
+
+/// Where each derived setting came from, so a value the checks refuse is blamed on its key.
+#[derive(Default)]
+struct Keys(HashMap<&'static str, String>);
+
+impl Keys {
+    fn set(&mut self, field: &'static str, key: impl Into<String>) {
+        self.0.insert(field, key.into());
+    }
+}
+
+impl HfAttentionConfig {
+    /// Reads the attention settings of an HF `config.json` (see the type's docs for the keys).
+    ///
+    /// # Errors
+    /// [`Error::HfConfig`] naming the key: text that is not a JSON object; a `model_type` that
+    /// is missing or not one of [`HfFamily`]'s; a missing size; a value of the wrong type or
+    /// out of range (the checks of [`AttentionConfig::validate`] and of the encoding's
+    /// configuration, reported under the key the value came from); a setting the block does
+    /// not support.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let map = parse_root(text)?;
+        let top = Obj {
+            map: &map,
+            prefix: "",
+        };
+        let model_type = top.required("model_type", top.str("model_type")?)?;
+        let family = HfFamily::from_model_type(model_type).ok_or_else(|| {
+            problem(
+                "model_type",
+                format!(
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, olmo2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
+                ),
+            )
+        })?;
+        refuse_unsupported(&top, model_type)?;
+        let mut keys = Keys::default();
+        let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
+        let (heads, heads_key) = first(&top, &["num_attention_heads", "n_head", "num_heads"])?;
+        keys.set("d_model", hidden_key);
+        keys.set("num_heads", heads_key);
+        let mut attention = AttentionConfig::new(hidden, heads).with_causal(true);
+        // Key/value heads.
+        let kv_heads = match family {
+            HfFamily::Falcon => {
+                if top.bool("new_decoder_architecture")?.unwrap_or(false) {
+                    keys.set("num_kv_heads", "num_kv_heads");
+                    top.usize("num_kv_heads")?.unwrap_or(heads)
+                } else if top.bool("multi_query")?.unwrap_or(true) {
+                    keys.set("num_kv_heads", "multi_query");
+                    1
+                } else {
+                    heads
+                }
+            }
+            HfFamily::Llama | HfFamily::Phi3 => {
+                keys.set("num_kv_heads", "num_key_value_heads");
+                top.usize("num_key_value_heads")?.unwrap_or(heads)
+            }
+            _ => heads,
+        };
+        attention = attention.with_kv_heads(kv_heads);
+        // Head width.
+        let head_key = if family == HfFamily::T5 {
+            "d_kv"
+        } else {
+            "head_dim"
+        };
+        match top.usize(head_key)? {
+            Some(d) => {
+                attention = attention.with_head_dim(d);
+                keys.set("head_dim", head_key);
+            }
+            None if family == HfFamily::T5 => {
+                return Err(problem("d_kv", "is missing"));
+            }
+            None => keys.set("head_dim", format!("{} / {}", hidden_key, heads_key)),
+        }
+        // Biases.
+        let flag =
+            |key: &str, default: bool| -> Result<bool> { Ok(top.bool(key)?.unwrap_or(default)) };
+        let (bias, out_bias) = match (family, model_type) {
+            (HfFamily::Llama, "qwen2") => (true, false),
+            (HfFamily::Llama, "mistral") => (false, false),
+            (HfFamily::Llama, _) => {
+                let b = flag("attention_bias", false)?;
+                (b, b)
+            }
+            (HfFamily::GptNeoX, _) => {
+                let b = flag("attention_bias", true)?;
+                (b, b)
+            }
+            (HfFamily::Falcon, _) => {
+                let b = flag("bias", false)?;
+                (b, b)
+            }
+            (HfFamily::Bloom | HfFamily::Gpt2, _) => (true, true),
+            (HfFamily::Phi3 | HfFamily::GptJ | HfFamily::T5, _) => (false, false),
+        };
+        attention = attention.with_bias(bias).with_out_bias(out_bias);
+        // Scale and causality.
+        if family == HfFamily::T5
+            || (family == HfFamily::Gpt2 && !flag("scale_attn_weights", true)?)
+        {
+            attention = attention.with_softmax_scale(1.0);
+        }
+        if family == HfFamily::T5 {
+            attention = attention.with_causal(false);
+        }
+        // Query/key norms.
+        let norm = match model_type {
+            "qwen3" => Some(QkNormConfig::new().with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-6))),
+            "olmo2" => Some(
+                QkNormConfig::new()
+                    .with_scope(QkNormScope::AllHeads)
+                    .with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-5)),
+            ),
+            _ => None,
+        };
+        if norm.is_some() {
+            keys.set("qk_norm.eps", "rms_norm_eps");
+        }
+        attention = attention.with_qk_norm(norm);
+        attention.validate().map_err(|e| blame(e, &keys))?;
+        let encoding = match family {
+            HfFamily::Gpt2 => EncodingConfig::None,
+            HfFamily::Bloom => EncodingConfig::Alibi(AlibiConfig::new(heads)),
+            HfFamily::T5 => {
+                let mut t5 = T5Config::new(heads);
+                if let Some(n) = top.usize("relative_attention_num_buckets")? {
+                    t5 = t5.with_num_buckets(n);
+                    keys.set("num_buckets", "relative_attention_num_buckets");
+                }
+                if let Some(n) = top.usize("relative_attention_max_distance")? {
+                    t5 = t5.with_max_distance(n);
+                    keys.set("max_distance", "relative_attention_max_distance");
+                }
+                t5.validate().map_err(|e| blame(e, &keys))?;
+                EncodingConfig::T5(t5)
+            }
+            _ => {
+                let rope = RopeConfig::from_hf_json(text)?;
+                if rope.head_dim != attention.head_dim {
+                    return Err(problem(
+                        "head_dim",
+                        format!(
+                            "gives the rotary head width {} but the attention head width {}",
+                            rope.head_dim, attention.head_dim
+                        ),
+                    ));
+                }
+                EncodingConfig::Rotary(rope)
+            }
+        };
+        Ok(Self {
+            family,
+            attention,
+            encoding,
+        })
+    }
+
+    /// Reads `config.json` from `path` as [`Self::from_json`] does.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the file cannot be read; as [`Self::from_json`].
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_json(&text)
+    }
+
+    /// The same layer, causal or not. For T5 this also switches the buckets: `true` gives its
+    /// decoder's self-attention (causal buckets), `false` its encoder's.
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.attention = self.attention.with_causal(causal);
+        if let EncodingConfig::T5(t5) = &mut self.encoding {
+            t5.bidirectional = !causal;
+        }
+        self
+    }
+
+    /// Builds the block from one layer's tensors under HF's names, `vb` being the attention
+    /// module's prefix (e.g. `model.layers.0.self_attn`, `gpt_neox.layers.0.attention`,
+    /// `h.0.self_attention`, `h.0.attn`, `encoder.block.0.layer.0.SelfAttention`). Fused
+    /// projections are split and transposed weights turned once, here. Learned encoding tables
+    /// (T5's) are read from the same prefix; a T5 layer past the first has none, so pass the
+    /// first layer's encoding to [`Self::load_with_encoding`].
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the HF tensor that is absent or
+    /// misshapen; [`Error::DType`] for an integer `VarBuilder`.
+    pub fn load(&self, vb: VarBuilder) -> Result<MultiHeadAttention> {
+        let mut map = self.tensors(&vb, true)?;
+        let ours = VarBuilder::from_tensors(std::mem::take(&mut map), vb.dtype(), vb.device());
+        let encoding = self.encoding.build(ours.clone())?;
+        MultiHeadAttention::new(&self.attention, encoding, ours)
+    }
+
+    /// Builds the block from one layer's tensors as [`Self::load`] does, with `encoding`
+    /// plugged in instead of one built from the layer (a T5 layer sharing the first layer's
+    /// table: `first.encoding().cloned()`).
+    ///
+    /// # Errors
+    /// As [`Self::load`].
+    pub fn load_with_encoding(
+        &self,
+        encoding: Option<Arc<dyn PositionalEncoding>>,
+        vb: VarBuilder,
+    ) -> Result<MultiHeadAttention> {
+        let map = self.tensors(&vb, false)?;
+        let ours = VarBuilder::from_tensors(map, vb.dtype(), vb.device());
+        MultiHeadAttention::new(&self.attention, encoding, ours)
+    }
+
+    /// The layer's tensors under the block's names.
+    fn tensors(&self, vb: &VarBuilder, with_table: bool) -> Result<HashMap<String, Tensor>> {
+        crate::error::check_float("attention weights (the VarBuilder's dtype)", vb.dtype())?;
+        let table = match (&self.encoding, with_table) {
+            (EncodingConfig::T5(t5), true) => Some((t5.num_buckets, t5.num_heads)),
+            _ => None,
+        };
+        remap(&self.layout(), &self.attention, table, vb)
+    }
+
+    /// Where this layer's family keeps its weights.
+    fn layout(&self) -> WeightLayout {
+        let separate = |o| WeightLayout {
+            qkv: QkvLayout::Separate(["q_proj", "k_proj", "v_proj"]),
+            out: o,
+            out_conv1d: false,
+        };
+        let fused = |qkv, o| WeightLayout {
+            qkv,
+            out: o,
+            out_conv1d: false,
+        };
+        match self.family {
+            HfFamily::Llama => separate("o_proj"),
+            HfFamily::GptJ => separate("out_proj"),
+            HfFamily::Phi3 => fused(QkvLayout::Stacked("qkv_proj"), "o_proj"),
+            HfFamily::GptNeoX | HfFamily::Bloom => {
+                fused(QkvLayout::PerHead("query_key_value"), "dense")
+            }
+            HfFamily::Falcon => {
+                let a = &self.attention;
+                let qkv = if a.num_kv_heads == a.num_heads {
+                    QkvLayout::PerHead("query_key_value")
+                } else if a.num_kv_heads == 1 {
+                    QkvLayout::Stacked("query_key_value")
+                } else {
+                    QkvLayout::Grouped("query_key_value")
+                };
+                fused(qkv, "dense")
+            }
+            HfFamily::Gpt2 => WeightLayout {
+                qkv: QkvLayout::Conv1D("c_attn"),
+                out: "c_proj",
+                out_conv1d: true,
+            },
+            HfFamily::T5 => WeightLayout {
+                qkv: QkvLayout::Separate(["q", "k", "v"]),
+                out: "o",
+                out_conv1d: false,
+            },
+        }
+    }
+}
+
+/// Refuses the settings that would change HF's answer and that the block does not have.
+fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
+    let unsupported = |key: &str, what: &str| -> Error {
+        problem(
+            key,
+            format!("asks for {what}, which the attention block does not support yet"),
+        )
+    };
+    let window_layers = match top.get("layer_types") {
+        Some(Value::Array(types)) => types
+            .iter()
+            .any(|t| t.as_str() == Some("sliding_attention")),
+        _ => false,
+    };
+    if window_layers {
+        return Err(unsupported("layer_types", "sliding-window layers"));
+    }
+    // Qwen's switch decides; otherwise a window is set (Mistral's config class defaults it to
+    // 4096 when the key is absent, so only an explicit `null` turns it off there).
+    let window = match top.bool("use_sliding_window")? {
+        Some(on) => on.then_some("use_sliding_window"),
+        None => {
+            let set = match top.map.get("sliding_window") {
+                None => model_type == "mistral",
+                Some(v) => !v.is_null(),
+            };
+            set.then_some("sliding_window")
+        }
+    };
+    if let Some(key) = window {
+        return Err(unsupported(key, "sliding-window attention"));
+    }
+    for key in ["attn_logit_softcapping", "clip_qkv"] {
+        if top.get(key).is_some() {
+            return Err(unsupported(key, "a clamp of the logits or projections"));
+        }
+    }
+    if model_type == "falcon" && top.bool("alibi")? == Some(true) {
+        return Err(unsupported(
+            "alibi",
+            "Falcon's ALiBi (added before the softmax scale, so its slopes are scaled too)",
+        ));
+    }
+    if model_type == "gpt2" && top.bool("scale_attn_by_inverse_layer_idx")? == Some(true) {
+        return Err(unsupported(
+            "scale_attn_by_inverse_layer_idx",
+            "a softmax scale that depends on the layer",
+        ));
+    }
+    Ok(())
+}
+
+/// An out-of-range value reported under the `config.json` key it came from.
+fn blame(err: Error, keys: &Keys) -> Error {
+    match err {
+        Error::InvalidConfig {
+            name,
+            value,
+            expected,
+        } => {
+            let key = keys
+                .0
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| name.to_string());
+            problem(key, format!("gives {name} = {value}, expected {expected}"))
+        }
+        other => other,
+    }
+}

@@ -1,0 +1,152 @@
+//! HF's attention weight names and layouts, mapped once at load onto the block's own
+//! (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`, `relative_attention_bias`).
+//!
+//! Fused projections are split and Conv1D weights transposed here, never per forward:
+//!
+//! | layout | rows of the fused weight (each row `d_model` wide) |
+//! |---|---|
+//! | stacked (Phi-3 `qkv_proj`, Falcon multi-query) | `[q (H·D); k (Hkv·D); v (Hkv·D)]` |
+//! | per head (GPT-NeoX, BLOOM, Falcon without multi-query) | `(H, 3, D)`: each head's q, k, v |
+//! | grouped (Falcon's new decoder architecture) | `(Hkv, H/Hkv + 2, D)`: a group's queries, then its k and v |
+//! | Conv1D (GPT-2 `c_attn`) | stored transposed, `(d_model, 3·H·D)`, columns `[q | k | v]` |
+
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+
+use crate::attention::AttentionConfig;
+use crate::error::Result;
+
+/// How q, k and v are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum QkvLayout {
+    /// Three projections under these names.
+    Separate([&'static str; 3]),
+    /// One projection, rows `[q; k; v]`.
+    Stacked(&'static str),
+    /// One projection, rows `(H, 3, D)`.
+    PerHead(&'static str),
+    /// One projection, rows `(Hkv, H/Hkv + 2, D)`.
+    Grouped(&'static str),
+    /// One Conv1D (`y = x W + b`, `W` of shape `(d_model, 3·H·D)`), columns `[q | k | v]`.
+    Conv1D(&'static str),
+}
+
+/// Where a family keeps its attention weights, relative to the attention module's prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct WeightLayout {
+    pub(super) qkv: QkvLayout,
+    /// The output projection's name.
+    pub(super) out: &'static str,
+    /// Whether the output projection is a Conv1D (stored transposed).
+    pub(super) out_conv1d: bool,
+}
+
+/// Reads the HF tensors of one attention layer from `vb` (shape-checked, so errors name the
+/// HF tensor) and returns them under the block's names, split and transposed.
+pub(super) fn remap(
+    layout: &WeightLayout,
+    cfg: &AttentionConfig,
+    relative_bias: Option<(usize, usize)>,
+    vb: &VarBuilder,
+) -> Result<HashMap<String, Tensor>> {
+    let (d, hd) = (cfg.d_model, cfg.head_dim);
+    let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
+    let mut out = HashMap::new();
+    let mut put = |name: &str, w: Tensor, b: Option<Tensor>| -> Result<()> {
+        out.insert(format!("{name}.weight"), w.contiguous()?);
+        if let Some(b) = b {
+            out.insert(format!("{name}.bias"), b.contiguous()?);
+        }
+        Ok(())
+    };
+    let bias = |name: &str, len: usize, on: bool| -> Result<Option<Tensor>> {
+        Ok(match on {
+            true => Some(vb.pp(name).get(len, "bias")?),
+            false => None,
+        })
+    };
+    let rows = [h * hd, hkv * hd, hkv * hd];
+    let fused_rows = rows.iter().sum::<usize>();
+    match layout.qkv {
+        QkvLayout::Separate(names) => {
+            for ((ours, theirs), n) in ["q_proj", "k_proj", "v_proj"].iter().zip(names).zip(rows) {
+                let w = vb.pp(theirs).get((n, d), "weight")?;
+                put(ours, w, bias(theirs, n, cfg.bias)?)?;
+            }
+        }
+        QkvLayout::Stacked(name) | QkvLayout::Conv1D(name) => {
+            let w = match layout.qkv {
+                QkvLayout::Conv1D(_) => vb.pp(name).get((d, fused_rows), "weight")?.t()?,
+                _ => vb.pp(name).get((fused_rows, d), "weight")?,
+            };
+            let b = bias(name, fused_rows, cfg.bias)?;
+            let mut start = 0;
+            for (ours, n) in ["q_proj", "k_proj", "v_proj"].iter().zip(rows) {
+                let part = |t: &Tensor| t.narrow(0, start, n);
+                put(ours, part(&w)?, b.as_ref().map(part).transpose()?)?;
+                start += n;
+            }
+        }
+        QkvLayout::PerHead(name) => {
+            // Only multi-head attention is stored this way (H = Hkv).
+            let w = vb
+                .pp(name)
+                .get((fused_rows, d), "weight")?
+                .reshape((h, 3, hd, d))?;
+            let b = bias(name, fused_rows, cfg.bias)?
+                .map(|b| b.reshape((h, 3, hd)))
+                .transpose()?;
+            for (i, ours) in ["q_proj", "k_proj", "v_proj"].iter().enumerate() {
+                let w = w.narrow(1, i, 1)?.reshape((h * hd, d))?;
+                let b = b
+                    .as_ref()
+                    .map(|b| b.narrow(1, i, 1)?.reshape(h * hd))
+                    .transpose()?;
+                put(ours, w, b)?;
+            }
+        }
+        QkvLayout::Grouped(name) => {
+            let g = h / hkv;
+            let w = vb
+                .pp(name)
+                .get((fused_rows, d), "weight")?
+                .reshape((hkv, g + 2, hd, d))?;
+            let b = bias(name, fused_rows, cfg.bias)?
+                .map(|b| b.reshape((hkv, g + 2, hd)))
+                .transpose()?;
+            for (ours, start, count) in [("q_proj", 0, g), ("k_proj", g, 1), ("v_proj", g + 1, 1)] {
+                let n = hkv * count * hd;
+                let w = w.narrow(1, start, count)?.reshape((n, d))?;
+                let b = b
+                    .as_ref()
+                    .map(|b| b.narrow(1, start, count)?.reshape(n))
+                    .transpose()?;
+                put(ours, w, b)?;
+            }
+        }
+    }
+    let o = match layout.out_conv1d {
+        true => vb.pp(layout.out).get((h * hd, d), "weight")?.t()?,
+        false => vb.pp(layout.out).get((d, h * hd), "weight")?,
+    };
+    put("o_proj", o, bias(layout.out, d, cfg.out_bias)?)?;
+    if let Some(norm) = &cfg.qk_norm {
+        use crate::attention::QkNormScope;
+        for (name, heads) in [("q_norm", h), ("k_norm", hkv)] {
+            let width = match norm.scope {
+                QkNormScope::PerHead => hd,
+                QkNormScope::AllHeads => heads * hd,
+            };
+            out.insert(format!("{name}.weight"), vb.pp(name).get(width, "weight")?);
+        }
+    }
+    if let Some(shape) = relative_bias {
+        out.insert(
+            "relative_attention_bias.weight".to_string(),
+            vb.pp("relative_attention_bias").get(shape, "weight")?,
+        );
+    }
+    Ok(out)
+}

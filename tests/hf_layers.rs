@@ -1,0 +1,442 @@
+//! One attention layer per HF family, read from its `config.json` and its tensors under HF's
+//! names, against HF transformers' own module (fixtures from `generate.py hf_layers`: eager
+//! attention, f32, a tiny random model with random biases and norm scales).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_posenc::attention::{
+    AttentionConfig, AttentionOptions, KvCache, MultiHeadAttention, QkNormConfig, QkNormScope,
+};
+use candle_posenc::checkpoint::Checkpoint;
+use candle_posenc::encoding::EncodingConfig;
+use candle_posenc::hf::{HfAttentionConfig, HfFamily};
+use candle_posenc::Error;
+use common::{assert_close, get};
+
+const FAMILIES: [&str; 16] = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "gemma",
+    "phi3",
+    "gpt_neox",
+    "bloom",
+    "gpt2",
+    "gptj",
+    "falcon_mqa",
+    "falcon_gqa",
+    "falcon_mha",
+    "t5",
+    "t5_decoder",
+];
+
+fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
+    let path = format!(
+        "{}/tests/fixtures/hf_layers.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    Ok(Checkpoint::load(path, dev)?)
+}
+
+/// The family's parsed `config.json`, and its block loaded from the fixture's tensors.
+fn layer(ckpt: &Checkpoint, tag: &str) -> anyhow::Result<(HfAttentionConfig, MultiHeadAttention)> {
+    let meta = ckpt.metadata();
+    let config_tag = if tag == "t5_decoder" { "t5" } else { tag };
+    let mut config = HfAttentionConfig::from_json(&meta[config_tag])?;
+    if tag == "t5_decoder" {
+        config = config.with_causal(true);
+    }
+    let prefix = &meta[&format!("{tag}.prefix")];
+    let vb = ckpt.var_builder(DType::F32, ckpt_device(ckpt));
+    let block = config.load(vb.pp(format!("{tag}/{prefix}")))?;
+    Ok((config, block))
+}
+
+fn ckpt_device(ckpt: &Checkpoint) -> &Device {
+    ckpt.tensors().values().next().expect("tensors").device()
+}
+
+/// Every family's layer equals HF's on every path: the fused core, the row pass (weights
+/// returned), plain ops (training mode), and token-by-token decoding with a KV cache.
+fn every_family_matches_hf(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    for tag in FAMILIES {
+        let (_, block) = layer(&ckpt, tag)?;
+        let x = get(ckpt.tensors(), &format!("{tag}.x"));
+        let want = get(ckpt.tensors(), &format!("{tag}.out"));
+        let fused = block.forward_with(x, &AttentionOptions::default(), None)?;
+        assert_close(&fused.output, want, 1e-5, &format!("{tag} fused"))?;
+        let rows = block.forward_with(
+            x,
+            &AttentionOptions {
+                return_weights: true,
+                ..Default::default()
+            },
+            None,
+        )?;
+        assert_close(&rows.output, want, 1e-5, &format!("{tag} row pass"))?;
+        let ops = block.forward_with(
+            x,
+            &AttentionOptions {
+                train: true,
+                ..Default::default()
+            },
+            None,
+        )?;
+        assert_close(&ops.output, want, 1e-5, &format!("{tag} plain ops"))?;
+        if block.config().causal {
+            let mut cache = KvCache::new();
+            let steps = (0..x.dim(1)?)
+                .map(|t| {
+                    let step = block.forward_with(
+                        &x.narrow(1, t, 1)?,
+                        &AttentionOptions::default(),
+                        Some(&mut cache),
+                    )?;
+                    Ok(step.output)
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let decoded = Tensor::cat(&steps, 1)?;
+            assert_close(&decoded, want, 1e-5, &format!("{tag} decoded"))?;
+        }
+    }
+    Ok(())
+}
+
+/// What each family's `config.json` sets, as read.
+fn configs_read_as_hf_does(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let read = |tag: &str| HfAttentionConfig::from_json(&ckpt.metadata()[tag]);
+    let families = [
+        ("llama", HfFamily::Llama),
+        ("phi3", HfFamily::Phi3),
+        ("gpt_neox", HfFamily::GptNeoX),
+        ("bloom", HfFamily::Bloom),
+        ("gpt2", HfFamily::Gpt2),
+        ("gptj", HfFamily::GptJ),
+        ("falcon_mqa", HfFamily::Falcon),
+        ("t5", HfFamily::T5),
+    ];
+    for (tag, family) in families {
+        assert_eq!(read(tag)?.family, family, "{tag}");
+    }
+    let qwen2 = read("qwen2")?.attention;
+    assert!(qwen2.bias && !qwen2.out_bias, "Qwen2: q, k, v biases only");
+    let llama = read("llama")?.attention;
+    assert!(llama.bias && llama.out_bias && llama.causal);
+    assert_eq!(
+        (llama.num_heads, llama.num_kv_heads, llama.head_dim),
+        (4, 2, 8)
+    );
+    let qwen3 = read("qwen3")?.attention;
+    assert_eq!(
+        qwen3.head_dim, 16,
+        "head_dim apart from hidden_size / heads"
+    );
+    assert_eq!(qwen3.softmax_scale, 0.25);
+    assert_eq!(
+        qwen3.qk_norm,
+        Some(QkNormConfig::new().with_eps(1e-6)),
+        "Qwen3 normalises per head"
+    );
+    let olmo2 = read("olmo2")?.attention;
+    assert_eq!(olmo2.qk_norm.map(|n| n.scope), Some(QkNormScope::AllHeads));
+    for (tag, kv) in [("falcon_mqa", 1), ("falcon_gqa", 2), ("falcon_mha", 4)] {
+        let falcon = read(tag)?.attention;
+        assert_eq!(falcon.num_kv_heads, kv, "{tag}");
+    }
+    let t5 = read("t5")?;
+    assert!(!t5.attention.causal && t5.attention.softmax_scale == 1.0);
+    match &t5.encoding {
+        EncodingConfig::T5(c) => {
+            assert_eq!(
+                (c.num_buckets, c.max_distance, c.bidirectional),
+                (8, 16, true)
+            );
+        }
+        other => panic!("T5 read as {other:?}"),
+    }
+    match t5.with_causal(true).encoding {
+        EncodingConfig::T5(c) => assert!(!c.bidirectional, "the decoder's buckets are causal"),
+        other => panic!("T5 read as {other:?}"),
+    }
+    assert_eq!(read("gpt2")?.encoding, EncodingConfig::None);
+    assert_eq!(read("bloom")?.encoding.kind(), "alibi");
+    match read("gpt_neox")?.encoding {
+        EncodingConfig::Rotary(r) => assert_eq!(r.rotary_dim, 4, "rotary_pct 0.5 of 8"),
+        other => panic!("GPT-NeoX read as {other:?}"),
+    }
+    Ok(())
+}
+
+/// A T5 layer past the first has no table of its own: it shares the first layer's.
+fn t5_later_layers_share_the_first_table(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let (config, first) = layer(&ckpt, "t5")?;
+    let vb = ckpt.var_builder(DType::F32, dev);
+    // The same tensors without the table, under another prefix.
+    let renamed = fixtures(dev)?.renamed(|n| {
+        n.strip_prefix("t5/encoder.block.0.")
+            .filter(|rest| !rest.contains("relative_attention_bias"))
+            .map(|rest| format!("t5/encoder.block.1.{rest}"))
+    })?;
+    let later_vb = renamed.var_builder(DType::F32, dev);
+    let prefix = "t5/encoder.block.1.layer.0.SelfAttention";
+    let err = config.load(later_vb.pp(prefix)).unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { name } if name == "t5/encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight"),
+        "{err}"
+    );
+    let later = config.load_with_encoding(first.encoding().cloned(), later_vb.pp(prefix))?;
+    let x = get(ckpt.tensors(), "t5.x");
+    assert_close(
+        &later
+            .forward_with(x, &AttentionOptions::default(), None)?
+            .output,
+        get(ckpt.tensors(), "t5.out"),
+        1e-5,
+        "shared table",
+    )?;
+    drop(vb);
+    Ok(())
+}
+
+/// Tensors that are missing or misshapen are named by their HF names.
+fn errors_name_the_hf_tensor(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let meta = ckpt.metadata();
+    let vb = ckpt.var_builder(DType::F32, dev);
+    // Phi-3's settings over Llama's tensors: no fused projection there.
+    let phi3 = HfAttentionConfig::from_json(&meta["phi3"])?;
+    let err = phi3
+        .load(vb.pp("llama/model.layers.0.self_attn"))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { name } if name == "llama/model.layers.0.self_attn.qkv_proj.weight"),
+        "{err}"
+    );
+    // Falcon multi-query's settings over the grouped layer's fused weight (H + 2Hkv = 8 heads
+    // of rows there, 6 expected).
+    let mqa = HfAttentionConfig::from_json(&meta["falcon_mqa"])?;
+    let err = mqa
+        .load(vb.pp("falcon_gqa/transformer.h.0.self_attention"))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::TensorShape { name, expected, got }
+            if name == "falcon_gqa/transformer.h.0.self_attention.query_key_value.weight"
+                && expected == &[48, 32] && got == &[64, 32]),
+        "{err}"
+    );
+    // Qwen3 without its norms.
+    let qwen3 = HfAttentionConfig::from_json(&meta["qwen3"])?;
+    let err = qwen3
+        .load(vb.pp("qwen2/model.layers.0.self_attn"))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::TensorShape { name, .. } if name == "qwen2/model.layers.0.self_attn.q_proj.weight"),
+        "{err}"
+    );
+    // Integer weights.
+    let err = qwen3
+        .load(
+            ckpt.var_builder(DType::U8, dev)
+                .pp("qwen3/model.layers.0.self_attn"),
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::DType { .. }), "{err}");
+    Ok(())
+}
+
+/// `config.json` problems are reported under the file's own keys.
+fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
+    let key_of = |json: &str| match HfAttentionConfig::from_json(json) {
+        Err(Error::HfConfig { key, problem }) => (key, problem),
+        other => panic!("{json}: {other:?}"),
+    };
+    let llama = r#""model_type": "llama", "hidden_size": 32, "num_attention_heads": 4"#;
+    let cases = [
+        (r#"[1, 2]"#.to_string(), "<root>"),
+        (r#"{"hidden_size": 32}"#.to_string(), "model_type"),
+        (r#"{"model_type": "mpt"}"#.to_string(), "model_type"),
+        (r#"{"model_type": "llama", "num_attention_heads": 4}"#.to_string(), "hidden_size"),
+        (format!("{{{llama}, \"num_key_value_heads\": 3}}"), "num_key_value_heads"),
+        (format!("{{{llama}, \"num_key_value_heads\": \"2\"}}"), "num_key_value_heads"),
+        (format!("{{{llama}, \"attention_bias\": 1}}"), "attention_bias"),
+        (format!("{{{llama}, \"head_dim\": 0}}"), "head_dim"),
+        (format!("{{{llama}, \"attn_logit_softcapping\": 50.0}}"), "attn_logit_softcapping"),
+        (format!("{{{llama}, \"sliding_window\": 4096}}"), "sliding_window"),
+        (
+            format!("{{{llama}, \"layer_types\": [\"sliding_attention\"]}}"),
+            "layer_types",
+        ),
+        (
+            r#"{"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4,
+                "use_sliding_window": true, "sliding_window": 8}"#
+                .to_string(),
+            "use_sliding_window",
+        ),
+        // Mistral's config class defaults the window to 4096 when the key is absent.
+        (
+            r#"{"model_type": "mistral", "hidden_size": 32, "num_attention_heads": 4}"#.to_string(),
+            "sliding_window",
+        ),
+        (
+            r#"{"model_type": "falcon", "hidden_size": 32, "num_attention_heads": 4, "alibi": true}"#
+                .to_string(),
+            "alibi",
+        ),
+        (
+            r#"{"model_type": "qwen3", "hidden_size": 32, "num_attention_heads": 4, "rms_norm_eps": 0.0}"#
+                .to_string(),
+            "rms_norm_eps",
+        ),
+        (
+            r#"{"model_type": "t5", "d_model": 32, "num_heads": 4}"#.to_string(),
+            "d_kv",
+        ),
+        (
+            r#"{"model_type": "t5", "d_model": 32, "num_heads": 4, "d_kv": 8, "relative_attention_num_buckets": 1}"#
+                .to_string(),
+            "relative_attention_num_buckets",
+        ),
+    ];
+    for (json, key) in cases {
+        let (got, problem) = key_of(&json);
+        assert_eq!(got, key, "{json}: {problem}");
+    }
+    // The window off: Qwen's switch, or Mistral's explicit null.
+    HfAttentionConfig::from_json(
+        r#"{"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4,
+            "use_sliding_window": false, "sliding_window": 4096}"#,
+    )?;
+    HfAttentionConfig::from_json(
+        r#"{"model_type": "mistral", "hidden_size": 32, "num_attention_heads": 4, "sliding_window": null}"#,
+    )?;
+    Ok(())
+}
+
+/// The query/key norm is part of the block's configuration: serialised, validated, created
+/// as the identity in a `VarMap`, and checked against its formula.
+fn qk_norm_config_and_formula(dev: &Device) -> anyhow::Result<()> {
+    let norm = QkNormConfig::new()
+        .with_scope(QkNormScope::AllHeads)
+        .with_eps(1e-5)
+        .with_unit_offset(true);
+    let cfg = AttentionConfig::new(16, 4)
+        .with_kv_heads(2)
+        .with_qk_norm(Some(norm));
+    let json = serde_json::to_string(&cfg)?;
+    assert_eq!(serde_json::from_str::<AttentionConfig>(&json)?, cfg);
+    let partial: AttentionConfig =
+        serde_json::from_str(r#"{"d_model": 16, "num_heads": 4, "qk_norm": {}}"#)?;
+    assert_eq!(partial.qk_norm, Some(QkNormConfig::new()));
+    assert!(serde_json::from_str::<AttentionConfig>(
+        r#"{"d_model": 16, "num_heads": 4, "qk_norm": {"epsilon": 1e-6}}"#
+    )
+    .is_err());
+    for eps in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e-300] {
+        let bad = AttentionConfig::new(16, 4).with_qk_norm(Some(QkNormConfig::new().with_eps(eps)));
+        assert!(
+            matches!(
+                bad.validate(),
+                Err(Error::InvalidConfig {
+                    name: "qk_norm.eps",
+                    ..
+                })
+            ),
+            "eps {eps}"
+        );
+    }
+    // A VarMap block starts with the identity scale (stored as 0 with the unit offset).
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+    let vars = varmap.data().lock().unwrap();
+    assert_eq!(vars["attn.q_norm.weight"].dims(), &[16]);
+    assert_eq!(vars["attn.k_norm.weight"].dims(), &[8]);
+    assert_eq!(
+        vars["attn.k_norm.weight"]
+            .abs()?
+            .sum_all()?
+            .to_scalar::<f32>()?,
+        0.0
+    );
+    drop(vars);
+
+    // Per head, against the formula: q = n(x W_qᵀ) per head, with scale w.
+    let (d, h, hd) = (8, 2, 4);
+    let cfg = AttentionConfig::new(d, h)
+        .with_qk_norm(Some(QkNormConfig::new().with_eps(1e-6)))
+        .with_causal(true);
+    let w = |rows, seed: f64| -> anyhow::Result<Tensor> {
+        let n = rows * d;
+        Ok(Tensor::arange(0u32, n as u32, dev)?
+            .to_dtype(DType::F32)?
+            .affine(0.37, seed)?
+            .sin()?
+            .reshape((rows, d))?)
+    };
+    let scale = Tensor::new(&[0.5f32, 1.5, -1.0, 2.0], dev)?;
+    let tensors = std::collections::HashMap::from([
+        ("q_proj.weight".to_string(), w(h * hd, 0.1)?),
+        ("k_proj.weight".to_string(), w(h * hd, 0.7)?),
+        ("v_proj.weight".to_string(), w(h * hd, 1.3)?),
+        ("o_proj.weight".to_string(), w(d, 1.9)?),
+        ("q_norm.weight".to_string(), scale.clone()),
+        ("k_norm.weight".to_string(), (&scale * 0.5)?),
+    ]);
+    let vb = candle_nn::VarBuilder::from_tensors(tensors.clone(), DType::F32, dev);
+    let block = MultiHeadAttention::new(&cfg, None, vb)?;
+    // The same block without norms, fed pre-normalised projections through its weights:
+    // n(x W) for one head = x W diag(w / rms) — check instead against plain ops.
+    let x = Tensor::randn(0f32, 1.0, (1, 3, d), dev)?;
+    let rms_norm = |y: &Tensor, s: &Tensor| -> anyhow::Result<Tensor> {
+        let y = y.reshape((1, 3, h, hd))?;
+        let ms = y.sqr()?.mean_keepdim(3)?;
+        Ok(y.broadcast_div(&(ms + 1e-6)?.sqrt()?)?.broadcast_mul(s)?)
+    };
+    let q = rms_norm(
+        &x.matmul(&tensors["q_proj.weight"].t()?.unsqueeze(0)?)?,
+        &scale,
+    )?;
+    let k = rms_norm(
+        &x.matmul(&tensors["k_proj.weight"].t()?.unsqueeze(0)?)?,
+        &(&scale * 0.5)?,
+    )?;
+    let v = x
+        .matmul(&tensors["v_proj.weight"].t()?.unsqueeze(0)?)?
+        .reshape((1, 3, h, hd))?;
+    let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
+    let logits = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * 0.5)?;
+    let causal = Tensor::new(
+        &[
+            [0f32, f32::NEG_INFINITY, f32::NEG_INFINITY],
+            [0.0, 0.0, f32::NEG_INFINITY],
+            [0.0, 0.0, 0.0],
+        ],
+        dev,
+    )?;
+    let probs = candle_nn::ops::softmax_last_dim(&logits.broadcast_add(&causal)?)?;
+    let merged = probs
+        .matmul(&v.contiguous()?)?
+        .transpose(1, 2)?
+        .reshape((1, 3, d))?;
+    let want = merged.matmul(&tensors["o_proj.weight"].t()?.unsqueeze(0)?)?;
+    let got = block
+        .forward_with(&x, &AttentionOptions::default(), None)?
+        .output;
+    assert_close(&got, &want, 1e-5, "per-head q/k norm")?;
+    Ok(())
+}
+
+device_tests!(
+    every_family_matches_hf,
+    configs_read_as_hf_does,
+    t5_later_layers_share_the_first_table,
+    errors_name_the_hf_tensor,
+    config_errors_name_the_key,
+    qk_norm_config_and_formula,
+);
