@@ -56,6 +56,23 @@ fn sizes_hidden_by_an_empty_axis(dev: &Device) -> anyhow::Result<()> {
             );
         }
     }
+    // Weights with no key, but batch × queries past the budget: the per-column sums would hold
+    // a row of the table's width per query (a capacity overflow aborted the process).
+    let table = Tensor::zeros((9, 4), DType::F32, dev)?;
+    for columns in [Columns::Shift(0), Columns::Shift(-3)] {
+        let values = RelativeValues::new(table.clone(), columns)?;
+        // (candle's own element count overflows on dims whose product before the 0 does.)
+        for (b, tq) in [(1usize << 20, 1usize << 20), (1, 1 << 40), (1 << 40, 1)] {
+            let probs = Tensor::zeros((b, 2, tq, 0), DType::F32, dev)?;
+            let err = values.weighted_sum(&probs).unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidConfig { .. }),
+                "weighted_sum over ({b}, 2, {tq}, 0): {err}"
+            );
+        }
+        let probs = Tensor::zeros((1, 2, 1 << 10, 0), DType::F32, dev)?;
+        assert_eq!(values.weighted_sum(&probs)?.dims(), &[1, 2, 1 << 10, 4]);
+    }
     // Empty results within the budget are answered, empty.
     assert_eq!(rows.to_dense(1 << 20, 0)?.dims(), &[1, 1, 1 << 20, 0]);
     assert_eq!(rows.to_dense(0, 1 << 20)?.dims(), &[1, 1, 0, 1 << 20]);

@@ -348,6 +348,13 @@ fn check_float(what: &'static str, t: &Tensor) -> Result<()> {
 /// than the target).
 fn column_sums(probs: &Tensor, columns: &Columns, width: usize) -> Result<Tensor> {
     let (b, h, tq, tk) = probs.dims4()?;
+    // The sums hold a row of the table's width per query: budgeted before they exist.
+    check_elements(
+        "relative value table width",
+        width,
+        format!("batch ({b}) × heads ({h}) × queries ({tq}) × table width ({width}) of the per-column weight sums").as_str(),
+        &[b, h, tq, width],
+    )?;
     let plain = probs.detach();
     let sums = if plain.device().is_cpu() && plain.dtype() == DType::F32 {
         let index = match columns {
@@ -472,7 +479,13 @@ impl CustomOp1 for ColumnSums {
                 _ => candle_core::bail!("relative column sums: the index must be contiguous u32"),
             },
         };
-        let mut out = vec![0f32; b * h * tq * width];
+        let Some(len) = [b, h, tq, width]
+            .iter()
+            .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+        else {
+            candle_core::bail!("relative column sums: (B, H, Tq, width) overflows usize");
+        };
+        let mut out = vec![0f32; len];
         out.par_chunks_mut(width).enumerate().for_each(|(r, sums)| {
             let row = &probs[r * tk..(r + 1) * tk];
             let i = r % tq;
