@@ -1051,7 +1051,7 @@ impl ColSpec {
                 }
                 let v: Vec<f64> = (0..n)
                     .map(|i| match values {
-                        IndexValues::Below(s) => (hash(*s as u64, i) % (width as u64 + 1)) as f64,
+                        IndexValues::Below(s) => (hash(*s as u64, i) % (width as u64).saturating_add(1)) as f64,
                         IndexValues::Zero => 0.0,
                         IndexValues::Max => u32::MAX as f64,
                         IndexValues::Any(s) => (hash(*s as u64, i) % (1u64 << 32)) as f64,
