@@ -1,5 +1,6 @@
 //! Random use of the public API (proptest): every encoding of the zoo in a random block (heads,
-//! KV heads, head width, causality, biases, a query/key norm), fed random inputs — batch and
+//! KV heads, head width, causality, biases, a query/key norm, a sliding window, a soft cap,
+//! sinks), fed random inputs — batch and
 //! length including 0, every float dtype and an integer one, offsets and per-token ids up to
 //! the edge of `u32`, padding, additive masks of random shapes, a KV cache over several chunks
 //! that is cloned and truncated.
@@ -30,6 +31,8 @@ struct Case {
     causal: bool,
     bias: bool,
     norm: Option<bool>,
+    /// Bits: a sliding window of 2 (causal blocks), a soft cap of 3, sink logits.
+    extras: u8,
     batch: usize,
     chunks: Vec<usize>,
     dtype: usize,
@@ -52,6 +55,7 @@ fn cases() -> impl Strategy<Value = Case> {
             any::<bool>(),
             any::<bool>(),
             prop::option::of(any::<bool>()),
+            0..8u8,
         ),
         (0..3usize, prop::collection::vec(0..5usize, 1..4), 0..5usize),
         (
@@ -65,7 +69,7 @@ fn cases() -> impl Strategy<Value = Case> {
         .prop_map(
             |(
                 (encoding, heads, kv_pick, hd),
-                (causal, bias, norm),
+                (causal, bias, norm, extras),
                 (batch, chunks, dtype),
                 (start, ids, padding, mask_shape, truncate),
             )| Case {
@@ -76,6 +80,7 @@ fn cases() -> impl Strategy<Value = Case> {
                 causal,
                 bias,
                 norm,
+                extras,
                 batch,
                 chunks,
                 dtype,
@@ -119,7 +124,10 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         .with_kv_heads(kv)
         .with_causal(case.causal)
         .with_bias(case.bias)
-        .with_qk_norm(norm);
+        .with_qk_norm(norm)
+        .with_sliding_window((case.causal && case.extras & 1 != 0).then_some(2))
+        .with_logit_softcap((case.extras & 2 != 0).then_some(3.0))
+        .with_sinks(case.extras & 4 != 0);
     let dtype = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::U32][case.dtype];
     let weights = if dtype == DType::U32 {
         DType::F32

@@ -753,7 +753,75 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Sliding windows, soft caps and sinks: checked settings, serialised with the block, sinks
+/// created in a `VarMap` as zeros and trained (gradients reach them), and the weights of a
+/// windowed causal row against the formula.
+fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
+    let base = AttentionConfig::new(16, 4).with_causal(true);
+    for (bad, name) in [
+        (base.clone().with_sliding_window(Some(0)), "sliding_window"),
+        (
+            base.clone().with_causal(false).with_sliding_window(Some(4)),
+            "sliding_window",
+        ),
+        (base.clone().with_logit_softcap(Some(0.0)), "logit_softcap"),
+        (
+            base.clone().with_logit_softcap(Some(f64::NAN)),
+            "logit_softcap",
+        ),
+        (
+            base.clone().with_logit_softcap(Some(1e300)),
+            "logit_softcap",
+        ),
+    ] {
+        let err = bad.validate().unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidConfig { name: n, .. } if *n == name),
+            "{err}"
+        );
+    }
+    let cfg = base
+        .with_sliding_window(Some(3))
+        .with_logit_softcap(Some(2.0))
+        .with_sinks(true);
+    let json = serde_json::to_string(&cfg)?;
+    assert_eq!(serde_json::from_str::<AttentionConfig>(&json)?, cfg);
+
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let block = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+    let sinks = varmap.data().lock().unwrap()["attn.sinks"].clone();
+    assert_eq!(sinks.as_tensor().to_vec1::<f32>()?, vec![0.0; 4]);
+    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let out = block.forward(&x)?;
+    let grads = out.sqr()?.sum_all()?.backward()?;
+    let g = grads
+        .get(sinks.as_tensor())
+        .expect("the sinks get a gradient");
+    assert!(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
+
+    // The weights of the last row: a softmax over its last 3 keys of the capped logits,
+    // joined by the head's sink (0 here).
+    let weights = block
+        .forward_with(
+            &x,
+            &AttentionOptions {
+                return_weights: true,
+                ..Default::default()
+            },
+            None,
+        )?
+        .weights
+        .expect("weights");
+    let row = weights.i((0, 1, 5))?.to_vec1::<f32>()?;
+    assert_eq!(&row[..3], &[0.0, 0.0, 0.0], "outside the window");
+    let total: f32 = row.iter().sum();
+    assert!(total < 1.0 && total > 0.0, "the sink takes {}", 1.0 - total);
+    Ok(())
+}
+
 device_tests!(
+    window_softcap_sinks,
     parity_plain,
     parity_sinusoidal_causal_bias,
     parity_learned_padding,

@@ -14,7 +14,7 @@ use candle_posenc::hf::{HfAttentionConfig, HfFamily};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 16] = [
+const FAMILIES: [&str; 23] = [
     "llama",
     "mistral",
     "qwen2",
@@ -31,6 +31,13 @@ const FAMILIES: [&str; 16] = [
     "falcon_mha",
     "t5",
     "t5_decoder",
+    "mistral_window",
+    "gemma2.0",
+    "gemma2.1",
+    "gemma3.0",
+    "gemma3.1",
+    "gpt_oss.0",
+    "gpt_oss.1",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -45,7 +52,8 @@ fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
 fn layer(ckpt: &Checkpoint, tag: &str) -> anyhow::Result<(HfAttentionConfig, MultiHeadAttention)> {
     let meta = ckpt.metadata();
     let config_tag = if tag == "t5_decoder" { "t5" } else { tag };
-    let mut config = HfAttentionConfig::from_json(&meta[config_tag])?;
+    let index: usize = meta[&format!("{tag}.layer")].parse()?;
+    let mut config = HfAttentionConfig::from_json_layer(&meta[config_tag], index)?;
     if tag == "t5_decoder" {
         config = config.with_causal(true);
     }
@@ -172,6 +180,84 @@ fn configs_read_as_hf_does(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Windows, soft caps and sinks on every path agree with padding (batch item 0's first two
+/// keys padded), query blocks of 2 rows and grouped heads.
+fn extras_agree_on_every_path_with_padding_and_blocks(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    for tag in ["gemma2.0", "gemma3.0", "gpt_oss.0", "mistral_window"] {
+        let meta = ckpt.metadata();
+        let index: usize = meta[&format!("{tag}.layer")].parse()?;
+        let mut config = HfAttentionConfig::from_json_layer(&meta[tag], index)?;
+        config.attention = config.attention.with_query_block(Some(2));
+        let vb = ckpt.var_builder(DType::F32, dev);
+        let block = config.load(vb.pp(format!("{tag}/{}", meta[&format!("{tag}.prefix")])))?;
+        let x = get(ckpt.tensors(), &format!("{tag}.x"));
+        let (b, t) = (x.dim(0)?, x.dim(1)?);
+        let keep: Vec<u8> = (0..b * t).map(|i| u8::from(i >= 2)).collect();
+        let padding = Tensor::from_vec(keep, (b, t), dev)?;
+        let run = |return_weights: bool, train: bool| {
+            block.forward_with(
+                x,
+                &AttentionOptions {
+                    padding_mask: Some(&padding),
+                    return_weights,
+                    train,
+                    ..Default::default()
+                },
+                None,
+            )
+        };
+        let fused = run(false, false)?.output;
+        let rows = run(true, false)?;
+        let ops = run(false, true)?.output;
+        assert_close(
+            &rows.output,
+            &fused,
+            1e-5,
+            &format!("{tag} row pass vs fused"),
+        )?;
+        assert_close(&ops, &fused, 1e-5, &format!("{tag} plain ops vs fused"))?;
+        // Outside the window and on padded keys the weights are 0.
+        let weights = rows.weights.expect("weights");
+        let w = config.attention.sliding_window.expect("a window");
+        let last = t - 1;
+        let hidden = weights.narrow(2, last, 1)?.narrow(3, 0, last + 1 - w)?;
+        assert_eq!(hidden.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "{tag}");
+    }
+    Ok(())
+}
+
+/// What each layer of Gemma 2, Gemma 3 and gpt-oss reads as.
+fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let read = |tag: &str, layer| HfAttentionConfig::from_json_layer(&ckpt.metadata()[tag], layer);
+    let (g0, g1) = (
+        read("gemma2.0", 0)?.attention,
+        read("gemma2.0", 1)?.attention,
+    );
+    assert_eq!((g0.sliding_window, g1.sliding_window), (Some(3), None));
+    assert_eq!(
+        (g0.logit_softcap, g0.softmax_scale),
+        (Some(5.0), 1.0 / 24f64.sqrt())
+    );
+    let (r0, r1) = (read("gemma3.0", 0)?, read("gemma3.0", 1)?);
+    match (&r0.encoding, &r1.encoding) {
+        (EncodingConfig::Rotary(local), EncodingConfig::Rotary(global)) => {
+            assert_eq!(
+                (local.base, global.base),
+                (10_000.0, 1e6),
+                "local and global θ"
+            );
+        }
+        other => panic!("Gemma 3 read as {other:?}"),
+    }
+    let norm = r0.attention.qk_norm.expect("Gemma 3 normalises q and k");
+    assert!(norm.unit_offset && norm.scope == QkNormScope::PerHead);
+    let oss = read("gpt_oss.0", 1)?.attention;
+    assert!(oss.sinks && oss.bias && oss.out_bias && oss.sliding_window.is_none());
+    Ok(())
+}
+
 /// A T5 layer past the first has no table of its own: it shares the first layer's.
 fn t5_later_layers_share_the_first_table(dev: &Device) -> anyhow::Result<()> {
     let ckpt = fixtures(dev)?;
@@ -266,22 +352,30 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
         (format!("{{{llama}, \"num_key_value_heads\": \"2\"}}"), "num_key_value_heads"),
         (format!("{{{llama}, \"attention_bias\": 1}}"), "attention_bias"),
         (format!("{{{llama}, \"head_dim\": 0}}"), "head_dim"),
-        (format!("{{{llama}, \"attn_logit_softcapping\": 50.0}}"), "attn_logit_softcapping"),
-        (format!("{{{llama}, \"sliding_window\": 4096}}"), "sliding_window"),
         (
-            format!("{{{llama}, \"layer_types\": [\"sliding_attention\"]}}"),
+            r#"{"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4,
+                "use_sliding_window": true, "sliding_window": 8, "layer_types": ["chunked_attention"]}"#
+                .to_string(),
             "layer_types",
         ),
         (
-            r#"{"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4,
-                "use_sliding_window": true, "sliding_window": 8}"#
+            r#"{"model_type": "gemma2", "hidden_size": 32, "num_attention_heads": 4, "head_dim": 8,
+                "num_hidden_layers": 1, "sliding_window": 0}"#
                 .to_string(),
-            "use_sliding_window",
-        ),
-        // Mistral's config class defaults the window to 4096 when the key is absent.
-        (
-            r#"{"model_type": "mistral", "hidden_size": 32, "num_attention_heads": 4}"#.to_string(),
             "sliding_window",
+        ),
+        (
+            r#"{"model_type": "gemma2", "hidden_size": 32, "num_attention_heads": 4, "head_dim": 8,
+                "num_hidden_layers": 1, "attn_logit_softcapping": -5.0}"#
+                .to_string(),
+            "attn_logit_softcapping",
+        ),
+        // Gemma 2 alternates sliding and full layers: read one at a time.
+        (
+            r#"{"model_type": "gemma2", "hidden_size": 32, "num_attention_heads": 4, "head_dim": 8,
+                "num_hidden_layers": 2}"#
+                .to_string(),
+            "num_hidden_layers",
         ),
         (
             r#"{"model_type": "falcon", "hidden_size": 32, "num_attention_heads": 4, "alibi": true}"#
@@ -307,14 +401,69 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
         let (got, problem) = key_of(&json);
         assert_eq!(got, key, "{json}: {problem}");
     }
-    // The window off: Qwen's switch, or Mistral's explicit null.
-    HfAttentionConfig::from_json(
-        r#"{"model_type": "qwen2", "hidden_size": 32, "num_attention_heads": 4,
-            "use_sliding_window": false, "sliding_window": 4096}"#,
-    )?;
-    HfAttentionConfig::from_json(
-        r#"{"model_type": "mistral", "hidden_size": 32, "num_attention_heads": 4, "sliding_window": null}"#,
-    )?;
+    // Windows as HF's config classes read them.
+    let window = |json: &str, layer: usize| -> anyhow::Result<Option<usize>> {
+        Ok(HfAttentionConfig::from_json_layer(json, layer)?
+            .attention
+            .sliding_window)
+    };
+    let base = r#""hidden_size": 32, "num_attention_heads": 4"#;
+    // Qwen's switch decides; off, the window is not used.
+    let qwen =
+        format!(r#"{{"model_type": "qwen2", {base}, "sliding_window": 8, "max_window_layers": 1"#);
+    assert_eq!(
+        window(&format!("{qwen}, \"use_sliding_window\": false}}"), 3)?,
+        None
+    );
+    assert_eq!(
+        window(&format!("{qwen}, \"use_sliding_window\": true}}"), 0)?,
+        None
+    );
+    assert_eq!(
+        window(&format!("{qwen}, \"use_sliding_window\": true}}"), 1)?,
+        Some(8)
+    );
+    // Mistral's class default is 4096; only an explicit null turns it off.
+    assert_eq!(
+        window(&format!(r#"{{"model_type": "mistral", {base}}}"#), 0)?,
+        Some(4096)
+    );
+    assert_eq!(
+        window(
+            &format!(r#"{{"model_type": "mistral", {base}, "sliding_window": null}}"#),
+            0
+        )?,
+        None
+    );
+    // Llama reads no window.
+    assert_eq!(
+        window(
+            &format!(r#"{{"model_type": "llama", {base}, "sliding_window": 16}}"#),
+            0
+        )?,
+        None
+    );
+    // Gemma 2 without layer_types: even layers slide; Gemma 3 every sixth layer is full.
+    let gemma2 =
+        format!(r#"{{"model_type": "gemma2", {base}, "head_dim": 8, "sliding_window": 5}}"#);
+    assert_eq!(window(&gemma2, 0)?, Some(5));
+    assert_eq!(window(&gemma2, 1)?, None);
+    let gemma3 =
+        format!(r#"{{"model_type": "gemma3_text", {base}, "head_dim": 8, "sliding_window": 5}}"#);
+    assert_eq!(window(&gemma3, 4)?, Some(5));
+    assert_eq!(window(&gemma3, 5)?, None);
+    // A layer past layer_types.
+    let ckpt = fixtures(&Device::Cpu)?;
+    let err = HfAttentionConfig::from_json_layer(&ckpt.metadata()["gemma2.0"], 2).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
+        "{err}"
+    );
+    let err = HfAttentionConfig::from_json(&ckpt.metadata()["gpt_oss.0"]).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -439,4 +588,6 @@ device_tests!(
     errors_name_the_hf_tensor,
     config_errors_name_the_key,
     qk_norm_config_and_formula,
+    extras_agree_on_every_path_with_padding_and_blocks,
+    per_layer_settings,
 );

@@ -16,6 +16,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::fused_attention;
+use super::fused_softmax::RowRule;
 use super::unfused;
 use crate::error::{check_float, Error, Result};
 use crate::plug::{
@@ -75,6 +76,12 @@ pub(crate) struct Chunk<'a> {
     /// `(B, Tk)` u8, non-zero = keep.
     pub(crate) padding: Option<Tensor>,
     pub(crate) causal: bool,
+    /// Causal sliding window: each query sees its last `w` keys.
+    pub(crate) window: Option<usize>,
+    /// Soft cap of the `q·k` logits.
+    pub(crate) softcap: Option<f64>,
+    /// `(H)` learned sink logits.
+    pub(crate) sinks: Option<&'a Tensor>,
     /// Training mode: dropout on.
     pub(crate) train: bool,
     /// Gradients wanted: the differentiable softmax.
@@ -93,8 +100,10 @@ pub(crate) struct Block<'a> {
     pub(crate) k: Tensor,
     pub(crate) v: Tensor,
     pub(crate) padding: Option<&'a Tensor>,
-    /// `Some(first)`: query row `i` sees keys `j ≤ first + i`.
-    pub(crate) causal: Option<usize>,
+    /// Which keys each row sees, the soft cap, and (on the fused paths) the sinks' values.
+    pub(crate) rule: RowRule,
+    /// `(H)` sink logits, for plain ops.
+    pub(crate) sinks: Option<&'a Tensor>,
 }
 
 /// The attention of a chunk: `(B, T, H, D)` outputs (heads not yet merged) and, when asked
@@ -152,6 +161,13 @@ impl Chunk<'_> {
             _ => None,
         };
         let (mut outs, mut weights) = (Vec::new(), Vec::new());
+        // The sinks as values, read once, for the paths that run on the CPU.
+        let host_sinks = match (path, self.sinks) {
+            (Path::Fused | Path::RowPass, Some(s)) => {
+                Some(s.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+            }
+            _ => None,
+        };
         for &(start, n, kv) in &spans {
             let (bias, values) = match first.take() {
                 Some(answers) => answers,
@@ -162,7 +178,13 @@ impl Chunk<'_> {
                 k: narrowed(&k, 2, 0, kv, tk)?,
                 v: narrowed(&v, 2, 0, kv, tk)?,
                 padding: self.padding.as_ref(),
-                causal: self.causal.then_some(start + tk - t),
+                rule: RowRule {
+                    causal: self.causal.then_some(start + tk - t),
+                    window: self.window,
+                    softcap: self.softcap.map(|c| c as f32),
+                    sinks: host_sinks.clone(),
+                },
+                sinks: self.sinks,
             };
             let mask = self
                 .attn_mask
@@ -178,7 +200,7 @@ impl Chunk<'_> {
                     dense: terms.dense.iter().collect(),
                     relative: terms.rows.iter().collect(),
                     padding: part.padding,
-                    causal: part.causal,
+                    rule: &part.rule,
                     values: values.as_ref(),
                     tile: fused_attention::tile_rows(kv),
                 }

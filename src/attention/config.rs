@@ -16,7 +16,8 @@ use super::qk_norm::QkNormConfig;
 ///
 /// Serialised (serde) with its field names, e.g. as JSON
 /// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
-/// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null}`.
+/// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null,
+/// "sliding_window": null, "logit_softcap": null, "sinks": false}`.
 /// Only `d_model` and `num_heads` are required (`out_bias` defaults to `bias`); the other fields default as in [`AttentionConfig::new`] and its builders (a
 /// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
 /// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
@@ -46,6 +47,15 @@ pub struct AttentionConfig {
     /// RMS normalisation of the projected queries and keys before the rotation (Qwen3,
     /// Gemma 3, OLMo 2; default none).
     pub qk_norm: Option<QkNormConfig>,
+    /// Causal sliding window: each query sees only its last `w` keys, itself included
+    /// (Mistral, Gemma 2/3 and gpt-oss local layers; default none). Needs `causal`.
+    pub sliding_window: Option<usize>,
+    /// Soft cap `c` of the `q·k` logits: `c·tanh(s / c)`, before biases and masks (Gemma 2;
+    /// default none).
+    pub logit_softcap: Option<f64>,
+    /// Learned per-head sink logits (`sinks`, shape `(num_heads)`) that join every softmax and
+    /// carry no value (gpt-oss; default false).
+    pub sinks: bool,
     /// Queries per block: attention runs over blocks of this many queries, each against all
     /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
@@ -80,6 +90,12 @@ struct AttentionConfigFields {
     softmax_scale: Option<f64>,
     #[serde(default)]
     qk_norm: Option<QkNormConfig>,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+    #[serde(default)]
+    logit_softcap: Option<f64>,
+    #[serde(default)]
+    sinks: bool,
 }
 
 impl From<AttentionConfigFields> for AttentionConfig {
@@ -108,6 +124,9 @@ impl From<AttentionConfigFields> for AttentionConfig {
             c = c.with_softmax_scale(scale);
         }
         c.with_qk_norm(f.qk_norm)
+            .with_sliding_window(f.sliding_window)
+            .with_logit_softcap(f.logit_softcap)
+            .with_sinks(f.sinks)
     }
 }
 
@@ -140,6 +159,9 @@ impl AttentionConfig {
                 0.0
             },
             qk_norm: None,
+            sliding_window: None,
+            logit_softcap: None,
+            sinks: false,
             query_block: None,
             logits_budget: DEFAULT_LOGITS_BUDGET,
         }
@@ -173,6 +195,24 @@ impl AttentionConfig {
     /// too).
     pub fn with_out_bias(mut self, bias: bool) -> Self {
         self.out_bias = bias;
+        self
+    }
+
+    /// Sets the causal sliding window (`None`: every earlier key).
+    pub fn with_sliding_window(mut self, window: Option<usize>) -> Self {
+        self.sliding_window = window;
+        self
+    }
+
+    /// Sets the soft cap of the `q·k` logits (`None`: none).
+    pub fn with_logit_softcap(mut self, cap: Option<f64>) -> Self {
+        self.logit_softcap = cap;
+        self
+    }
+
+    /// Turns learned per-head sink logits on or off.
+    pub fn with_sinks(mut self, sinks: bool) -> Self {
+        self.sinks = sinks;
         self
     }
 
@@ -258,8 +298,8 @@ impl AttentionConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
-    /// scale that is not a positive normal f32, a query/key norm ε that is not one either, a
-    /// query block of 0, a logits budget of 0, or projection weights past
+    /// scale, soft cap or query/key norm ε that is not a positive normal f32, a sliding window
+    /// of 0 or in a bidirectional block, a query block of 0, a logits budget of 0, or projection weights past
     /// [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
@@ -312,6 +352,26 @@ impl AttentionConfig {
         crate::absolute::check_dropout(self.dropout)?;
         if let Some(norm) = &self.qk_norm {
             norm.validate()?;
+        }
+        match self.sliding_window {
+            Some(0) => {
+                return Err(Error::config(
+                    "sliding_window",
+                    0,
+                    "at least 1 key (the query's own), or None",
+                ))
+            }
+            Some(w) if !self.causal => {
+                return Err(Error::config(
+                    "sliding_window",
+                    w,
+                    "None in a bidirectional block (the window is causal: a query's last w keys)",
+                ))
+            }
+            _ => {}
+        }
+        if let Some(cap) = self.logit_softcap {
+            check_normal_f32("logit_softcap", cap)?;
         }
         if self.query_block == Some(0) {
             return Err(Error::config(

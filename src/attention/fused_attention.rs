@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::fused_softmax::{read_storage, strided_terms, StorageGuard, TermGuards};
+use super::fused_softmax::{read_storage, strided_terms, RowRule, StorageGuard, TermGuards};
 use crate::error::{Error, Result};
 use crate::plug::relative::{add_indexed_sums, add_shifted_sums};
 use crate::plug::{Columns, RelativeBias, RelativeValues};
@@ -52,8 +52,8 @@ pub(crate) struct Core<'a> {
     pub relative: Vec<&'a RelativeBias>,
     /// `(B, Tk)` u8, non-zero = keep.
     pub padding: Option<&'a Tensor>,
-    /// `Some(first)`: query row `i` sees keys `j ≤ first + i`.
-    pub causal: Option<usize>,
+    /// Which keys each row sees, soft cap and sinks.
+    pub rule: &'a RowRule,
     /// A relative value term (`(W, D)` table), checked against the block by the caller.
     pub values: Option<&'a RelativeValues>,
     /// Query rows per tile ([`tile_rows`] of the key count).
@@ -74,8 +74,8 @@ impl Core<'_> {
             padding: self.padding.map(|p| p.contiguous()).transpose()?,
             // Trailing keys hidden from a whole tile may be left out only when no row can be
             // fully masked (a fully masked row is uniform over every key).
-            trim: self.causal.is_some() && self.padding.is_none() && self.dense.is_empty(),
-            causal: self.causal,
+            trim: self.rule.causal.is_some() && self.padding.is_none() && self.dense.is_empty(),
+            rule: self.rule.clone(),
             first_row,
             dims: (b, h, tq, tk, d),
             tile: self.tile.max(1),
@@ -96,7 +96,7 @@ struct CoreOp {
     terms: Vec<super::fused_softmax::Strided>,
     padding: Option<Tensor>,
     trim: bool,
-    causal: Option<usize>,
+    rule: RowRule,
     first_row: usize,
     /// `(B, H, Tq, Tk, D)`.
     dims: (usize, usize, usize, usize, usize),
@@ -253,7 +253,7 @@ impl InplaceOp1 for CoreOp {
         let k = View::new(&guards[1].0, guards[1].1, [b, hkv, tk, d])?;
         let v = View::new(&guards[2].0, guards[2].1, [b, hkv, tk, d])?;
         let terms = TermGuards::new(&self.terms, self.padding.as_ref());
-        let pass = terms.pass((b, h, tq, tk), self.causal)?;
+        let pass = terms.pass((b, h, tq, tk), &self.rule)?;
         let values_guard = self.values.as_ref().map(|v| {
             let index = match &v.columns {
                 Columns::Index(index) => Some(read_storage(index)),
@@ -301,7 +301,7 @@ impl InplaceOp1 for CoreOp {
             let (bh, i0) = (task / tiles, (task % tiles) * tile);
             let (bi, hi) = (bh / h, bh % h);
             let rows = tile.min(tq - i0);
-            let keys = match self.causal {
+            let keys = match self.rule.causal {
                 Some(first) if self.trim => (first + i0 + rows).min(tk),
                 _ => tk,
             };
@@ -494,7 +494,7 @@ mod tests {
                 };
                 let mut s = q.matmul(&rep(&k)?.t()?)?.broadcast_add(&dense)?;
                 s = s.broadcast_add(&relative.to_dense(tq, tk)?)?;
-                if let Some(keep) = keep_mask(causal, pad, b, tq, tk, &dev)? {
+                if let Some(keep) = keep_mask(causal, None, pad, b, tq, tk, &dev)? {
                     s = apply_keep_mask(&s, &keep)?;
                 }
                 let p = candle_nn::ops::softmax(&s, D::Minus1)?;
@@ -508,7 +508,10 @@ mod tests {
                         dense: vec![&dense],
                         relative: vec![&relative],
                         padding: pad,
-                        causal,
+                        rule: &RowRule {
+                            causal,
+                            ..RowRule::default()
+                        },
                         values: Some(values),
                         tile,
                     }
@@ -535,7 +538,8 @@ mod tests {
         let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
         let causal = Some(tk - tq);
-        let keep = keep_mask(causal, None, b, tq, tk, &dev)?.ok_or(anyhow::anyhow!("mask"))?;
+        let keep =
+            keep_mask(causal, None, None, b, tq, tk, &dev)?.ok_or(anyhow::anyhow!("mask"))?;
         let s = apply_keep_mask(&q.matmul(&k.t()?)?, &keep)?;
         let want = candle_nn::ops::softmax(&s, D::Minus1)?
             .matmul(&v)?
@@ -549,7 +553,10 @@ mod tests {
                 dense: vec![],
                 relative: vec![],
                 padding: None,
-                causal,
+                rule: &RowRule {
+                    causal,
+                    ..RowRule::default()
+                },
                 values: None,
                 tile,
             };

@@ -1,8 +1,10 @@
 //! Bias, masks and softmax in one in-place pass over the attention logits (CPU, f32).
 //!
 //! ```text
-//! p[b,h,i,:] = softmax_j( s[b,h,i,j] + Σ dense[b,h,i,j] + Σ rel.values[b,h,i,c(i,j)] )  over kept j
-//! kept(i, j) = (causal = None or j ≤ first + i) and padding[b, j] ≠ 0
+//! s'[b,h,i,j] = cap(s[b,h,i,j]) + Σ dense[b,h,i,j] + Σ rel.values[b,h,i,c(i,j)]
+//! p[b,h,i,:] = softmax over kept j of s'[b,h,i,j], joined by the head's sink logit (no value)
+//! kept(i, j) = (causal = None or first + i − window < j ≤ first + i) and padding[b, j] ≠ 0
+//! cap(x) = c·tanh(x / c) with a soft cap c, else x
 //! ```
 //!
 //! Masked logits take `f32::MIN`, so a fully masked row is uniform over all its keys, as in the
@@ -159,29 +161,55 @@ fn exp(x: f32) -> f32 {
     p * f32::from_bits(((ki + 127) << 23) as u32)
 }
 
-/// The op: additive terms, padding (`(B, Tk)`, non-zero = keep) and causality.
+/// What a softmax row does besides its bias and padding: which keys it sees, the soft cap of
+/// its logits and the sink logit that joins it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct RowRule {
+    /// `Some(first)`: query row `i` is key `first + i` and sees keys `j ≤ first + i`.
+    pub(crate) causal: Option<usize>,
+    /// `Some(w)` (with `causal`): row `i` sees only keys `j > first + i − w`, the last `w`.
+    pub(crate) window: Option<usize>,
+    /// `Some(c)`: the `q·k` logits become `c·tanh(s / c)` before the terms are added.
+    pub(crate) softcap: Option<f32>,
+    /// One logit per head that joins every row's softmax and carries no value (learned sinks).
+    pub(crate) sinks: Option<Vec<f32>>,
+}
+
+impl RowRule {
+    /// The first key row `i` sees through the window (0 without one).
+    #[inline(always)]
+    pub(crate) fn window_start(&self, i: usize) -> usize {
+        match (self.causal, self.window) {
+            (Some(first), Some(w)) => (first + i + 1).saturating_sub(w),
+            _ => 0,
+        }
+    }
+}
+
+/// The op: additive terms, padding (`(B, Tk)`, non-zero = keep) and the row rule.
 pub(crate) struct BiasMaskSoftmax {
     terms: Vec<Strided>,
     padding: Option<Tensor>,
-    causal: Option<usize>,
+    rule: RowRule,
 }
 
-/// Softmax of `scores + Σ dense + Σ relative` over kept keys, written into `scores`.
+/// Softmax of `cap(scores) + Σ dense + Σ relative` over kept keys (and the sinks), written into
+/// `scores`.
 ///
 /// `dense` terms must be f32 CPU tensors broadcastable to `scores`, `relative` terms f32 CPU
-/// rows of the shift form checked against the block; `padding` `(B, Tk)` u8;
-/// `causal = Some(first)` keeps keys `j ≤ first + i` for query row `i`.
+/// rows of the shift form checked against the block; `padding` `(B, Tk)` u8; `rule` as
+/// [`RowRule`] says (its sinks one per head of `scores`).
 pub(crate) fn bias_mask_softmax_in_place(
     scores: &Tensor,
     dense: &[&Tensor],
     relative: &[&RelativeBias],
     padding: Option<&Tensor>,
-    causal: Option<usize>,
+    rule: &RowRule,
 ) -> Result<()> {
     let op = BiasMaskSoftmax {
         terms: strided_terms(scores.dims4()?, dense, relative)?,
         padding: padding.map(|p| p.contiguous()).transpose()?,
-        causal,
+        rule: rule.clone(),
     };
     scores.inplace_op1(&op)?;
     Ok(())
@@ -244,11 +272,11 @@ impl<'a> TermGuards<'a> {
     }
 
     /// The row pass over logits of `dims` = `(B, H, Tq, Tk)` reading these terms.
-    pub(crate) fn pass(
-        &self,
+    pub(crate) fn pass<'r>(
+        &'r self,
         dims: (usize, usize, usize, usize),
-        causal: Option<usize>,
-    ) -> candle_core::Result<RowPass<'_>> {
+        rule: &'r RowRule,
+    ) -> candle_core::Result<RowPass<'r>> {
         let (b, h, tq, tk) = dims;
         let terms = self
             .terms
@@ -269,10 +297,13 @@ impl<'a> TermGuards<'a> {
                 ),
             },
         };
+        if rule.sinks.as_ref().is_some_and(|s| s.len() != h) {
+            candle_core::bail!("fused softmax: the sinks must be one logit per head ({h})");
+        }
         Ok(RowPass {
             terms,
             padding,
-            causal,
+            rule,
             dims: (h, tq, tk),
             isa: Isa::detect(),
         })
@@ -283,7 +314,7 @@ impl<'a> TermGuards<'a> {
 pub(crate) struct RowPass<'a> {
     terms: Vec<(&'a [f32], &'a Strided)>,
     padding: Option<&'a [u8]>,
-    causal: Option<usize>,
+    rule: &'a RowRule,
     /// `(H, Tq, Tk)`: `Tk` is the padding mask's row length.
     dims: (usize, usize, usize),
     isa: Isa,
@@ -341,8 +372,14 @@ impl RowPass<'_> {
         let (h, tq, tk) = self.dims;
         let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
         let len = row.len();
-        let visible = self.causal.map_or(len, |first| (first + i + 1).min(len));
+        let rule = self.rule;
+        let visible = rule.causal.map_or(len, |first| (first + i + 1).min(len));
         let (row, hidden) = row.split_at_mut(visible);
+        if let Some(c) = rule.softcap {
+            for x in row.iter_mut() {
+                *x = c * (*x / c).tanh();
+            }
+        }
         for (src, t) in &self.terms {
             t.add_row(src, bi, hi, i, row);
         }
@@ -353,15 +390,28 @@ impl RowPass<'_> {
                 }
             }
         }
+        let outside = rule.window_start(i).min(row.len());
+        row[..outside].iter_mut().for_each(|x| *x = f32::MIN);
+        let sink = rule.sinks.as_ref().map(|s| s[hi]);
         let max = row_max(row);
-        if max == f32::MIN && !hidden.is_empty() {
+        if max == f32::MIN && sink.is_none() && !hidden.is_empty() {
             // Every key masked: uniform over the whole row, as the unfused path (which fills
             // the hidden keys with the same lowest value) gives.
             let u = 1.0 / len as f32;
             row.iter_mut().chain(hidden.iter_mut()).for_each(|x| *x = u);
             return;
         }
-        let inv = 1.0 / exp_shifted_in_place(row, max);
+        // A sink joins the normalisation with no value: its weight is left out of the row.
+        let (max, sink_weight) = match sink {
+            None => (max, 0.0),
+            Some(s) => {
+                // Comparisons, not f32::max: a NaN must stay NaN.
+                let m = if s > max || s.is_nan() { s } else { max };
+                let d = s - m;
+                (m, if d < FLUSH_BELOW { 0.0 } else { exp(d) })
+            }
+        };
+        let inv = 1.0 / (exp_shifted_in_place(row, max) + sink_weight);
         for x in row.iter_mut() {
             *x *= inv;
         }
@@ -400,7 +450,7 @@ impl InplaceOp1 for BiasMaskSoftmax {
             candle_core::bail!("fused softmax: logits must be contiguous f32");
         };
         let guards = TermGuards::new(&self.terms, self.padding.as_ref());
-        let pass = guards.pass(dims, self.causal)?;
+        let pass = guards.pass(dims, &self.rule)?;
         data[start..end]
             .par_chunks_mut(dims.3.max(1))
             .enumerate()
@@ -435,12 +485,25 @@ mod tests {
         let (h, tq, tk) = (1, 3, 37);
         let pad: Vec<u8> = (0..tk).map(|j| (j % 5 != 0) as u8).collect();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for causal in [None, Some(30)] {
+        let rules = [
+            RowRule::default(),
+            RowRule {
+                causal: Some(30),
+                ..RowRule::default()
+            },
+            RowRule {
+                causal: Some(30),
+                window: Some(9),
+                softcap: Some(3.0),
+                sinks: Some(vec![0.7]),
+            },
+        ];
+        for rule in &rules {
             for padding in [None, Some(pad.as_slice())] {
                 let pass = RowPass {
                     terms: vec![],
                     padding,
-                    causal,
+                    rule,
                     dims: (h, tq, tk),
                     isa: Isa::Baseline,
                 };
@@ -452,7 +515,11 @@ mod tests {
                         let mut base = row.clone();
                         pass.run(r, &mut base);
                         let total: f32 = base.iter().sum();
-                        assert!((total - 1.0).abs() < 1e-6, "row sums to {total}");
+                        if rule.sinks.is_none() {
+                            assert!((total - 1.0).abs() < 1e-6, "row sums to {total}");
+                        } else {
+                            assert!(total > 0.0 && total < 1.0, "the sink takes weight: {total}");
+                        }
                         #[cfg(target_arch = "x86_64")]
                         {
                             if std::arch::is_x86_feature_detected!("avx2") {

@@ -32,10 +32,12 @@ pub(crate) fn check_padding(padding: &Tensor, batch: usize, tk: usize) -> Result
 
 /// Keep-mask (`u8`, 1 = attend) broadcastable to `(B, 1, Tq, Tk)`, or `None` when nothing is
 /// masked. With `causal = Some(first)`, query row `r` keeps keys `j ≤ first + r` (for a whole
-/// chunk `first = tk − tq`: row `r` is cache index `tk − tq + r`). `padding` is a checked
-/// `(B, Tk)` 0/1 mask (see [`check_padding`]).
+/// chunk `first = tk − tq`: row `r` is cache index `tk − tq + r`), and with a `window` of `w`
+/// only keys `j > first + r − w`. `padding` is a checked `(B, Tk)` 0/1 mask (see
+/// [`check_padding`]).
 pub(crate) fn keep_mask(
     causal: Option<usize>,
+    window: Option<usize>,
     padding: Option<&Tensor>,
     batch: usize,
     tq: usize,
@@ -47,11 +49,17 @@ pub(crate) fn keep_mask(
             let first = first as u32;
             let key_index = Tensor::arange(0u32, tk as u32, device)?.unsqueeze(0)?;
             let last_visible = Tensor::arange(first, first + tq as u32, device)?.unsqueeze(1)?;
-            Some(
-                key_index
-                    .broadcast_le(&last_visible)?
-                    .reshape((1, 1, tq, tk))?,
-            )
+            let mut keep = key_index.broadcast_le(&last_visible)?;
+            if let Some(w) = window {
+                // Row r keeps the last w keys it sees: j ≥ first + r + 1 − w (built on the host
+                // from sizes, one value per row).
+                let starts: Vec<u32> = (0..tq)
+                    .map(|r| (first as usize + r + 1).saturating_sub(w) as u32)
+                    .collect();
+                let start = Tensor::from_vec(starts, (tq, 1), device)?;
+                keep = keep.mul(&key_index.broadcast_ge(&start)?)?;
+            }
+            Some(keep.reshape((1, 1, tq, tk))?)
         }
         _ => None,
     };

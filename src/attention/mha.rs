@@ -6,8 +6,9 @@
 //! q, k = q_norm(q), k_norm(k)                        when configured (RMS, per head or all)
 //! q, k = enc.rotate(q, k)
 //! k, v = cache.append(k, v)                          keys rotated once, at their own position
-//! s = (scale · q) kᵀ + enc.logits_bias(scale · q) + attn_mask,   masked where causal/padding
-//! α = softmax(s),  out = α v + Σ_j α_ij enc.value_term[c(i, j)],   heads merged, then W_o
+//! s = cap((scale · q) kᵀ) + enc.logits_bias(scale · q) + attn_mask,   masked where causal,
+//!                                                    outside the window, or padding
+//! α = softmax(s ‖ sink_h)[..Tk],  out = α v + Σ_j α_ij enc.value_term[c(i, j)],   heads merged, W_o
 //! ```
 //!
 //! # Shapes
@@ -18,7 +19,7 @@
 //!
 //! Weights are named like HF Llama (`q_proj`, `k_proj`, `v_proj`, `o_proj`, each with `weight`
 //! and optional `bias`; `q_norm` and `k_norm` with `weight` when the queries and keys are
-//! normalised), so such checkpoints load through a `VarBuilder` prefix; other families' names
+//! normalised; `sinks` with sink logits), so such checkpoints load through a `VarBuilder` prefix; other families' names
 //! and fused layouts load through [`crate::hf`].
 //! Reference: Vaswani et al. 2017; grouped-query attention: Ainslie et al. 2023.
 
@@ -69,6 +70,8 @@ pub struct MultiHeadAttention {
     v_proj: Linear,
     o_proj: Linear,
     qk_norm: Option<QkNorm>,
+    /// `(H)` learned sink logits.
+    sinks: Option<Tensor>,
     encoding: Option<Arc<dyn PositionalEncoding>>,
 }
 
@@ -103,6 +106,12 @@ impl MultiHeadAttention {
             .as_ref()
             .map(|norm| QkNorm::new(norm, (config.num_heads, config.num_kv_heads, hd), &vb))
             .transpose()?;
+        let sinks = match config.sinks {
+            true => {
+                Some(vb.get_with_hints(config.num_heads, "sinks", candle_nn::Init::Const(0.0))?)
+            }
+            false => None,
+        };
         Ok(Self {
             config: config.clone(),
             q_proj,
@@ -110,6 +119,7 @@ impl MultiHeadAttention {
             v_proj,
             o_proj,
             qk_norm,
+            sinks,
             encoding,
         })
     }
@@ -200,6 +210,9 @@ impl MultiHeadAttention {
             q_positions: positions,
             k_positions: &k_positions,
             causal: cfg.causal,
+            window: cfg.sliding_window,
+            softcap: cfg.logit_softcap,
+            sinks: self.sinks.as_ref(),
             train: options.train,
             differentiable,
             dropout: cfg.dropout,
@@ -287,6 +300,7 @@ impl MultiHeadAttention {
             .iter()
             .any(|p| p.weight().track_op() || p.bias().is_some_and(|b| b.track_op()))
             || self.qk_norm.as_ref().is_some_and(QkNorm::tracks)
+            || self.sinks.as_ref().is_some_and(Tensor::track_op)
     }
 
     /// The projections split into heads (queries and keys normalised when configured): q

@@ -2,8 +2,9 @@
 //! the path that returns the weights, trains, and runs on every device and dtype.
 //!
 //! ```text
-//! s = q kᵀ + Σ terms                  q already scaled; terms dense (B, H, n, kv) or shifted rows
-//! α = softmax(s masked)               masked logits filled with the dtype's lowest value
+//! s = cap(q kᵀ) + Σ terms             q already scaled; terms dense (B, H, n, kv) or shifted rows
+//! α = softmax(s masked ‖ sink)[..kv]  masked logits filled with the dtype's lowest value; a
+//!                                     head's sink logit joins the softmax and is dropped after
 //! out = dropout(α) v + Σ_j dropout(α)_ij table[c(i, j)]
 //! ```
 
@@ -28,27 +29,52 @@ pub(crate) fn attend(
     dropout: f32,
 ) -> Result<(Tensor, Tensor)> {
     let mut scores = part.q.matmul(&part.k.t()?)?;
+    let rule = &part.rule;
     let probs = if row_pass {
         fused_softmax::bias_mask_softmax_in_place(
             &scores,
             &terms.dense.iter().collect::<Vec<_>>(),
             &terms.rows.iter().collect::<Vec<_>>(),
             part.padding,
-            part.causal,
+            rule,
         )?;
         scores
     } else {
+        if let Some(c) = rule.softcap {
+            let c = f64::from(c);
+            scores = ((scores / c)?.tanh()? * c)?;
+        }
         for term in &terms.dense {
             scores = scores.broadcast_add(term)?;
         }
-        let (b, _, n, kv) = scores.dims4()?;
-        if let Some(keep) = keep_mask(part.causal, part.padding, b, n, kv, scores.device())? {
+        let (b, h, n, kv) = scores.dims4()?;
+        let keep = keep_mask(
+            rule.causal,
+            rule.window,
+            part.padding,
+            b,
+            n,
+            kv,
+            scores.device(),
+        )?;
+        if let Some(keep) = keep {
             scores = apply_keep_mask(&scores, &keep)?;
         }
-        if differentiable {
+        if let Some(sinks) = part.sinks {
+            let column = sinks
+                .to_dtype(scores.dtype())?
+                .reshape((1, h, 1, 1))?
+                .broadcast_as((b, h, n, 1))?;
+            scores = Tensor::cat(&[&scores, &column], 3)?;
+        }
+        let probs = if differentiable {
             candle_nn::ops::softmax(&scores, D::Minus1)?
         } else {
             candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
+        };
+        match part.sinks {
+            Some(_) => probs.narrow(3, 0, kv)?,
+            None => probs,
         }
     };
     let dropped = if dropout > 0.0 {

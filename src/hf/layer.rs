@@ -22,8 +22,9 @@ use crate::rotary::RopeConfig;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HfFamily {
-    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `olmo2`: `q_proj`, `k_proj`, `v_proj`,
-    /// `o_proj` (and `q_norm`, `k_norm` for Qwen3 and OLMo 2); RoPE.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`,
+    /// `gpt_oss`: `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` for Qwen3,
+    /// Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE.
     Llama,
     /// `phi3`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE (LongRoPE).
     Phi3,
@@ -48,7 +49,8 @@ impl HfFamily {
     /// The family of an HF `model_type`, if the crate loads it.
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
-            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "olmo2" => HfFamily::Llama,
+            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
+            | "olmo2" | "gpt_oss" => HfFamily::Llama,
             "phi3" => HfFamily::Phi3,
             "gpt_neox" => HfFamily::GptNeoX,
             "bloom" => HfFamily::Bloom,
@@ -73,17 +75,19 @@ impl HfFamily {
 ///   has biases on q, k and v but not on the output, BLOOM and GPT-2 on all four, Mistral,
 ///   Phi-3, GPT-J and T5 on none;
 /// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
-///   (1);
-/// - query/key RMS norms: Qwen3 (per head) and OLMo 2 (over all heads), ε from
-///   `rms_norm_eps`;
+///   (1), and Gemma 2 and 3 (`query_pre_attn_scalar^-1/2`);
+/// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`) and OLMo 2
+///   (over all heads), ε from `rms_norm_eps`;
+/// - sliding windows (`sliding_window` with its class default: Mistral, Phi-3, and per layer
+///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]), Gemma 2's logit soft cap
+///   (`attn_logit_softcapping`, 50 by default), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
 ///   interleaved rotary), ALiBi (BLOOM), T5's `relative_attention_num_buckets` and
 ///   `relative_attention_max_distance`, none for GPT-2.
 ///
-/// Settings the block does not have yet are refused rather than ignored: sliding windows
-/// (`sliding_window`, which Mistral's config class sets to 4096 unless the file says `null`;
-/// Qwen's `use_sliding_window`; `layer_types`), logit soft-capping,
-/// Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling.
+/// Settings the block does not have yet are refused rather than ignored: chunked or linear
+/// layer types, Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
+/// layers differ (sliding and full) is read one layer at a time.
 ///
 /// Decoders are causal; T5 reads as its encoder's self-attention (bidirectional buckets, not
 /// causal), [`Self::with_causal`] gives its decoder's.
@@ -143,16 +147,47 @@ impl HfAttentionConfig {
             map: &map,
             prefix: "",
         };
+        if let Some(model_type) = top.str("model_type")? {
+            if let Some(key) = layers_differ(&top, model_type)? {
+                return Err(problem(
+                    key,
+                    "gives the layers different attention (sliding-window and full layers); read one layer with HfAttentionConfig::from_json_layer",
+                ));
+            }
+        }
+        Self::read(text, 0)
+    }
+
+    /// Reads the attention settings of layer `layer` (from 0) of an HF `config.json`: as
+    /// [`Self::from_json`], with the layer's own kind where layers differ — a sliding window on
+    /// sliding-attention layers (`layer_types`, or the model's default pattern: Qwen's
+    /// `max_window_layers`, Gemma 2 and gpt-oss alternating, Gemma 3 every
+    /// `sliding_window_pattern`-th layer full), and Gemma 3's local RoPE there.
+    ///
+    /// # Errors
+    /// As [`Self::from_json`]; [`Error::HfConfig`] naming `layer_types` for a layer past its
+    /// entries or a layer type the block does not have (`chunked_attention`).
+    pub fn from_json_layer(text: &str, layer: usize) -> Result<Self> {
+        Self::read(text, layer)
+    }
+
+    fn read(text: &str, layer: usize) -> Result<Self> {
+        let map = parse_root(text)?;
+        let top = Obj {
+            map: &map,
+            prefix: "",
+        };
         let model_type = top.required("model_type", top.str("model_type")?)?;
         let family = HfFamily::from_model_type(model_type).ok_or_else(|| {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, olmo2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
                 ),
             )
         })?;
         refuse_unsupported(&top, model_type)?;
+        let kind = layer_kind(&top, model_type, layer)?;
         let mut keys = Keys::default();
         let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
         let (heads, heads_key) = first(&top, &["num_attention_heads", "n_head", "num_heads"])?;
@@ -201,6 +236,10 @@ impl HfAttentionConfig {
         let (bias, out_bias) = match (family, model_type) {
             (HfFamily::Llama, "qwen2") => (true, false),
             (HfFamily::Llama, "mistral") => (false, false),
+            (HfFamily::Llama, "gpt_oss") => {
+                let b = flag("attention_bias", true)?;
+                (b, b)
+            }
             (HfFamily::Llama, _) => {
                 let b = flag("attention_bias", false)?;
                 (b, b)
@@ -226,9 +265,37 @@ impl HfAttentionConfig {
         if family == HfFamily::T5 {
             attention = attention.with_causal(false);
         }
+        if matches!(model_type, "gemma2" | "gemma3_text") {
+            let scalar = top.f64("query_pre_attn_scalar")?.unwrap_or(256.0);
+            attention = attention.with_softmax_scale(1.0 / scalar.sqrt());
+            keys.set("softmax_scale", "query_pre_attn_scalar");
+            let default_cap = if model_type == "gemma2" {
+                Some(50.0)
+            } else {
+                None
+            };
+            let cap = match top.map.get("attn_logit_softcapping") {
+                None => default_cap,
+                Some(_) => top.f64("attn_logit_softcapping")?,
+            };
+            attention = attention.with_logit_softcap(cap);
+            keys.set("logit_softcap", "attn_logit_softcapping");
+        }
+        if model_type == "gpt_oss" {
+            attention = attention.with_sinks(true);
+        }
+        if let LayerKind::Sliding(w) = kind {
+            attention = attention.with_sliding_window(Some(w));
+            keys.set("sliding_window", "sliding_window");
+        }
         // Query/key norms.
         let norm = match model_type {
             "qwen3" => Some(QkNormConfig::new().with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-6))),
+            "gemma3_text" => Some(
+                QkNormConfig::new()
+                    .with_unit_offset(true)
+                    .with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-6)),
+            ),
             "olmo2" => Some(
                 QkNormConfig::new()
                     .with_scope(QkNormScope::AllHeads)
@@ -258,7 +325,7 @@ impl HfAttentionConfig {
                 EncodingConfig::T5(t5)
             }
             _ => {
-                let rope = RopeConfig::from_hf_json(text)?;
+                let rope = rope_of_layer(text, &top, model_type, kind)?;
                 if rope.head_dim != attention.head_dim {
                     return Err(problem(
                         "head_dim",
@@ -396,34 +463,8 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
             format!("asks for {what}, which the attention block does not support yet"),
         )
     };
-    let window_layers = match top.get("layer_types") {
-        Some(Value::Array(types)) => types
-            .iter()
-            .any(|t| t.as_str() == Some("sliding_attention")),
-        _ => false,
-    };
-    if window_layers {
-        return Err(unsupported("layer_types", "sliding-window layers"));
-    }
-    // Qwen's switch decides; otherwise a window is set (Mistral's config class defaults it to
-    // 4096 when the key is absent, so only an explicit `null` turns it off there).
-    let window = match top.bool("use_sliding_window")? {
-        Some(on) => on.then_some("use_sliding_window"),
-        None => {
-            let set = match top.map.get("sliding_window") {
-                None => model_type == "mistral",
-                Some(v) => !v.is_null(),
-            };
-            set.then_some("sliding_window")
-        }
-    };
-    if let Some(key) = window {
-        return Err(unsupported(key, "sliding-window attention"));
-    }
-    for key in ["attn_logit_softcapping", "clip_qkv"] {
-        if top.get(key).is_some() {
-            return Err(unsupported(key, "a clamp of the logits or projections"));
-        }
+    if top.get("clip_qkv").is_some() {
+        return Err(unsupported("clip_qkv", "a clamp of the projections"));
     }
     if model_type == "falcon" && top.bool("alibi")? == Some(true) {
         return Err(unsupported(
@@ -438,6 +479,137 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Whether a layer attends to every earlier key or through a sliding window of `w` keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LayerKind {
+    Full,
+    Sliding(usize),
+}
+
+/// The models whose layers differ by `layer_types`.
+const LAYERED: [&str; 5] = ["qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss"];
+
+/// The window a sliding layer of this model uses, `None` when it has none: `sliding_window`,
+/// with the config class's default when the key is absent, and Qwen's `use_sliding_window`
+/// switch.
+fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
+    let default = match model_type {
+        "mistral" | "gemma2" | "gemma3_text" => Some(4096),
+        "gpt_oss" => Some(128),
+        _ => None,
+    };
+    let window = match top.map.get("sliding_window") {
+        None => default,
+        Some(_) => top.usize("sliding_window")?,
+    };
+    Ok(match model_type {
+        "qwen2" | "qwen3" if top.bool("use_sliding_window")? != Some(true) => None,
+        "mistral" | "phi3" => window,
+        m if LAYERED.contains(&m) => window,
+        _ => None,
+    })
+}
+
+/// The kind of layer `layer`: from `layer_types` where the model reads it, else from the
+/// model's default pattern.
+fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
+    let Some(w) = window_size(top, model_type)? else {
+        return Ok(LayerKind::Full);
+    };
+    if !LAYERED.contains(&model_type) {
+        return Ok(LayerKind::Sliding(w));
+    }
+    if let Some(types) = top.get("layer_types") {
+        let bad = |problem_text: String| problem("layer_types", problem_text);
+        let types = types
+            .as_array()
+            .ok_or_else(|| bad(format!("is {types}, expected a list of layer types")))?;
+        let entry = types.get(layer).ok_or_else(|| {
+            bad(format!(
+                "has {} entries, so there is no layer {layer}",
+                types.len()
+            ))
+        })?;
+        return match entry.as_str() {
+            Some("full_attention") => Ok(LayerKind::Full),
+            Some("sliding_attention") => Ok(LayerKind::Sliding(w)),
+            _ => Err(bad(format!(
+                "gives layer {layer} the type {entry}, expected full_attention or sliding_attention (the block has no chunked or linear attention yet)"
+            ))),
+        };
+    }
+    let sliding = match model_type {
+        "qwen2" | "qwen3" => layer >= top.usize("max_window_layers")?.unwrap_or(28),
+        "gemma3_text" => {
+            let pattern = top.usize("sliding_window_pattern")?.unwrap_or(6).max(1);
+            !(layer + 1).is_multiple_of(pattern)
+        }
+        _ => !(layer + 1).is_multiple_of(2), // Gemma 2, gpt-oss
+    };
+    Ok(if sliding {
+        LayerKind::Sliding(w)
+    } else {
+        LayerKind::Full
+    })
+}
+
+/// The key that makes layers differ (`layer_types`, or the one their default pattern comes
+/// from), if they do.
+fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
+    if !LAYERED.contains(&model_type) || window_size(top, model_type)?.is_none() {
+        return Ok(None);
+    }
+    let layers = match top.get("layer_types").and_then(Value::as_array) {
+        Some(types) => types.len(),
+        None => first(top, &["num_hidden_layers"]).map_or(1, |(n, _)| n),
+    };
+    let first_kind = layer_kind(top, model_type, 0)?;
+    for layer in 1..layers.min(1 << 16) {
+        if layer_kind(top, model_type, layer)? != first_kind {
+            return Ok(Some(match top.get("layer_types") {
+                Some(_) => "layer_types",
+                None => "num_hidden_layers",
+            }));
+        }
+    }
+    Ok(None)
+}
+
+/// The rotary configuration of a layer of `kind`: Gemma 3's `rope_parameters` nested by layer
+/// type (or its flat `rope_local_base_freq` on sliding layers, 10000 by default, and a global
+/// θ of 1e6 by default).
+fn rope_of_layer(text: &str, top: &Obj, model_type: &str, kind: LayerKind) -> Result<RopeConfig> {
+    let type_name = match kind {
+        LayerKind::Full => "full_attention",
+        LayerKind::Sliding(_) => "sliding_attention",
+    };
+    let nested = top
+        .get("rope_parameters")
+        .and_then(Value::as_object)
+        .and_then(|p| p.get(type_name))
+        .cloned();
+    let mut map = top.map.clone();
+    match nested {
+        Some(entry) => {
+            map.insert("rope_parameters".into(), entry);
+            map.remove("rope_scaling");
+        }
+        None if model_type != "gemma3_text" => return RopeConfig::from_hf_json(text),
+        None if kind == LayerKind::Full => {
+            if top.get("rope_theta").is_none() {
+                map.insert("rope_theta".into(), Value::from(1_000_000.0));
+            }
+        }
+        None => {
+            let local = top.f64("rope_local_base_freq")?.unwrap_or(10_000.0);
+            map.insert("rope_theta".into(), Value::from(local));
+            map.remove("rope_scaling");
+            map.remove("rope_parameters");
+        }
+    }
+    RopeConfig::from_hf_json(&Value::Object(map).to_string())
 }
 
 /// An out-of-range value reported under the `config.json` key it came from.

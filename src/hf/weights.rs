@@ -1,5 +1,6 @@
 //! HF's attention weight names and layouts, mapped once at load onto the block's own
-//! (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`, `relative_attention_bias`).
+//! (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`, `sinks`,
+//! `relative_attention_bias`).
 //!
 //! Fused projections are split and Conv1D weights transposed here, never per forward:
 //!
@@ -141,6 +142,9 @@ pub(super) fn remap(
             };
             out.insert(format!("{name}.weight"), vb.pp(name).get(width, "weight")?);
         }
+    }
+    if cfg.sinks {
+        out.insert("sinks".to_string(), vb.get(h, "sinks")?);
     }
     if let Some(shape) = relative_bias {
         out.insert(
