@@ -1388,7 +1388,12 @@ fn lowest(d: DType) -> f64 {
 impl MaskSpec {
     /// Values for a mask of `dims`, whose last axis is the keys.
     fn values(&self, dims: &[usize], padding: bool) -> Vec<f64> {
-        let n: usize = dims.iter().product();
+        // Past MAX_BUILT (or usize), no values: `tensor` then refuses the mask.
+        let n = dims
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .filter(|&n| n <= MAX_BUILT)
+            .unwrap_or(0);
         let keys = dims.last().copied().unwrap_or(1).max(1);
         let low = lowest(self.dtype.0);
         (0..n)
