@@ -45,8 +45,8 @@ use candle_posenc::plug::{
 use candle_posenc::{
     AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig, EncodingConfig,
     Error, Interpolation, KvCache, LearnedConfig, LongRopeScaling, MultiHeadAttention, Positions,
-    RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig, SinusoidalConfig, T5Config,
-    YarnScaling,
+    QkNormConfig, QkNormScope, RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig,
+    SinusoidalConfig, T5Config, YarnScaling,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -567,6 +567,11 @@ struct AttnSpec {
     dtype: Dt,
     /// The query block of the second model, which shares the weights.
     alt_block: Up<7>,
+    window: Option<Dim<8>>,
+    softcap: Option<Real>,
+    sinks: bool,
+    /// Query/key norm: (over all heads, Gemma's unit offset).
+    qk_norm: Option<(bool, bool)>,
 }
 
 impl AttnSpec {
@@ -612,7 +617,18 @@ impl AttnSpec {
         if self.dropout.0 > 0.5 {
             f.immoderate();
         }
-        c
+        let norm = self.qk_norm.map(|(all, unit)| {
+            let scope = if all {
+                QkNormScope::AllHeads
+            } else {
+                QkNormScope::PerHead
+            };
+            QkNormConfig::new().with_scope(scope).with_unit_offset(unit)
+        });
+        c.with_sliding_window(self.window.map(|w| w.value))
+            .with_logit_softcap(self.softcap.map(|s| s.get(0.5, 50.0)))
+            .with_sinks(self.sinks)
+            .with_qk_norm(norm)
     }
 }
 
