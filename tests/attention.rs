@@ -11,6 +11,7 @@ use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeValues,
 };
+use candle_posenc::relative::alibi::{Alibi, AlibiConfig, AlibiMode};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, Error, KvCache, LearnedConfig, LearnedPositionalEncoding,
     MultiHeadAttention, PositionIds, Positions, Result, SinusoidalConfig,
@@ -820,8 +821,53 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// With sinks the softmax no longer ignores a constant along a row, so ALiBi gives its
+/// formula `−m·(i − j)` exactly rather than its per-key form (which shifted each row by its
+/// query's position: query blocks of different sizes gave different answers).
+fn alibi_with_sinks_is_exact(dev: &Device) -> anyhow::Result<()> {
+    let cfg = AttentionConfig::new(16, 2)
+        .with_causal(true)
+        .with_sinks(true);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+    for var in varmap.all_vars() {
+        let noise = Tensor::randn(0f32, 0.5, var.shape(), dev)?;
+        var.set(&(var.as_tensor() + noise)?)?;
+    }
+    let x = Tensor::randn(0f32, 1.0, (2, 9, 16), dev)?;
+    let weights = |mode: AlibiMode, block: Option<usize>| -> anyhow::Result<Tensor> {
+        let alibi = Alibi::new(&AlibiConfig::new(2).with_mode(mode), dev)?;
+        let mha = MultiHeadAttention::new(
+            &cfg.clone().with_query_block(block),
+            Some(Arc::new(alibi)),
+            vb.pp("attn"),
+        )?;
+        let opts = AttentionOptions {
+            return_weights: true,
+            ..Default::default()
+        };
+        Ok(mha.forward_with(&x, &opts, None)?.weights.expect("weights"))
+    };
+    let exact = weights(AlibiMode::CausalPairwise, None)?;
+    for (mode, block) in [
+        (AlibiMode::Auto, None),
+        (AlibiMode::Auto, Some(1)),
+        (AlibiMode::Causal, Some(4)),
+    ] {
+        assert_close(
+            &weights(mode, block)?,
+            &exact,
+            1e-6,
+            &format!("{mode:?}, query block {block:?}"),
+        )?;
+    }
+    Ok(())
+}
+
 device_tests!(
     window_softcap_sinks,
+    alibi_with_sinks_is_exact,
     parity_plain,
     parity_sinusoidal_causal_bias,
     parity_learned_padding,

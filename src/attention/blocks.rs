@@ -245,7 +245,8 @@ impl Chunk<'_> {
         let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
         let ctx = AttentionContext::new(&q_positions, n, &k_positions, kv)
             .with_causal(self.causal)
-            .with_train(self.train);
+            .with_train(self.train)
+            .with_sinks(self.sinks.is_some());
         let q = narrowed(&self.q, 2, start, n, t)?;
         let (bias, values) = (e.logits_bias(&q, &ctx)?, e.value_term(&ctx)?);
         if let Some(values) = &values {

@@ -180,7 +180,8 @@ impl MultiHeadAttention {
         let enc = self.encoding.as_deref();
         let ctx = AttentionContext::chunk(positions, t)
             .with_causal(cfg.causal)
-            .with_train(options.train);
+            .with_train(options.train)
+            .with_sinks(cfg.sinks);
         let x = match enc {
             Some(e) => e.add_to_input(x, &ctx)?,
             None => x.clone(),

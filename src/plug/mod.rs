@@ -55,6 +55,10 @@ pub struct AttentionContext<'a> {
     pub causal: bool,
     /// Training mode (dropout on, gradients expected).
     pub train: bool,
+    /// Whether the softmax has sink logits (gpt-oss). Without them the weights ignore a
+    /// constant added along a logits row, so a bias may be given in a form that differs from
+    /// its formula by one (ALiBi's per-key causal form); with them it may not.
+    pub sinks: bool,
 }
 
 impl<'a> AttentionContext<'a> {
@@ -67,6 +71,7 @@ impl<'a> AttentionContext<'a> {
             k_len,
             causal: false,
             train: false,
+            sinks: false,
         }
     }
 
@@ -84,6 +89,12 @@ impl<'a> AttentionContext<'a> {
     /// Sets training mode.
     pub fn with_train(mut self, train: bool) -> Self {
         self.train = train;
+        self
+    }
+
+    /// Sets whether the softmax has sink logits.
+    pub fn with_sinks(mut self, sinks: bool) -> Self {
+        self.sinks = sinks;
         self
     }
 }

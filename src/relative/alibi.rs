@@ -279,8 +279,17 @@ impl Alibi {
         }
     }
 
-    /// The bias for `ctx`'s queries and keys, dense, in the mode [`Self::mode_for`] its
-    /// causality gives.
+    /// The mode this bias takes in the attention `ctx` describes: [`Self::mode_for`] its
+    /// causality, and the pairwise causal form when the softmax has sinks (the per-key form
+    /// differs from `−m·(i − j)` by a constant per row, which sinks do not ignore).
+    pub fn mode_in(&self, ctx: &AttentionContext) -> AlibiMode {
+        match self.mode_for(ctx.causal) {
+            AlibiMode::Causal if ctx.sinks => AlibiMode::CausalPairwise,
+            mode => mode,
+        }
+    }
+
+    /// The bias for `ctx`'s queries and keys, dense, in the mode [`Self::mode_in`] gives.
     ///
     /// # Shapes
     /// Causal: `(1|B, H, 1, Tk)`; pairwise modes: `(1|B, H, Tq, Tk)`.
@@ -291,7 +300,7 @@ impl Alibi {
         let (queries, tq, keys, tk) = (ctx.queries, ctx.q_len, ctx.keys, ctx.k_len);
         queries.check_len(tq)?;
         keys.check_len(tk)?;
-        let mode = self.mode_for(ctx.causal);
+        let mode = self.mode_in(ctx);
         if tq == 0 {
             // No query row to anchor the causal form on: an empty bias.
             let h = self.config.head_count;
@@ -377,7 +386,7 @@ impl PositionalEncoding for Alibi {
     /// (`(1, H, 1, Tq + Tk − 1)`), dense for explicit ids.
     fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         let (_, h, tq, _) = check_queries(q, self.config.head_count)?;
-        let mode = self.mode_for(ctx.causal);
+        let mode = self.mode_in(ctx);
         let range = DistanceRange::of(ctx.queries, tq, ctx.keys, ctx.k_len)?;
         let (AlibiMode::CausalPairwise | AlibiMode::Symmetric, Some(range)) = (mode, range) else {
             return Ok(Some(LogitsBias::Dense(self.bias(ctx)?)));
