@@ -19,8 +19,14 @@
 //! is a dense tensor or rows per clamped distance ([`LogitsBias`], [`RelativeBias`]), a value
 //! term a table row per clamped distance ([`RelativeValues`]). [`MultiHeadAttention`] decides how
 //! each form is consumed on each of its execution paths, with causal and padding masks,
-//! grouped KV heads and a [`KvCache`]. Positions are a value of their own, [`Positions`]: an
-//! offset or explicit per-token ids.
+//! grouped KV heads, sliding windows, logit soft caps, sink logits, query/key RMS norms and a
+//! [`KvCache`]. Positions are a value of their own, [`Positions`]: an offset or explicit
+//! per-token ids.
+//!
+//! [`hf::HfAttentionConfig`] reads a model's attention layer from its HF `config.json` (per
+//! layer where layers differ) and loads it from safetensors under HF's own names: Llama,
+//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, Phi-3, GPT-NeoX, BLOOM, GPT-2, GPT-J, Falcon
+//! and T5, each checked against HF transformers' own module.
 //!
 //! The block attends over blocks of queries (each with an exact softmax over the keys it can
 //! see), sized automatically from [`AttentionConfig::logits_budget`] or fixed with
