@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | sinusoidal (Vaswani et al. 2017) | [`SinusoidalPositionalEncoding`] | added to the input |
 //! | learned absolute, optional linear interpolation | [`LearnedPositionalEncoding`] | added to the input |
-//! | RoPE (Su et al. 2021): both pair layouts, partial rotary, Linear / NTK / Dynamic / YaRN / Llama 3 / LongRoPE scaling, xPos | [`RotaryEmbedding`] | rotation of q and k |
+//! | RoPE (Su et al. 2021): both pair layouts, partial rotary, Linear / NTK / Dynamic / YaRN / Llama 3 / LongRoPE / proportional scaling, xPos | [`RotaryEmbedding`] | rotation of q and k |
 //! | ALiBi (Press et al. 2022) | [`Alibi`] | bias on the logits |
 //! | T5 bucketed bias (Raffel et al. 2020) | [`T5RelativeBias`] | bias on the logits |
 //! | clipped relative bias | [`ClippedRelativeBias`] | bias on the logits |

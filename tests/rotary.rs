@@ -1098,7 +1098,60 @@ fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Proportional RoPE (Gemma 4) read from a config.json: HF's frequencies (computed in f32 by
+/// HF, so 1e-6 relative as for the other scalings) and HF Llama's rotation with them (f32, 1e-5), for a quarter, a half
+/// with a factor of 2, and none of the pairs rotating (then q and k pass through unchanged).
+fn proportional_matches_hf(dev: &Device) -> anyhow::Result<()> {
+    let path = format!(
+        "{}/tests/fixtures/rotary_proportional.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let file = candle_posenc::Checkpoint::load(path, dev)?;
+    let fx = file.tensors();
+    for name in ["p25", "p50_f2", "p0"] {
+        let cfg = RopeConfig::from_hf_json(&file.metadata()[name])?;
+        assert_eq!(
+            cfg.rotary_dim, 64,
+            "{name}: the whole head is the rotary dimension"
+        );
+        assert!(
+            matches!(cfg.scaling, RopeScaling::Proportional { .. }),
+            "{name}"
+        );
+        let ours = cfg
+            .scaling
+            .frequencies(cfg.rotary_dim, cfg.base, 0)?
+            .inv_freq;
+        let hf = f64s(get(fx, &format!("{name}.inv_freq")))?;
+        assert_eq!(ours.len(), hf.len());
+        for (a, b) in ours.iter().zip(&hf) {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "{name}: {a} vs {b}");
+        }
+        let rope = RotaryEmbedding::new(&cfg, dev)?;
+        let (q, k) = (get(fx, &format!("{name}.q")), get(fx, &format!("{name}.k")));
+        let positions = Positions::ids(
+            &Tensor::arange(0u32, 8, dev)?
+                .affine(7.0, 0.0)?
+                .unsqueeze(0)?,
+        )?;
+        let (qr, kr) = rope.rotate_queries_keys(q, k, &positions, &positions, QkLayout::Bhtd)?;
+        assert_close(&qr, get(fx, &format!("{name}.q_rot")), 1e-5, name)?;
+        assert_close(&kr, get(fx, &format!("{name}.k_rot")), 1e-5, name)?;
+        if name == "p0" {
+            assert_close(&qr, q, 0.0, "nothing rotates")?;
+        }
+    }
+    // A fraction outside [0, 1] is refused under its key.
+    let (key, _) = hf_error(
+        r#"{"hidden_size": 64, "num_attention_heads": 1,
+            "rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 1.5}}"#,
+    );
+    assert_eq!(key, "rope_parameters.partial_rotary_factor");
+    Ok(())
+}
+
 device_tests!(
+    proportional_matches_hf,
     owned_rotation_matches,
     hf_config_json,
     frequencies_match_hf,

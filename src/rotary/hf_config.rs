@@ -8,6 +8,8 @@
 //! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
 //! - partial rotary from `partial_rotary_factor`, `rotary_pct` (GPT-NeoX) or `rotary_dim`
 //!   (GPT-J, CodeGen); GPT-NeoX without `rotary_pct` rotates 25% as its config class does;
+//!   with `rope_type: "proportional"` the factor is instead the fraction of frequencies that
+//!   rotate over the whole head;
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5 rotate
 //!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is refused;
 //! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
@@ -119,22 +121,27 @@ impl RopeConfig {
 
         let mut config = RopeConfig::new(head_dim).with_base(base);
         let mut rotary_key = head_key.clone();
-        if let Some(f) = params.f64("partial_rotary_factor")? {
-            config = config.with_partial_rotary_factor(f);
-            rotary_key = params.name("partial_rotary_factor");
-        } else if let Some(f) = top.f64("partial_rotary_factor")? {
-            config = config.with_partial_rotary_factor(f);
-            rotary_key = "partial_rotary_factor".into();
-        } else if let Some(f) = top.f64("rotary_pct")? {
-            config = config.with_partial_rotary_factor(f);
-            rotary_key = "rotary_pct".into();
-        } else if let Some(d) = top.usize("rotary_dim")? {
-            config = config.with_rotary_dim(d);
-            rotary_key = "rotary_dim".into();
-        } else if model_type == Some("gpt_neox") {
-            // GPTNeoXConfig's default rotary_pct.
-            config = config.with_partial_rotary_factor(0.25);
-            rotary_key = "model_type".into();
+        // Proportional RoPE reads partial_rotary_factor as the fraction of frequencies that
+        // rotate; the whole head is its rotary dimension.
+        let proportional = params.str("rope_type")? == Some("proportional");
+        if !proportional {
+            if let Some(f) = params.f64("partial_rotary_factor")? {
+                config = config.with_partial_rotary_factor(f);
+                rotary_key = params.name("partial_rotary_factor");
+            } else if let Some(f) = top.f64("partial_rotary_factor")? {
+                config = config.with_partial_rotary_factor(f);
+                rotary_key = "partial_rotary_factor".into();
+            } else if let Some(f) = top.f64("rotary_pct")? {
+                config = config.with_partial_rotary_factor(f);
+                rotary_key = "rotary_pct".into();
+            } else if let Some(d) = top.usize("rotary_dim")? {
+                config = config.with_rotary_dim(d);
+                rotary_key = "rotary_dim".into();
+            } else if model_type == Some("gpt_neox") {
+                // GPTNeoXConfig's default rotary_pct.
+                config = config.with_partial_rotary_factor(0.25);
+                rotary_key = "model_type".into();
+            }
         }
         if !config.rotary_dim.is_multiple_of(2) {
             return Err(problem(
@@ -259,11 +266,18 @@ impl RopeConfig {
                     attention_factor: params.f64("attention_factor")?,
                 })
             }
+            "proportional" => RopeScaling::Proportional {
+                factor: params.f64("factor")?.unwrap_or(1.0),
+                partial_rotary_factor: match params.f64("partial_rotary_factor")? {
+                    Some(p) => p,
+                    None => top.f64("partial_rotary_factor")?.unwrap_or(1.0),
+                },
+            },
             other => {
                 return Err(problem(
                     type_key,
                     format!(
-                    "is `{other}`, expected default, linear, dynamic, yarn, llama3, longrope or su"
+                    "is `{other}`, expected default, linear, dynamic, yarn, llama3, longrope, su or proportional"
                 ),
                 ))
             }
@@ -280,6 +294,10 @@ impl RopeConfig {
                     params.name("attention_factor")
                 }
                 "rope inverse frequency" | "rope attention factor" => type_key.clone(),
+                "partial_rotary_factor" if params.get("partial_rotary_factor").is_some() => {
+                    params.name("partial_rotary_factor")
+                }
+                "partial_rotary_factor" => "partial_rotary_factor".to_string(),
                 f if f.ends_with(" factor") => params.name("factor"),
                 f => params.name(f),
             }

@@ -14,11 +14,14 @@
 //! Llama3       low frequencies ÷ factor, high kept, a smooth ramp between    (Meta, Llama 3.1)
 //! LongRope     inv_freq[i] = 1 / (ext[i] · base^(2i/d)), ext = long_factor past L,
 //!              short_factor otherwise; attention factor √(1 + ln(factor)/ln(L))  (Ding et al. 2024)
+//! Proportional inv_freq[i] = base^(-2i/d) / factor for i < ⌊p·d⌋/2, else 0: only the
+//!              highest-frequency fraction p rotates, the exponent still runs over all of d
+//!              (Gemma 4's full-attention layers; unlike partial rotary, d is the whole head)
 //! ```
 //!
 //! Everything is computed in `f64`. One function per variant, as in HF: [`default_inv_freq`],
 //! [`linear_inv_freq`], [`ntk_aware_inv_freq`], [`dynamic_ntk_inv_freq`], [`yarn_inv_freq`],
-//! [`llama3_inv_freq`], [`longrope_inv_freq`].
+//! [`llama3_inv_freq`], [`longrope_inv_freq`], [`proportional_inv_freq`].
 
 use serde::{Deserialize, Serialize};
 
@@ -239,6 +242,15 @@ pub enum RopeScaling {
     /// LongRoPE.
     #[serde(rename = "longrope")]
     LongRope(LongRopeScaling),
+    /// Proportional RoPE (Gemma 4's full-attention layers): the highest-frequency
+    /// `partial_rotary_factor` of the pairs rotate at `base^(-2i/d) / factor` over the whole
+    /// rotary dimension `d`, the other pairs have frequency 0 and pass through unrotated.
+    Proportional {
+        /// Division applied to the rotating frequencies (HF default 1).
+        factor: f64,
+        /// The fraction of the pairs that rotate, in `[0, 1]` (HF default 1: plain RoPE).
+        partial_rotary_factor: f64,
+    },
 }
 
 impl RopeScaling {
@@ -252,6 +264,7 @@ impl RopeScaling {
             RopeScaling::Yarn(_) => "yarn",
             RopeScaling::Llama3 { .. } => "llama3",
             RopeScaling::LongRope(_) => "longrope",
+            RopeScaling::Proportional { .. } => "proportional",
         }
     }
 
@@ -260,7 +273,8 @@ impl RopeScaling {
     /// # Errors
     /// [`Error::InvalidConfig`] for a non-positive or non-finite factor, a zero original length,
     /// `low_freq_factor >= high_freq_factor`, LongRoPE lists whose length is not
-    /// `rotary_dim / 2`, or NTK scaling with `rotary_dim <= 2` (its exponent `d/(d−2)` diverges).
+    /// `rotary_dim / 2`, NTK scaling with `rotary_dim <= 2` (its exponent `d/(d−2)` diverges), or
+    /// a proportional fraction outside `[0, 1]`.
     pub fn validate(&self, rotary_dim: usize) -> Result<()> {
         let positive = |name: &'static str, v: f64| -> Result<()> {
             // Subnormal factors are refused too: their reciprocals overflow.
@@ -373,6 +387,20 @@ impl RopeScaling {
                 }
                 Ok(())
             }
+            RopeScaling::Proportional {
+                factor,
+                partial_rotary_factor,
+            } => {
+                positive("proportional factor", *factor)?;
+                if !(0.0..=1.0).contains(partial_rotary_factor) {
+                    return Err(Error::config(
+                        "partial_rotary_factor",
+                        partial_rotary_factor,
+                        "a fraction of the pairs in [0, 1]",
+                    ));
+                }
+                Ok(())
+            }
         }
     }
 
@@ -421,6 +449,15 @@ impl RopeScaling {
                 *original_max_position_embeddings,
             )),
             RopeScaling::LongRope(l) => longrope_inv_freq(rotary_dim, base, l, seq_len),
+            RopeScaling::Proportional {
+                factor,
+                partial_rotary_factor,
+            } => plain(proportional_inv_freq(
+                rotary_dim,
+                base,
+                *factor,
+                *partial_rotary_factor,
+            )),
         };
         freqs.check_finite(self.name())?;
         Ok(freqs)
@@ -477,6 +514,17 @@ pub fn linear_inv_freq(rotary_dim: usize, base: f64, factor: f64) -> Vec<f64> {
     default_inv_freq(rotary_dim, base)
         .into_iter()
         .map(|w| w / factor)
+        .collect()
+}
+
+/// Proportional RoPE: the first `⌊p·d⌋ / 2` default frequencies divided by `factor`, the rest
+/// 0 (HF computes the count as `int(p · d // 2)`).
+pub fn proportional_inv_freq(rotary_dim: usize, base: f64, factor: f64, p: f64) -> Vec<f64> {
+    let rotating = ((p * rotary_dim as f64) / 2.0).floor() as usize;
+    default_inv_freq(rotary_dim, base)
+        .into_iter()
+        .enumerate()
+        .map(|(i, w)| if i < rotating { w / factor } else { 0.0 })
         .collect()
 }
 
