@@ -781,6 +781,42 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
             "{err}"
         );
     }
+    // Half-precision blocks cap their logits in f32: a cap outside f16's range (131008, found
+    // by the api fuzz target) or below its normal range gives finite output, as in f32.
+    for cap in [131_008.0, 1e-6] {
+        let cfg = base.clone().with_logit_softcap(Some(cap)).with_sinks(true);
+        let x = Tensor::randn(0f32, 1.0, (1, 5, 16), dev)?;
+        let varmap = VarMap::new();
+        MultiHeadAttention::new(
+            &cfg,
+            None,
+            VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
+        )?;
+        for var in varmap.all_vars() {
+            var.set(&Tensor::randn(0f32, 0.3, var.shape(), dev)?)?;
+        }
+        let weights: HashMap<String, Tensor> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+            .collect();
+        let outs = [DType::F32, DType::F16, DType::BF16]
+            .iter()
+            .map(|&dtype| {
+                let vb = VarBuilder::from_tensors(weights.clone(), dtype, dev);
+                let block = MultiHeadAttention::new(&cfg, None, vb.pp("a"))?;
+                let y = block.forward(&x.to_dtype(dtype)?)?.to_dtype(DType::F32)?;
+                anyhow::Ok(y)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for y in &outs[1..] {
+            let finite = y.abs()?.sum_all()?.to_scalar::<f32>()?;
+            assert!(finite.is_finite(), "cap {cap}: non-finite output");
+            assert_close(y, &outs[0], 0.05, &format!("cap {cap}: half vs f32"))?;
+        }
+    }
     let cfg = base
         .with_sliding_window(Some(3))
         .with_logit_softcap(Some(2.0))

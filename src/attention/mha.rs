@@ -79,8 +79,9 @@ impl MultiHeadAttention {
     /// Loads (or creates) the four projections from `vb` and plugs in `encoding`.
     ///
     /// # Errors
-    /// As [`AttentionConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`] for
-    /// checkpoint tensors that are absent or misshapen; [`Error::DType`] for an integer
+    /// As [`AttentionConfig::validate`]; [`Error::InvalidConfig`] for a scale outside f16's
+    /// range with f16 weights; [`Error::MissingTensor`] / [`Error::TensorShape`]
+    /// for checkpoint tensors that are absent or misshapen; [`Error::DType`] for an integer
     /// `VarBuilder`.
     pub fn new(
         config: &AttentionConfig,

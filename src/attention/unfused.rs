@@ -8,7 +8,7 @@
 //! out = dropout(α) v + Σ_j dropout(α)_ij table[c(i, j)]
 //! ```
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 use super::blocks::{Block, LogitTerms};
 use super::fused_softmax;
@@ -41,8 +41,15 @@ pub(crate) fn attend(
         scores
     } else {
         if let Some(c) = rule.softcap {
+            // In f32 at least: a cap outside f16's range (or near bf16's top) would turn finite
+            // logits into NaN in their own dtype.
             let c = f64::from(c);
-            scores = ((scores / c)?.tanh()? * c)?;
+            let dtype = scores.dtype();
+            let wide = match dtype {
+                DType::F16 | DType::BF16 => scores.to_dtype(DType::F32)?,
+                _ => scores,
+            };
+            scores = ((wide / c)?.tanh()? * c)?.to_dtype(dtype)?;
         }
         for term in &terms.dense {
             scores = scores.broadcast_add(term)?;
