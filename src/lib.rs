@@ -25,8 +25,8 @@
 //!
 //! [`hf::HfAttentionConfig`] reads a model's attention layer from its HF `config.json` (per
 //! layer where layers differ) and loads it from safetensors under HF's own names: Llama,
-//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, Phi-3, GPT-NeoX, BLOOM, GPT-2, GPT-J, Falcon
-//! and T5, each checked against HF transformers' own module.
+//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, SmolLM3, Phi-3, GPT-NeoX, BLOOM, GPT-2, GPT-J,
+//! Falcon and T5, each checked against HF transformers' own module.
 //!
 //! The block attends over blocks of queries (each with an exact softmax over the keys it can
 //! see), sized automatically from [`AttentionConfig::logits_budget`] or fixed with

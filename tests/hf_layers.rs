@@ -14,7 +14,7 @@ use candle_posenc::hf::{HfAttentionConfig, HfFamily};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 23] = [
+const FAMILIES: [&str; 25] = [
     "llama",
     "mistral",
     "qwen2",
@@ -38,6 +38,8 @@ const FAMILIES: [&str; 23] = [
     "gemma3.1",
     "gpt_oss.0",
     "gpt_oss.1",
+    "smollm3.0",
+    "smollm3.1",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -227,7 +229,7 @@ fn extras_agree_on_every_path_with_padding_and_blocks(dev: &Device) -> anyhow::R
     Ok(())
 }
 
-/// What each layer of Gemma 2, Gemma 3 and gpt-oss reads as.
+/// What each layer of Gemma 2, Gemma 3, SmolLM3 and gpt-oss reads as.
 fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
     let ckpt = fixtures(dev)?;
     let read = |tag: &str, layer| HfAttentionConfig::from_json_layer(&ckpt.metadata()[tag], layer);
@@ -253,6 +255,17 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
     }
     let norm = r0.attention.qk_norm.expect("Gemma 3 normalises q and k");
     assert!(norm.unit_offset && norm.scope == QkNormScope::PerHead);
+    assert_eq!(read("smollm3.0", 0)?.encoding.kind(), "rotary");
+    assert_eq!(
+        read("smollm3.0", 1)?.encoding,
+        EncodingConfig::None,
+        "a NoPE layer"
+    );
+    let err = HfAttentionConfig::from_json(&ckpt.metadata()["smollm3.0"]).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "no_rope_layers"),
+        "{err}"
+    );
     let oss = read("gpt_oss.0", 1)?.attention;
     assert!(oss.sinks && oss.bias && oss.out_bias && oss.sliding_window.is_none());
     Ok(())

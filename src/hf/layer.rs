@@ -23,8 +23,8 @@ use crate::rotary::RopeConfig;
 #[non_exhaustive]
 pub enum HfFamily {
     /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`,
-    /// `gpt_oss`: `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` for Qwen3,
-    /// Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE.
+    /// `gpt_oss`, `smollm3`: `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` for
+    /// Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none on SmolLM3's NoPE layers).
     Llama,
     /// `phi3`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE (LongRoPE).
     Phi3,
@@ -50,7 +50,7 @@ impl HfFamily {
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
             "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
-            | "olmo2" | "gpt_oss" => HfFamily::Llama,
+            | "olmo2" | "gpt_oss" | "smollm3" => HfFamily::Llama,
             "phi3" => HfFamily::Phi3,
             "gpt_neox" => HfFamily::GptNeoX,
             "bloom" => HfFamily::Bloom,
@@ -162,7 +162,8 @@ impl HfAttentionConfig {
     /// [`Self::from_json`], with the layer's own kind where layers differ — a sliding window on
     /// sliding-attention layers (`layer_types`, or the model's default pattern: Qwen's
     /// `max_window_layers`, Gemma 2 and gpt-oss alternating, Gemma 3 every
-    /// `sliding_window_pattern`-th layer full), and Gemma 3's local RoPE there.
+    /// `sliding_window_pattern`-th layer full), Gemma 3's local RoPE there, and no encoding on
+    /// SmolLM3's NoPE layers (`no_rope_layers`).
     ///
     /// # Errors
     /// As [`Self::from_json`]; [`Error::HfConfig`] naming `layer_types` for a layer past its
@@ -182,7 +183,7 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
                 ),
             )
         })?;
@@ -324,6 +325,7 @@ impl HfAttentionConfig {
                 t5.validate().map_err(|e| blame(e, &keys))?;
                 EncodingConfig::T5(t5)
             }
+            _ if !uses_rope(&top, model_type, layer)? => EncodingConfig::None,
             _ => {
                 let rope = rope_of_layer(text, &top, model_type, kind)?;
                 if rope.head_dim != attention.head_dim {
@@ -489,7 +491,14 @@ enum LayerKind {
 }
 
 /// The models whose layers differ by `layer_types`.
-const LAYERED: [&str; 5] = ["qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss"];
+const LAYERED: [&str; 6] = [
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "smollm3",
+];
 
 /// The window a sliding layer of this model uses, `None` when it has none: `sliding_window`,
 /// with the config class's default when the key is absent, and Qwen's `use_sliding_window`
@@ -505,7 +514,7 @@ fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
         Some(_) => top.usize("sliding_window")?,
     };
     Ok(match model_type {
-        "qwen2" | "qwen3" if top.bool("use_sliding_window")? != Some(true) => None,
+        "qwen2" | "qwen3" | "smollm3" if top.bool("use_sliding_window")? != Some(true) => None,
         "mistral" | "phi3" => window,
         m if LAYERED.contains(&m) => window,
         _ => None,
@@ -542,6 +551,7 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     }
     let sliding = match model_type {
         "qwen2" | "qwen3" => layer >= top.usize("max_window_layers")?.unwrap_or(28),
+        "smollm3" => !uses_rope(top, model_type, layer)?,
         "gemma3_text" => {
             let pattern = top.usize("sliding_window_pattern")?.unwrap_or(6).max(1);
             !(layer + 1).is_multiple_of(pattern)
@@ -555,19 +565,60 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     })
 }
 
+/// Whether layer `layer` rotates its queries and keys: SmolLM3's `no_rope_layers` (1 = RoPE,
+/// 0 = no positional encoding; by default every `no_rope_layer_interval`-th layer, 4, is NoPE).
+fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
+    if model_type != "smollm3" {
+        return Ok(true);
+    }
+    match top.get("no_rope_layers") {
+        Some(list) => {
+            let bad = |p: String| problem("no_rope_layers", p);
+            let list = list
+                .as_array()
+                .ok_or_else(|| bad(format!("is {list}, expected a list of 0 and 1")))?;
+            let entry = list.get(layer).ok_or_else(|| {
+                bad(format!(
+                    "has {} entries, so there is no layer {layer}",
+                    list.len()
+                ))
+            })?;
+            match entry.as_u64() {
+                Some(0) => Ok(false),
+                Some(1) => Ok(true),
+                _ => Err(bad(format!("gives layer {layer} {entry}, expected 0 or 1"))),
+            }
+        }
+        None => {
+            let interval = top.usize("no_rope_layer_interval")?.unwrap_or(4).max(1);
+            Ok(!(layer + 1).is_multiple_of(interval))
+        }
+    }
+}
+
 /// The key that makes layers differ (`layer_types`, or the one their default pattern comes
 /// from), if they do.
 fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
-    if !LAYERED.contains(&model_type) || window_size(top, model_type)?.is_none() {
+    let windows = window_size(top, model_type)?.is_some();
+    if !LAYERED.contains(&model_type) || !(windows || model_type == "smollm3") {
         return Ok(None);
     }
-    let layers = match top.get("layer_types").and_then(Value::as_array) {
-        Some(types) => types.len(),
-        None => first(top, &["num_hidden_layers"]).map_or(1, |(n, _)| n),
+    let listed = |key| top.get(key).and_then(Value::as_array).map_or(0, Vec::len);
+    let layers = listed("layer_types")
+        .max(listed("no_rope_layers"))
+        .max(first(top, &["num_hidden_layers"]).map_or(1, |(n, _)| n));
+    let of = |layer| -> Result<(LayerKind, bool)> {
+        Ok((
+            layer_kind(top, model_type, layer)?,
+            uses_rope(top, model_type, layer)?,
+        ))
     };
-    let first_kind = layer_kind(top, model_type, 0)?;
+    let first_kind = of(0)?;
     for layer in 1..layers.min(1 << 16) {
-        if layer_kind(top, model_type, layer)? != first_kind {
+        if of(layer)? != first_kind {
+            if uses_rope(top, model_type, layer)? != first_kind.1 {
+                return Ok(Some("no_rope_layers"));
+            }
             return Ok(Some(match top.get("layer_types") {
                 Some(_) => "layer_types",
                 None => "num_hidden_layers",
