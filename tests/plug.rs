@@ -251,9 +251,21 @@ enum Misfit {
     TableOfWidth(usize),
     NarrowKeys,
     WideQueries,
+    /// An input hook that answers in another dtype (found by the api fuzz target: f64 into an
+    /// f16 block reached matmul as candle's error), or shape.
+    InputOfDtype(DType),
+    InputLonger,
 }
 
 impl PositionalEncoding for Misfit {
+    fn add_to_input(&self, x: &Tensor, _ctx: &AttentionContext) -> Result<Tensor> {
+        Ok(match self {
+            Misfit::InputOfDtype(dtype) => x.to_dtype(*dtype)?,
+            Misfit::InputLonger => Tensor::cat(&[x, x], 1)?,
+            _ => x.clone(),
+        })
+    }
+
     fn rotate(&self, q: Tensor, k: Tensor, _ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
         Ok(match self {
             Misfit::NarrowKeys => (q, k.narrow(3, 0, HEAD_DIM - 1)?),
@@ -313,6 +325,9 @@ fn misfits_are_typed_errors(dev: &Device) -> anyhow::Result<()> {
         Misfit::TableOfWidth(HEAD_DIM + 1),
         Misfit::NarrowKeys,
         Misfit::WideQueries,
+        Misfit::InputOfDtype(DType::F64),
+        Misfit::InputOfDtype(DType::F16),
+        Misfit::InputLonger,
     ];
     for misfit in misfits {
         let what = format!("{misfit:?}");

@@ -184,7 +184,7 @@ impl MultiHeadAttention {
             .with_train(options.train)
             .with_sinks(cfg.sinks);
         let x = match enc {
-            Some(e) => e.add_to_input(x, &ctx)?,
+            Some(e) => self.check_input_hook(e.add_to_input(x, &ctx)?, x)?,
             None => x.clone(),
         };
         // Gradients are kept whenever anything upstream tracks them (the input, the weights, an
@@ -325,6 +325,27 @@ impl MultiHeadAttention {
             split(&self.k_proj, cfg.num_kv_heads, Some(true))?,
             split(&self.v_proj, cfg.num_kv_heads, None)?,
         ))
+    }
+
+    /// Checks what the input hook returned: the shape, dtype and device of the input it was
+    /// given.
+    fn check_input_hook(&self, y: Tensor, x: &Tensor) -> Result<Tensor> {
+        let what = "input with positions added";
+        if y.dims() != x.dims() {
+            return Err(Error::shape(
+                what,
+                format!("{:?}, the input given to the input hook", x.dims()),
+                y.shape(),
+            ));
+        }
+        if y.dtype() != x.dtype() || !y.device().same_device(x.device()) {
+            return Err(Error::DType {
+                what,
+                expected: "the dtype and device of the input given to the input hook",
+                got: y.dtype(),
+            });
+        }
+        Ok(y)
     }
 
     /// Checks what the rotation hook returned: the shapes, dtype and device it was given.
