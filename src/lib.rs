@@ -110,8 +110,8 @@ pub use relative::shaw::{ShawConfig, ShawRelativePosition};
 pub use relative::t5::{T5Config, T5RelativeBias};
 pub use relative::{BucketedRelativeBias, RelativeBucketing};
 pub use rotary::{
-    LongRopeScaling, QkLayout, RopeConfig, RopeFrequencies, RopeKernel, RopeLayout, RopeScaling,
-    RotaryEmbedding, YarnScaling,
+    LongRopeScaling, MropeSection, MropeSegment, QkLayout, RopeConfig, RopeFrequencies, RopeKernel,
+    RopeLayout, RopeScaling, RotaryEmbedding, YarnScaling,
 };
 
 /// The README's Rust snippets, run as doctests so the quickstart cannot rot.

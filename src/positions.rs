@@ -6,7 +6,8 @@
 //!   common case, and the one a KV cache needs: after `n` cached tokens the next chunk starts at
 //!   `n`.
 //! - [`Positions::Ids`]: explicit per-token positions of shape `(B, T)` (or `(1, T)`, shared by
-//!   the batch), for packed sequences or left padding.
+//!   the batch), for packed sequences or left padding; or three axes per token (temporal,
+//!   height, width: [`PositionIds::multimodal`]) for multimodal RoPE.
 //!
 //! # Shapes
 //! - position ids: `(B, T)` or `(1, T)`, any integer dtype (`u8`, `u32`, `i64`); stored as `u32`.
@@ -27,6 +28,8 @@ pub const MAX_POSITION: usize = u32::MAX as usize;
 pub struct PositionIds {
     ids: Tensor,
     end: usize,
+    /// `(3, B, T)` u32: temporal, height and width positions (multimodal RoPE).
+    axes: Option<Tensor>,
 }
 
 impl PositionIds {
@@ -55,6 +58,7 @@ impl PositionIds {
             return Ok(Self {
                 ids: ids.to_dtype(DType::U32)?,
                 end: 0,
+                axes: None,
             });
         }
         // One host read per construction, never per forward pass.
@@ -74,6 +78,59 @@ impl PositionIds {
         Ok(Self {
             ids: ids.to_dtype(DType::U32)?,
             end: max as usize + 1,
+            axes: None,
+        })
+    }
+
+    /// Validates multimodal positions `axes` of shape `(3, B, T)` (temporal, height, width, as
+    /// Qwen2-VL's `get_rope_index` gives them, or [`crate::rotary::mrope::mrope_positions`]).
+    ///
+    /// Multimodal RoPE rotates each frequency band by its own axis. Everything else reads the
+    /// temporal axis as the token's position, and [`Self::end`] is one past the largest position
+    /// on any axis, where the text after them continues (as HF's position delta says).
+    ///
+    /// # Errors
+    /// [`Error::Rank`] / [`Error::Shape`] unless `axes` is `(3, B, T)`; as [`Self::new`] for
+    /// the dtype and the values.
+    pub fn multimodal(axes: &Tensor) -> Result<Self> {
+        if axes.rank() != 3 {
+            return Err(Error::Rank {
+                what: "multimodal position ids",
+                expected: 3,
+                got: axes.rank(),
+                shape: axes.dims().to_vec(),
+            });
+        }
+        if axes.dims()[0] != 3 {
+            return Err(Error::shape(
+                "multimodal position ids",
+                "(3, B, T): temporal, height and width positions",
+                axes.shape(),
+            ));
+        }
+        let (_, b, t) = axes.dims3()?;
+        // The checks of `new`, on all three axes at once.
+        let all = Self::new(&axes.reshape((3 * b, t))?)?;
+        let axes = all.ids.reshape((3, b, t))?;
+        Ok(Self {
+            ids: axes.get(0)?,
+            end: all.end,
+            axes: Some(axes),
+        })
+    }
+
+    /// The multimodal axes `(3, B, T)` u32, when built by [`Self::multimodal`].
+    pub fn axes(&self) -> Option<&Tensor> {
+        self.axes.as_ref()
+    }
+
+    /// Axis `axis` (0 temporal, 1 height, 2 width) as plain ids, with the end of all three.
+    pub(crate) fn axis(&self, axis: usize) -> Option<PositionIds> {
+        let ids = self.axes.as_ref()?.get(axis).ok()?;
+        Some(PositionIds {
+            ids,
+            end: self.end,
+            axes: None,
         })
     }
 
@@ -94,7 +151,11 @@ impl PositionIds {
         let flat: Vec<u32> = rows.iter().flatten().copied().collect();
         let end = flat.iter().max().map_or(0, |&m| m as usize + 1);
         let ids = Tensor::from_vec(flat, (rows.len(), len), device)?;
-        Ok(Self { ids, end })
+        Ok(Self {
+            ids,
+            end,
+            axes: None,
+        })
     }
 
     /// The ids, `(B, T)` `u32`.
@@ -122,14 +183,31 @@ impl PositionIds {
         self.len() == 0
     }
 
-    /// Concatenates along the sequence, broadcasting a batch of 1 to the other's batch.
+    /// Concatenates along the sequence, broadcasting a batch of 1 to the other's batch. When
+    /// either side has multimodal axes, the other's ids become three equal axes (text tokens).
     fn concat(&self, other: &PositionIds) -> Result<PositionIds> {
         let batch = self.batch().max(other.batch());
         let a = broadcast_batch(&self.ids, batch)?;
         let b = broadcast_batch(&other.ids, batch)?;
+        let axes = match (&self.axes, &other.axes) {
+            (None, None) => None,
+            _ => {
+                let three = |p: &PositionIds, ids: &Tensor| -> Result<Tensor> {
+                    Ok(match &p.axes {
+                        Some(axes) => {
+                            let (_, _, t) = axes.dims3()?;
+                            axes.broadcast_as((3, batch, t))?.contiguous()?
+                        }
+                        None => ids.unsqueeze(0)?.repeat((3, 1, 1))?,
+                    })
+                };
+                Some(Tensor::cat(&[&three(self, &a)?, &three(other, &b)?], 2)?)
+            }
+        };
         Ok(PositionIds {
             ids: Tensor::cat(&[&a, &b], 1)?,
             end: self.end.max(other.end),
+            axes,
         })
     }
 }
@@ -292,6 +370,11 @@ impl Positions {
             Positions::Ids(ids) => Positions::Ids(PositionIds {
                 ids: ids.ids.narrow(1, start, len)?,
                 end: ids.end,
+                axes: ids
+                    .axes
+                    .as_ref()
+                    .map(|a| a.narrow(2, start, len))
+                    .transpose()?,
             }),
         })
     }
@@ -307,11 +390,18 @@ impl Positions {
             Positions::Offset(s) => Positions::Offset(*s),
             Positions::Ids(ids) => {
                 let kept = ids.ids.narrow(1, 0, len)?;
-                let end = match kept.elem_count() {
+                let axes = ids.axes.as_ref().map(|a| a.narrow(2, 0, len)).transpose()?;
+                // The end is over every axis that positions the tokens.
+                let all = axes.as_ref().unwrap_or(&kept);
+                let end = match all.elem_count() {
                     0 => 0,
-                    _ => kept.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize + 1,
+                    _ => all.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize + 1,
                 };
-                Positions::Ids(PositionIds { ids: kept, end })
+                Positions::Ids(PositionIds {
+                    ids: kept,
+                    end,
+                    axes,
+                })
             }
         })
     }
@@ -366,6 +456,7 @@ impl Positions {
                 Positions::Offset(s) => Ok(PositionIds {
                     ids: p.to_ids(l, device)?,
                     end: s + l,
+                    axes: None,
                 }),
             }
         };

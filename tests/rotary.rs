@@ -1150,7 +1150,122 @@ fn proportional_matches_hf(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Multimodal RoPE: positions as transformers' Qwen2-VL `get_rope_index` builds them (text, an
+/// image, a video), and q, k rotated as Qwen2-VL (contiguous bands) and Qwen3-VL (interleaved)
+/// rotate them, read from their config.json (f32, 1e-5). In the block, decoding continues at
+/// the position HF's delta gives, and text-only axes rotate as plain RoPE.
+fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::positions::PositionIds;
+    use candle_posenc::rotary::mrope::{mrope_positions, MropeSegment};
+    let path = format!(
+        "{}/tests/fixtures/rotary_mrope.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let file = candle_posenc::Checkpoint::load(path, dev)?;
+    let fx = file.tensors();
+    let grid = |t, h, w| MropeSegment::Grid {
+        t,
+        h,
+        w,
+        time_interval: 1.0,
+    };
+    let (axes, delta) = mrope_positions(&[
+        MropeSegment::Text(3),
+        grid(1, 2, 3),
+        MropeSegment::Text(2),
+        grid(2, 2, 2),
+        MropeSegment::Text(3),
+    ])?;
+    let hf = get(fx, "positions");
+    let t = hf.dim(2)?;
+    let ours = Tensor::from_vec(axes, (3, 1, t), dev)?;
+    assert_eq!(
+        ours.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?,
+        hf.flatten_all()?.to_vec1::<i64>()?
+    );
+    assert_eq!(delta, get(fx, "delta").flatten_all()?.to_vec1::<i64>()?[0]);
+    let positions = Positions::Ids(PositionIds::multimodal(&ours)?);
+    for name in ["qwen2_vl", "qwen3_vl"] {
+        let cfg = RopeConfig::from_hf_json(&file.metadata()[name])?;
+        let m = cfg.mrope.expect("mrope_section read");
+        assert_eq!(m.interleaved, name == "qwen3_vl");
+        for kernel in KERNELS {
+            let rope = RotaryEmbedding::new(&cfg.clone().with_kernel(kernel), dev)?;
+            let (q, k) = (get(fx, &format!("{name}.q")), get(fx, &format!("{name}.k")));
+            let (qr, kr) =
+                rope.rotate_queries_keys(q, k, &positions, &positions, QkLayout::Bhtd)?;
+            assert_close(&qr, get(fx, &format!("{name}.q_rot")), 1e-5, name)?;
+            assert_close(&kr, get(fx, &format!("{name}.k_rot")), 1e-5, name)?;
+            // The in-place path agrees.
+            let (qo, _) = rope.rotate_queries_keys_owned(
+                q.copy()?,
+                k.copy()?,
+                &positions,
+                &positions,
+                QkLayout::Bhtd,
+            )?;
+            assert_close(&qo, &qr, 1e-6, &format!("{name} in place"))?;
+        }
+        // Without the bands, the image and video tokens rotate by their temporal axis only.
+        let plain = RotaryEmbedding::new(&cfg.clone().with_mrope(None), dev)?;
+        let q = get(fx, &format!("{name}.q"));
+        let off = plain.rotate_queries(q, &positions, QkLayout::Bhtd)?;
+        assert!(common::max_abs_diff(&off, get(fx, &format!("{name}.q_rot")))? > 1e-2);
+    }
+    // Text only: three equal axes are plain RoPE.
+    let cfg = RopeConfig::from_hf_json(&file.metadata()["qwen3_vl"])?;
+    let rope = RotaryEmbedding::new(&cfg, dev)?;
+    let text = Tensor::arange(4u32, 12, dev)?.reshape((1, 8))?;
+    let equal = Positions::Ids(PositionIds::multimodal(
+        &text.unsqueeze(0)?.repeat((3, 1, 1))?,
+    )?);
+    let q = Tensor::randn(0f32, 1.0, (1, 2, 8, 32), dev)?;
+    let a = rope.rotate_queries(&q, &equal, QkLayout::Bhtd)?;
+    let b = rope.rotate_queries(&q, &Positions::offset(4), QkLayout::Bhtd)?;
+    assert_close(&a, &b, 1e-6, "text axes")?;
+
+    // In the block: a prompt at multimodal positions, then decoding continues at max + 1.
+    let cfg = cfg.with_kernel(RopeKernel::Fused);
+    let attn = AttentionConfig::new(128, 4).with_causal(true);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let block =
+        MultiHeadAttention::new(&attn, Some(Arc::new(RotaryEmbedding::new(&cfg, dev)?)), vb)?;
+    let x = Tensor::randn(0f32, 1.0, (1, t + 1, 128), dev)?;
+    let mut cache = KvCache::new();
+    let opts = AttentionOptions {
+        positions: Some(&positions),
+        ..Default::default()
+    };
+    block.forward_with(&x.narrow(1, 0, t)?, &opts, Some(&mut cache))?;
+    assert_eq!(
+        cache.next_position() as i64,
+        t as i64 + delta,
+        "HF's position delta"
+    );
+    let step = block.forward_with(
+        &x.narrow(1, t, 1)?,
+        &AttentionOptions::default(),
+        Some(&mut cache),
+    )?;
+    // The same token with its position given explicitly.
+    let mut again = KvCache::new();
+    block.forward_with(&x.narrow(1, 0, t)?, &opts, Some(&mut again))?;
+    let at = Positions::offset((t as i64 + delta) as usize);
+    let explicit = block.forward_with(
+        &x.narrow(1, t, 1)?,
+        &AttentionOptions {
+            positions: Some(&at),
+            ..Default::default()
+        },
+        Some(&mut again),
+    )?;
+    assert_close(&step.output, &explicit.output, 1e-6, "decode position")?;
+    Ok(())
+}
+
 device_tests!(
+    mrope_matches_hf,
     proportional_matches_hf,
     owned_rotation_matches,
     hf_config_json,

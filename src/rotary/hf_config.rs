@@ -10,6 +10,8 @@
 //!   (GPT-J, CodeGen); GPT-NeoX without `rotary_pct` rotates 25% as its config class does;
 //!   with `rope_type: "proportional"` the factor is instead the fraction of frequencies that
 //!   rotate over the whole head;
+//! - multimodal RoPE's `mrope_section` and `mrope_interleaved` in the parameters (Qwen2-VL,
+//!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies);
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5 rotate
 //!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is refused;
 //! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
@@ -21,6 +23,7 @@
 
 use serde_json::Map;
 
+use super::mrope::MropeSection;
 use super::rope::{RopeConfig, RopeLayout};
 use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
@@ -182,6 +185,12 @@ impl RopeConfig {
             Some(t) => t,
             None => params.str("type")?.unwrap_or("default"),
         };
+        // Qwen2-VL's older files name multimodal RoPE as a type; its frequencies are plain.
+        let rope_type = if rope_type == "mrope" {
+            "default"
+        } else {
+            rope_type
+        };
         let is_phi3 = matches!(model_type, Some("phi3" | "phi4_multimodal"));
         // Phi-3's config maps `yarn` to LongRoPE.
         let rope_type = if is_phi3 && rope_type == "yarn" {
@@ -282,7 +291,28 @@ impl RopeConfig {
                 ))
             }
         };
-        let config = config.with_scaling(scaling);
+        let mut config = config.with_scaling(scaling);
+        if let Some(list) = params.list("mrope_section")? {
+            let bad = || {
+                problem(
+                    params.name("mrope_section"),
+                    format!("is {list:?}, expected three non-negative integers"),
+                )
+            };
+            let ints: Vec<usize> = list
+                .iter()
+                .map(|&x| {
+                    (x.fract() == 0.0 && (0.0..=u32::MAX as f64).contains(&x))
+                        .then_some(x as usize)
+                        .ok_or_else(bad)
+                })
+                .collect::<Result<_>>()?;
+            let sections: [usize; 3] = ints.try_into().map_err(|_| bad())?;
+            let interleaved = params.bool("mrope_interleaved")?.unwrap_or(false);
+            config = config.with_mrope(Some(
+                MropeSection::new(sections).with_interleaved(interleaved),
+            ));
+        }
         // A value the checks refuse is reported under the key of the file it came from.
         let blame = |field: &str| -> String {
             match field {
@@ -298,6 +328,7 @@ impl RopeConfig {
                     params.name("partial_rotary_factor")
                 }
                 "partial_rotary_factor" => "partial_rotary_factor".to_string(),
+                "mrope_section" => params.name("mrope_section"),
                 f if f.ends_with(" factor") => params.name("factor"),
                 f => params.name(f),
             }

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::inplace::RotateInPlace;
 use super::kernels::{rotate_fused, rotate_ops};
+use super::mrope::MropeSection;
 use super::scaling::{Regime, RopeFrequencies, RopeScaling};
 use crate::absolute::gather_rows;
 use crate::error::{Error, Result};
@@ -83,6 +84,11 @@ pub struct RopeConfig {
     pub xpos_scale_base: Option<f64>,
     /// Fused kernels or tensor ops (default fused).
     pub kernel: RopeKernel,
+    /// Multimodal RoPE: which frequency bands rotate by the temporal, height and width
+    /// positions of [`PositionIds::multimodal`](crate::positions::PositionIds::multimodal)
+    /// (Qwen2-VL, Qwen3-VL; default none). Positions without axes rotate as plain RoPE (text).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mrope: Option<MropeSection>,
 }
 
 /// The serialised form of [`RopeConfig`]: a field left out keeps its value from
@@ -105,6 +111,8 @@ struct RopeConfigFields {
     xpos_scale_base: Option<f64>,
     #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     kernel: Option<RopeKernel>,
+    #[serde(default)]
+    mrope: Option<MropeSection>,
 }
 
 impl From<RopeConfigFields> for RopeConfig {
@@ -117,6 +125,7 @@ impl From<RopeConfigFields> for RopeConfig {
         c.max_position = f.max_position.unwrap_or(c.max_position);
         c.xpos_scale_base = f.xpos_scale_base.or(c.xpos_scale_base);
         c.kernel = f.kernel.unwrap_or(c.kernel);
+        c.mrope = f.mrope;
         c
     }
 }
@@ -133,7 +142,14 @@ impl RopeConfig {
             max_position: 2048,
             xpos_scale_base: None,
             kernel: RopeKernel::Fused,
+            mrope: None,
         }
+    }
+
+    /// Sets multimodal RoPE's frequency bands (`None`: plain RoPE).
+    pub fn with_mrope(mut self, mrope: Option<MropeSection>) -> Self {
+        self.mrope = mrope;
+        self
     }
 
     /// Rotates only the first `rotary_dim` features of each head.
@@ -221,6 +237,16 @@ impl RopeConfig {
         if let Some(g) = self.xpos_scale_base {
             if !(g.is_finite() && g > 0.0) {
                 return Err(Error::config("xpos_scale_base", g, "a finite number > 0"));
+            }
+        }
+        if let Some(m) = &self.mrope {
+            m.validate(self.rotary_dim / 2)?;
+            if self.xpos_scale_base.is_some() {
+                return Err(Error::config(
+                    "mrope",
+                    format!("{:?}", m.sections),
+                    "None with xPos (its scale follows one position per token)",
+                ));
             }
         }
         // The cos and sin tables built at construction (and the frequencies behind them).
@@ -358,8 +384,8 @@ impl RotaryEmbedding {
         let end = positions.end(len);
         let tables = self.tables_for(self.config.scaling.regime(end), end)?;
         Ok((
-            rows(&tables.q.0, positions, len)?,
-            rows(&tables.q.1, positions, len)?,
+            self.rows(&tables.q.0, positions, len)?,
+            self.rows(&tables.q.1, positions, len)?,
         ))
     }
 
@@ -472,8 +498,8 @@ impl RotaryEmbedding {
         if !in_place {
             return self.apply(&x, table, positions, len, layout);
         }
-        let cos = rows(&table.0, positions, len)?;
-        let sin = rows(&table.1, positions, len)?;
+        let cos = self.rows(&table.0, positions, len)?;
+        let sin = self.rows(&table.1, positions, len)?;
         let op = RotateInPlace {
             pairs: self.config.layout,
             axes: layout,
@@ -583,8 +609,8 @@ impl RotaryEmbedding {
             }
         };
         let table_dtype = work.dtype();
-        let cos = rows(&table.0, positions, len)?.to_dtype(table_dtype)?;
-        let sin = rows(&table.1, positions, len)?.to_dtype(table_dtype)?;
+        let cos = self.rows(&table.0, positions, len)?.to_dtype(table_dtype)?;
+        let sin = self.rows(&table.1, positions, len)?.to_dtype(table_dtype)?;
         let (rot, pass) = if c.rotary_dim < c.head_dim {
             (
                 work.narrow(3, 0, c.rotary_dim)?,
@@ -605,6 +631,22 @@ impl RotaryEmbedding {
     }
 
     /// Tables for `regime` covering positions `0..end`, built or grown if needed.
+    /// The table rows of `len` tokens at `positions`; for multimodal positions with
+    /// [`RopeConfig::mrope`], each frequency from its own axis.
+    fn rows(&self, table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
+        if let (Some(m), Positions::Ids(ids)) = (&self.config.mrope, positions) {
+            if ids.axes().is_some() {
+                let picked = m.rows(table, ids, len)?;
+                return Ok(if picked.dim(0)? == 1 {
+                    picked.squeeze(0)?
+                } else {
+                    picked
+                });
+            }
+        }
+        rows(table, positions, len)
+    }
+
     fn tables_for(&self, regime: Regime, end: usize) -> Result<Tables> {
         {
             let t = self.tables.read().map_err(|_| poisoned())?;

@@ -1,0 +1,246 @@
+//! Multimodal RoPE (M-RoPE, Qwen2-VL; the interleaved layout of Qwen3-VL): each token has three
+//! positions — temporal, height, width — and each frequency band of the head rotates by one of
+//! them.
+//!
+//! ```text
+//! positions p[a, b, t],  a ∈ {temporal, height, width}
+//! angle[b, t, i] = p[axis(i), b, t] · inv_freq[i],   i < rotary_dim / 2
+//! contiguous (Qwen2-VL, sections s = [s_t, s_h, s_w], Σ s = rotary_dim / 2):
+//!     axis(i) = temporal for i < s_t, height for i < s_t + s_h, width after
+//! interleaved (Qwen3-VL):
+//!     axis(i) = height if i mod 3 = 1 and i < 3·s_h; width if i mod 3 = 2 and i < 3·s_w;
+//!               temporal otherwise
+//! ```
+//!
+//! Text tokens have three equal positions, where M-RoPE is plain RoPE; image and video patches
+//! take their grid coordinates ([`mrope_positions`], as HF's `get_rope_index` builds them).
+//!
+//! # Shapes
+//! - positions: `(3, B, T)` ([`PositionIds::multimodal`]); per-axis tables are gathered as
+//!   `(B, T, rotary_dim / 2)` and combined by the band masks.
+//!
+//! Reference: Wang et al. 2024, "Qwen2-VL: Enhancing Vision-Language Model's Perception of the
+//! World at Any Resolution"; Qwen3-VL's interleaved layout from HF transformers'
+//! `apply_interleaved_mrope`.
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use crate::absolute::gather_rows;
+use crate::error::{Error, Result};
+use crate::positions::{PositionIds, Positions};
+
+/// Which frequency bands rotate by which of the three axes.
+///
+/// Serialised (serde) as `{"sections": [16, 24, 24], "interleaved": false}` (`interleaved`
+/// defaults to false).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MropeSection {
+    /// Frequencies per axis: temporal, height, width (HF's `mrope_section`); they sum to
+    /// `rotary_dim / 2`.
+    pub sections: [usize; 3],
+    /// Qwen3-VL's interleaved layout (HF's `mrope_interleaved`) instead of contiguous bands.
+    #[serde(default)]
+    pub interleaved: bool,
+}
+
+impl MropeSection {
+    /// Contiguous bands of `sections` frequencies (Qwen2-VL, Qwen2.5-VL).
+    pub fn new(sections: [usize; 3]) -> Self {
+        Self {
+            sections,
+            interleaved: false,
+        }
+    }
+
+    /// Sets the interleaved layout (Qwen3-VL).
+    pub fn with_interleaved(mut self, interleaved: bool) -> Self {
+        self.interleaved = interleaved;
+        self
+    }
+
+    /// The axis (0 temporal, 1 height, 2 width) frequency `i` rotates by.
+    pub fn axis_of(&self, i: usize) -> usize {
+        let [t, h, w] = self.sections;
+        if self.interleaved {
+            match i % 3 {
+                1 if i < 3 * h => 1,
+                2 if i < 3 * w => 2,
+                _ => 0,
+            }
+        } else if i < t {
+            0
+        } else if i < t + h {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Checks the sections against `half = rotary_dim / 2` frequencies.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] unless the sections sum to `half`.
+    pub fn validate(&self, half: usize) -> Result<()> {
+        let sum = self
+            .sections
+            .iter()
+            .try_fold(0usize, |acc, &s| acc.checked_add(s));
+        if sum != Some(half) {
+            return Err(Error::config(
+                "mrope_section",
+                format!("{:?}", self.sections),
+                format!("three sections summing to rotary_dim / 2 = {half}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The table rows of `len` tokens at multimodal `axes` (`(3, B, T)`), each frequency taken
+    /// from its axis's row: `(B, len, half)`.
+    pub(crate) fn rows(&self, table: &Tensor, ids: &PositionIds, len: usize) -> Result<Tensor> {
+        let half = table.dim(1)?;
+        let mut out: Option<Tensor> = None;
+        for axis in 0..3 {
+            let mask: Vec<f32> = (0..half)
+                .map(|i| f32::from(u8::from(self.axis_of(i) == axis)))
+                .collect();
+            let mask = Tensor::from_vec(mask, half, table.device())?.to_dtype(table.dtype())?;
+            let axis_ids = ids.axis(axis).ok_or_else(|| {
+                Error::shape(
+                    "multimodal position ids",
+                    "(3, B, T) axes",
+                    ids.ids().shape(),
+                )
+            })?;
+            let picked =
+                gather_rows(table, &Positions::Ids(axis_ids), len)?.broadcast_mul(&mask)?;
+            out = Some(match out {
+                None => picked,
+                Some(acc) => (acc + picked)?,
+            });
+        }
+        out.ok_or_else(|| unreachable_axes(table))
+    }
+}
+
+fn unreachable_axes(table: &Tensor) -> Error {
+    Error::shape("multimodal rotary table", "three axes", table.shape())
+}
+
+/// One stretch of a multimodal sequence, for [`mrope_positions`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MropeSegment {
+    /// `n` text tokens: three equal positions each, continuing one by one.
+    Text(usize),
+    /// An image or video as the language model sees it: a grid of `t × h × w` tokens (after the
+    /// vision encoder's spatial merge), in temporal, then row, then column order. The temporal
+    /// position of frame `k` is `⌊k · time_interval⌋` (1 for Qwen2-VL; Qwen2.5-VL's videos use
+    /// tokens per second × seconds per grid).
+    Grid {
+        /// Frames (temporal patches).
+        t: usize,
+        /// Rows.
+        h: usize,
+        /// Columns.
+        w: usize,
+        /// Spacing of the frames' temporal positions.
+        time_interval: f64,
+    },
+}
+
+/// The `(3, T)` multimodal positions of a sequence of segments, and the delta HF adds to
+/// text positions after it (`max + 1 − T`), as transformers' Qwen2-VL `get_rope_index` builds
+/// them: text continues one by one on all three axes; a grid starting at `s` puts token
+/// `(k, r, c)` at `(s + ⌊k·time_interval⌋, s + r, s + c)`, and the text after it continues at
+/// `s + max(h, w)`.
+///
+/// Returns the three axes flattened, `3 × T` values (temporal first), for
+/// `Tensor::from_vec(values, (3, 1, T), device)` and [`PositionIds::multimodal`].
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for a `time_interval` that is not finite and ≥ 0, or positions or
+/// a token count past [`crate::limits::max_elements`] or `u32`.
+pub fn mrope_positions(segments: &[MropeSegment]) -> Result<(Vec<u32>, i64)> {
+    let mut tokens = 0usize;
+    for s in segments {
+        let n = match *s {
+            MropeSegment::Text(n) => n,
+            MropeSegment::Grid {
+                t,
+                h,
+                w,
+                time_interval,
+            } => {
+                if !(time_interval.is_finite() && time_interval >= 0.0) {
+                    return Err(Error::config(
+                        "time_interval",
+                        time_interval,
+                        "a finite number ≥ 0",
+                    ));
+                }
+                t.checked_mul(h)
+                    .and_then(|n| n.checked_mul(w))
+                    .ok_or_else(|| {
+                        Error::config(
+                            "grid",
+                            format!("{t}×{h}×{w}"),
+                            "a grid whose token count fits usize",
+                        )
+                    })?
+            }
+        };
+        tokens = tokens.checked_add(n).ok_or_else(|| {
+            Error::config("segments", "their token counts", "a total that fits usize")
+        })?;
+    }
+    crate::limits::check_elements(
+        "segments",
+        tokens,
+        "3 × tokens of the multimodal positions",
+        &[3, tokens],
+    )?;
+    let mut axes = [
+        Vec::with_capacity(tokens),
+        Vec::with_capacity(tokens),
+        Vec::with_capacity(tokens),
+    ];
+    let too_far = || Error::config("segments", "their positions", "positions within u32");
+    let mut pos: u64 = 0;
+    for s in segments {
+        match *s {
+            MropeSegment::Text(n) => {
+                for k in 0..n as u64 {
+                    let p = u32::try_from(pos + k).map_err(|_| too_far())?;
+                    axes.iter_mut().for_each(|a| a.push(p));
+                }
+                pos += n as u64;
+            }
+            MropeSegment::Grid {
+                t,
+                h,
+                w,
+                time_interval,
+            } => {
+                for k in 0..t {
+                    let temporal = pos as f64 + (k as f64 * time_interval).floor();
+                    if temporal > u32::MAX as f64 {
+                        return Err(too_far());
+                    }
+                    for r in 0..h as u64 {
+                        for c in 0..w as u64 {
+                            axes[0].push(temporal as u32);
+                            axes[1].push(u32::try_from(pos + r).map_err(|_| too_far())?);
+                            axes[2].push(u32::try_from(pos + c).map_err(|_| too_far())?);
+                        }
+                    }
+                }
+                pos += h.max(w) as u64;
+            }
+        }
+    }
+    let max = axes.iter().flatten().copied().max().map_or(-1, i64::from);
+    let delta = max + 1 - tokens as i64;
+    Ok((axes.concat(), delta))
+}
