@@ -9,11 +9,12 @@
 //!
 //! The `(T, T, d)` tensors of the direct formula are never built. The plug's data forms carry
 //! both terms with `r(i, j)` as their column rule (a shift for offsets, a bucket map for ids):
-//! - keys: the rows `q · a^Kᵀ`, a `(Tq, d) × (d, 2k + 1)` product, read at `r(i, j)`;
+//! - keys: the rows `q · a^Kᵀ`, a `(Tq, d) × (d, w)` product, read at `r(i, j)`;
 //! - values: `a^V` itself; the block sums `α` per column (`Σ_{j: r(i,j) = r} α_ij`) and
-//!   multiplies by `a^V`.
+//!   multiplies by `a^V`;
 //!
-//! Both cost `O(Tq·Tk + Tq·(2k + 1)·d)` memory and time per head instead of `O(Tq·Tk·d)`.
+//! where only the `w ≤ min(2k + 1, Tq + Tk − 1)` rows of the tables that the pairs reach are
+//! read. Both cost `O(Tq·Tk + Tq·w·d)` memory and time per head instead of `O(Tq·Tk·d)`.
 //!
 //! # Shapes
 //! - tables `relative_keys.weight`, `relative_values.weight`: `(2k + 1, head_dim)`, shared by
@@ -196,33 +197,59 @@ impl ShawRelativePosition {
         Ok(dims)
     }
 
-    /// `q · a^Kᵀ`: `(B, H, Tq, d) × (d, 2k + 1)` → `(B, H, Tq, 2k + 1)`.
-    fn per_bucket(&self, q: &Tensor) -> Result<Tensor> {
+    /// The rows of the tables the context's pairs can reach: `(lo, width)`, the clamped
+    /// columns `r(i, j)` of every pair lying in `lo..lo + width` (at most `Tq + Tk − 1` of the
+    /// `2k + 1`, so a large `k` costs nothing when queries and keys are few). For offsets the
+    /// span is exact; for explicit ids it is bounded by the ids' ends (ids are ≥ 0).
+    fn span(&self, ctx: &AttentionContext) -> (usize, usize) {
+        let k = self.config.max_distance as i128;
+        let (tq, tk) = (ctx.q_len as i128, ctx.k_len as i128);
+        if tq == 0 || tk == 0 {
+            return (0, 1);
+        }
+        // The smallest and largest key − query distance.
+        let (low, high) = match (ctx.queries, ctx.keys) {
+            (Positions::Offset(qs), Positions::Offset(ks)) => {
+                let shift = *ks as i128 - *qs as i128;
+                (shift - (tq - 1), shift + (tk - 1))
+            }
+            (queries, keys) => (
+                -(queries.end(ctx.q_len) as i128 - 1),
+                keys.end(ctx.k_len) as i128 - 1,
+            ),
+        };
+        let lo = (low.clamp(-k, k) + k) as usize;
+        let hi = (high.clamp(-k, k) + k) as usize;
+        (lo, hi.max(lo) - lo + 1)
+    }
+
+    /// `q · a^K[lo..lo + width]ᵀ`: `(B, H, Tq, d) × (d, width)` → `(B, H, Tq, width)`.
+    fn per_bucket(&self, q: &Tensor, (lo, width): (usize, usize)) -> Result<Tensor> {
         let (b, h, tq, _) = q.dims4()?;
-        let width = 2 * self.config.max_distance + 1;
         check_elements(
             "max_distance",
             self.config.max_distance,
-            format!("batch × heads × queries × (2k + 1) of the products q · a^K ({b} × {h} × {tq} × {width})").as_str(),
+            format!("batch × heads × queries × reachable distances of the products q · a^K ({b} × {h} × {tq} × {width})").as_str(),
             &[b, h, tq, width],
         )?;
-        Ok(q.broadcast_matmul(&self.keys.to_dtype(q.dtype())?.t()?)?)
+        let keys = self.keys.narrow(0, lo, width)?;
+        Ok(q.broadcast_matmul(&keys.to_dtype(q.dtype())?.t()?)?)
     }
 
-    /// The column rule `r(i, j)`: for offsets `clamp(j − i + shift, 0, 2k)` with the shift
-    /// `ks − qs + k`; for explicit ids the bucket of every pair, `(1|B, Tq, Tk)`.
-    fn columns(&self, ctx: &AttentionContext) -> Result<Columns> {
+    /// The column rule `r(i, j) − lo`: for offsets `clamp(j − i + shift, 0, 2k) − lo` with the
+    /// shift `ks − qs + k`; for explicit ids the bucket of every pair, `(1|B, Tq, Tk)`.
+    fn columns(&self, ctx: &AttentionContext, lo: usize) -> Result<Columns> {
         let k = self.config.max_distance as i64;
         Ok(match (ctx.queries, ctx.keys) {
             (Positions::Offset(qs), Positions::Offset(ks)) => {
-                Columns::Shift(*ks as i64 - *qs as i64 + k)
+                Columns::Shift(*ks as i64 - *qs as i64 + k - lo as i64)
             }
             (queries, keys) => {
                 let cfg = &self.config;
                 let device = self.keys.device();
                 let (tq, tk) = (ctx.q_len, ctx.k_len);
                 Columns::Index(relative_buckets(queries, tq, keys, tk, device, &|d| {
-                    cfg.bucket(d)
+                    cfg.bucket(d) - lo as u32
                 })?)
             }
         })
@@ -230,21 +257,25 @@ impl ShawRelativePosition {
 }
 
 impl PositionalEncoding for ShawRelativePosition {
-    /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`: the `2k + 1` products per query
-    /// as rows, read at `r(i, j)`.
+    /// `q_i · a^K[r(i, j)]` with `q` already scaled by `1/√d`: the products per query with the
+    /// rows the pairs reach (at most `min(2k + 1, Tq + Tk − 1)`), read at `r(i, j)`.
     fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         self.check_queries(q)?;
-        let rows = RelativeBias::new(self.per_bucket(q)?, self.columns(ctx)?)?;
+        let span = self.span(ctx);
+        let rows = RelativeBias::new(self.per_bucket(q, span)?, self.columns(ctx, span.0)?)?;
         Ok(Some(LogitsBias::Relative(rows)))
     }
 
-    /// `a^V`, one row per clamped distance, read at `r(i, j)`.
+    /// `a^V`, one row per clamped distance the pairs reach, read at `r(i, j)`.
     fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
         match &self.values {
-            Some(table) => Ok(Some(RelativeValues::new(
-                table.clone(),
-                self.columns(ctx)?,
-            )?)),
+            Some(table) => {
+                let (lo, width) = self.span(ctx);
+                Ok(Some(RelativeValues::new(
+                    table.narrow(0, lo, width)?,
+                    self.columns(ctx, lo)?,
+                )?))
+            }
             None => Ok(None),
         }
     }
