@@ -505,7 +505,10 @@ fn relative_forms_agree(dev: &Device) -> anyhow::Result<()> {
                 let a = dense_of(answer, 5, tk)?;
                 let b = dense_of(enc.logits_bias(&q, &by_ids)?, 5, tk)?;
                 let shape = (2, 4, 5, tk);
-                assert_close(&a.broadcast_as(shape)?, &b.broadcast_as(shape)?, 0.0, &what)?;
+                // Exact, except Shaw's products: offsets read exactly the rows their pairs
+                // reach, ids a bound on them, so the matmul widths (and rounding) differ.
+                let tol = if *name == "shaw" { 1e-6 } else { 0.0 };
+                assert_close(&a.broadcast_as(shape)?, &b.broadcast_as(shape)?, tol, &what)?;
                 if *name == "t5_bidirectional" {
                     let own = t5.bias(&qp, 5, &kp, tk)?;
                     assert_close(
