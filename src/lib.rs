@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | sinusoidal (Vaswani et al. 2017) | [`SinusoidalPositionalEncoding`] | added to the input |
 //! | learned absolute, optional linear interpolation | [`LearnedPositionalEncoding`] | added to the input |
-//! | RoPE (Su et al. 2021): both pair layouts, partial rotary, Linear / NTK / Dynamic / YaRN / Llama 3 / LongRoPE / proportional scaling, xPos | [`RotaryEmbedding`] | rotation of q and k |
+//! | RoPE (Su et al. 2021): both pair layouts, partial rotary, Linear / NTK / Dynamic / YaRN / Llama 3 / LongRoPE / proportional scaling, xPos, multimodal M-RoPE | [`RotaryEmbedding`] | rotation of q and k |
 //! | ALiBi (Press et al. 2022) | [`Alibi`] | bias on the logits |
 //! | T5 bucketed bias (Raffel et al. 2020) | [`T5RelativeBias`] | bias on the logits |
 //! | clipped relative bias | [`ClippedRelativeBias`] | bias on the logits |
@@ -25,8 +25,9 @@
 //!
 //! [`hf::HfAttentionConfig`] reads a model's attention layer from its HF `config.json` (per
 //! layer where layers differ) and loads it from safetensors under HF's own names: Llama,
-//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, SmolLM3, Phi-3, GPT-NeoX, BLOOM, GPT-2, GPT-J,
-//! Falcon and T5, each checked against HF transformers' own module.
+//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, SmolLM3, Qwen2-VL and Qwen3-VL (their language
+//! models, with multimodal RoPE), Phi-3, GPT-NeoX, BLOOM, GPT-2, GPT-J, Falcon and T5, each
+//! checked against HF transformers' own module.
 //!
 //! The block attends over blocks of queries (each with an exact softmax over the keys it can
 //! see), sized automatically from [`AttentionConfig::logits_budget`] or fixed with

@@ -11,10 +11,11 @@ use candle_posenc::attention::{
 use candle_posenc::checkpoint::Checkpoint;
 use candle_posenc::encoding::EncodingConfig;
 use candle_posenc::hf::{HfAttentionConfig, HfFamily};
+use candle_posenc::positions::{PositionIds, Positions};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 25] = [
+const FAMILIES: [&str; 27] = [
     "llama",
     "mistral",
     "qwen2",
@@ -40,6 +41,8 @@ const FAMILIES: [&str; 25] = [
     "gpt_oss.1",
     "smollm3.0",
     "smollm3.1",
+    "qwen2_vl",
+    "qwen3_vl",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -77,33 +80,56 @@ fn every_family_matches_hf(dev: &Device) -> anyhow::Result<()> {
         let (_, block) = layer(&ckpt, tag)?;
         let x = get(ckpt.tensors(), &format!("{tag}.x"));
         let want = get(ckpt.tensors(), &format!("{tag}.out"));
-        let fused = block.forward_with(x, &AttentionOptions::default(), None)?;
-        assert_close(&fused.output, want, 1e-5, &format!("{tag} fused"))?;
-        let rows = block.forward_with(
-            x,
-            &AttentionOptions {
-                return_weights: true,
-                ..Default::default()
-            },
-            None,
+        // Vision-language models' tokens sit at multimodal positions (3, B, T).
+        let axes = ckpt.tensors().get(&format!("{tag}.positions"));
+        let at = |start: usize, len: usize| -> anyhow::Result<Positions> {
+            Ok(match axes {
+                Some(a) => Positions::Ids(PositionIds::multimodal(&a.narrow(2, start, len)?)?),
+                None => Positions::Offset(start),
+            })
+        };
+        let all = at(0, x.dim(1)?)?;
+        let run = |return_weights: bool, train: bool| {
+            block.forward_with(
+                x,
+                &AttentionOptions {
+                    positions: Some(&all),
+                    return_weights,
+                    train,
+                    ..Default::default()
+                },
+                None,
+            )
+        };
+        assert_close(
+            &run(false, false)?.output,
+            want,
+            1e-5,
+            &format!("{tag} fused"),
         )?;
-        assert_close(&rows.output, want, 1e-5, &format!("{tag} row pass"))?;
-        let ops = block.forward_with(
-            x,
-            &AttentionOptions {
-                train: true,
-                ..Default::default()
-            },
-            None,
+        assert_close(
+            &run(true, false)?.output,
+            want,
+            1e-5,
+            &format!("{tag} row pass"),
         )?;
-        assert_close(&ops.output, want, 1e-5, &format!("{tag} plain ops"))?;
+        assert_close(
+            &run(false, true)?.output,
+            want,
+            1e-5,
+            &format!("{tag} plain ops"),
+        )?;
         if block.config().causal {
             let mut cache = KvCache::new();
             let steps = (0..x.dim(1)?)
                 .map(|t| {
+                    let here = at(t, 1)?;
                     let step = block.forward_with(
                         &x.narrow(1, t, 1)?,
-                        &AttentionOptions::default(),
+                        &AttentionOptions {
+                            positions: Some(&here),
+                            ..Default::default()
+                        },
                         Some(&mut cache),
                     )?;
                     Ok(step.output)
@@ -266,6 +292,25 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         matches!(&err, Error::HfConfig { key, .. } if key == "no_rope_layers"),
         "{err}"
     );
+    // Vision-language models: the language model under text_config, with multimodal RoPE.
+    for (tag, interleaved) in [("qwen2_vl", false), ("qwen3_vl", true)] {
+        let vl = read(tag, 0)?;
+        match &vl.encoding {
+            EncodingConfig::Rotary(r) => {
+                assert_eq!(r.mrope.map(|m| m.interleaved), Some(interleaved), "{tag}");
+            }
+            other => panic!("{tag} read as {other:?}"),
+        }
+        assert_eq!(
+            vl.attention.qk_norm.is_some(),
+            interleaved,
+            "{tag}: Qwen3-VL's q/k norms"
+        );
+        assert_eq!(
+            vl.attention.bias, !interleaved,
+            "{tag}: Qwen2-VL's q/k/v biases"
+        );
+    }
     let oss = read("gpt_oss.0", 1)?.attention;
     assert!(oss.sinks && oss.bias && oss.out_bias && oss.sliding_window.is_none());
     Ok(())

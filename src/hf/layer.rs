@@ -67,7 +67,9 @@ impl HfFamily {
 /// weights live, read from the model's `config.json`.
 ///
 /// Keys read (as HF transformers reads them for each `model_type`):
-/// - the family from `model_type` ([`HfFamily::from_model_type`]);
+/// - the family from `model_type` ([`HfFamily::from_model_type`]); for Qwen2-VL, Qwen2.5-VL
+///   and Qwen3-VL the language model under `text_config` (read as Qwen2 and Qwen3, with
+///   multimodal RoPE);
 /// - sizes: `hidden_size` (`n_embd`, `d_model`), `num_attention_heads` (`n_head`,
 ///   `num_heads`), `num_key_value_heads` (Falcon: `multi_query`, `new_decoder_architecture`,
 ///   `num_kv_heads`), `head_dim` (T5: `d_kv`), else `hidden_size / heads`;
@@ -142,12 +144,15 @@ impl HfAttentionConfig {
     /// configuration, reported under the key the value came from); a setting the block does
     /// not support.
     pub fn from_json(text: &str) -> Result<Self> {
+        if let Some(inner) = text_model(text)? {
+            return Self::from_json(&inner);
+        }
         let map = parse_root(text)?;
         let top = Obj {
             map: &map,
             prefix: "",
         };
-        if let Some(model_type) = top.str("model_type")? {
+        if let Some(model_type) = top.str("model_type")?.map(canonical) {
             if let Some(key) = layers_differ(&top, model_type)? {
                 return Err(problem(
                     key,
@@ -173,12 +178,15 @@ impl HfAttentionConfig {
     }
 
     fn read(text: &str, layer: usize) -> Result<Self> {
+        if let Some(inner) = text_model(text)? {
+            return Self::read(&inner, layer);
+        }
         let map = parse_root(text)?;
         let top = Obj {
             map: &map,
             prefix: "",
         };
-        let model_type = top.required("model_type", top.str("model_type")?)?;
+        let model_type = canonical(top.required("model_type", top.str("model_type")?)?);
         let family = HfFamily::from_model_type(model_type).ok_or_else(|| {
             problem(
                 "model_type",
@@ -454,6 +462,40 @@ impl HfAttentionConfig {
                 out_conv1d: false,
             },
         }
+    }
+}
+
+/// The vision-language models whose language model's attention loads: their `config.json`
+/// nests it under `text_config`.
+const VISION_LANGUAGE: [&str; 4] = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"];
+
+/// The `text_config` of a vision-language model's `config.json`, as text, if this is one.
+fn text_model(text: &str) -> Result<Option<String>> {
+    let map = parse_root(text)?;
+    let top = Obj {
+        map: &map,
+        prefix: "",
+    };
+    match top.str("model_type")? {
+        Some(t) if VISION_LANGUAGE.contains(&t) => match top.get("text_config") {
+            Some(Value::Object(inner)) => Ok(Some(Value::Object(inner.clone()).to_string())),
+            _ => Err(problem(
+                "text_config",
+                format!("is missing, expected the language model's configuration of `{t}`"),
+            )),
+        },
+        _ => Ok(None),
+    }
+}
+
+/// Language models of vision-language models read as the text model they are: Qwen2-VL's as
+/// Qwen2 (biases on q, k, v), Qwen3-VL's as Qwen3 (per-head q/k norms); their multimodal RoPE
+/// comes with `rope_parameters`.
+fn canonical(model_type: &str) -> &str {
+    match model_type {
+        "qwen2_vl_text" | "qwen2_5_vl_text" => "qwen2",
+        "qwen3_vl_text" | "qwen3_vl_moe_text" => "qwen3",
+        other => other,
     }
 }
 
