@@ -1780,11 +1780,24 @@ impl Case {
             return;
         };
         let mut caches = vec![KvCache::with_capacity(1 << self.capacity.0)];
+        // Whether a cache may hold non-finite keys or values (0 · NaN is NaN: every later
+        // chunk that attends to them has non-finite output, as documented).
+        let mut tainted = vec![false];
         let mut current = 0;
         for step in self.steps.iter().take(6) {
             match step {
-                Step::Forward(c) => forward(&model, c, Some(&mut caches[current]), flags),
-                Step::Plain(c) => forward(&model, c, None, flags),
+                Step::Forward(c) => {
+                    let mut fl = flags;
+                    if tainted[current] {
+                        fl.immoderate();
+                    }
+                    if !forward(&model, c, Some(&mut caches[current]), fl) {
+                        tainted[current] = true;
+                    }
+                }
+                Step::Plain(c) => {
+                    forward(&model, c, None, flags);
+                }
                 Step::Truncate(n) => {
                     let cache = &mut caches[current];
                     let before = (cache.len(), cache.next_position());
@@ -1800,9 +1813,13 @@ impl Case {
                 Step::Clone => {
                     let c = caches[current].clone();
                     caches.push(c);
+                    tainted.push(tainted[current]);
                 }
                 Step::Switch => current = (current + 1) % caches.len(),
-                Step::Reset => caches[current].reset(),
+                Step::Reset => {
+                    caches[current].reset();
+                    tainted[current] = false;
+                }
                 Step::Direct(d) => direct(&model, d),
             }
         }
@@ -1965,7 +1982,9 @@ fn positions(spec: &PosSpec, b: usize, t: usize, f: &mut Flags, half: bool) -> R
     }
 }
 
-fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Flags) {
+/// One forward; returns whether its values were finite and moderate (otherwise the cache it
+/// appended to may now hold non-finite keys and values, which later chunks attend to).
+fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Flags) -> bool {
     let cfg = model.mha.config().clone();
     let half = model.dtype == DType::F16;
     if !model.custom_moderate {
@@ -2004,14 +2023,14 @@ fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Fla
         f.immoderate();
     }
     let Some(x) = filled(&c.fill, &dims, x_dtype) else {
-        return;
+        return f.moderate;
     };
     let (xb, xt) = match x.dims() {
         [b, t, _] => (*b, *t),
         _ => (b, t),
     };
     let Ok(pos) = positions(&c.positions, xb, xt, &mut f, half) else {
-        return;
+        return f.moderate;
     };
     if let (None, Some(cache)) = (&pos, &cache) {
         // Positions continue the cache.
@@ -2029,7 +2048,7 @@ fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Fla
                 f.malformed();
             }
             let Some(p) = tensor(&m.values(&dims, true), &dims, m.dtype.0) else {
-                return;
+                return f.moderate;
             };
             Some(p)
         }
@@ -2051,7 +2070,7 @@ fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Fla
                 _ => {}
             }
             let Some(mt) = tensor(&m.values(&dims, false), &dims, m.dtype.0) else {
-                return;
+                return f.moderate;
             };
             Some(mt)
         }
@@ -2094,7 +2113,7 @@ fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Fla
                     "{what} failed ({e}) but changed the cache"
                 );
             }
-            return;
+            return f.moderate;
         }
         Ok(out) => {
             trace(|| format!("forward ok {:?} moderate {} compare {compare}", x.dims(), f.moderate));
@@ -2115,7 +2134,7 @@ fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Fla
         assert_eq!(w.dims(), &[xb, cfg.num_heads, xt, tk], "{what}: weights shape");
     }
     if !f.moderate {
-        return;
+        return f.moderate;
     }
     assert!(all_finite(&out.output), "{what}: non-finite output from finite input");
     if let Some(w) = &out.weights {
@@ -2135,7 +2154,7 @@ fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Fla
         }
     }
     if !compare || xb == 0 || xt == 0 {
-        return;
+        return f.moderate;
     }
     // The same chunk on the other paths.
     let mut spare = spare.into_iter();
@@ -2166,6 +2185,7 @@ fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Fla
     if !model.dropout {
         run(&model.mha, false, true, "training (ops)");
     }
+    f.moderate
 }
 
 // ---------------------------------------------------------------------------------------------
