@@ -1783,6 +1783,8 @@ impl Case {
         // Whether a cache may hold non-finite keys or values (0 · NaN is NaN: every later
         // chunk that attends to them has non-finite output, as documented).
         let mut tainted = vec![false];
+        // The batch each cache holds, once it holds anything.
+        let mut batches: Vec<Option<usize>> = vec![None];
         let mut current = 0;
         for step in self.steps.iter().take(6) {
             match step {
@@ -1791,12 +1793,18 @@ impl Case {
                     if tainted[current] {
                         fl.immoderate();
                     }
-                    if !forward(&model, c, Some(&mut caches[current]), fl) {
+                    let before = caches[current].len();
+                    let cached = batches[current].filter(|_| before > 0);
+                    let batch = c.batch.map_or(cached.unwrap_or(2), |b| b.0);
+                    if !forward(&model, c, Some(&mut caches[current]), fl, cached) {
                         tainted[current] = true;
+                    }
+                    if caches[current].len() > before {
+                        batches[current] = Some(batch);
                     }
                 }
                 Step::Plain(c) => {
-                    forward(&model, c, None, flags);
+                    forward(&model, c, None, flags, None);
                 }
                 Step::Truncate(n) => {
                     let cache = &mut caches[current];
@@ -1814,11 +1822,13 @@ impl Case {
                     let c = caches[current].clone();
                     caches.push(c);
                     tainted.push(tainted[current]);
+                    batches.push(batches[current]);
                 }
                 Step::Switch => current = (current + 1) % caches.len(),
                 Step::Reset => {
                     caches[current].reset();
                     tainted[current] = false;
+                    batches[current] = None;
                 }
                 Step::Direct(d) => direct(&model, d),
             }
@@ -1984,16 +1994,23 @@ fn positions(spec: &PosSpec, b: usize, t: usize, f: &mut Flags, half: bool) -> R
 
 /// One forward; returns whether its values were finite and moderate (otherwise the cache it
 /// appended to may now hold non-finite keys and values, which later chunks attend to).
-fn forward(model: &Model, c: &ChunkSpec, cache: Option<&mut KvCache>, mut f: Flags) -> bool {
+fn forward(
+    model: &Model,
+    c: &ChunkSpec,
+    cache: Option<&mut KvCache>,
+    mut f: Flags,
+    cached_batch: Option<usize>,
+) -> bool {
     let cfg = model.mha.config().clone();
     let half = model.dtype == DType::F16;
     if !model.custom_moderate {
         f.immoderate();
     }
     let cached = cache.as_ref().map_or(0, |c| c.len());
-    let b = c.batch.map_or(2, |b| b.0);
+    // No batch given: the cache's (2 for a fresh one).
+    let b = c.batch.map_or(cached_batch.unwrap_or(2), |b| b.0);
     if let Some(cache) = &cache {
-        if !cache.is_empty() && c.batch.is_some_and(|b| b.0 != 2) {
+        if !cache.is_empty() && cached_batch.is_some_and(|cb| cb != b) {
             f.malformed(); // another batch than the cached one
         }
     }
