@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | sinusoidal (Vaswani et al. 2017) | [`SinusoidalPositionalEncoding`] | added to the input |
 //! | learned absolute, optional linear interpolation | [`LearnedPositionalEncoding`] | added to the input |
-//! | RoPE (Su et al. 2021): both pair layouts, partial rotary, Linear / NTK / Dynamic / YaRN / Llama 3 / LongRoPE / proportional scaling, xPos, multimodal M-RoPE | [`RotaryEmbedding`] | rotation of q and k |
+//! | RoPE (Su et al. 2021): both pair layouts, partial rotary, Linear / NTK / Dynamic / YaRN / Llama 3 / LongRoPE / proportional scaling, xPos, multimodal M-RoPE, axial 2-D | [`RotaryEmbedding`] | rotation of q and k |
 //! | ALiBi (Press et al. 2022) | [`Alibi`] | bias on the logits |
 //! | T5 bucketed bias (Raffel et al. 2020) | [`T5RelativeBias`] | bias on the logits |
 //! | clipped relative bias | [`ClippedRelativeBias`] | bias on the logits |
@@ -111,8 +111,8 @@ pub use relative::shaw::{ShawConfig, ShawRelativePosition};
 pub use relative::t5::{T5Config, T5RelativeBias};
 pub use relative::{BucketedRelativeBias, RelativeBucketing};
 pub use rotary::{
-    LongRopeScaling, MropeSection, MropeSegment, QkLayout, RopeConfig, RopeFrequencies, RopeKernel,
-    RopeLayout, RopeScaling, RotaryEmbedding, YarnScaling,
+    AxialRope, LongRopeScaling, MropeSection, MropeSegment, QkLayout, RopeConfig, RopeFrequencies,
+    RopeKernel, RopeLayout, RopeScaling, RotaryEmbedding, YarnScaling,
 };
 
 /// The README's Rust snippets, run as doctests so the quickstart cannot rot.

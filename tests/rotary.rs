@@ -1264,7 +1264,55 @@ fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Axial 2-D RoPE over a 4 × 6 patch grid, read from the vision configs: Pixtral's (even and
+/// odd frequencies on rows and columns) and Qwen2-VL's vision encoder's (a half-width head's
+/// frequencies on both), against HF's rotary embeddings and apply functions (f32, 1e-5).
+fn axial_matches_hf(dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::positions::PositionIds;
+    use candle_posenc::rotary::mrope::{mrope_positions, AxialRope, MropeSegment};
+    let path = format!(
+        "{}/tests/fixtures/rotary_mrope.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let file = candle_posenc::Checkpoint::load(path, dev)?;
+    let fx = file.tensors();
+    let (axes, _) = mrope_positions(&[MropeSegment::Grid {
+        t: 1,
+        h: 4,
+        w: 6,
+        time_interval: 1.0,
+    }])?;
+    let grid = Positions::Ids(PositionIds::multimodal(&Tensor::from_vec(
+        axes,
+        (3, 1, 24),
+        dev,
+    )?)?);
+    let (q, k) = (get(fx, "pixtral.q"), get(fx, "pixtral.k"));
+    for (name, layout) in [
+        ("pixtral", AxialRope::EvenOdd),
+        ("qwen2_vl_vision", AxialRope::Repeated),
+    ] {
+        let cfg = RopeConfig::from_hf_json(&file.metadata()[name])?;
+        assert_eq!(cfg.axial, Some(layout), "{name}");
+        assert_eq!(cfg.head_dim, 32, "{name}");
+        for kernel in KERNELS {
+            let rope = RotaryEmbedding::new(&cfg.clone().with_kernel(kernel), dev)?;
+            let (qr, kr) = rope.rotate_queries_keys(q, k, &grid, &grid, QkLayout::Bhtd)?;
+            assert_close(&qr, get(fx, &format!("{name}.q_rot")), 1e-5, name)?;
+            assert_close(&kr, get(fx, &format!("{name}.k_rot")), 1e-5, name)?;
+        }
+    }
+    // A layout HF does not pin down is refused under its key.
+    let (key, _) = hf_error(
+        r#"{"model_type": "siglip", "hidden_size": 64, "num_attention_heads": 2,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}"#,
+    );
+    assert_eq!(key, "rope_parameters.rope_type");
+    Ok(())
+}
+
 device_tests!(
+    axial_matches_hf,
     mrope_matches_hf,
     proportional_matches_hf,
     owned_rotation_matches,

@@ -11,7 +11,8 @@
 //!   with `rope_type: "proportional"` the factor is instead the fraction of frequencies that
 //!   rotate over the whole head;
 //! - multimodal RoPE's `mrope_section` and `mrope_interleaved` in the parameters (Qwen2-VL,
-//!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies);
+//!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and Pixtral's
+//!   `rope_type: "axial"` (axial 2-D RoPE over the patch grid);
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5 rotate
 //!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is refused;
 //! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
@@ -23,7 +24,7 @@
 
 use serde_json::Map;
 
-use super::mrope::MropeSection;
+use super::mrope::{AxialRope, MropeSection};
 use super::rope::{RopeConfig, RopeLayout};
 use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
@@ -93,7 +94,13 @@ impl RopeConfig {
         let (head_dim, head_key) = match top.usize("head_dim")? {
             Some(d) => (d, "head_dim".to_string()),
             None => {
-                let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model"])?;
+                // Qwen-VL vision encoders keep their width in `embed_dim` (`hidden_size` is
+                // the language model's there).
+                let widths: &[&str] = match top.str("model_type")? {
+                    Some(t) if t.ends_with("_vl_vision") => &["embed_dim"],
+                    _ => &["hidden_size", "n_embd", "d_model"],
+                };
+                let (hidden, hidden_key) = first(&top, widths)?;
                 let (heads, heads_key) =
                     first(&top, &["num_attention_heads", "n_head", "num_heads"])?;
                 if heads == 0 || !hidden.is_multiple_of(heads) {
@@ -186,7 +193,9 @@ impl RopeConfig {
             None => params.str("type")?.unwrap_or("default"),
         };
         // Qwen2-VL's older files name multimodal RoPE as a type; its frequencies are plain.
-        let rope_type = if rope_type == "mrope" {
+        // Pixtral's vision encoder names its axial 2-D RoPE "axial".
+        let axial = rope_type == "axial";
+        let rope_type = if rope_type == "mrope" || axial {
             "default"
         } else {
             rope_type
@@ -292,6 +301,23 @@ impl RopeConfig {
             }
         };
         let mut config = config.with_scaling(scaling);
+        if axial {
+            // Pixtral interleaves the rows' and columns' frequencies; the Qwen-VL and Gemma 4
+            // vision encoders repeat a half-width head's frequencies.
+            let layout = match model_type {
+                Some("pixtral") => AxialRope::EvenOdd,
+                Some(t) if t.ends_with("_vl_vision") || t == "gemma4_vision" => AxialRope::Repeated,
+                other => {
+                    return Err(problem(
+                        type_key,
+                        format!(
+                            "is `axial` for model_type {other:?}, whose frequency layout is not known (pixtral, qwen2_vl_vision, qwen2_5_vl_vision, qwen3_vl_vision, gemma4_vision)"
+                        ),
+                    ))
+                }
+            };
+            config = config.with_axial(Some(layout));
+        }
         if let Some(list) = params.list("mrope_section")? {
             let bad = || {
                 problem(

@@ -25,6 +25,6 @@ pub mod mrope;
 pub mod rope;
 pub mod scaling;
 
-pub use mrope::{MropeSection, MropeSegment};
+pub use mrope::{AxialRope, MropeSection, MropeSegment};
 pub use rope::{QkLayout, RopeConfig, RopeKernel, RopeLayout, RotaryEmbedding};
 pub use scaling::{LongRopeScaling, RopeFrequencies, RopeScaling, YarnScaling};

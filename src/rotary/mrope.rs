@@ -129,6 +129,56 @@ fn unreachable_axes(table: &Tensor) -> Error {
     Error::shape("multimodal rotary table", "three axes", table.shape())
 }
 
+/// Axial 2-D RoPE over a patch grid (vision encoders): the first half of a head's frequencies
+/// rotates by the patch's row, the second by its column, with positions from
+/// [`PositionIds::multimodal`] (the height and width axes; [`mrope_positions`] with one
+/// [`MropeSegment::Grid`] of `t = 1` builds them).
+///
+/// ```text
+/// EvenOdd  (Pixtral):              f_k = base^(-2k/d), k < d/2;  rows take f_0, f_2, f_4, …,
+///                                  columns f_1, f_3, f_5, …
+/// Repeated (Qwen2-VL's vision):    g_k = base^(-4k/d), k < d/4;  rows take g, columns g again
+/// angle[p, i] = row(p) · freq[i]  (i < d/4),   col(p) · freq[i]  (d/4 ≤ i < d/2)
+/// ```
+///
+/// Reference: Heo et al. 2024, "Rotary Position Embedding for Vision Transformer" (axial
+/// RoPE); Pixtral and Qwen2-VL as HF transformers implement them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AxialRope {
+    /// Pixtral: the even-indexed frequencies of the head on rows, the odd ones on columns.
+    EvenOdd,
+    /// Qwen2-VL's vision encoder: the frequencies of a head half as wide, on rows and again on
+    /// columns.
+    Repeated,
+}
+
+impl AxialRope {
+    /// The `d/2` inverse frequencies in the order the bands take them: rows, then columns.
+    pub fn inv_freq(&self, rotary_dim: usize, base: f64) -> Vec<f64> {
+        let d = rotary_dim as f64;
+        let quarter = rotary_dim / 4;
+        match self {
+            AxialRope::EvenOdd => {
+                let f = |k: usize| 1.0 / base.powf((2 * k) as f64 / d);
+                (0..quarter)
+                    .map(|j| f(2 * j))
+                    .chain((0..quarter).map(|j| f(2 * j + 1)))
+                    .collect()
+            }
+            AxialRope::Repeated => {
+                let g = |k: usize| 1.0 / base.powf((4 * k) as f64 / d);
+                (0..quarter).chain(0..quarter).map(g).collect()
+            }
+        }
+    }
+
+    /// The bands: none temporal, a quarter of the head on rows, a quarter on columns.
+    pub(crate) fn bands(rotary_dim: usize) -> MropeSection {
+        MropeSection::new([0, rotary_dim / 4, rotary_dim / 4])
+    }
+}
+
 /// One stretch of a multimodal sequence, for [`mrope_positions`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum MropeSegment {

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::inplace::RotateInPlace;
 use super::kernels::{rotate_fused, rotate_ops};
-use super::mrope::MropeSection;
+use super::mrope::{AxialRope, MropeSection};
 use super::scaling::{Regime, RopeFrequencies, RopeScaling};
 use crate::absolute::gather_rows;
 use crate::error::{Error, Result};
@@ -89,6 +89,10 @@ pub struct RopeConfig {
     /// (Qwen2-VL, Qwen3-VL; default none). Positions without axes rotate as plain RoPE (text).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mrope: Option<MropeSection>,
+    /// Axial 2-D RoPE over a patch grid (Pixtral, Qwen2-VL's vision encoder; default none):
+    /// rows and columns from the height and width axes of multimodal positions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub axial: Option<AxialRope>,
 }
 
 /// The serialised form of [`RopeConfig`]: a field left out keeps its value from
@@ -113,6 +117,8 @@ struct RopeConfigFields {
     kernel: Option<RopeKernel>,
     #[serde(default)]
     mrope: Option<MropeSection>,
+    #[serde(default)]
+    axial: Option<AxialRope>,
 }
 
 impl From<RopeConfigFields> for RopeConfig {
@@ -126,6 +132,7 @@ impl From<RopeConfigFields> for RopeConfig {
         c.xpos_scale_base = f.xpos_scale_base.or(c.xpos_scale_base);
         c.kernel = f.kernel.unwrap_or(c.kernel);
         c.mrope = f.mrope;
+        c.axial = f.axial;
         c
     }
 }
@@ -143,7 +150,14 @@ impl RopeConfig {
             xpos_scale_base: None,
             kernel: RopeKernel::Fused,
             mrope: None,
+            axial: None,
         }
+    }
+
+    /// Sets axial 2-D RoPE over a patch grid (`None`: plain RoPE).
+    pub fn with_axial(mut self, axial: Option<AxialRope>) -> Self {
+        self.axial = axial;
+        self
     }
 
     /// Sets multimodal RoPE's frequency bands (`None`: plain RoPE).
@@ -237,6 +251,25 @@ impl RopeConfig {
         if let Some(g) = self.xpos_scale_base {
             if !(g.is_finite() && g > 0.0) {
                 return Err(Error::config("xpos_scale_base", g, "a finite number > 0"));
+            }
+        }
+        if let Some(a) = &self.axial {
+            if !self.rotary_dim.is_multiple_of(4) || self.mrope.is_some() {
+                return Err(Error::config(
+                    "axial",
+                    format!("{a:?}"),
+                    format!(
+                        "a rotary_dim divisible by 4 (it is {}) and no mrope bands",
+                        self.rotary_dim
+                    ),
+                ));
+            }
+            if self.scaling != RopeScaling::None || self.xpos_scale_base.is_some() {
+                return Err(Error::config(
+                    "axial",
+                    format!("{a:?}"),
+                    "plain frequencies: no scaling and no xPos",
+                ));
             }
         }
         if let Some(m) = &self.mrope {
@@ -370,7 +403,11 @@ impl RotaryEmbedding {
     /// Never for a validated config; kept fallible for symmetry with [`RopeScaling::frequencies`].
     pub fn frequencies(&self, seq_len: usize) -> Result<RopeFrequencies> {
         let c = &self.config;
-        c.scaling.frequencies(c.rotary_dim, c.base, seq_len)
+        let mut freqs = c.scaling.frequencies(c.rotary_dim, c.base, seq_len)?;
+        if let Some(axial) = c.axial {
+            freqs.inv_freq = axial.inv_freq(c.rotary_dim, c.base);
+        }
+        Ok(freqs)
     }
 
     /// The queries' `(cos, sin)` for `len` tokens at `positions`, f32, `(len, rotary_dim / 2)`
@@ -634,7 +671,11 @@ impl RotaryEmbedding {
     /// The table rows of `len` tokens at `positions`; for multimodal positions with
     /// [`RopeConfig::mrope`], each frequency from its own axis.
     fn rows(&self, table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
-        if let (Some(m), Positions::Ids(ids)) = (&self.config.mrope, positions) {
+        let bands = match self.config.axial {
+            Some(_) => Some(AxialRope::bands(self.config.rotary_dim)),
+            None => self.config.mrope,
+        };
+        if let (Some(m), Positions::Ids(ids)) = (&bands, positions) {
             if ids.axes().is_some() {
                 let picked = m.rows(table, ids, len)?;
                 return Ok(if picked.dim(0)? == 1 {
@@ -755,9 +796,12 @@ fn build_tables(
     rows: usize,
     device: &Device,
 ) -> Result<Tables> {
-    let freqs = config
+    let mut freqs = config
         .scaling
         .frequencies(config.rotary_dim, config.base, regime.seq_len())?;
+    if let Some(axial) = config.axial {
+        freqs.inv_freq = axial.inv_freq(config.rotary_dim, config.base);
+    }
     let half = freqs.inv_freq.len();
     check_table_size(rows, config.rotary_dim)?;
     let n = rows * half;
