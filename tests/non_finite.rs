@@ -167,3 +167,56 @@ fn non_finite_values_in_masks_and_encodings_propagate() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A finite mask stays finite when the block casts it to its own dtype: an f64 mask of
+/// `f64::MIN` on an f32 block (found by the api fuzz target: the cast made it −∞, and a row
+/// masked whole became NaN) saturates to the dtype's lowest value, as a mask of `f32::MIN`
+/// would be; NaN and −∞ in a wider mask still pass through.
+#[test]
+fn wide_masks_saturate_when_cast() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let (mha, _) = zoo::attention(
+            &zoo::configs(8, 2, 4)[0],
+            &AttentionConfig::new(8, 2),
+            dtype,
+            &dev,
+        )?;
+        let x = Tensor::randn(0f32, 1.0, (1, 4, 8), &dev)?.to_dtype(dtype)?;
+        let run = |mask: &Tensor| -> anyhow::Result<Tensor> {
+            let o = AttentionOptions {
+                attn_mask: Some(mask),
+                ..Default::default()
+            };
+            Ok(mha.forward_with(&x, &o, None)?.output)
+        };
+        // Row 1 masked whole by a finite f64 value past every dtype's range.
+        let mut m = vec![0f64; 16];
+        m[4..8].iter_mut().for_each(|v| *v = f64::MIN);
+        let wide = run(&Tensor::from_vec(m.clone(), (1, 1, 4, 4), &dev)?)?;
+        assert_eq!(non_finite(&wide)?, 0, "{dtype:?}: finite mask, finite output");
+        let mut own = m.clone();
+        let lowest = match dtype {
+            DType::F16 => -65504.0,
+            DType::BF16 => -3.389_531_389_251_535_5e38,
+            _ => f32::MIN as f64,
+        };
+        own[4..8].iter_mut().for_each(|v| *v = lowest);
+        let own = Tensor::from_vec(own, (1, 1, 4, 4), &dev)?.to_dtype(dtype)?;
+        let same = run(&own)?;
+        let diff = (wide.to_dtype(DType::F32)? - same.to_dtype(DType::F32)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "{dtype:?}: as the dtype's own lowest value");
+        // An f32 mask of f32::MIN, past bf16's and f16's range, too.
+        let narrow: Vec<f32> = m.iter().map(|&v| v.max(f32::MIN as f64) as f32).collect();
+        let narrow = run(&Tensor::from_vec(narrow, (1, 1, 4, 4), &dev)?)?;
+        assert_eq!(non_finite(&narrow)?, 0, "{dtype:?}: an f32 mask of f32::MIN");
+        // NaN still propagates.
+        m[1] = f64::NAN;
+        let nan = run(&Tensor::from_vec(m, (1, 1, 4, 4), &dev)?)?;
+        assert_eq!(non_finite(&nan.i((0, 0))?)?, 8, "{dtype:?}: NaN row");
+    }
+    Ok(())
+}

@@ -17,6 +17,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::fused_attention;
 use super::fused_softmax::RowRule;
+use super::mask::cast_mask;
 use super::unfused;
 use crate::error::{check_float, Error, Result};
 use crate::plug::{
@@ -281,7 +282,7 @@ impl LogitTerms {
             rows: Vec::new(),
         };
         if let Some(mask) = mask {
-            terms.dense.push(mask.to_dtype(dtype)?);
+            terms.dense.push(cast_mask(&mask, dtype)?);
         }
         match bias {
             None => {}

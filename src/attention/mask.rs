@@ -84,3 +84,31 @@ pub(crate) fn apply_keep_mask(scores: &Tensor, keep: &Tensor) -> Result<Tensor> 
         .broadcast_as(scores.shape())?
         .where_cond(scores, &fill)?)
 }
+
+/// The additive mask in the logits' `dtype`. A finite value past the dtype's range (an f64
+/// mask of `f64::MIN` for f32 logits) saturates to its largest finite value instead of
+/// becoming ±∞ in the cast, so a finite mask stays finite; NaN and ±∞ pass through as given.
+pub(crate) fn cast_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
+    let limit = match dtype {
+        DType::F16 => 65504.0,
+        DType::BF16 => 3.389_531_389_251_535_5e38,
+        DType::F32 => f32::MAX as f64,
+        _ => return Ok(mask.to_dtype(dtype)?),
+    };
+    let wider = match mask.dtype() {
+        DType::F64 => true,
+        // bf16's largest value is below f32's: f32::MIN rounds to −∞ there.
+        DType::F32 => matches!(dtype, DType::F16 | DType::BF16),
+        DType::BF16 => matches!(dtype, DType::F16),
+        _ => false,
+    };
+    if !wider {
+        return Ok(mask.to_dtype(dtype)?);
+    }
+    let size = mask.abs()?;
+    let past = size
+        .gt(limit)?
+        .mul(&size.lt(f64::INFINITY)?)?;
+    let saturated = (mask.sign()? * limit)?;
+    Ok(past.where_cond(&saturated, mask)?.to_dtype(dtype)?)
+}
