@@ -25,7 +25,7 @@
 //!
 //! [`hf::HfAttentionConfig`] reads a model's attention layer from its HF `config.json` (per
 //! layer where layers differ) and loads it from safetensors under HF's own names: Llama,
-//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, SmolLM3, Qwen2-VL and Qwen3-VL (their language
+//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, SmolLM3, Cohere2, Qwen2-VL and Qwen3-VL (their language
 //! models, with multimodal RoPE), Phi-3, GPT-NeoX, BLOOM, GPT-2, GPT-J, Falcon and T5, each
 //! checked against HF transformers' own module.
 //!

@@ -15,7 +15,7 @@ use candle_posenc::positions::{PositionIds, Positions};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 27] = [
+const FAMILIES: [&str; 29] = [
     "llama",
     "mistral",
     "qwen2",
@@ -41,6 +41,8 @@ const FAMILIES: [&str; 27] = [
     "gpt_oss.1",
     "smollm3.0",
     "smollm3.1",
+    "cohere2.0",
+    "cohere2.1",
     "qwen2_vl",
     "qwen3_vl",
 ];
@@ -255,7 +257,7 @@ fn extras_agree_on_every_path_with_padding_and_blocks(dev: &Device) -> anyhow::R
     Ok(())
 }
 
-/// What each layer of Gemma 2, Gemma 3, SmolLM3 and gpt-oss reads as.
+/// What each layer of Gemma 2, Gemma 3, SmolLM3, Cohere2 and gpt-oss reads as.
 fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
     let ckpt = fixtures(dev)?;
     let read = |tag: &str, layer| HfAttentionConfig::from_json_layer(&ckpt.metadata()[tag], layer);

@@ -194,7 +194,11 @@ fn wide_masks_saturate_when_cast() -> anyhow::Result<()> {
         let mut m = vec![0f64; 16];
         m[4..8].iter_mut().for_each(|v| *v = f64::MIN);
         let wide = run(&Tensor::from_vec(m.clone(), (1, 1, 4, 4), &dev)?)?;
-        assert_eq!(non_finite(&wide)?, 0, "{dtype:?}: finite mask, finite output");
+        assert_eq!(
+            non_finite(&wide)?,
+            0,
+            "{dtype:?}: finite mask, finite output"
+        );
         let mut own = m.clone();
         let lowest = match dtype {
             DType::F16 => -65504.0,
@@ -212,7 +216,11 @@ fn wide_masks_saturate_when_cast() -> anyhow::Result<()> {
         // An f32 mask of f32::MIN, past bf16's and f16's range, too.
         let narrow: Vec<f32> = m.iter().map(|&v| v.max(f32::MIN as f64) as f32).collect();
         let narrow = run(&Tensor::from_vec(narrow, (1, 1, 4, 4), &dev)?)?;
-        assert_eq!(non_finite(&narrow)?, 0, "{dtype:?}: an f32 mask of f32::MIN");
+        assert_eq!(
+            non_finite(&narrow)?,
+            0,
+            "{dtype:?}: an f32 mask of f32::MIN"
+        );
         // NaN still propagates.
         m[1] = f64::NAN;
         let nan = run(&Tensor::from_vec(m, (1, 1, 4, 4), &dev)?)?;

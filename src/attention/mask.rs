@@ -106,9 +106,7 @@ pub(crate) fn cast_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
         return Ok(mask.to_dtype(dtype)?);
     }
     let size = mask.abs()?;
-    let past = size
-        .gt(limit)?
-        .mul(&size.lt(f64::INFINITY)?)?;
+    let past = size.gt(limit)?.mul(&size.lt(f64::INFINITY)?)?;
     let saturated = (mask.sign()? * limit)?;
     Ok(past.where_cond(&saturated, mask)?.to_dtype(dtype)?)
 }

@@ -23,8 +23,9 @@ use crate::rotary::RopeConfig;
 #[non_exhaustive]
 pub enum HfFamily {
     /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`,
-    /// `gpt_oss`, `smollm3`: `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` for
-    /// Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none on SmolLM3's NoPE layers).
+    /// `gpt_oss`, `smollm3`, `cohere2`: `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`,
+    /// `k_norm` for Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none on SmolLM3's
+    /// NoPE layers and Cohere2's full-attention layers).
     Llama,
     /// `phi3`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE (LongRoPE).
     Phi3,
@@ -50,7 +51,7 @@ impl HfFamily {
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
             "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
-            | "olmo2" | "gpt_oss" | "smollm3" => HfFamily::Llama,
+            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" => HfFamily::Llama,
             "phi3" => HfFamily::Phi3,
             "gpt_neox" => HfFamily::GptNeoX,
             "bloom" => HfFamily::Bloom,
@@ -167,8 +168,9 @@ impl HfAttentionConfig {
     /// [`Self::from_json`], with the layer's own kind where layers differ — a sliding window on
     /// sliding-attention layers (`layer_types`, or the model's default pattern: Qwen's
     /// `max_window_layers`, Gemma 2 and gpt-oss alternating, Gemma 3 every
-    /// `sliding_window_pattern`-th layer full), Gemma 3's local RoPE there, and no encoding on
-    /// SmolLM3's NoPE layers (`no_rope_layers`).
+    /// `sliding_window_pattern`-th layer full, Cohere2 every fourth), Gemma 3's local RoPE
+    /// there, and no encoding on SmolLM3's NoPE layers (`no_rope_layers`) and Cohere2's
+    /// full-attention layers.
     ///
     /// # Errors
     /// As [`Self::from_json`]; [`Error::HfConfig`] naming `layer_types` for a layer past its
@@ -191,7 +193,7 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
                 ),
             )
         })?;
@@ -533,13 +535,14 @@ enum LayerKind {
 }
 
 /// The models whose layers differ by `layer_types`.
-const LAYERED: [&str; 6] = [
+const LAYERED: [&str; 7] = [
     "qwen2",
     "qwen3",
     "gemma2",
     "gemma3_text",
     "gpt_oss",
     "smollm3",
+    "cohere2",
 ];
 
 /// The window a sliding layer of this model uses, `None` when it has none: `sliding_window`,
@@ -547,7 +550,7 @@ const LAYERED: [&str; 6] = [
 /// switch.
 fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
     let default = match model_type {
-        "mistral" | "gemma2" | "gemma3_text" => Some(4096),
+        "mistral" | "gemma2" | "gemma3_text" | "cohere2" => Some(4096),
         "gpt_oss" => Some(128),
         _ => None,
     };
@@ -594,8 +597,12 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     let sliding = match model_type {
         "qwen2" | "qwen3" => layer >= top.usize("max_window_layers")?.unwrap_or(28),
         "smollm3" => !uses_rope(top, model_type, layer)?,
-        "gemma3_text" => {
-            let pattern = top.usize("sliding_window_pattern")?.unwrap_or(6).max(1);
+        "gemma3_text" | "cohere2" => {
+            let default = if model_type == "cohere2" { 4 } else { 6 };
+            let pattern = top
+                .usize("sliding_window_pattern")?
+                .unwrap_or(default)
+                .max(1);
             !(layer + 1).is_multiple_of(pattern)
         }
         _ => !(layer + 1).is_multiple_of(2), // Gemma 2, gpt-oss
@@ -608,8 +615,16 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
 }
 
 /// Whether layer `layer` rotates its queries and keys: SmolLM3's `no_rope_layers` (1 = RoPE,
-/// 0 = no positional encoding; by default every `no_rope_layer_interval`-th layer, 4, is NoPE).
+/// 0 = no positional encoding; by default every `no_rope_layer_interval`-th layer, 4, is NoPE);
+/// Cohere2's sliding-window layers (its full-attention layers have no positional encoding).
 fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
+    // Cohere2 rotates on its sliding-window layers only.
+    if model_type == "cohere2" {
+        return Ok(matches!(
+            layer_kind(top, model_type, layer)?,
+            LayerKind::Sliding(_)
+        ));
+    }
     if model_type != "smollm3" {
         return Ok(true);
     }
@@ -643,6 +658,7 @@ fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
 fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
     let windows = window_size(top, model_type)?.is_some();
     if !LAYERED.contains(&model_type) || !(windows || model_type == "smollm3") {
+        // (Cohere2 without a window has no RoPE on any layer: uniform.)
         return Ok(None);
     }
     let listed = |key| top.get(key).and_then(Value::as_array).map_or(0, Vec::len);

@@ -7,7 +7,7 @@
 //!
 //! | `model_type` | q, k, v | output | encoding |
 //! |---|---|---|---|
-//! | `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`, `sinks`) | `o_proj` | RoPE (none on NoPE layers) |
+//! | `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`, `sinks`) | `o_proj` | RoPE (none on NoPE layers) |
 //! | `phi3` | `qkv_proj`, rows `[q; k; v]` | `o_proj` | RoPE (LongRoPE) |
 //! | `gpt_neox` | `query_key_value`, rows `(H, 3, D)` | `dense` | partial RoPE |
 //! | `bloom` | `query_key_value`, rows `(H, 3, D)` | `dense` | ALiBi |
