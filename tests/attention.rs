@@ -347,6 +347,22 @@ fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
         .unwrap_err();
     assert!(matches!(err, Error::DType { .. }), "{err}");
     assert_eq!(cache.len(), 2);
+    // An empty cache takes any chunk, whatever its storage held before: truncated to nothing
+    // (found by the api fuzz target: it still asked for the old batch) or reset.
+    cache.truncate(0)?;
+    let x64 = Tensor::randn(0f64, 1.0, (3, 2, D_MODEL), dev)?;
+    let fresh = f64_block.forward_with(&x64, &opts, Some(&mut KvCache::new()))?;
+    let reused = f64_block.forward_with(&x64, &opts, Some(&mut cache))?;
+    assert_close(
+        &reused.output,
+        &fresh.output,
+        0.0,
+        "an emptied cache is a new one",
+    )?;
+    assert_eq!((cache.len(), cache.next_position()), (2, 2));
+    cache.reset();
+    f32_block.forward_with(&x, &opts, Some(&mut cache))?;
+    assert_eq!(cache.len(), 2);
     Ok(())
 }
 

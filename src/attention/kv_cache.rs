@@ -153,8 +153,8 @@ impl KvCache {
     ///
     /// # Errors
     /// [`Error::Shape`] for keys or values whose batch, heads or width differ from the cached
-    /// ones; [`Error::DType`] for another dtype or device; [`Error::InvalidConfig`] if the
-    /// storage would pass [`crate::limits::max_elements`].
+    /// ones; [`Error::DType`] for another dtype or device (an empty cache takes any);
+    /// [`Error::InvalidConfig`] if the storage would pass [`crate::limits::max_elements`].
     pub(crate) fn append(
         &mut self,
         k: &Tensor,
@@ -168,6 +168,20 @@ impl KvCache {
                 format!("({b}, {h}, {new_len}, {d}) like the keys"),
                 v.shape(),
             ));
+        }
+        // An empty cache (new, reset, or truncated to nothing) takes any chunk: storage left
+        // from another batch, head layout, dtype or device is dropped, not matched.
+        if self.len == 0 {
+            if let Some(prev) = &self.k {
+                let (pb, ph, _, pd) = prev.dims4()?;
+                let same = (pb, ph, pd) == (b, h, d)
+                    && prev.dtype() == k.dtype()
+                    && prev.device().same_device(k.device());
+                if !same {
+                    self.k = None;
+                    self.v = None;
+                }
+            }
         }
         if let Some(prev) = &self.k {
             let (pb, ph, _, pd) = prev.dims4()?;
