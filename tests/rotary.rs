@@ -1150,18 +1150,35 @@ fn proportional_matches_hf(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The multimodal fixture (`generate.py rotary_mrope`), with its config.json texts.
+fn mrope_fixture(dev: &Device) -> anyhow::Result<candle_posenc::Checkpoint> {
+    let path = format!(
+        "{}/tests/fixtures/rotary_mrope.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    Ok(candle_posenc::Checkpoint::load(path, dev)?)
+}
+
+/// The `(3, 1, T)` multimodal positions of `segments` (and HF's delta).
+fn multimodal(
+    segments: &[candle_posenc::MropeSegment],
+    dev: &Device,
+) -> anyhow::Result<(Positions, i64)> {
+    use candle_posenc::positions::PositionIds;
+    let (axes, delta) = candle_posenc::rotary::mrope::mrope_positions(segments)?;
+    let t = axes.len() / 3;
+    let axes = Tensor::from_vec(axes, (3, 1, t), dev)?;
+    Ok((Positions::Ids(PositionIds::multimodal(&axes)?), delta))
+}
+
 /// Multimodal RoPE: positions as transformers' Qwen2-VL `get_rope_index` builds them (text, an
 /// image, a video), and q, k rotated as Qwen2-VL (contiguous bands) and Qwen3-VL (interleaved)
 /// rotate them, read from their config.json (f32, 1e-5). In the block, decoding continues at
 /// the position HF's delta gives, and text-only axes rotate as plain RoPE.
 fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
     use candle_posenc::positions::PositionIds;
-    use candle_posenc::rotary::mrope::{mrope_positions, MropeSegment};
-    let path = format!(
-        "{}/tests/fixtures/rotary_mrope.safetensors",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let file = candle_posenc::Checkpoint::load(path, dev)?;
+    use candle_posenc::rotary::mrope::MropeSegment;
+    let file = mrope_fixture(dev)?;
     let fx = file.tensors();
     let grid = |t, h, w| MropeSegment::Grid {
         t,
@@ -1169,22 +1186,27 @@ fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
         w,
         time_interval: 1.0,
     };
-    let (axes, delta) = mrope_positions(&[
-        MropeSegment::Text(3),
-        grid(1, 2, 3),
-        MropeSegment::Text(2),
-        grid(2, 2, 2),
-        MropeSegment::Text(3),
-    ])?;
+    let (positions, delta) = multimodal(
+        &[
+            MropeSegment::Text(3),
+            grid(1, 2, 3),
+            MropeSegment::Text(2),
+            grid(2, 2, 2),
+            MropeSegment::Text(3),
+        ],
+        dev,
+    )?;
     let hf = get(fx, "positions");
     let t = hf.dim(2)?;
-    let ours = Tensor::from_vec(axes, (3, 1, t), dev)?;
+    let Positions::Ids(ids) = &positions else {
+        panic!("multimodal positions are ids");
+    };
+    let ours = ids.axes().expect("three axes");
     assert_eq!(
         ours.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?,
         hf.flatten_all()?.to_vec1::<i64>()?
     );
     assert_eq!(delta, get(fx, "delta").flatten_all()?.to_vec1::<i64>()?[0]);
-    let positions = Positions::Ids(PositionIds::multimodal(&ours)?);
     for name in ["qwen2_vl", "qwen3_vl"] {
         let cfg = RopeConfig::from_hf_json(&file.metadata()[name])?;
         let m = cfg.mrope.expect("mrope_section read");
@@ -1268,25 +1290,18 @@ fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
 /// odd frequencies on rows and columns) and Qwen2-VL's vision encoder's (a half-width head's
 /// frequencies on both), against HF's rotary embeddings and apply functions (f32, 1e-5).
 fn axial_matches_hf(dev: &Device) -> anyhow::Result<()> {
-    use candle_posenc::positions::PositionIds;
-    use candle_posenc::rotary::mrope::{mrope_positions, AxialRope, MropeSegment};
-    let path = format!(
-        "{}/tests/fixtures/rotary_mrope.safetensors",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let file = candle_posenc::Checkpoint::load(path, dev)?;
+    use candle_posenc::rotary::mrope::{AxialRope, MropeSegment};
+    let file = mrope_fixture(dev)?;
     let fx = file.tensors();
-    let (axes, _) = mrope_positions(&[MropeSegment::Grid {
-        t: 1,
-        h: 4,
-        w: 6,
-        time_interval: 1.0,
-    }])?;
-    let grid = Positions::Ids(PositionIds::multimodal(&Tensor::from_vec(
-        axes,
-        (3, 1, 24),
+    let (grid, _) = multimodal(
+        &[MropeSegment::Grid {
+            t: 1,
+            h: 4,
+            w: 6,
+            time_interval: 1.0,
+        }],
         dev,
-    )?)?);
+    )?;
     let (q, k) = (get(fx, "pixtral.q"), get(fx, "pixtral.k"));
     for (name, layout) in [
         ("pixtral", AxialRope::EvenOdd),
