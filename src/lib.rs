@@ -26,7 +26,7 @@
 //! [`hf::HfAttentionConfig`] reads a model's attention layer from its HF `config.json` (per
 //! layer where layers differ) and loads it from safetensors under HF's own names: Llama,
 //! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, SmolLM3, Cohere2, Qwen2-VL and Qwen3-VL (their language
-//! models, with multimodal RoPE), Phi-3, GPT-NeoX, BLOOM, GPT-2, GPT-J, Falcon and T5, each
+//! models, with multimodal RoPE), Phi-3, GPT-NeoX, BLOOM, MPT, GPT-2, GPT-J, Falcon and T5, each
 //! checked against HF transformers' own module.
 //!
 //! The block attends over blocks of queries (each with an exact softmax over the keys it can
@@ -105,7 +105,7 @@ pub use plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
 pub use positions::{PositionIds, Positions};
-pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode};
+pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode, AlibiSlopes};
 pub use relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
 pub use relative::shaw::{ShawConfig, ShawRelativePosition};
 pub use relative::t5::{T5Config, T5RelativeBias};

@@ -697,8 +697,8 @@ fn json_with_required_fields_only_gives_the_documented_defaults() -> anyhow::Res
             "unknown field `max_lenght`",
         ),
         (
-            json!({"kind": "alibi", "num_heads": 8, "slopes": [1]}),
-            "unknown field `slopes`",
+            json!({"kind": "alibi", "num_heads": 8, "slope": [1]}),
+            "unknown field `slope`",
         ),
         (
             json!({"kind": "rotary", "head_dim": 8, "scaling": {"rope_type": "yarn",

@@ -15,7 +15,7 @@ use candle_posenc::positions::{PositionIds, Positions};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 31] = [
+const FAMILIES: [&str; 32] = [
     "llama",
     "mistral",
     "qwen2",
@@ -32,6 +32,7 @@ const FAMILIES: [&str; 31] = [
     "falcon_mha",
     "t5",
     "t5_decoder",
+    "mpt",
     "mistral_window",
     "gemma2.0",
     "gemma2.1",
@@ -173,6 +174,7 @@ fn configs_read_as_hf_does(dev: &Device) -> anyhow::Result<()> {
         ("gptj", HfFamily::GptJ),
         ("falcon_mqa", HfFamily::Falcon),
         ("t5", HfFamily::T5),
+        ("mpt", HfFamily::Mpt),
     ];
     for (tag, family) in families {
         assert_eq!(read(tag)?.family, family, "{tag}");
@@ -422,7 +424,18 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
     let cases = [
         (r#"[1, 2]"#.to_string(), "<root>"),
         (r#"{"hidden_size": 32}"#.to_string(), "model_type"),
-        (r#"{"model_type": "mpt"}"#.to_string(), "model_type"),
+        (r#"{"model_type": "mamba"}"#.to_string(), "model_type"),
+        (
+            r#"{"model_type": "mpt", "d_model": 32, "n_heads": 4, "attn_config": {"qk_ln": true}}"#
+                .to_string(),
+            "attn_config.qk_ln",
+        ),
+        (
+            r#"{"model_type": "mpt", "d_model": 32, "n_heads": 4,
+                "attn_config": {"alibi": true, "alibi_bias_max": -1.0}}"#
+                .to_string(),
+            "attn_config.alibi_bias_max",
+        ),
         (r#"{"model_type": "llama", "num_attention_heads": 4}"#.to_string(), "hidden_size"),
         (format!("{{{llama}, \"num_key_value_heads\": 3}}"), "num_key_value_heads"),
         (format!("{{{llama}, \"num_key_value_heads\": \"2\"}}"), "num_key_value_heads"),

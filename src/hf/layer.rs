@@ -14,7 +14,7 @@ use crate::attention::{AttentionConfig, MultiHeadAttention, QkNormConfig, QkNorm
 use crate::encoding::EncodingConfig;
 use crate::error::{Error, Result};
 use crate::plug::PositionalEncoding;
-use crate::relative::alibi::AlibiConfig;
+use crate::relative::alibi::{AlibiConfig, AlibiSlopes};
 use crate::relative::t5::T5Config;
 use crate::rotary::RopeConfig;
 
@@ -44,6 +44,9 @@ pub enum HfFamily {
     /// `t5`: `q`, `k`, `v`, `o` and the first layer's `relative_attention_bias`; T5 buckets,
     /// no softmax scaling.
     T5,
+    /// `mpt`: fused `Wqkv` (rows `[q; k; v]`), `out_proj`, no biases; ALiBi with MPT's slopes
+    /// (`attn_config.alibi`), or no encoding in the block (learned positions at the input).
+    Mpt,
 }
 
 impl HfFamily {
@@ -59,6 +62,7 @@ impl HfFamily {
             "gptj" => HfFamily::GptJ,
             "falcon" => HfFamily::Falcon,
             "t5" => HfFamily::T5,
+            "mpt" => HfFamily::Mpt,
             _ => return None,
         })
     }
@@ -85,8 +89,10 @@ impl HfFamily {
 ///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]), Gemma 2's logit soft cap
 ///   (`attn_logit_softcapping`, 50 by default), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
-///   interleaved rotary), ALiBi (BLOOM), T5's `relative_attention_num_buckets` and
-///   `relative_attention_max_distance`, none for GPT-2.
+///   interleaved rotary), ALiBi (BLOOM; MPT's `attn_config.alibi` with its own slopes and
+///   `alibi_bias_max`), T5's `relative_attention_num_buckets` and
+///   `relative_attention_max_distance`, none for GPT-2 (and MPT without ALiBi);
+/// - MPT's `attn_config.softmax_scale`;
 ///
 /// Settings the block does not have yet are refused rather than ignored: chunked or linear
 /// layer types, Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
@@ -193,7 +199,7 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt"
                 ),
             )
         })?;
@@ -201,7 +207,10 @@ impl HfAttentionConfig {
         let kind = layer_kind(&top, model_type, layer)?;
         let mut keys = Keys::default();
         let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
-        let (heads, heads_key) = first(&top, &["num_attention_heads", "n_head", "num_heads"])?;
+        let (heads, heads_key) = first(
+            &top,
+            &["num_attention_heads", "n_head", "num_heads", "n_heads"],
+        )?;
         keys.set("d_model", hidden_key);
         keys.set("num_heads", heads_key);
         let mut attention = AttentionConfig::new(hidden, heads).with_causal(true);
@@ -264,7 +273,7 @@ impl HfAttentionConfig {
                 (b, b)
             }
             (HfFamily::Bloom | HfFamily::Gpt2, _) => (true, true),
-            (HfFamily::Phi3 | HfFamily::GptJ | HfFamily::T5, _) => (false, false),
+            (HfFamily::Phi3 | HfFamily::GptJ | HfFamily::T5 | HfFamily::Mpt, _) => (false, false),
         };
         attention = attention.with_bias(bias).with_out_bias(out_bias);
         // Scale and causality.
@@ -295,6 +304,21 @@ impl HfAttentionConfig {
         if model_type == "gpt_oss" {
             attention = attention.with_sinks(true);
         }
+        // MPT keeps its attention settings under attn_config.
+        let empty = serde_json::Map::new();
+        let attn_config = Obj {
+            map: match top.get("attn_config") {
+                Some(Value::Object(m)) => m,
+                _ => &empty,
+            },
+            prefix: "attn_config.",
+        };
+        if family == HfFamily::Mpt {
+            if let Some(scale) = attn_config.f64("softmax_scale")? {
+                attention = attention.with_softmax_scale(scale);
+                keys.set("softmax_scale", "attn_config.softmax_scale");
+            }
+        }
         if let LayerKind::Sliding(w) = kind {
             attention = attention.with_sliding_window(Some(w));
             keys.set("sliding_window", "sliding_window");
@@ -322,6 +346,21 @@ impl HfAttentionConfig {
         let encoding = match family {
             HfFamily::Gpt2 => EncodingConfig::None,
             HfFamily::Bloom => EncodingConfig::Alibi(AlibiConfig::new(heads)),
+            HfFamily::Mpt if attn_config.bool("alibi")?.unwrap_or(false) => {
+                let max_bias = attn_config.f64("alibi_bias_max")?.unwrap_or(8.0);
+                let alibi = AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias });
+                alibi.validate().map_err(|e| match e {
+                    Error::InvalidConfig {
+                        value, expected, ..
+                    } => problem(
+                        "attn_config.alibi_bias_max",
+                        format!("gives max_bias = {value}, expected {expected}"),
+                    ),
+                    other => other,
+                })?;
+                EncodingConfig::Alibi(alibi)
+            }
+            HfFamily::Mpt => EncodingConfig::None,
             HfFamily::T5 => {
                 let mut t5 = T5Config::new(heads);
                 if let Some(n) = top.usize("relative_attention_num_buckets")? {
@@ -463,6 +502,7 @@ impl HfAttentionConfig {
                 out: "o",
                 out_conv1d: false,
             },
+            HfFamily::Mpt => fused(QkvLayout::Stacked("Wqkv"), "out_proj"),
         }
     }
 }
@@ -512,10 +552,23 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
     if top.get("clip_qkv").is_some() {
         return Err(unsupported("clip_qkv", "a clamp of the projections"));
     }
+    if model_type == "mpt" {
+        if let Some(Value::Object(a)) = top.get("attn_config") {
+            if a.get("clip_qkv").is_some_and(|v| !v.is_null()) {
+                return Err(unsupported(
+                    "attn_config.clip_qkv",
+                    "a clamp of the projections",
+                ));
+            }
+            if a.get("qk_ln").and_then(Value::as_bool) == Some(true) {
+                return Err(unsupported("attn_config.qk_ln", "layer norms of q and k"));
+            }
+        }
+    }
     if model_type == "falcon" && top.bool("alibi")? == Some(true) {
         return Err(unsupported(
             "alibi",
-            "Falcon's ALiBi (added before the softmax scale, so its slopes are scaled too)",
+            "Falcon's ALiBi, which HF computes in bfloat16 (slopes and products rounded) and adds before the softmax scale; the block's f32 ALiBi would differ from it by that rounding",
         ));
     }
     if model_type == "gpt2" && top.bool("scale_attn_by_inverse_layer_idx")? == Some(true) {

@@ -55,7 +55,8 @@ pub enum AlibiMode {
 /// Configuration of [`Alibi`].
 ///
 /// Serialised (serde) with its field names, e.g. as JSON
-/// `{"num_heads": 8, "first_head": 0, "head_count": 8, "mode": "causal", "learnable": false}`;
+/// `{"num_heads": 8, "first_head": 0, "head_count": 8, "mode": "causal", "learnable": false,
+/// "slopes": {"formula": "bloom"}}`;
 /// only `num_heads` is required, the other fields default as in [`AlibiConfig::new`]
 /// (`head_count` to `num_heads`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -72,6 +73,56 @@ pub struct AlibiConfig {
     pub mode: AlibiMode,
     /// Whether the slopes are a trainable variable `slopes` (default false).
     pub learnable: bool,
+    /// Which formula gives the slopes (default [`AlibiSlopes::Bloom`]).
+    pub slopes: AlibiSlopes,
+}
+
+/// The slope formulas in use. Both are Press et al.'s `2^(−8h/n)` for a power-of-two `n`;
+/// they differ in the largest exponent and in the slopes of other head counts.
+///
+/// Serialised as `{"formula": "bloom"}` or `{"formula": "mpt", "max_bias": 8.0}`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "formula", rename_all = "snake_case", deny_unknown_fields)]
+pub enum AlibiSlopes {
+    /// BLOOM's `build_alibi_tensor` ([`alibi_slopes`]): for `n` heads, the `c` slopes of the
+    /// largest power of two `c ≤ n`, then every other slope of `2c` heads.
+    #[default]
+    Bloom,
+    /// MPT's `gen_slopes`: `m_h = 2^(−max_bias·h/N)`, `h = 1..N`, `N` the smallest power of two
+    /// `≥ n`; for `N ≠ n` the odd-indexed slopes, then the even-indexed ones, the first `n`.
+    Mpt {
+        /// The largest exponent (MPT's `alibi_bias_max`, default 8).
+        max_bias: f64,
+    },
+}
+
+impl AlibiSlopes {
+    /// The slopes of a model with `num_heads` heads, in f64.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for zero heads, more than [`crate::limits::max_elements`], or
+    /// an MPT `max_bias` that is not a finite number > 0.
+    pub fn slopes(&self, num_heads: usize) -> Result<Vec<f64>> {
+        match *self {
+            AlibiSlopes::Bloom => alibi_slopes(num_heads),
+            AlibiSlopes::Mpt { max_bias } => {
+                check_num_heads(num_heads)?;
+                if !(max_bias.is_finite() && max_bias > 0.0) {
+                    return Err(Error::config("max_bias", max_bias, "a finite number > 0"));
+                }
+                let n = num_heads.next_power_of_two();
+                let all: Vec<f64> = (1..=n)
+                    .map(|h| 2f64.powf(-(h as f64) * max_bias / n as f64))
+                    .collect();
+                if n == num_heads {
+                    return Ok(all);
+                }
+                let odd = all.iter().skip(1).step_by(2);
+                let even = all.iter().step_by(2);
+                Ok(odd.chain(even).take(num_heads).copied().collect())
+            }
+        }
+    }
 }
 
 /// The serialised form of [`AlibiConfig`]: a field left out keeps its value from
@@ -88,6 +139,8 @@ struct AlibiConfigFields {
     mode: Option<AlibiMode>,
     #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
     learnable: Option<bool>,
+    #[serde(default, deserialize_with = "crate::checkpoint::non_null")]
+    slopes: Option<AlibiSlopes>,
 }
 
 impl From<AlibiConfigFields> for AlibiConfig {
@@ -97,6 +150,7 @@ impl From<AlibiConfigFields> for AlibiConfig {
         c.head_count = f.head_count.unwrap_or(c.head_count);
         c.mode = f.mode.unwrap_or(c.mode);
         c.learnable = f.learnable.unwrap_or(c.learnable);
+        c.slopes = f.slopes.unwrap_or(c.slopes);
         c
     }
 }
@@ -110,7 +164,14 @@ impl AlibiConfig {
             head_count: num_heads,
             mode: AlibiMode::Auto,
             learnable: false,
+            slopes: AlibiSlopes::Bloom,
         }
+    }
+
+    /// Sets the slope formula.
+    pub fn with_slopes(mut self, slopes: AlibiSlopes) -> Self {
+        self.slopes = slopes;
+        self
     }
 
     /// Serves heads `first..first + count` of the model (a tensor-parallel shard).
@@ -135,10 +196,15 @@ impl AlibiConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for zero heads, more than [`crate::limits::max_elements`] heads, or a
-    /// head range outside `0..num_heads`.
+    /// [`Error::InvalidConfig`] for zero heads, more than [`crate::limits::max_elements`] heads, a
+    /// head range outside `0..num_heads`, or an MPT `max_bias` that is not a finite number > 0.
     pub fn validate(&self) -> Result<()> {
         check_num_heads(self.num_heads)?;
+        if let AlibiSlopes::Mpt { max_bias } = self.slopes {
+            if !(max_bias.is_finite() && max_bias > 0.0) {
+                return Err(Error::config("max_bias", max_bias, "a finite number > 0"));
+            }
+        }
         if self.head_count == 0 || self.first_head.saturating_add(self.head_count) > self.num_heads
         {
             return Err(Error::config(
@@ -239,7 +305,7 @@ impl Alibi {
     }
 
     fn initial_slopes(config: &AlibiConfig, device: &Device) -> Result<Tensor> {
-        let all = alibi_slopes(config.num_heads)?;
+        let all = config.slopes.slopes(config.num_heads)?;
         let mine: Vec<f32> = all[config.first_head..config.first_head + config.head_count]
             .iter()
             .map(|&s| s as f32)
