@@ -628,23 +628,16 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     if !LAYERED.contains(&model_type) {
         return Ok(LayerKind::Sliding(w));
     }
-    if let Some(types) = top.get("layer_types") {
-        let bad = |problem_text: String| problem("layer_types", problem_text);
-        let types = types
-            .as_array()
-            .ok_or_else(|| bad(format!("is {types}, expected a list of layer types")))?;
-        let entry = types.get(layer).ok_or_else(|| {
-            bad(format!(
-                "has {} entries, so there is no layer {layer}",
-                types.len()
-            ))
-        })?;
+    if let Some(entry) = layer_entry(top, "layer_types", layer, "a list of layer types")? {
         return match entry.as_str() {
             Some("full_attention") => Ok(LayerKind::Full),
             Some("sliding_attention") => Ok(LayerKind::Sliding(w)),
-            _ => Err(bad(format!(
-                "gives layer {layer} the type {entry}, expected full_attention or sliding_attention (the block has no chunked or linear attention yet)"
-            ))),
+            _ => Err(problem(
+                "layer_types",
+                format!(
+                    "gives layer {layer} the type {entry}, expected full_attention or sliding_attention (the block has no chunked or linear attention yet)"
+                ),
+            )),
         };
     }
     let sliding = match model_type {
@@ -667,6 +660,31 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     })
 }
 
+/// Entry `layer` of the per-layer list at `key` (`None` when the key is absent).
+///
+/// # Errors
+/// [`Error::HfConfig`] naming `key` when it is not a list (`expected` says of what) or has no
+/// entry for `layer`.
+fn layer_entry<'a>(
+    top: &Obj<'a>,
+    key: &str,
+    layer: usize,
+    expected: &str,
+) -> Result<Option<&'a Value>> {
+    let Some(list) = top.get(key) else {
+        return Ok(None);
+    };
+    let items = list
+        .as_array()
+        .ok_or_else(|| problem(key, format!("is {list}, expected {expected}")))?;
+    items.get(layer).map(Some).ok_or_else(|| {
+        problem(
+            key,
+            format!("has {} entries, so there is no layer {layer}", items.len()),
+        )
+    })
+}
+
 /// Whether layer `layer` rotates its queries and keys: SmolLM3's `no_rope_layers` (1 = RoPE,
 /// 0 = no positional encoding; by default every `no_rope_layer_interval`-th layer, 4, is NoPE);
 /// Cohere2's sliding-window layers (its full-attention layers have no positional encoding).
@@ -681,24 +699,15 @@ fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
     if model_type != "smollm3" {
         return Ok(true);
     }
-    match top.get("no_rope_layers") {
-        Some(list) => {
-            let bad = |p: String| problem("no_rope_layers", p);
-            let list = list
-                .as_array()
-                .ok_or_else(|| bad(format!("is {list}, expected a list of 0 and 1")))?;
-            let entry = list.get(layer).ok_or_else(|| {
-                bad(format!(
-                    "has {} entries, so there is no layer {layer}",
-                    list.len()
-                ))
-            })?;
-            match entry.as_u64() {
-                Some(0) => Ok(false),
-                Some(1) => Ok(true),
-                _ => Err(bad(format!("gives layer {layer} {entry}, expected 0 or 1"))),
-            }
-        }
+    match layer_entry(top, "no_rope_layers", layer, "a list of 0 and 1")? {
+        Some(entry) => match entry.as_u64() {
+            Some(0) => Ok(false),
+            Some(1) => Ok(true),
+            _ => Err(problem(
+                "no_rope_layers",
+                format!("gives layer {layer} {entry}, expected 0 or 1"),
+            )),
+        },
         None => {
             let interval = top.usize("no_rope_layer_interval")?.unwrap_or(4).max(1);
             Ok(!(layer + 1).is_multiple_of(interval))
