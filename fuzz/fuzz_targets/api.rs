@@ -2061,6 +2061,14 @@ fn forward(
         }
     }
     let tk = cached + xt;
+    // A cache whose storage would pass the budget is refused (`KvCache` documents it): the
+    // cached tokens times batch × kv heads × head_dim must fit.
+    if cache.is_some() && xb > 0 && xt > 0 {
+        let per_position = xb.saturating_mul(cfg.num_kv_heads).saturating_mul(cfg.head_dim).max(1);
+        if tk > BUDGET / per_position {
+            f.malformed();
+        }
+    }
     // Masks.
     let padding = match &c.padding {
         None => None,
