@@ -1,5 +1,5 @@
 //! Random use of the public API (proptest): every encoding of the zoo in a random block (heads,
-//! KV heads, head width, causality, biases, a query/key norm, a sliding window, a soft cap,
+//! KV heads, head width, causality, biases, a query/key norm, a sliding window, chunks, a soft cap,
 //! sinks), fed random inputs — batch and
 //! length including 0, every float dtype and an integer one, offsets and per-token ids up to
 //! the edge of `u32`, padding, additive masks of random shapes, a KV cache over several chunks
@@ -31,7 +31,7 @@ struct Case {
     causal: bool,
     bias: bool,
     norm: Option<bool>,
-    /// Bits: a sliding window of 2 (causal blocks), a soft cap of 3, sink logits.
+    /// Bits: a sliding window of 2, a soft cap of 3, sink logits, chunks of 3 (causal blocks).
     extras: u8,
     batch: usize,
     chunks: Vec<usize>,
@@ -55,7 +55,7 @@ fn cases() -> impl Strategy<Value = Case> {
             any::<bool>(),
             any::<bool>(),
             prop::option::of(any::<bool>()),
-            0..8u8,
+            0..16u8,
         ),
         (0..3usize, prop::collection::vec(0..5usize, 1..4), 0..5usize),
         (
@@ -125,7 +125,8 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         .with_causal(case.causal)
         .with_bias(case.bias)
         .with_qk_norm(norm)
-        .with_sliding_window((case.causal && case.extras & 1 != 0).then_some(2))
+        .with_sliding_window((case.extras & 1 != 0).then_some(2))
+        .with_attention_chunk((case.causal && case.extras & 8 != 0).then_some(3))
         .with_logit_softcap((case.extras & 2 != 0).then_some(3.0))
         .with_sinks(case.extras & 4 != 0);
     let dtype = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::U32][case.dtype];

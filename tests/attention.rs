@@ -778,8 +778,14 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
     for (bad, name) in [
         (base.clone().with_sliding_window(Some(0)), "sliding_window"),
         (
-            base.clone().with_causal(false).with_sliding_window(Some(4)),
-            "sliding_window",
+            base.clone()
+                .with_causal(false)
+                .with_attention_chunk(Some(4)),
+            "attention_chunk",
+        ),
+        (
+            base.clone().with_attention_chunk(Some(0)),
+            "attention_chunk",
         ),
         (base.clone().with_logit_softcap(Some(0.0)), "logit_softcap"),
         (
@@ -873,6 +879,174 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Which keys a query sees under a window or chunks, by the formulas HF's masks use: a causal
+/// window keeps `p − w < j ≤ p`, a bidirectional one `|p − j| ≤ w`, chunks of `c` keep `j ≤ p`
+/// with `⌊(j − l)/c⌋ = ⌊(p − l)/c⌋` (`l` the sequence's leading padded keys). The block with the
+/// setting equals the block without it given that keep-mask as an additive mask, on every path
+/// (fused core, row pass, plain ops in f64), left-padded, and decoding through a cache.
+fn windows_and_chunks_match_their_masks(dev: &Device) -> anyhow::Result<()> {
+    let (b, t, d_model, heads) = (2, 11, 16, 4);
+    let left = [0usize, 3];
+    let keep = |cfg: &AttentionConfig, bi: usize, p: usize, j: usize| -> bool {
+        let l = left[bi] as i64;
+        let (p, j) = (p as i64, j as i64);
+        let causal = !cfg.causal || j <= p;
+        let window = match cfg.sliding_window.map(|w| w as i64) {
+            None => true,
+            Some(w) if cfg.causal => j > p - w,
+            Some(w) => (p - j).abs() <= w,
+        };
+        let chunk = cfg
+            .attention_chunk
+            .map(|c| c as i64)
+            .is_none_or(|c| (j - l).div_euclid(c) == (p - l).div_euclid(c));
+        causal && window && chunk && j >= l
+    };
+    let base = AttentionConfig::new(d_model, heads).with_kv_heads(2);
+    let configs = [
+        base.clone().with_sliding_window(Some(2)),
+        base.clone().with_sliding_window(Some(0)),
+        base.clone().with_causal(true).with_sliding_window(Some(3)),
+        base.clone().with_causal(true).with_attention_chunk(Some(3)),
+        base.clone()
+            .with_causal(true)
+            .with_attention_chunk(Some(4))
+            .with_sliding_window(Some(3)),
+    ];
+    let padding: Vec<u8> = (0..b * t).map(|n| (n % t >= left[n / t]) as u8).collect();
+    let padding = Tensor::from_vec(padding, (b, t), dev)?;
+    let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?;
+    for cfg in &configs {
+        let varmap = VarMap::new();
+        MultiHeadAttention::new(
+            cfg,
+            None,
+            VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
+        )?;
+        for var in varmap.all_vars() {
+            var.set(&Tensor::randn(0f32, 0.4, var.shape(), dev)?)?;
+        }
+        let weights: HashMap<String, Tensor> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+            .collect();
+        let block = |cfg: &AttentionConfig, dtype: DType| {
+            let vb = VarBuilder::from_tensors(weights.clone(), dtype, dev);
+            MultiHeadAttention::new(cfg, None, vb.pp("a"))
+        };
+        // The reference: no window or chunk, the keep-mask added (−1e9 where hidden).
+        let plain = cfg
+            .clone()
+            .with_causal(false)
+            .with_sliding_window(None)
+            .with_attention_chunk(None);
+        let mask: Vec<f32> = (0..b * t * t)
+            .map(|n| {
+                let (bi, p, j) = (n / (t * t), n / t % t, n % t);
+                if keep(cfg, bi, p, j) {
+                    0.0
+                } else {
+                    -1e9
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (b, 1, t, t), dev)?;
+        let want = block(&plain, DType::F32)?.forward_with(
+            &x,
+            &AttentionOptions {
+                attn_mask: Some(&mask),
+                ..Default::default()
+            },
+            None,
+        )?;
+        // Only the real tokens' rows: a padded row sees nothing and is uniform by convention.
+        let real = |y: &Tensor| -> anyhow::Result<Tensor> {
+            Ok(Tensor::cat(
+                &[y.i((0..1, 0..t))?, y.i((1..2, left[1]..t))?],
+                1,
+            )?)
+        };
+        let opts = AttentionOptions {
+            padding_mask: Some(&padding),
+            ..Default::default()
+        };
+        let fused = block(cfg, DType::F32)?.forward_with(&x, &opts, None)?;
+        let what = format!("{cfg:?}");
+        assert_close(
+            &real(&fused.output)?,
+            &real(&want.output)?,
+            1e-5,
+            &format!("fused {what}"),
+        )?;
+        let rows = block(cfg, DType::F32)?.forward_with(
+            &x,
+            &AttentionOptions {
+                return_weights: true,
+                ..opts.clone()
+            },
+            None,
+        )?;
+        assert_close(
+            &real(&rows.output)?,
+            &real(&want.output)?,
+            1e-5,
+            &format!("rows {what}"),
+        )?;
+        let ops = block(cfg, DType::F64)?.forward_with(&x.to_dtype(DType::F64)?, &opts, None)?;
+        assert_close(
+            &real(&ops.output.to_dtype(DType::F32)?)?,
+            &real(&want.output)?,
+            1e-5,
+            &format!("ops {what}"),
+        )?;
+        // The weights are exactly zero wherever the formula hides a key of a real row.
+        let w = rows
+            .weights
+            .expect("weights")
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        for bi in 0..b {
+            for p in left[bi]..t {
+                for j in (0..t).filter(|&j| !keep(cfg, bi, p, j)) {
+                    for h in 0..heads {
+                        assert_eq!(w[((bi * heads + h) * t + p) * t + j], 0.0, "{what}");
+                    }
+                }
+            }
+        }
+        // Decoding: a prefix, then one token at a time, equals the whole forward.
+        if cfg.causal {
+            let mha = block(cfg, DType::F32)?;
+            let mut cache = KvCache::new();
+            let mut outs = Vec::new();
+            let mut start = 0;
+            for n in [5, 1, 1, 2, 1, 1] {
+                let y = mha.forward_with(
+                    &x.i((.., start..start + n))?,
+                    &AttentionOptions {
+                        padding_mask: Some(&padding.i((.., 0..start + n))?),
+                        ..Default::default()
+                    },
+                    Some(&mut cache),
+                )?;
+                outs.push(y.output);
+                start += n;
+            }
+            let decoded = Tensor::cat(&outs, 1)?;
+            assert_close(
+                &real(&decoded)?,
+                &real(&fused.output)?,
+                1e-5,
+                &format!("decode {what}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// With sinks the softmax no longer ignores a constant along a row, so ALiBi gives its
 /// formula `−m·(i − j)` exactly rather than its per-key form (which shifted each row by its
 /// query's position: query blocks of different sizes gave different answers).
@@ -919,6 +1093,7 @@ fn alibi_with_sinks_is_exact(dev: &Device) -> anyhow::Result<()> {
 
 device_tests!(
     window_softcap_sinks,
+    windows_and_chunks_match_their_masks,
     alibi_with_sinks_is_exact,
     parity_plain,
     parity_sinusoidal_causal_bias,

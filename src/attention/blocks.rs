@@ -77,8 +77,10 @@ pub(crate) struct Chunk<'a> {
     /// `(B, Tk)` u8, non-zero = keep.
     pub(crate) padding: Option<Tensor>,
     pub(crate) causal: bool,
-    /// Causal sliding window: each query sees its last `w` keys.
+    /// Sliding window: each query sees its last `w` keys (causal) or those within `w` of it.
     pub(crate) window: Option<usize>,
+    /// Chunked attention: each (causal) query sees only keys of its own chunk.
+    pub(crate) chunk: Option<usize>,
     /// Soft cap of the `q·k` logits.
     pub(crate) softcap: Option<f64>,
     /// `(H)` learned sink logits.
@@ -180,8 +182,10 @@ impl Chunk<'_> {
                 v: narrowed(&v, 2, 0, kv, tk)?,
                 padding: self.padding.as_ref(),
                 rule: RowRule {
-                    causal: self.causal.then_some(start + tk - t),
+                    first: start + tk - t,
+                    causal: self.causal,
                     window: self.window,
+                    chunk: self.chunk,
                     softcap: self.softcap.map(|c| c as f32),
                     sinks: host_sinks.clone(),
                 },

@@ -17,7 +17,7 @@ use super::qk_norm::QkNormConfig;
 /// Serialised (serde) with its field names, e.g. as JSON
 /// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
 /// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null,
-/// "sliding_window": null, "logit_softcap": null, "sinks": false}`.
+/// "sliding_window": null, "attention_chunk": null, "logit_softcap": null, "sinks": false}`.
 /// Only `d_model` and `num_heads` are required (`out_bias` defaults to `bias`); the other fields default as in [`AttentionConfig::new`] and its builders (a
 /// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
 /// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
@@ -47,9 +47,17 @@ pub struct AttentionConfig {
     /// RMS normalisation of the projected queries and keys before the rotation (Qwen3,
     /// Gemma 3, OLMo 2; default none).
     pub qk_norm: Option<QkNormConfig>,
-    /// Causal sliding window: each query sees only its last `w` keys, itself included
-    /// (Mistral, Gemma 2/3 and gpt-oss local layers; default none). Needs `causal`.
+    /// Sliding window of `w` (default none). In a causal block each query sees only its
+    /// last `w` keys, itself included (Mistral, Gemma 2/3 and gpt-oss local layers); in a
+    /// bidirectional one the keys within `w` of it on either side, `2w + 1` in all
+    /// (ModernBERT's local layers, where `w = local_attention / 2`). Counted in key indices
+    /// (cache slots), as HF's masks count them.
     pub sliding_window: Option<usize>,
+    /// Chunked attention (Llama 4's RoPE layers; default none; needs `causal`): each query
+    /// sees only the earlier keys of its own chunk of `c` keys. Chunks are counted from each
+    /// sequence's first unpadded key (the padding mask's leading zeros), as HF's mask counts
+    /// them, so a left-padded sequence is chunked as the same sequence unpadded.
+    pub attention_chunk: Option<usize>,
     /// Soft cap `c` of the `q·k` logits: `c·tanh(s / c)`, before biases and masks (Gemma 2;
     /// default none).
     pub logit_softcap: Option<f64>,
@@ -93,6 +101,8 @@ struct AttentionConfigFields {
     #[serde(default)]
     sliding_window: Option<usize>,
     #[serde(default)]
+    attention_chunk: Option<usize>,
+    #[serde(default)]
     logit_softcap: Option<f64>,
     #[serde(default)]
     sinks: bool,
@@ -125,6 +135,7 @@ impl From<AttentionConfigFields> for AttentionConfig {
         }
         c.with_qk_norm(f.qk_norm)
             .with_sliding_window(f.sliding_window)
+            .with_attention_chunk(f.attention_chunk)
             .with_logit_softcap(f.logit_softcap)
             .with_sinks(f.sinks)
     }
@@ -160,6 +171,7 @@ impl AttentionConfig {
             },
             qk_norm: None,
             sliding_window: None,
+            attention_chunk: None,
             logit_softcap: None,
             sinks: false,
             query_block: None,
@@ -198,9 +210,15 @@ impl AttentionConfig {
         self
     }
 
-    /// Sets the causal sliding window (`None`: every earlier key).
+    /// Sets the sliding window (`None`: every key the block's causality allows).
     pub fn with_sliding_window(mut self, window: Option<usize>) -> Self {
         self.sliding_window = window;
+        self
+    }
+
+    /// Sets the attention chunk (`None`: no chunks).
+    pub fn with_attention_chunk(mut self, chunk: Option<usize>) -> Self {
+        self.attention_chunk = chunk;
         self
     }
 
@@ -298,8 +316,8 @@ impl AttentionConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
-    /// scale, soft cap or query/key norm ε that is not a positive normal f32, a sliding window
-    /// of 0 or in a bidirectional block, a query block of 0, a logits budget of 0, or projection weights past
+    /// scale, soft cap or query/key norm ε that is not a positive normal f32, a causal sliding
+    /// window of 0, an attention chunk of 0 or in a bidirectional block, a query block of 0, a logits budget of 0, or projection weights past
     /// [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
@@ -353,19 +371,26 @@ impl AttentionConfig {
         if let Some(norm) = &self.qk_norm {
             norm.validate()?;
         }
-        match self.sliding_window {
+        if self.sliding_window == Some(0) && self.causal {
+            return Err(Error::config(
+                "sliding_window",
+                0,
+                "at least 1 key in a causal block (the query's own), or None",
+            ));
+        }
+        match self.attention_chunk {
             Some(0) => {
                 return Err(Error::config(
-                    "sliding_window",
+                    "attention_chunk",
                     0,
-                    "at least 1 key (the query's own), or None",
+                    "at least 1 key per chunk, or None",
                 ))
             }
-            Some(w) if !self.causal => {
+            Some(c) if !self.causal => {
                 return Err(Error::config(
-                    "sliding_window",
-                    w,
-                    "None in a bidirectional block (the window is causal: a query's last w keys)",
+                    "attention_chunk",
+                    c,
+                    "None in a bidirectional block (chunks are causal: a query's earlier keys in its chunk)",
                 ))
             }
             _ => {}

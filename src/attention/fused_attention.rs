@@ -74,7 +74,7 @@ impl Core<'_> {
             padding: self.padding.map(|p| p.contiguous()).transpose()?,
             // Trailing keys hidden from a whole tile may be left out only when no row can be
             // fully masked (a fully masked row is uniform over every key).
-            trim: self.rule.causal.is_some() && self.padding.is_none() && self.dense.is_empty(),
+            trim: self.rule.causal && self.padding.is_none() && self.dense.is_empty(),
             rule: self.rule.clone(),
             first_row,
             dims: (b, h, tq, tk, d),
@@ -301,9 +301,9 @@ impl InplaceOp1 for CoreOp {
             let (bh, i0) = (task / tiles, (task % tiles) * tile);
             let (bi, hi) = (bh / h, bh % h);
             let rows = tile.min(tq - i0);
-            let keys = match self.rule.causal {
-                Some(first) if self.trim => (first + i0 + rows).min(tk),
-                _ => tk,
+            let keys = match self.trim {
+                true => self.rule.visible(i0 + rows - 1, tk),
+                false => tk,
             };
             // SAFETY: bi < B, hi / group < Hkv and row 0 < Tk (Tk ≥ 1: empty views are refused).
             let (kp, vp) = unsafe { (k.at(bi, hi / group, 0), v.at(bi, hi / group, 0)) };
@@ -494,7 +494,11 @@ mod tests {
                 };
                 let mut s = q.matmul(&rep(&k)?.t()?)?.broadcast_add(&dense)?;
                 s = s.broadcast_add(&relative.to_dense(tq, tk)?)?;
-                if let Some(keep) = keep_mask(causal, None, pad, b, tq, tk, &dev)? {
+                let rule = match causal {
+                    Some(first) => RowRule::causal(first),
+                    None => RowRule::default(),
+                };
+                if let Some(keep) = keep_mask(&rule, pad, b, tq, tk, &dev)? {
                     s = apply_keep_mask(&s, &keep)?;
                 }
                 let p = candle_nn::ops::softmax(&s, D::Minus1)?;
@@ -508,10 +512,7 @@ mod tests {
                         dense: vec![&dense],
                         relative: vec![&relative],
                         padding: pad,
-                        rule: &RowRule {
-                            causal,
-                            ..RowRule::default()
-                        },
+                        rule: &rule,
                         values: Some(values),
                         tile,
                     }
@@ -537,9 +538,8 @@ mod tests {
         let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
         let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
-        let causal = Some(tk - tq);
-        let keep =
-            keep_mask(causal, None, None, b, tq, tk, &dev)?.ok_or(anyhow::anyhow!("mask"))?;
+        let rule = RowRule::causal(tk - tq);
+        let keep = keep_mask(&rule, None, b, tq, tk, &dev)?.ok_or(anyhow::anyhow!("mask"))?;
         let s = apply_keep_mask(&q.matmul(&k.t()?)?, &keep)?;
         let want = candle_nn::ops::softmax(&s, D::Minus1)?
             .matmul(&v)?
@@ -553,10 +553,7 @@ mod tests {
                 dense: vec![],
                 relative: vec![],
                 padding: None,
-                rule: &RowRule {
-                    causal,
-                    ..RowRule::default()
-                },
+                rule: &rule,
                 values: None,
                 tile,
             };

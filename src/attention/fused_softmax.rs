@@ -3,7 +3,7 @@
 //! ```text
 //! s'[b,h,i,j] = cap(s[b,h,i,j]) + Σ dense[b,h,i,j] + Σ rel.values[b,h,i,c(i,j)]
 //! p[b,h,i,:] = softmax over kept j of s'[b,h,i,j], joined by the head's sink logit (no value)
-//! kept(i, j) = (causal = None or first + i − window < j ≤ first + i) and padding[b, j] ≠ 0
+//! kept(i, j) = j in the row's causal limit, window and chunk (RowRule) and padding[b, j] ≠ 0
 //! cap(x) = c·tanh(x / c) with a soft cap c, else x
 //! ```
 //!
@@ -163,12 +163,27 @@ fn exp(x: f32) -> f32 {
 
 /// What a softmax row does besides its bias and padding: which keys it sees, the soft cap of
 /// its logits and the sink logit that joins it.
+///
+/// Query row `i` is key `p = first + i` (the chunk's queries are its last keys). It sees keys
+/// `j` with
+/// ```text
+/// j ≤ p                                     if causal
+/// p − w < j          (causal)   or |p − j| ≤ w (bidirectional)   with a window w
+/// ⌊(j − l) / c⌋ = ⌊(p − l) / c⌋              with chunks of c (causal), l = the sequence's
+///                                           leading padded keys
+/// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct RowRule {
-    /// `Some(first)`: query row `i` is key `first + i` and sees keys `j ≤ first + i`.
-    pub(crate) causal: Option<usize>,
-    /// `Some(w)` (with `causal`): row `i` sees only keys `j > first + i − w`, the last `w`.
+    /// Query row `i` is key `first + i`.
+    pub(crate) first: usize,
+    /// Whether row `i` sees only keys `j ≤ first + i`.
+    pub(crate) causal: bool,
+    /// `Some(w)`: causal, the last `w` keys (`j > p − w`); bidirectional, keys within `w` of
+    /// the query on either side.
     pub(crate) window: Option<usize>,
+    /// `Some(c)` (with `causal`): keys of the query's own chunk of `c`, chunks counted from the
+    /// sequence's first unpadded key.
+    pub(crate) chunk: Option<usize>,
     /// `Some(c)`: the `q·k` logits become `c·tanh(s / c)` before the terms are added.
     pub(crate) softcap: Option<f32>,
     /// One logit per head that joins every row's softmax and carries no value (learned sinks).
@@ -176,13 +191,50 @@ pub(crate) struct RowRule {
 }
 
 impl RowRule {
-    /// The first key row `i` sees through the window (0 without one).
-    #[inline(always)]
-    pub(crate) fn window_start(&self, i: usize) -> usize {
-        match (self.causal, self.window) {
-            (Some(first), Some(w)) => (first + i + 1).saturating_sub(w),
-            _ => 0,
+    /// The causal rule of a chunk whose first query is key `first`.
+    #[cfg(test)]
+    pub(crate) fn causal(first: usize) -> Self {
+        Self {
+            first,
+            causal: true,
+            ..Self::default()
         }
+    }
+
+    /// The keys `0..visible` of row `i` out of `len` that are not causally hidden.
+    #[inline(always)]
+    pub(crate) fn visible(&self, i: usize, len: usize) -> usize {
+        match self.causal {
+            true => (self.first + i + 1).min(len),
+            false => len,
+        }
+    }
+
+    /// The keys `start..end` row `i` sees through its window and chunk, before padding, for a
+    /// sequence whose first `left` keys are padded (`end` may pass the row's length).
+    #[inline(always)]
+    pub(crate) fn span(&self, i: usize, left: usize) -> (usize, usize) {
+        let p = self.first + i;
+        let (mut start, mut end) = match (self.window, self.causal) {
+            (None, _) => (0, usize::MAX),
+            (Some(w), true) => ((p + 1).saturating_sub(w), usize::MAX),
+            (Some(w), false) => (p.saturating_sub(w), p.saturating_add(w).saturating_add(1)),
+        };
+        if let Some(c) = self.chunk.filter(|&c| c > 0) {
+            // The chunk holding p, counted from `left` (keys before it form chunks too, with
+            // floor division, as HF's mask has it).
+            let (p, l, c) = (p as i128, left as i128, c as i128);
+            let chunk_start = l + (p - l).div_euclid(c) * c;
+            let clamp = |x: i128| usize::try_from(x.max(0)).unwrap_or(usize::MAX);
+            start = start.max(clamp(chunk_start));
+            end = end.min(clamp(chunk_start + c));
+        }
+        (start, end)
+    }
+
+    /// Whether a row's window or chunk depends on the sequence's leading padding.
+    pub(crate) fn needs_left(&self) -> bool {
+        self.chunk.is_some()
     }
 }
 
@@ -373,7 +425,7 @@ impl RowPass<'_> {
         let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
         let len = row.len();
         let rule = self.rule;
-        let visible = rule.causal.map_or(len, |first| (first + i + 1).min(len));
+        let visible = rule.visible(i, len);
         let (row, hidden) = row.split_at_mut(visible);
         if let Some(c) = rule.softcap {
             for x in row.iter_mut() {
@@ -390,8 +442,17 @@ impl RowPass<'_> {
                 }
             }
         }
-        let outside = rule.window_start(i).min(row.len());
-        row[..outside].iter_mut().for_each(|x| *x = f32::MIN);
+        let left = match (rule.needs_left(), self.padding) {
+            (true, Some(p)) => p[bi * tk..(bi + 1) * tk]
+                .iter()
+                .position(|&keep| keep != 0)
+                .unwrap_or(tk),
+            _ => 0,
+        };
+        let (start, end) = rule.span(i, left);
+        let (start, end) = (start.min(visible), end.min(visible));
+        row[..start].iter_mut().for_each(|x| *x = f32::MIN);
+        row[end.max(start)..].iter_mut().for_each(|x| *x = f32::MIN);
         let sink = rule.sinks.as_ref().map(|s| s[hi]);
         let max = row_max(row);
         if max == f32::MIN && sink.is_none() && !hidden.is_empty() {
@@ -487,15 +548,21 @@ mod tests {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let rules = [
             RowRule::default(),
+            RowRule::causal(30),
             RowRule {
-                causal: Some(30),
-                ..RowRule::default()
-            },
-            RowRule {
-                causal: Some(30),
                 window: Some(9),
                 softcap: Some(3.0),
                 sinks: Some(vec![0.7]),
+                ..RowRule::causal(30)
+            },
+            RowRule {
+                first: 20,
+                window: Some(4),
+                ..RowRule::default()
+            },
+            RowRule {
+                chunk: Some(8),
+                ..RowRule::causal(30)
             },
         ];
         for rule in &rules {

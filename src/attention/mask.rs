@@ -5,6 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::fused_softmax::RowRule;
 use crate::error::{Error, Result};
 
 /// The lowest finite value of a float dtype, used as the fill for masked logits.
@@ -31,35 +32,57 @@ pub(crate) fn check_padding(padding: &Tensor, batch: usize, tk: usize) -> Result
 }
 
 /// Keep-mask (`u8`, 1 = attend) broadcastable to `(B, 1, Tq, Tk)`, or `None` when nothing is
-/// masked. With `causal = Some(first)`, query row `r` keeps keys `j ≤ first + r` (for a whole
-/// chunk `first = tk − tq`: row `r` is cache index `tk − tq + r`), and with a `window` of `w`
-/// only keys `j > first + r − w`. `padding` is a checked `(B, Tk)` 0/1 mask (see
-/// [`check_padding`]).
+/// masked: the keys `rule` lets each query row see (its causal limit, window and chunk; query
+/// row `r` is key `rule.first + r`), and the unpadded ones. `padding` is a checked `(B, Tk)`
+/// 0/1 mask (see [`check_padding`]).
+///
+/// Built from sizes on the host (one start and end per row) and, for chunks counted from each
+/// sequence's first unpadded key, from the padding mask on its device.
 pub(crate) fn keep_mask(
-    causal: Option<usize>,
-    window: Option<usize>,
+    rule: &RowRule,
     padding: Option<&Tensor>,
     batch: usize,
     tq: usize,
     tk: usize,
     device: &Device,
 ) -> Result<Option<Tensor>> {
-    let causal_mask = match causal {
-        Some(first) if tq > 0 => {
-            let first = first as u32;
-            let key_index = Tensor::arange(0u32, tk as u32, device)?.unsqueeze(0)?;
-            let last_visible = Tensor::arange(first, first + tq as u32, device)?.unsqueeze(1)?;
-            let mut keep = key_index.broadcast_le(&last_visible)?;
-            if let Some(w) = window {
-                // Row r keeps the last w keys it sees: j ≥ first + r + 1 − w (built on the host
-                // from sizes, one value per row).
-                let starts: Vec<u32> = (0..tq)
-                    .map(|r| (first as usize + r + 1).saturating_sub(w) as u32)
-                    .collect();
-                let start = Tensor::from_vec(starts, (tq, 1), device)?;
-                keep = keep.mul(&key_index.broadcast_ge(&start)?)?;
-            }
+    let index = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let key_index = Tensor::arange(0u32, index(tk), device)?.unsqueeze(0)?;
+    let padded_chunks = rule.needs_left() && padding.is_some();
+    // Each row's keys start..end from the causal limit and the window (and the chunk when no
+    // key is padded: then every sequence starts at key 0).
+    let spans: Vec<(usize, usize)> = (0..tq)
+        .map(|r| {
+            let (mut start, mut end) = match padded_chunks {
+                true => RowRule {
+                    chunk: None,
+                    ..rule.clone()
+                }
+                .span(r, 0),
+                false => rule.span(r, 0),
+            };
+            end = end.min(rule.visible(r, tk));
+            start = start.min(end);
+            (start, end)
+        })
+        .collect();
+    let limited = spans.iter().any(|&(start, end)| start > 0 || end < tk);
+    let span_mask = match limited && tq > 0 {
+        false => None,
+        true => {
+            let starts: Vec<u32> = spans.iter().map(|&(s, _)| index(s)).collect();
+            let ends: Vec<u32> = spans.iter().map(|&(_, e)| index(e)).collect();
+            let start = Tensor::from_vec(starts, (tq, 1), device)?;
+            let end = Tensor::from_vec(ends, (tq, 1), device)?;
+            let keep = key_index
+                .broadcast_ge(&start)?
+                .mul(&key_index.broadcast_lt(&end)?)?;
             Some(keep.reshape((1, 1, tq, tk))?)
+        }
+    };
+    let chunk_mask = match (rule.chunk, padding) {
+        (Some(c), Some(p)) if padded_chunks && tq > 0 => {
+            Some(padded_chunk_mask(c, rule.first, p, (batch, tq, tk))?)
         }
         _ => None,
     };
@@ -67,12 +90,72 @@ pub(crate) fn keep_mask(
         None => None,
         Some(p) => Some(p.reshape((batch, 1, 1, tk))?),
     };
-    Ok(match (causal_mask, padding_mask) {
-        (None, None) => None,
-        (Some(c), None) => Some(c),
-        (None, Some(p)) => Some(p),
-        (Some(c), Some(p)) => Some(c.broadcast_mul(&p)?),
-    })
+    let mut keep: Option<Tensor> = None;
+    for mask in [span_mask, chunk_mask, padding_mask].into_iter().flatten() {
+        keep = Some(match keep {
+            None => mask,
+            Some(k) => k.broadcast_mul(&mask)?,
+        });
+    }
+    Ok(keep)
+}
+
+/// `(B, 1, Tq, Tk)`: key `j` and query `p = first + r` lie in the same chunk of `c`, chunks
+/// counted from the sequence's first unpadded key `l`, i.e. `⌊(j − l) / c⌋ = ⌊(p − l) / c⌋`.
+/// Computed on the padding mask's device in u32: both sides are shifted by a multiple of `c`
+/// past every `l` so that no difference is negative.
+fn padded_chunk_mask(
+    c: usize,
+    first: usize,
+    padding: &Tensor,
+    (batch, tq, tk): (usize, usize, usize),
+) -> Result<Tensor> {
+    let device = padding.device();
+    let shift = tk.div_ceil(c).saturating_add(1).saturating_mul(c);
+    let fits = |n: usize| u32::try_from(n).ok();
+    let (Some(c32), Some(_)) = (
+        fits(c),
+        fits(
+            shift
+                .saturating_add(first)
+                .saturating_add(tq)
+                .saturating_add(tk),
+        ),
+    ) else {
+        return Err(Error::config(
+            "attention_chunk",
+            c,
+            format!(
+                "chunks whose key indices (up to {}) fit in u32",
+                first + tq + tk
+            ),
+        ));
+    };
+    let keys = Tensor::arange(0u32, tk as u32, device)?;
+    // l per sequence: the first kept key's index (tk when every key is padded).
+    let all = Tensor::full(tk as u32, tk, device)?;
+    let left = padding
+        .ne(0u8)?
+        .where_cond(
+            &keys.unsqueeze(0)?.broadcast_as((batch, tk))?,
+            &all.unsqueeze(0)?.broadcast_as((batch, tk))?,
+        )?
+        .min_keepdim(1)?; // (B, 1)
+    let chunk_of = |positions: Tensor| -> Result<Tensor> {
+        // ⌊(x + shift − l) / c⌋ for x of shape (1, N): (B, N).
+        let scalar = |n: u32| Tensor::new(&[n], device)?.unsqueeze(0);
+        Ok(positions
+            .broadcast_add(&scalar(shift as u32)?)?
+            .broadcast_sub(&left)?
+            .broadcast_div(&scalar(c32)?)?)
+    };
+    let key_chunks = chunk_of(keys.unsqueeze(0)?)?; // (B, Tk)
+    let rows = Tensor::arange(first as u32, (first + tq) as u32, device)?.unsqueeze(0)?;
+    let row_chunks = chunk_of(rows)?; // (B, Tq)
+    Ok(row_chunks
+        .unsqueeze(2)?
+        .broadcast_eq(&key_chunks.unsqueeze(1)?)?
+        .unsqueeze(1)?)
 }
 
 /// `scores` where `keep` is 1, the dtype's lowest value elsewhere.

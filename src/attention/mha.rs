@@ -7,7 +7,7 @@
 //! q, k = enc.rotate(q, k)
 //! k, v = cache.append(k, v)                          keys rotated once, at their own position
 //! s = cap((scale · q) kᵀ) + enc.logits_bias(scale · q) + attn_mask,   masked where causal,
-//!                                                    outside the window, or padding
+//!                                                    outside the window or chunk, or padding
 //! α = softmax(s ‖ sink_h)[..Tk],  out = α v + Σ_j α_ij enc.value_term[c(i, j)],   heads merged, W_o
 //! ```
 //!
@@ -213,6 +213,7 @@ impl MultiHeadAttention {
             k_positions: &k_positions,
             causal: cfg.causal,
             window: cfg.sliding_window,
+            chunk: cfg.attention_chunk,
             softcap: cfg.logit_softcap,
             sinks: self.sinks.as_ref(),
             train: options.train,

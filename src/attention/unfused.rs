@@ -55,15 +55,7 @@ pub(crate) fn attend(
             scores = scores.broadcast_add(term)?;
         }
         let (b, h, n, kv) = scores.dims4()?;
-        let keep = keep_mask(
-            rule.causal,
-            rule.window,
-            part.padding,
-            b,
-            n,
-            kv,
-            scores.device(),
-        )?;
+        let keep = keep_mask(rule, part.padding, b, n, kv, scores.device())?;
         if let Some(keep) = keep {
             scores = apply_keep_mask(&scores, &keep)?;
         }
