@@ -770,6 +770,29 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The weights of a block built for `cfg` under the prefix `a`, drawn from N(0, std²), as
+/// plain tensors to load at any dtype.
+fn random_weights(
+    cfg: &AttentionConfig,
+    std: f32,
+    dev: &Device,
+) -> anyhow::Result<HashMap<String, Tensor>> {
+    let varmap = VarMap::new();
+    MultiHeadAttention::new(
+        cfg,
+        None,
+        VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
+    )?;
+    for var in varmap.all_vars() {
+        var.set(&Tensor::randn(0f32, std, var.shape(), dev)?)?;
+    }
+    let data = varmap.data().lock().unwrap();
+    Ok(data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+        .collect())
+}
+
 /// Sliding windows, soft caps and sinks: checked settings, serialised with the block, sinks
 /// created in a `VarMap` as zeros and trained (gradients reach them), and the weights of a
 /// windowed causal row against the formula.
@@ -808,22 +831,7 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
     for cap in [131_008.0, 1e-6] {
         let cfg = base.clone().with_logit_softcap(Some(cap)).with_sinks(true);
         let x = Tensor::randn(0f32, 1.0, (1, 5, 16), dev)?;
-        let varmap = VarMap::new();
-        MultiHeadAttention::new(
-            &cfg,
-            None,
-            VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
-        )?;
-        for var in varmap.all_vars() {
-            var.set(&Tensor::randn(0f32, 0.3, var.shape(), dev)?)?;
-        }
-        let weights: HashMap<String, Tensor> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
-            .collect();
+        let weights = random_weights(&cfg, 0.3, dev)?;
         let outs = [DType::F32, DType::F16, DType::BF16]
             .iter()
             .map(|&dtype| {
@@ -917,22 +925,7 @@ fn windows_and_chunks_match_their_masks(dev: &Device) -> anyhow::Result<()> {
     let padding = Tensor::from_vec(padding, (b, t), dev)?;
     let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?;
     for cfg in &configs {
-        let varmap = VarMap::new();
-        MultiHeadAttention::new(
-            cfg,
-            None,
-            VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
-        )?;
-        for var in varmap.all_vars() {
-            var.set(&Tensor::randn(0f32, 0.4, var.shape(), dev)?)?;
-        }
-        let weights: HashMap<String, Tensor> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
-            .collect();
+        let weights = random_weights(cfg, 0.4, dev)?;
         let block = |cfg: &AttentionConfig, dtype: DType| {
             let vb = VarBuilder::from_tensors(weights.clone(), dtype, dev);
             MultiHeadAttention::new(cfg, None, vb.pp("a"))
