@@ -1,6 +1,7 @@
 //! The positional plan of every layer of a model, read from its `config.json`: what a user
 //! checks before porting a model — each layer's encoding (RoPE θ, scaling, rotary width,
-//! multimodal bands, or none), sliding window, logit soft cap, sinks and query/key norm.
+//! multimodal bands, or none), sliding window, chunks, causality, logit soft cap, sinks and
+//! query/key norm.
 //!
 //! ```sh
 //! # The configurations of the repository's HF fixtures (written by HF's config classes):
@@ -56,8 +57,16 @@ fn plan(name: &str, json: &str) -> anyhow::Result<()> {
             other => other.kind().to_string(),
         };
         let mut extras = Vec::new();
-        if let Some(w) = a.sliding_window {
-            extras.push(format!("window {w}"));
+        match (a.sliding_window, a.causal) {
+            (Some(w), true) => extras.push(format!("window of the last {w}")),
+            (Some(w), false) => extras.push(format!("window ±{w}")),
+            _ => {}
+        }
+        if let Some(c) = a.attention_chunk {
+            extras.push(format!("chunks of {c}"));
+        }
+        if !a.causal {
+            extras.push("bidirectional".to_string());
         }
         if let Some(c) = a.logit_softcap {
             extras.push(format!("softcap {c}"));
@@ -101,6 +110,7 @@ fn main() -> anyhow::Result<()> {
             !k.contains(".prefix")
                 && !k.contains(".layer")
                 && !k.ends_with(".1")
+                && !k.ends_with(".padded")
                 && *k != "t5_decoder"
         })
         .collect();

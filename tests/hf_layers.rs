@@ -15,7 +15,7 @@ use candle_posenc::positions::{PositionIds, Positions};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 32] = [
+const FAMILIES: [&str; 35] = [
     "llama",
     "mistral",
     "qwen2",
@@ -48,6 +48,9 @@ const FAMILIES: [&str; 32] = [
     "cohere2.1",
     "qwen2_vl",
     "qwen3_vl",
+    "modernbert.0",
+    "modernbert.1",
+    "modernbert.1.padded",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -333,6 +336,31 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
     }
     let oss = read("gpt_oss.0", 1)?.attention;
     assert!(oss.sinks && oss.bias && oss.out_bias && oss.sliding_window.is_none());
+    // ModernBERT, as HF writes it (nested rope_parameters, layer_types) and as the published
+    // files have it (flat θs, global_attn_every_n_layers; defaults 3, 128, 160000, 10000).
+    let base = r#""model_type": "modernbert", "hidden_size": 32, "num_attention_heads": 4,
+        "num_hidden_layers": 6, "max_position_embeddings": 64"#;
+    let published = format!(r#"{{{base}, "local_rope_theta": 500.0}}"#);
+    let fixture = ckpt.metadata()["modernbert.0"].clone();
+    for (text, layers, every, window, global, local) in [
+        (fixture.as_str(), 2, 2, 2, 160_000.0, 10_000.0),
+        (published.as_str(), 6, 3, 64, 160_000.0, 500.0),
+    ] {
+        for layer in 0..layers {
+            let config = HfAttentionConfig::from_json_layer(text, layer)?;
+            assert_eq!(config.family, HfFamily::ModernBert);
+            let a = &config.attention;
+            let full = layer % every == 0;
+            assert!(!a.causal && a.attention_chunk.is_none());
+            assert_eq!(a.sliding_window, (!full).then_some(window), "layer {layer}");
+            match &config.encoding {
+                EncodingConfig::Rotary(r) => {
+                    assert_eq!(r.base, if full { global } else { local }, "layer {layer}")
+                }
+                other => panic!("ModernBERT read as {other:?}"),
+            }
+        }
+    }
     Ok(())
 }
 

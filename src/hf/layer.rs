@@ -47,6 +47,10 @@ pub enum HfFamily {
     /// `mpt`: fused `Wqkv` (rows `[q; k; v]`), `out_proj`, no biases; ALiBi with MPT's slopes
     /// (`attn_config.alibi`), or no encoding in the block (learned positions at the input).
     Mpt,
+    /// `modernbert`: fused `Wqkv` (rows `[q; k; v]`), `Wo`; bidirectional; RoPE with a global
+    /// θ on full-attention layers and a local θ on sliding ones, which see `local_attention / 2`
+    /// keys on either side.
+    ModernBert,
 }
 
 impl HfFamily {
@@ -63,6 +67,7 @@ impl HfFamily {
             "falcon" => HfFamily::Falcon,
             "t5" => HfFamily::T5,
             "mpt" => HfFamily::Mpt,
+            "modernbert" => HfFamily::ModernBert,
             _ => return None,
         })
     }
@@ -78,7 +83,7 @@ impl HfFamily {
 /// - sizes: `hidden_size` (`n_embd`, `d_model`), `num_attention_heads` (`n_head`,
 ///   `num_heads`), `num_key_value_heads` (Falcon: `multi_query`, `new_decoder_architecture`,
 ///   `num_kv_heads`), `head_dim` (T5: `d_kv`), else `hidden_size / heads`;
-/// - biases: `attention_bias` (Llama, Qwen3, Gemma, OLMo 2, GPT-NeoX), `bias` (Falcon); Qwen2
+/// - biases: `attention_bias` (Llama, Qwen3, Gemma, OLMo 2, GPT-NeoX, ModernBERT), `bias` (Falcon); Qwen2
 ///   has biases on q, k and v but not on the output, BLOOM and GPT-2 on all four, Mistral,
 ///   Phi-3, GPT-J and T5 on none;
 /// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
@@ -86,7 +91,8 @@ impl HfFamily {
 /// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`) and OLMo 2
 ///   (over all heads), ε from `rms_norm_eps`;
 /// - sliding windows (`sliding_window` with its class default: Mistral, Phi-3, and per layer
-///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]), Gemma 2's logit soft cap
+///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
+///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
 ///   (`attn_logit_softcapping`, 50 by default), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
 ///   interleaved rotary), ALiBi (BLOOM; MPT's `attn_config.alibi` with its own slopes and
@@ -98,8 +104,8 @@ impl HfFamily {
 /// layer types, Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
 /// layers differ (sliding and full) is read one layer at a time.
 ///
-/// Decoders are causal; T5 reads as its encoder's self-attention (bidirectional buckets, not
-/// causal), [`Self::with_causal`] gives its decoder's.
+/// Decoders are causal; ModernBERT is not; T5 reads as its encoder's self-attention
+/// (bidirectional buckets, not causal), [`Self::with_causal`] gives its decoder's.
 ///
 /// # Example
 /// ```
@@ -174,7 +180,8 @@ impl HfAttentionConfig {
     /// [`Self::from_json`], with the layer's own kind where layers differ — a sliding window on
     /// sliding-attention layers (`layer_types`, or the model's default pattern: Qwen's
     /// `max_window_layers`, Gemma 2 and gpt-oss alternating, Gemma 3 every
-    /// `sliding_window_pattern`-th layer full, Cohere2 every fourth), Gemma 3's local RoPE
+    /// `sliding_window_pattern`-th layer full, Cohere2 every fourth, ModernBERT every
+    /// `global_attn_every_n_layers`-th from layer 0), Gemma 3's and ModernBERT's local RoPE
     /// there, and no encoding on SmolLM3's NoPE layers (`no_rope_layers`) and Cohere2's
     /// full-attention layers.
     ///
@@ -199,7 +206,7 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert"
                 ),
             )
         })?;
@@ -273,6 +280,10 @@ impl HfAttentionConfig {
                 (b, b)
             }
             (HfFamily::Bloom | HfFamily::Gpt2, _) => (true, true),
+            (HfFamily::ModernBert, _) => {
+                let b = flag("attention_bias", false)?;
+                (b, b)
+            }
             (HfFamily::Phi3 | HfFamily::GptJ | HfFamily::T5 | HfFamily::Mpt, _) => (false, false),
         };
         attention = attention.with_bias(bias).with_out_bias(out_bias);
@@ -282,7 +293,7 @@ impl HfAttentionConfig {
         {
             attention = attention.with_softmax_scale(1.0);
         }
-        if family == HfFamily::T5 {
+        if matches!(family, HfFamily::T5 | HfFamily::ModernBert) {
             attention = attention.with_causal(false);
         }
         if matches!(model_type, "gemma2" | "gemma3_text") {
@@ -321,7 +332,13 @@ impl HfAttentionConfig {
         }
         if let LayerKind::Sliding(w) = kind {
             attention = attention.with_sliding_window(Some(w));
-            keys.set("sliding_window", "sliding_window");
+            keys.set(
+                "sliding_window",
+                match family {
+                    HfFamily::ModernBert => "local_attention",
+                    _ => "sliding_window",
+                },
+            );
         }
         // Query/key norms.
         let norm = match model_type {
@@ -503,6 +520,7 @@ impl HfAttentionConfig {
                 out_conv1d: false,
             },
             HfFamily::Mpt => fused(QkvLayout::Stacked("Wqkv"), "out_proj"),
+            HfFamily::ModernBert => fused(QkvLayout::Stacked("Wqkv"), "Wo"),
         }
     }
 }
@@ -588,7 +606,7 @@ enum LayerKind {
 }
 
 /// The models whose layers differ by `layer_types`.
-const LAYERED: [&str; 7] = [
+const LAYERED: [&str; 8] = [
     "qwen2",
     "qwen3",
     "gemma2",
@@ -596,12 +614,16 @@ const LAYERED: [&str; 7] = [
     "gpt_oss",
     "smollm3",
     "cohere2",
+    "modernbert",
 ];
 
 /// The window a sliding layer of this model uses, `None` when it has none: `sliding_window`,
 /// with the config class's default when the key is absent, and Qwen's `use_sliding_window`
-/// switch.
+/// switch; ModernBERT's half of `local_attention` (128 by default) on either side.
 fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
+    if model_type == "modernbert" {
+        return Ok(Some(top.usize("local_attention")?.unwrap_or(128) / 2));
+    }
     let default = match model_type {
         "mistral" | "gemma2" | "gemma3_text" | "cohere2" => Some(4096),
         "gpt_oss" => Some(128),
@@ -643,6 +665,10 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     let sliding = match model_type {
         "qwen2" | "qwen3" => layer >= top.usize("max_window_layers")?.unwrap_or(28),
         "smollm3" => !uses_rope(top, model_type, layer)?,
+        "modernbert" => {
+            let every = top.usize("global_attn_every_n_layers")?.unwrap_or(3).max(1);
+            !layer.is_multiple_of(every)
+        }
         "gemma3_text" | "cohere2" => {
             let default = if model_type == "cohere2" { 4 } else { 6 };
             let pattern = top
@@ -748,9 +774,10 @@ fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
     Ok(None)
 }
 
-/// The rotary configuration of a layer of `kind`: Gemma 3's `rope_parameters` nested by layer
-/// type (or its flat `rope_local_base_freq` on sliding layers, 10000 by default, and a global
-/// θ of 1e6 by default).
+/// The rotary configuration of a layer of `kind`: `rope_parameters` nested by layer type
+/// (Gemma 3, ModernBERT), or the flat keys older files have: Gemma 3's `rope_local_base_freq`
+/// on sliding layers (10000 by default) and a global θ of 1e6 by default; ModernBERT's
+/// `global_rope_theta` (160000) and `local_rope_theta` (10000).
 fn rope_of_layer(text: &str, top: &Obj, model_type: &str, kind: LayerKind) -> Result<RopeConfig> {
     let type_name = match kind {
         LayerKind::Full => "full_attention",
@@ -766,6 +793,15 @@ fn rope_of_layer(text: &str, top: &Obj, model_type: &str, kind: LayerKind) -> Re
         Some(entry) => {
             map.insert("rope_parameters".into(), entry);
             map.remove("rope_scaling");
+        }
+        None if model_type == "modernbert" => {
+            let (key, default) = match kind {
+                LayerKind::Full => ("global_rope_theta", 160_000.0),
+                LayerKind::Sliding(_) => ("local_rope_theta", 10_000.0),
+            };
+            let theta = top.f64(key)?.unwrap_or(default);
+            map.insert("rope_theta".into(), Value::from(theta));
+            map.remove("rope_parameters");
         }
         None if model_type != "gemma3_text" => return RopeConfig::from_hf_json(text),
         None if kind == LayerKind::Full => {
