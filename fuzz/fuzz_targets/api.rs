@@ -568,6 +568,8 @@ struct AttnSpec {
     /// The query block of the second model, which shares the weights.
     alt_block: Up<7>,
     window: Option<Dim<8>>,
+    /// Chunked attention (valid in causal blocks only).
+    chunk: Option<Dim<8>>,
     softcap: Option<Real>,
     sinks: bool,
     /// Query/key norm: (over all heads, Gemma's unit offset).
@@ -626,6 +628,7 @@ impl AttnSpec {
             QkNormConfig::new().with_scope(scope).with_unit_offset(unit)
         });
         c.with_sliding_window(self.window.map(|w| w.value))
+            .with_attention_chunk(self.chunk.map(|c| c.value))
             .with_logit_softcap(self.softcap.map(|s| s.get(0.5, 50.0)))
             .with_sinks(self.sinks)
             .with_qk_norm(norm)
