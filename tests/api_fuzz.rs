@@ -221,8 +221,50 @@ fn cache_positions_after_an_undo(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A chunk longer than every index is a valid setting: it splits a padded sequence only at its
+/// first unpadded key. Plain ops computed the mask's chunk indices in u32 and refused
+/// `attention_chunk = usize::MAX` under padding; every path now agrees on every chunk size, up
+/// to the largest.
+fn chunks_of_any_size(dev: &Device) -> anyhow::Result<()> {
+    let (b, t, d) = (2, 6, 8);
+    let x = Tensor::randn(0f32, 1.0, (b, t, d), dev)?;
+    let padding = Tensor::from_vec(vec![0u8, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], (b, t), dev)?;
+    let varmap = VarMap::new();
+    let base = AttentionConfig::new(d, 2).with_causal(true);
+    MultiHeadAttention::new(
+        &base,
+        None,
+        VarBuilder::from_varmap(&varmap, DType::F32, dev),
+    )?;
+    let weights: std::collections::HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .expect("varmap")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+        .collect();
+    let opts = AttentionOptions {
+        padding_mask: Some(&padding),
+        ..Default::default()
+    };
+    for chunk in [1, 2, 5, 6, 7, 1 << 40, usize::MAX] {
+        let cfg = base.clone().with_attention_chunk(Some(chunk));
+        let out = |dtype: DType| -> anyhow::Result<Tensor> {
+            let vb = VarBuilder::from_tensors(weights.clone(), dtype, dev);
+            let block = MultiHeadAttention::new(&cfg, None, vb)?;
+            let y = block.forward_with(&x.to_dtype(dtype)?, &opts, None)?;
+            Ok(y.output.to_dtype(DType::F32)?)
+        };
+        let (fused, ops) = (out(DType::F32)?, out(DType::F64)?);
+        let diff = (fused - ops)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "chunk {chunk}: the paths differ by {diff:e}");
+    }
+    Ok(())
+}
+
 device_tests!(
     sizes_hidden_by_an_empty_axis,
     integer_tensors_at_the_plug,
-    cache_positions_after_an_undo
+    cache_positions_after_an_undo,
+    chunks_of_any_size
 );

@@ -111,23 +111,24 @@ fn padded_chunk_mask(
     (batch, tq, tk): (usize, usize, usize),
 ) -> Result<Tensor> {
     let device = padding.device();
-    let shift = tk.div_ceil(c).saturating_add(1).saturating_mul(c);
+    // Every index and every l lie below `span`: a chunk that long or longer splits them only at
+    // l, so chunks past it are the same as chunks of `span` (and fit in u32 wherever the
+    // indices do).
+    let span = (first + tq).max(tk).saturating_add(1);
+    let c = c.clamp(1, span);
+    // A multiple of c at or past every l (l ≤ tk).
+    let shift = tk.div_ceil(c).saturating_mul(c);
     let fits = |n: usize| u32::try_from(n).ok();
-    let (Some(c32), Some(_)) = (
-        fits(c),
-        fits(
-            shift
-                .saturating_add(first)
-                .saturating_add(tq)
-                .saturating_add(tk),
-        ),
-    ) else {
+    let top = shift
+        .saturating_add(first)
+        .saturating_add(tq)
+        .saturating_add(tk);
+    let (Some(c32), Some(_)) = (fits(c), fits(top)) else {
         return Err(Error::config(
-            "attention_chunk",
-            c,
+            "number of keys",
+            tk,
             format!(
-                "chunks whose key indices (up to {}) fit in u32",
-                first + tq + tk
+                "a chunked padded block whose shifted key indices (up to {top}) fit in u32, the index type of its mask on this path"
             ),
         ));
     };
