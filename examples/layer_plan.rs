@@ -1,7 +1,7 @@
 //! The positional plan of every layer of a model, read from its `config.json`: what a user
 //! checks before porting a model — each layer's encoding (RoPE θ, scaling, rotary width,
-//! multimodal bands, or none), sliding window, chunks, causality, logit soft cap, sinks and
-//! query/key norm.
+//! multimodal bands, or none), sliding window, chunks, causality, logit soft cap, sinks,
+//! query/key norm and attention temperature.
 //!
 //! ```sh
 //! # The configurations of the repository's HF fixtures (written by HF's config classes):
@@ -75,7 +75,18 @@ fn plan(name: &str, json: &str) -> anyhow::Result<()> {
             extras.push("sinks".to_string());
         }
         if let Some(n) = a.qk_norm {
-            extras.push(format!("q/k norm {:?}", n.scope));
+            let scale = if n.learned_scale {
+                ""
+            } else {
+                " without scale"
+            };
+            extras.push(format!("q/k norm {:?}{scale}", n.scope));
+        }
+        if let Some(t) = a.attention_temperature {
+            extras.push(format!(
+                "temperature 1 + {}·ln(1 + ⌊(p + 1)/{}⌋)",
+                t.attn_scale, t.floor_scale
+            ));
         }
         println!(
             "  layer {layer:>2}: {encoding}; {} heads / {} KV × {}, scale {:.4}{}{}",

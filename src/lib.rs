@@ -94,8 +94,8 @@ pub mod rotary;
 pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
-    AttentionConfig, AttentionOptions, AttentionOutput, KvCache, MultiHeadAttention, QkNormConfig,
-    QkNormScope, DEFAULT_LOGITS_BUDGET,
+    AttentionConfig, AttentionOptions, AttentionOutput, AttentionTemperature, KvCache,
+    MultiHeadAttention, QkNormConfig, QkNormScope, DEFAULT_LOGITS_BUDGET,
 };
 pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;

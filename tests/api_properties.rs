@@ -15,7 +15,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_posenc::attention::{
-    AttentionConfig, AttentionOptions, KvCache, QkNormConfig, QkNormScope,
+    AttentionConfig, AttentionOptions, AttentionTemperature, KvCache, QkNormConfig, QkNormScope,
 };
 use candle_posenc::positions::{PositionIds, Positions};
 use candle_posenc::{limits, Error};
@@ -31,7 +31,8 @@ struct Case {
     causal: bool,
     bias: bool,
     norm: Option<bool>,
-    /// Bits: a sliding window of 2, a soft cap of 3, sink logits, chunks of 3 (causal blocks).
+    /// Bits: a sliding window of 2, a soft cap of 3, sink logits, chunks of 3 (causal blocks),
+    /// an attention temperature.
     extras: u8,
     batch: usize,
     chunks: Vec<usize>,
@@ -55,7 +56,7 @@ fn cases() -> impl Strategy<Value = Case> {
             any::<bool>(),
             any::<bool>(),
             prop::option::of(any::<bool>()),
-            0..16u8,
+            0..32u8,
         ),
         (0..3usize, prop::collection::vec(0..5usize, 1..4), 0..5usize),
         (
@@ -127,6 +128,9 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         .with_qk_norm(norm)
         .with_sliding_window((case.extras & 1 != 0).then_some(2))
         .with_attention_chunk((case.causal && case.extras & 8 != 0).then_some(3))
+        .with_attention_temperature(
+            (case.extras & 16 != 0).then_some(AttentionTemperature::new(0.1, 2)),
+        )
         .with_logit_softcap((case.extras & 2 != 0).then_some(3.0))
         .with_sinks(case.extras & 4 != 0);
     let dtype = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::U32][case.dtype];

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::attention::AttentionTemperature;
 use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeValues,
 };
@@ -1040,6 +1041,73 @@ fn windows_and_chunks_match_their_masks(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Attention temperature tuning: the factor `1 + s·ln(1 + ⌊(p + 1)/f⌋)` by its formula, checked
+/// settings, and a block whose queries at cache slot `p` act as the same block with its softmax
+/// scale times the factor, decoding token by token after a prefix (so `p` counts the cache).
+fn attention_temperature_scales_queries_by_cache_slot(dev: &Device) -> anyhow::Result<()> {
+    let t = AttentionTemperature::new(0.5, 3);
+    for p in 0..20usize {
+        let want = 1.0 + 0.5 * (1.0 + ((p + 1) / 3) as f64).ln();
+        assert!((t.factor(p) - want).abs() < 1e-12, "p = {p}");
+    }
+    let base = AttentionConfig::new(16, 4).with_causal(true);
+    for bad in [
+        AttentionTemperature::new(-0.1, 8),
+        AttentionTemperature::new(f64::NAN, 8),
+        AttentionTemperature::new(0.1, 0),
+    ] {
+        let err = base
+            .clone()
+            .with_attention_temperature(Some(bad))
+            .validate()
+            .unwrap_err();
+        assert!(matches!(&err, Error::InvalidConfig { .. }), "{err}");
+    }
+    let cfg = base.with_kv_heads(2).with_attention_temperature(Some(t));
+    let json = serde_json::to_string(&cfg)?;
+    assert_eq!(serde_json::from_str::<AttentionConfig>(&json)?, cfg);
+    let weights = random_weights(&cfg, 0.4, dev)?;
+    let vb = VarBuilder::from_tensors(weights, DType::F32, dev);
+    let tuned = MultiHeadAttention::new(&cfg, None, vb.pp("a"))?;
+    let x = Tensor::randn(0f32, 1.0, (2, 9, 16), dev)?;
+    // The prefix (slots 0..4) and then single tokens (slots 4..9).
+    let mut cache = KvCache::new();
+    let prefix = tuned.forward_with(
+        &x.i((.., 0..4))?,
+        &AttentionOptions::default(),
+        Some(&mut cache),
+    )?;
+    for p in 4..9 {
+        let step = tuned.forward_with(
+            &x.i((.., p..p + 1))?,
+            &AttentionOptions::default(),
+            Some(&mut cache),
+        )?;
+        // The same step from a block whose scale carries the factor of slot p.
+        let plain_cfg = cfg
+            .clone()
+            .with_attention_temperature(None)
+            .with_softmax_scale(cfg.softmax_scale * t.factor(p));
+        let plain = MultiHeadAttention::new(&plain_cfg, None, vb.pp("a"))?;
+        let mut plain_cache = KvCache::new();
+        plain.forward_with(
+            &x.i((.., 0..p))?,
+            &AttentionOptions::default(),
+            Some(&mut plain_cache),
+        )?;
+        let want = plain.forward_with(
+            &x.i((.., p..p + 1))?,
+            &AttentionOptions::default(),
+            Some(&mut plain_cache),
+        )?;
+        assert_close(&step.output, &want.output, 1e-5, &format!("slot {p}"))?;
+    }
+    // The whole sequence at once gives the prefix's rows.
+    let whole = tuned.forward(&x)?;
+    assert_close(&whole.i((.., 0..4))?, &prefix.output, 1e-5, "prefix")?;
+    Ok(())
+}
+
 /// With sinks the softmax no longer ignores a constant along a row, so ALiBi gives its
 /// formula `−m·(i − j)` exactly rather than its per-key form (which shifted each row by its
 /// query's position: query blocks of different sizes gave different answers).
@@ -1087,6 +1155,7 @@ fn alibi_with_sinks_is_exact(dev: &Device) -> anyhow::Result<()> {
 device_tests!(
     window_softcap_sinks,
     windows_and_chunks_match_their_masks,
+    attention_temperature_scales_queries_by_cache_slot,
     alibi_with_sinks_is_exact,
     parity_plain,
     parity_sinusoidal_causal_bias,

@@ -6,16 +6,18 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_posenc::attention::{
-    AttentionConfig, AttentionOptions, KvCache, MultiHeadAttention, QkNormConfig, QkNormScope,
+    AttentionConfig, AttentionOptions, AttentionTemperature, KvCache, MultiHeadAttention,
+    QkNormConfig, QkNormScope,
 };
 use candle_posenc::checkpoint::Checkpoint;
 use candle_posenc::encoding::EncodingConfig;
 use candle_posenc::hf::{HfAttentionConfig, HfFamily};
 use candle_posenc::positions::{PositionIds, Positions};
+use candle_posenc::rotary::RopeLayout;
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 35] = [
+const FAMILIES: [&str; 38] = [
     "llama",
     "mistral",
     "qwen2",
@@ -51,6 +53,9 @@ const FAMILIES: [&str; 35] = [
     "modernbert.0",
     "modernbert.1",
     "modernbert.1.padded",
+    "llama4.0",
+    "llama4.1",
+    "llama4.0.padded",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -360,6 +365,59 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
                 other => panic!("ModernBERT read as {other:?}"),
             }
         }
+    }
+    // Llama 4: RoPE layers rotate adjacent pairs, normalise q and k without a scale and attend
+    // within chunks; NoPE layers attend to every earlier key and tune the queries' temperature.
+    // Its multimodal config.json nests the same under text_config.
+    let text = ckpt.metadata()["llama4.0"].clone();
+    let nested = format!(r#"{{"model_type": "llama4", "text_config": {text}}}"#);
+    for json in [&text, &nested] {
+        let (rope, nope) = (
+            HfAttentionConfig::from_json_layer(json, 0)?,
+            HfAttentionConfig::from_json_layer(json, 1)?,
+        );
+        let a = &rope.attention;
+        assert_eq!(
+            (a.attention_chunk, a.attention_temperature, a.causal),
+            (Some(3), None, true)
+        );
+        let norm = a.qk_norm.expect("Llama 4's L2 norm");
+        assert!(!norm.learned_scale && norm.scope == QkNormScope::PerHead && norm.eps == 1e-5);
+        match &rope.encoding {
+            EncodingConfig::Rotary(r) => {
+                assert_eq!(r.layout, RopeLayout::Interleaved);
+                assert_eq!(r.scaling.name(), "llama3");
+            }
+            other => panic!("Llama 4 read as {other:?}"),
+        }
+        let a = &nope.attention;
+        assert_eq!(nope.encoding, EncodingConfig::None);
+        assert_eq!(
+            (a.attention_chunk, a.qk_norm, a.attention_temperature),
+            (None, None, Some(AttentionTemperature::new(0.5, 2)))
+        );
+        let err = HfAttentionConfig::from_json(json).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "no_rope_layers"),
+            "{err}"
+        );
+    }
+    // Chunked layers need a chunk size; the temperature's settings are checked.
+    for (edit, key) in [
+        (r#""attention_chunk_size": null"#, "attention_chunk_size"),
+        (r#""floor_scale": 0"#, "floor_scale"),
+        (r#""attn_scale": -1.0"#, "attn_scale"),
+    ] {
+        let (name, _) = edit.split_once(':').expect("an edit");
+        let mut value: serde_json::Value = serde_json::from_str(&text)?;
+        let (_, v) = edit.split_once(": ").expect("an edit");
+        value[name.trim_matches('"')] = serde_json::from_str(v)?;
+        let layer = usize::from(key != "attention_chunk_size");
+        let err = HfAttentionConfig::from_json_layer(&value.to_string(), layer).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{key}: {err}"
+        );
     }
     Ok(())
 }

@@ -11,13 +11,15 @@ use crate::limits::check_elements;
 use crate::positions::Positions;
 
 use super::qk_norm::QkNormConfig;
+use super::temperature::AttentionTemperature;
 
 /// Configuration of [`MultiHeadAttention`](super::MultiHeadAttention).
 ///
 /// Serialised (serde) with its field names, e.g. as JSON
 /// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
 /// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null,
-/// "sliding_window": null, "attention_chunk": null, "logit_softcap": null, "sinks": false}`.
+/// "sliding_window": null, "attention_chunk": null, "attention_temperature": null,
+/// "logit_softcap": null, "sinks": false}`.
 /// Only `d_model` and `num_heads` are required (`out_bias` defaults to `bias`); the other fields default as in [`AttentionConfig::new`] and its builders (a
 /// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
 /// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
@@ -58,6 +60,9 @@ pub struct AttentionConfig {
     /// sequence's first unpadded key (the padding mask's leading zeros), as HF's mask counts
     /// them, so a left-padded sequence is chunked as the same sequence unpadded.
     pub attention_chunk: Option<usize>,
+    /// Attention temperature tuning (Llama 4's NoPE layers; default none): each query
+    /// multiplied by `1 + s·ln(1 + ⌊(p + 1)/f⌋)` at key index `p`, after the rotation.
+    pub attention_temperature: Option<AttentionTemperature>,
     /// Soft cap `c` of the `q·k` logits: `c·tanh(s / c)`, before biases and masks (Gemma 2;
     /// default none).
     pub logit_softcap: Option<f64>,
@@ -103,6 +108,8 @@ struct AttentionConfigFields {
     #[serde(default)]
     attention_chunk: Option<usize>,
     #[serde(default)]
+    attention_temperature: Option<AttentionTemperature>,
+    #[serde(default)]
     logit_softcap: Option<f64>,
     #[serde(default)]
     sinks: bool,
@@ -136,6 +143,7 @@ impl From<AttentionConfigFields> for AttentionConfig {
         c.with_qk_norm(f.qk_norm)
             .with_sliding_window(f.sliding_window)
             .with_attention_chunk(f.attention_chunk)
+            .with_attention_temperature(f.attention_temperature)
             .with_logit_softcap(f.logit_softcap)
             .with_sinks(f.sinks)
     }
@@ -172,6 +180,7 @@ impl AttentionConfig {
             qk_norm: None,
             sliding_window: None,
             attention_chunk: None,
+            attention_temperature: None,
             logit_softcap: None,
             sinks: false,
             query_block: None,
@@ -219,6 +228,12 @@ impl AttentionConfig {
     /// Sets the attention chunk (`None`: no chunks).
     pub fn with_attention_chunk(mut self, chunk: Option<usize>) -> Self {
         self.attention_chunk = chunk;
+        self
+    }
+
+    /// Sets the attention temperature tuning (`None`: none).
+    pub fn with_attention_temperature(mut self, temperature: Option<AttentionTemperature>) -> Self {
+        self.attention_temperature = temperature;
         self
     }
 
@@ -317,7 +332,8 @@ impl AttentionConfig {
     /// [`Error::InvalidConfig`] for zero sizes, heads that do not divide `d_model` (when no head
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
     /// scale, soft cap or query/key norm ε that is not a positive normal f32, a causal sliding
-    /// window of 0, an attention chunk of 0 or in a bidirectional block, a query block of 0, a logits budget of 0, or projection weights past
+    /// window of 0, an attention chunk of 0 or in a bidirectional block, an attention
+    /// temperature out of range ([`AttentionTemperature::validate`]), a query block of 0, a logits budget of 0, or projection weights past
     /// [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         if self.d_model == 0 {
@@ -394,6 +410,9 @@ impl AttentionConfig {
                 ))
             }
             _ => {}
+        }
+        if let Some(t) = &self.attention_temperature {
+            t.validate()?;
         }
         if let Some(cap) = self.logit_softcap {
             check_normal_f32("logit_softcap", cap)?;

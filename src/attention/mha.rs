@@ -5,6 +5,7 @@
 //! q = x' W_qᵀ, k = x' W_kᵀ, v = x' W_vᵀ              split into H (q) and Hkv (k, v) heads
 //! q, k = q_norm(q), k_norm(k)                        when configured (RMS, per head or all)
 //! q, k = enc.rotate(q, k)
+//! q = q · (1 + s·ln(1 + ⌊(p + 1)/f⌋))                attention temperature, when configured
 //! k, v = cache.append(k, v)                          keys rotated once, at their own position
 //! s = cap((scale · q) kᵀ) + enc.logits_bias(scale · q) + attn_mask,   masked where causal,
 //!                                                    outside the window or chunk, or padding
@@ -200,6 +201,11 @@ impl MultiHeadAttention {
         let (k, v, k_positions) = match cache.as_deref_mut() {
             Some(cache) => cache.append(&k, &v, positions)?,
             None => (k, v, positions.clone()),
+        };
+        let q = match &cfg.attention_temperature {
+            // The chunk's first query sits at key index `cached`.
+            Some(t) => t.apply(&q, cached)?,
+            None => q,
         };
         let q = (q * cfg.softmax_scale)?;
         let path = Path::choose(&q, &k, &v, differentiable, options.return_weights);

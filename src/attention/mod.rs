@@ -19,9 +19,11 @@ mod kv_cache;
 mod mask;
 mod mha;
 mod qk_norm;
+mod temperature;
 mod unfused;
 
 pub use config::{AttentionConfig, AttentionOptions, AttentionOutput, DEFAULT_LOGITS_BUDGET};
 pub use kv_cache::KvCache;
 pub use mha::MultiHeadAttention;
 pub use qk_norm::{QkNormConfig, QkNormScope};
+pub use temperature::AttentionTemperature;

@@ -1,9 +1,14 @@
 //! RMS normalisation of the projected queries and keys, before the rotation (Qwen3, Gemma 3,
-//! OLMo 2).
+//! OLMo 2, Llama 4).
 //!
 //! ```text
-//! n(y) = y / √(mean(y²) + ε) · w            w the learned scale; Gemma stores w − 1: · (1 + w)
+//! n(y) = y / √(mean(y²) + ε) · w            w the learned scale; Gemma stores w − 1: · (1 + w);
+//!                                           Llama 4's L2 norm has none (w = 1)
 //! ```
+//!
+//! Llama 4 normalises after its rotation; a per-head norm without a scale commutes with the
+//! rotation (which keeps each head's sum of squares), so normalising before it is the same
+//! map, up to rounding.
 //!
 //! The mean runs over one head's features ([`QkNormScope::PerHead`]: Qwen3, Gemma 3) or over
 //! every head's features of a token ([`QkNormScope::AllHeads`]: OLMo 2, which normalises the
@@ -35,8 +40,9 @@ pub enum QkNormScope {
 
 /// Configuration of the query/key RMS norm of an [`AttentionConfig`](super::AttentionConfig).
 ///
-/// Serialised (serde) as `{"eps": 1e-6, "scope": "per_head", "unit_offset": false}`; every
-/// field may be left out and takes the default of [`QkNormConfig::new`].
+/// Serialised (serde) as `{"eps": 1e-6, "scope": "per_head", "unit_offset": false,
+/// "learned_scale": true}`; every field may be left out and takes the default of
+/// [`QkNormConfig::new`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QkNormConfig {
@@ -49,6 +55,10 @@ pub struct QkNormConfig {
     /// Whether the stored scale is `w − 1`, applied as `1 + w` (Gemma; default false).
     #[serde(default)]
     pub unit_offset: bool,
+    /// Whether the norm has learned scales `q_norm.weight` and `k_norm.weight` (default true;
+    /// Llama 4's L2 norm has none).
+    #[serde(default = "QkNormConfig::default_learned_scale")]
+    pub learned_scale: bool,
 }
 
 impl Default for QkNormConfig {
@@ -64,7 +74,12 @@ impl QkNormConfig {
             eps: Self::default_eps(),
             scope: Self::default_scope(),
             unit_offset: false,
+            learned_scale: true,
         }
+    }
+
+    fn default_learned_scale() -> bool {
+        true
     }
 
     fn default_eps() -> f64 {
@@ -93,6 +108,12 @@ impl QkNormConfig {
         self
     }
 
+    /// Gives the norm learned scales (`q_norm.weight`, `k_norm.weight`) or none.
+    pub fn with_learned_scale(mut self, learned: bool) -> Self {
+        self.learned_scale = learned;
+        self
+    }
+
     /// Checks ε.
     ///
     /// # Errors
@@ -103,17 +124,16 @@ impl QkNormConfig {
     }
 }
 
-/// The loaded norm: the scales of queries and keys, as f32 `(1, 1, width)` or `(1, 1, 1, D)`.
+/// The loaded norm: the scales of queries and keys (`(width)`), if it has them.
 #[derive(Debug, Clone)]
 pub(super) struct QkNorm {
     config: QkNormConfig,
-    q: Tensor,
-    k: Tensor,
+    scales: Option<(Tensor, Tensor)>,
 }
 
 impl QkNorm {
     /// Loads `q_norm.weight` and `k_norm.weight` from `vb` (created as the identity scale in a
-    /// `VarMap`).
+    /// `VarMap`), when the norm has learned scales.
     pub(super) fn new(
         config: &QkNormConfig,
         (heads, kv_heads, head_dim): (usize, usize, usize),
@@ -128,16 +148,21 @@ impl QkNorm {
         let load = |name: &str, h: usize| -> Result<Tensor> {
             Ok(vb.pp(name).get_with_hints(width(h), "weight", identity)?)
         };
+        let scales = match config.learned_scale {
+            true => Some((load("q_norm", heads)?, load("k_norm", kv_heads)?)),
+            false => None,
+        };
         Ok(Self {
             config: *config,
-            q: load("q_norm", heads)?,
-            k: load("k_norm", kv_heads)?,
+            scales,
         })
     }
 
     /// Whether either scale tracks gradients.
     pub(super) fn tracks(&self) -> bool {
-        self.q.track_op() || self.k.track_op()
+        self.scales
+            .as_ref()
+            .is_some_and(|(q, k)| q.track_op() || k.track_op())
     }
 
     /// Normalises a projection `y` `(B, T, heads · D)` of the queries (`keys == false`) or
@@ -145,12 +170,6 @@ impl QkNorm {
     pub(super) fn apply(&self, y: &Tensor, keys: bool, heads: usize) -> Result<Tensor> {
         let (b, t, width) = y.dims3()?;
         let d = width / heads;
-        let scale = if keys { &self.k } else { &self.q };
-        let scale = if self.config.unit_offset {
-            (scale.to_dtype(DType::F32)? + 1.0)?
-        } else {
-            scale.to_dtype(DType::F32)?
-        };
         let y32 = y.to_dtype(DType::F32)?;
         let y32 = match self.config.scope {
             QkNormScope::PerHead => y32.reshape((b, t, heads, d))?,
@@ -159,7 +178,15 @@ impl QkNorm {
         let inv_rms = (y32.sqr()?.mean_keepdim(D::Minus1)? + self.config.eps)?
             .sqrt()?
             .recip()?;
-        let normed = y32.broadcast_mul(&inv_rms)?.broadcast_mul(&scale)?;
+        let mut normed = y32.broadcast_mul(&inv_rms)?;
+        if let Some((q, k)) = &self.scales {
+            let scale = if keys { k } else { q }.to_dtype(DType::F32)?;
+            let scale = match self.config.unit_offset {
+                true => (scale + 1.0)?,
+                false => scale,
+            };
+            normed = normed.broadcast_mul(&scale)?;
+        }
         Ok(normed.to_dtype(y.dtype())?.reshape((b, t, heads, d))?)
     }
 }

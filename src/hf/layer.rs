@@ -10,7 +10,9 @@ use serde_json::Value;
 
 use super::json::{first, parse_root, problem, Obj};
 use super::weights::{remap, QkvLayout, WeightLayout};
-use crate::attention::{AttentionConfig, MultiHeadAttention, QkNormConfig, QkNormScope};
+use crate::attention::{
+    AttentionConfig, AttentionTemperature, MultiHeadAttention, QkNormConfig, QkNormScope,
+};
 use crate::encoding::EncodingConfig;
 use crate::error::{Error, Result};
 use crate::plug::PositionalEncoding;
@@ -23,9 +25,9 @@ use crate::rotary::RopeConfig;
 #[non_exhaustive]
 pub enum HfFamily {
     /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`,
-    /// `gpt_oss`, `smollm3`, `cohere2`: `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`,
-    /// `k_norm` for Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none on SmolLM3's
-    /// NoPE layers and Cohere2's full-attention layers).
+    /// `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`: `q_proj`, `k_proj`, `v_proj`, `o_proj`
+    /// (and `q_norm`, `k_norm` for Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none
+    /// on the NoPE layers of SmolLM3 and Llama 4 and on Cohere2's full-attention layers).
     Llama,
     /// `phi3`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE (LongRoPE).
     Phi3,
@@ -58,7 +60,7 @@ impl HfFamily {
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
             "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
-            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" => HfFamily::Llama,
+            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" | "llama4_text" => HfFamily::Llama,
             "phi3" => HfFamily::Phi3,
             "gpt_neox" => HfFamily::GptNeoX,
             "bloom" => HfFamily::Bloom,
@@ -77,9 +79,9 @@ impl HfFamily {
 /// weights live, read from the model's `config.json`.
 ///
 /// Keys read (as HF transformers reads them for each `model_type`):
-/// - the family from `model_type` ([`HfFamily::from_model_type`]); for Qwen2-VL, Qwen2.5-VL
-///   and Qwen3-VL the language model under `text_config` (read as Qwen2 and Qwen3, with
-///   multimodal RoPE);
+/// - the family from `model_type` ([`HfFamily::from_model_type`]); for Qwen2-VL, Qwen2.5-VL,
+///   Qwen3-VL and Llama 4 the language model under `text_config` (the first two read as Qwen2
+///   and Qwen3, with multimodal RoPE);
 /// - sizes: `hidden_size` (`n_embd`, `d_model`), `num_attention_heads` (`n_head`,
 ///   `num_heads`), `num_key_value_heads` (Falcon: `multi_query`, `new_decoder_architecture`,
 ///   `num_kv_heads`), `head_dim` (T5: `d_kv`), else `hidden_size / heads`;
@@ -88,8 +90,12 @@ impl HfFamily {
 ///   Phi-3, GPT-J and T5 on none;
 /// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
 ///   (1), and Gemma 2 and 3 (`query_pre_attn_scalar^-1/2`);
-/// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`) and OLMo 2
-///   (over all heads), ε from `rms_norm_eps`;
+/// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`), OLMo 2
+///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only), ε
+///   from `rms_norm_eps`;
+/// - Llama 4's chunked attention on its RoPE layers (`attention_chunk_size`, or `layer_types`)
+///   and its attention temperature on its NoPE layers (`attn_temperature_tuning`,
+///   `attn_scale`, `floor_scale`);
 /// - sliding windows (`sliding_window` with its class default: Mistral, Phi-3, and per layer
 ///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
 ///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
@@ -100,8 +106,8 @@ impl HfFamily {
 ///   `relative_attention_max_distance`, none for GPT-2 (and MPT without ALiBi);
 /// - MPT's `attn_config.softmax_scale`;
 ///
-/// Settings the block does not have yet are refused rather than ignored: chunked or linear
-/// layer types, Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
+/// Settings the block does not have yet are refused rather than ignored: linear layer types
+/// (and chunked ones outside Llama 4), Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
 /// layers differ (sliding and full) is read one layer at a time.
 ///
 /// Decoders are causal; ModernBERT is not; T5 reads as its encoder's self-attention
@@ -169,7 +175,7 @@ impl HfAttentionConfig {
             if let Some(key) = layers_differ(&top, model_type)? {
                 return Err(problem(
                     key,
-                    "gives the layers different attention (sliding-window and full layers); read one layer with HfAttentionConfig::from_json_layer",
+                    "gives the layers different attention (sliding-window, chunked and full layers, or layers with and without RoPE); read one layer with HfAttentionConfig::from_json_layer",
                 ));
             }
         }
@@ -182,8 +188,9 @@ impl HfAttentionConfig {
     /// `max_window_layers`, Gemma 2 and gpt-oss alternating, Gemma 3 every
     /// `sliding_window_pattern`-th layer full, Cohere2 every fourth, ModernBERT every
     /// `global_attn_every_n_layers`-th from layer 0), Gemma 3's and ModernBERT's local RoPE
-    /// there, and no encoding on SmolLM3's NoPE layers (`no_rope_layers`) and Cohere2's
-    /// full-attention layers.
+    /// there, and no encoding on the NoPE layers of SmolLM3 and Llama 4 (`no_rope_layers`) and
+    /// on Cohere2's full-attention layers; Llama 4's chunks on its RoPE layers and temperature
+    /// tuning on its NoPE layers.
     ///
     /// # Errors
     /// As [`Self::from_json`]; [`Error::HfConfig`] naming `layer_types` for a layer past its
@@ -206,7 +213,7 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert"
                 ),
             )
         })?;
@@ -236,7 +243,12 @@ impl HfAttentionConfig {
             }
             HfFamily::Llama | HfFamily::Phi3 => {
                 keys.set("num_kv_heads", "num_key_value_heads");
-                top.usize("num_key_value_heads")?.unwrap_or(heads)
+                let default = if model_type == "llama4_text" {
+                    8
+                } else {
+                    heads
+                };
+                top.usize("num_key_value_heads")?.unwrap_or(default)
             }
             _ => heads,
         };
@@ -254,6 +266,11 @@ impl HfAttentionConfig {
             }
             None if family == HfFamily::T5 => {
                 return Err(problem("d_kv", "is missing"));
+            }
+            // Llama4TextConfig's default.
+            None if model_type == "llama4_text" => {
+                attention = attention.with_head_dim(128);
+                keys.set("head_dim", head_key);
             }
             None => keys.set("head_dim", format!("{} / {}", hidden_key, heads_key)),
         }
@@ -330,6 +347,10 @@ impl HfAttentionConfig {
                 keys.set("softmax_scale", "attn_config.softmax_scale");
             }
         }
+        if let LayerKind::Chunked(c) = kind {
+            attention = attention.with_attention_chunk(Some(c));
+            keys.set("attention_chunk", "attention_chunk_size");
+        }
         if let LayerKind::Sliding(w) = kind {
             attention = attention.with_sliding_window(Some(w));
             keys.set(
@@ -353,12 +374,35 @@ impl HfAttentionConfig {
                     .with_scope(QkNormScope::AllHeads)
                     .with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-5)),
             ),
+            // Llama 4's L2 norm (no scale) on its RoPE layers.
+            "llama4_text"
+                if top.bool("use_qk_norm")?.unwrap_or(true)
+                    && uses_rope(&top, model_type, layer)? =>
+            {
+                Some(
+                    QkNormConfig::new()
+                        .with_learned_scale(false)
+                        .with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-5)),
+                )
+            }
             _ => None,
         };
         if norm.is_some() {
             keys.set("qk_norm.eps", "rms_norm_eps");
         }
         attention = attention.with_qk_norm(norm);
+        // Llama 4's temperature tuning on its NoPE layers.
+        if model_type == "llama4_text"
+            && top.bool("attn_temperature_tuning")?.unwrap_or(true)
+            && !uses_rope(&top, model_type, layer)?
+        {
+            attention = attention.with_attention_temperature(Some(AttentionTemperature::new(
+                top.f64("attn_scale")?.unwrap_or(0.1),
+                top.usize("floor_scale")?.unwrap_or(8192),
+            )));
+            keys.set("attention_temperature.attn_scale", "attn_scale");
+            keys.set("attention_temperature.floor_scale", "floor_scale");
+        }
         attention.validate().map_err(|e| blame(e, &keys))?;
         let encoding = match family {
             HfFamily::Gpt2 => EncodingConfig::None,
@@ -527,7 +571,13 @@ impl HfAttentionConfig {
 
 /// The vision-language models whose language model's attention loads: their `config.json`
 /// nests it under `text_config`.
-const VISION_LANGUAGE: [&str; 4] = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"];
+const VISION_LANGUAGE: [&str; 5] = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "llama4",
+];
 
 /// The `text_config` of a vision-language model's `config.json`, as text, if this is one.
 fn text_model(text: &str) -> Result<Option<String>> {
@@ -598,15 +648,17 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether a layer attends to every earlier key or through a sliding window of `w` keys.
+/// Whether a layer attends to every key, through a sliding window of `w` keys, or within
+/// chunks of `c` keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LayerKind {
     Full,
     Sliding(usize),
+    Chunked(usize),
 }
 
 /// The models whose layers differ by `layer_types`.
-const LAYERED: [&str; 8] = [
+const LAYERED: [&str; 9] = [
     "qwen2",
     "qwen3",
     "gemma2",
@@ -615,6 +667,7 @@ const LAYERED: [&str; 8] = [
     "smollm3",
     "cohere2",
     "modernbert",
+    "llama4_text",
 ];
 
 /// The window a sliding layer of this model uses, `None` when it has none: `sliding_window`,
@@ -644,6 +697,9 @@ fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
 /// The kind of layer `layer`: from `layer_types` where the model reads it, else from the
 /// model's default pattern.
 fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
+    if model_type == "llama4_text" {
+        return llama4_layer_kind(top, layer);
+    }
     let Some(w) = window_size(top, model_type)? else {
         return Ok(LayerKind::Full);
     };
@@ -686,6 +742,38 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     })
 }
 
+/// A Llama 4 layer: chunked attention (`attention_chunk_size`, 8192 by default) on its RoPE
+/// layers, full attention on its NoPE layers, or as `layer_types` says.
+fn llama4_layer_kind(top: &Obj, layer: usize) -> Result<LayerKind> {
+    let chunked = match layer_entry(top, "layer_types", layer, "a list of layer types")? {
+        Some(entry) => match entry.as_str() {
+            Some("full_attention") => false,
+            Some("chunked_attention") => true,
+            _ => {
+                return Err(problem(
+                    "layer_types",
+                    format!("gives layer {layer} the type {entry}, expected full_attention or chunked_attention"),
+                ))
+            }
+        },
+        None => uses_rope(top, "llama4_text", layer)?,
+    };
+    if !chunked {
+        return Ok(LayerKind::Full);
+    }
+    // An explicit null is not the default: HF's chunked mask then has no size.
+    let size = match top.map.get("attention_chunk_size") {
+        None => 8192,
+        Some(_) => top.usize("attention_chunk_size")?.ok_or_else(|| {
+            problem(
+                "attention_chunk_size",
+                format!("is null, but layer {layer} has chunked attention"),
+            )
+        })?,
+    };
+    Ok(LayerKind::Chunked(size))
+}
+
 /// Entry `layer` of the per-layer list at `key` (`None` when the key is absent).
 ///
 /// # Errors
@@ -711,7 +799,7 @@ fn layer_entry<'a>(
     })
 }
 
-/// Whether layer `layer` rotates its queries and keys: SmolLM3's `no_rope_layers` (1 = RoPE,
+/// Whether layer `layer` rotates its queries and keys: SmolLM3's and Llama 4's `no_rope_layers` (1 = RoPE,
 /// 0 = no positional encoding; by default every `no_rope_layer_interval`-th layer, 4, is NoPE);
 /// Cohere2's sliding-window layers (its full-attention layers have no positional encoding).
 fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
@@ -722,7 +810,7 @@ fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
             LayerKind::Sliding(_)
         ));
     }
-    if model_type != "smollm3" {
+    if !matches!(model_type, "smollm3" | "llama4_text") {
         return Ok(true);
     }
     match layer_entry(top, "no_rope_layers", layer, "a list of 0 and 1")? {
@@ -745,7 +833,9 @@ fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
 /// from), if they do.
 fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
     let windows = window_size(top, model_type)?.is_some();
-    if !LAYERED.contains(&model_type) || !(windows || model_type == "smollm3") {
+    if !LAYERED.contains(&model_type)
+        || !(windows || matches!(model_type, "smollm3" | "llama4_text"))
+    {
         // (Cohere2 without a window has no RoPE on any layer: uniform.)
         return Ok(None);
     }
@@ -782,6 +872,7 @@ fn rope_of_layer(text: &str, top: &Obj, model_type: &str, kind: LayerKind) -> Re
     let type_name = match kind {
         LayerKind::Full => "full_attention",
         LayerKind::Sliding(_) => "sliding_attention",
+        LayerKind::Chunked(_) => "chunked_attention",
     };
     let nested = top
         .get("rope_parameters")
@@ -796,8 +887,8 @@ fn rope_of_layer(text: &str, top: &Obj, model_type: &str, kind: LayerKind) -> Re
         }
         None if model_type == "modernbert" => {
             let (key, default) = match kind {
-                LayerKind::Full => ("global_rope_theta", 160_000.0),
                 LayerKind::Sliding(_) => ("local_rope_theta", 10_000.0),
+                _ => ("global_rope_theta", 160_000.0),
             };
             let theta = top.f64(key)?.unwrap_or(default);
             map.insert("rope_theta".into(), Value::from(theta));

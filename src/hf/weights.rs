@@ -133,7 +133,7 @@ pub(super) fn remap(
         false => vb.pp(layout.out).get((d, h * hd), "weight")?,
     };
     put("o_proj", o, bias(layout.out, d, cfg.out_bias)?)?;
-    if let Some(norm) = &cfg.qk_norm {
+    if let Some(norm) = cfg.qk_norm.as_ref().filter(|n| n.learned_scale) {
         use crate::attention::QkNormScope;
         for (name, heads) in [("q_norm", h), ("k_norm", hkv)] {
             let width = match norm.scope {

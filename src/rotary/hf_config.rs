@@ -13,7 +13,7 @@
 //! - multimodal RoPE's `mrope_section` and `mrope_interleaved` in the parameters (Qwen2-VL,
 //!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and Pixtral's
 //!   `rope_type: "axial"` (axial 2-D RoPE over the patch grid);
-//! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5 rotate
+//! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5, Llama 4 rotate
 //!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is refused;
 //! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
 //!   level (which takes precedence; Phi-3 defaults it to 4096) or in the parameters, defaulting
@@ -174,7 +174,15 @@ impl RopeConfig {
         let interleaved = matches!(
             model_type,
             Some(
-                "gptj" | "codegen" | "cohere" | "cohere2" | "glm" | "glm4" | "helium" | "ernie4_5"
+                "gptj"
+                    | "codegen"
+                    | "cohere"
+                    | "cohere2"
+                    | "glm"
+                    | "glm4"
+                    | "helium"
+                    | "ernie4_5"
+                    | "llama4_text"
             )
         ) || top.bool("rope_interleave")?.unwrap_or(false);
         if interleaved {
