@@ -43,7 +43,7 @@ use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
 use candle_posenc::{
-    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig, EncodingConfig,
+    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, AttentionTemperature, ClippedBiasConfig, EncodingConfig,
     Error, Interpolation, KvCache, LearnedConfig, LongRopeScaling, MultiHeadAttention, Positions,
     QkNormConfig, QkNormScope, RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig,
     SinusoidalConfig, T5Config, YarnScaling,
@@ -572,8 +572,10 @@ struct AttnSpec {
     chunk: Option<Dim<8>>,
     softcap: Option<Real>,
     sinks: bool,
-    /// Query/key norm: (over all heads, Gemma's unit offset).
-    qk_norm: Option<(bool, bool)>,
+    /// Query/key norm: (over all heads, Gemma's unit offset, without a learned scale).
+    qk_norm: Option<(bool, bool, bool)>,
+    /// Attention temperature tuning: (attn_scale in [0, 1], floor_scale).
+    temperature: Option<(Real, Dim<8>)>,
 }
 
 impl AttnSpec {
@@ -619,16 +621,30 @@ impl AttnSpec {
         if self.dropout.0 > 0.5 {
             f.immoderate();
         }
-        let norm = self.qk_norm.map(|(all, unit)| {
+        let norm = self.qk_norm.map(|(all, unit, plain)| {
             let scope = if all {
                 QkNormScope::AllHeads
             } else {
                 QkNormScope::PerHead
             };
-            QkNormConfig::new().with_scope(scope).with_unit_offset(unit)
+            QkNormConfig::new()
+                .with_scope(scope)
+                .with_unit_offset(unit)
+                .with_learned_scale(!plain)
         });
+        let temperature = match self.temperature {
+            Some((s, floor)) => {
+                let scale = s.get(0.0, 1.0);
+                if !(scale <= 1.0) {
+                    f.immoderate();
+                }
+                Some(AttentionTemperature::new(scale, floor.value))
+            }
+            None => None,
+        };
         c.with_sliding_window(self.window.map(|w| w.value))
             .with_attention_chunk(self.chunk.map(|c| c.value))
+            .with_attention_temperature(temperature)
             .with_logit_softcap(self.softcap.map(|s| s.get(0.5, 50.0)))
             .with_sinks(self.sinks)
             .with_qk_norm(norm)

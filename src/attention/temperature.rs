@@ -63,14 +63,15 @@ impl AttentionTemperature {
     /// Checks the settings.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an `attn_scale` that is negative or not finite, or a
-    /// `floor_scale` of 0.
+    /// [`Error::InvalidConfig`] for an `attn_scale` that is negative, NaN or past f32's range,
+    /// or a `floor_scale` of 0.
     pub fn validate(&self) -> Result<()> {
-        if !(self.attn_scale.is_finite() && self.attn_scale >= 0.0) {
+        // Within f32's range: the factor multiplies f32 (or narrower) queries.
+        if !(self.attn_scale >= 0.0 && self.attn_scale <= f64::from(f32::MAX)) {
             return Err(Error::config(
                 "attention_temperature.attn_scale",
                 self.attn_scale,
-                "a finite number ≥ 0",
+                "a number from 0 to f32::MAX",
             ));
         }
         if self.floor_scale == 0 {
