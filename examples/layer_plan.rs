@@ -82,6 +82,12 @@ fn plan(name: &str, json: &str) -> anyhow::Result<()> {
             };
             extras.push(format!("q/k norm {:?}{scale}", n.scope));
         }
+        if let Some(l) = a.latent {
+            extras.push(format!(
+                "latent attention (q rank {:?}, kv rank {}, RoPE on {} of {}, values {})",
+                l.q_lora_rank, l.kv_lora_rank, l.rope_dim, a.head_dim, l.v_head_dim
+            ));
+        }
         if let Some(t) = a.attention_temperature {
             extras.push(format!(
                 "temperature 1 + {}·ln(1 + ⌊(p + 1)/{}⌋)",

@@ -95,7 +95,7 @@ pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncod
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
     AttentionConfig, AttentionOptions, AttentionOutput, AttentionTemperature, KvCache,
-    MultiHeadAttention, QkNormConfig, QkNormScope, DEFAULT_LOGITS_BUDGET,
+    LatentConfig, MultiHeadAttention, QkNormConfig, QkNormScope, DEFAULT_LOGITS_BUDGET,
 };
 pub use checkpoint::Checkpoint;
 pub use encoding::EncodingConfig;

@@ -15,7 +15,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_posenc::attention::{
-    AttentionConfig, AttentionOptions, AttentionTemperature, KvCache, QkNormConfig, QkNormScope,
+    AttentionConfig, AttentionOptions, AttentionTemperature, KvCache, LatentConfig, QkNormConfig,
+    QkNormScope,
 };
 use candle_posenc::positions::{PositionIds, Positions};
 use candle_posenc::{limits, Error};
@@ -32,7 +33,7 @@ struct Case {
     bias: bool,
     norm: Option<bool>,
     /// Bits: a sliding window of 2, a soft cap of 3, sink logits, chunks of 3 (causal blocks),
-    /// an attention temperature.
+    /// an attention temperature, latent projections (MLA; when the heads allow).
     extras: u8,
     batch: usize,
     chunks: Vec<usize>,
@@ -56,7 +57,7 @@ fn cases() -> impl Strategy<Value = Case> {
             any::<bool>(),
             any::<bool>(),
             prop::option::of(any::<bool>()),
-            0..32u8,
+            0..64u8,
         ),
         (0..3usize, prop::collection::vec(0..5usize, 1..4), 0..5usize),
         (
@@ -132,7 +133,11 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
             (case.extras & 16 != 0).then_some(AttentionTemperature::new(0.1, 2)),
         )
         .with_logit_softcap((case.extras & 2 != 0).then_some(3.0))
-        .with_sinks(case.extras & 4 != 0);
+        .with_sinks(case.extras & 4 != 0)
+        .with_latent(
+            (case.extras & 32 != 0 && kv == h && case.norm.is_none() && hd > 2)
+                .then(|| LatentConfig::new(Some(3), 5, 2, hd - 1)),
+        );
     let dtype = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::U32][case.dtype];
     let weights = if dtype == DType::U32 {
         DType::F32

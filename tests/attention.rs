@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use candle_posenc::attention::AttentionTemperature;
+use candle_posenc::attention::{AttentionTemperature, LatentConfig, QkNormConfig};
 use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeValues,
 };
@@ -1108,6 +1108,112 @@ fn attention_temperature_scales_queries_by_cache_slot(dev: &Device) -> anyhow::R
     Ok(())
 }
 
+/// Latent attention (MLA) as a block setting: checked against heads and norms, serialised,
+/// created in a `VarMap` under DeepSeek's names and trained through (every latent weight gets
+/// a gradient), and the three paths and decoding agree.
+fn latent_attention_block(dev: &Device) -> anyhow::Result<()> {
+    let latent = LatentConfig::new(Some(6), 5, 2, 3);
+    let cfg = AttentionConfig::new(16, 4)
+        .with_head_dim(4)
+        .with_causal(true)
+        .with_bias(true)
+        .with_latent(Some(latent));
+    for (bad, name) in [
+        (cfg.clone().with_kv_heads(2), "num_kv_heads"),
+        (
+            cfg.clone().with_qk_norm(Some(QkNormConfig::new())),
+            "qk_norm",
+        ),
+        (
+            cfg.clone()
+                .with_latent(Some(LatentConfig::new(None, 5, 4, 3))),
+            "latent.rope_dim",
+        ),
+        (
+            cfg.clone()
+                .with_latent(Some(LatentConfig::new(None, 5, 2, 5))),
+            "latent.v_head_dim",
+        ),
+        (
+            cfg.clone()
+                .with_latent(Some(LatentConfig::new(Some(0), 5, 2, 3))),
+            "latent.q_lora_rank",
+        ),
+    ] {
+        let err = bad.validate().unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidConfig { name: n, .. } if *n == name),
+            "{name}: {err}"
+        );
+    }
+    let json = serde_json::to_string(&cfg)?;
+    assert_eq!(serde_json::from_str::<AttentionConfig>(&json)?, cfg);
+    let varmap = VarMap::new();
+    let block = MultiHeadAttention::new(
+        &cfg,
+        None,
+        VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
+    )?;
+    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "a.kv_a_layernorm.weight",
+            "a.kv_a_proj_with_mqa.bias",
+            "a.kv_a_proj_with_mqa.weight",
+            "a.kv_b_proj.weight",
+            "a.o_proj.bias",
+            "a.o_proj.weight",
+            "a.q_a_layernorm.weight",
+            "a.q_a_proj.bias",
+            "a.q_a_proj.weight",
+            "a.q_b_proj.weight",
+        ]
+    );
+    let x = Tensor::randn(0f32, 1.0, (2, 5, 16), dev)?;
+    let grads = block.forward(&x)?.sqr()?.sum_all()?.backward()?;
+    for var in varmap.all_vars() {
+        let g = grads.get(var.as_tensor()).expect("a gradient");
+        assert!(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
+    }
+    // Loaded as plain tensors: the fused core, the row pass, plain ops in f64 and decoding agree.
+    let weights = random_weights(&cfg, 0.4, dev)?;
+    let load = |dtype| {
+        MultiHeadAttention::new(
+            &cfg,
+            None,
+            VarBuilder::from_tensors(weights.clone(), dtype, dev).pp("a"),
+        )
+    };
+    let fused = load(DType::F32)?.forward(&x)?;
+    let rows = load(DType::F32)?.forward_with(
+        &x,
+        &AttentionOptions {
+            return_weights: true,
+            ..Default::default()
+        },
+        None,
+    )?;
+    assert_close(&rows.output, &fused, 1e-5, "row pass")?;
+    let ops = load(DType::F64)?.forward(&x.to_dtype(DType::F64)?)?;
+    assert_close(&ops.to_dtype(DType::F32)?, &fused, 1e-5, "plain ops")?;
+    let block = load(DType::F32)?;
+    let mut cache = KvCache::new();
+    let steps = (0..5)
+        .map(|t| {
+            let y = block.forward_with(
+                &x.i((.., t..t + 1))?,
+                &AttentionOptions::default(),
+                Some(&mut cache),
+            )?;
+            Ok(y.output)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    assert_close(&Tensor::cat(&steps, 1)?, &fused, 1e-5, "decoding")?;
+    Ok(())
+}
+
 /// With sinks the softmax no longer ignores a constant along a row, so ALiBi gives its
 /// formula `−m·(i − j)` exactly rather than its per-key form (which shifted each row by its
 /// query's position: query blocks of different sizes gave different answers).
@@ -1156,6 +1262,7 @@ device_tests!(
     window_softcap_sinks,
     windows_and_chunks_match_their_masks,
     attention_temperature_scales_queries_by_cache_slot,
+    latent_attention_block,
     alibi_with_sinks_is_exact,
     parity_plain,
     parity_sinusoidal_causal_bias,

@@ -6,8 +6,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_posenc::attention::{
-    AttentionConfig, AttentionOptions, AttentionTemperature, KvCache, MultiHeadAttention,
-    QkNormConfig, QkNormScope,
+    AttentionConfig, AttentionOptions, AttentionTemperature, KvCache, LatentConfig,
+    MultiHeadAttention, QkNormConfig, QkNormScope,
 };
 use candle_posenc::checkpoint::Checkpoint;
 use candle_posenc::encoding::EncodingConfig;
@@ -17,7 +17,7 @@ use candle_posenc::rotary::RopeLayout;
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 38] = [
+const FAMILIES: [&str; 41] = [
     "llama",
     "mistral",
     "qwen2",
@@ -56,6 +56,9 @@ const FAMILIES: [&str; 38] = [
     "llama4.0",
     "llama4.1",
     "llama4.0.padded",
+    "deepseek_v3",
+    "deepseek_v3.padded",
+    "deepseek_v2",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -400,6 +403,47 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         assert!(
             matches!(&err, Error::HfConfig { key, .. } if key == "no_rope_layers"),
             "{err}"
+        );
+    }
+    // DeepSeek: latent attention, RoPE on the rope slice of each head (interleaved), YaRN's
+    // mscale_all_dim squared in the scale; V2 without a query latent.
+    let v3 = read("deepseek_v3", 0)?;
+    assert_eq!(v3.family, HfFamily::DeepSeek);
+    let a = &v3.attention;
+    assert_eq!(
+        a.latent,
+        Some(LatentConfig::new(Some(12), 10, 4, 6)),
+        "the latent settings"
+    );
+    assert_eq!((a.head_dim, a.num_kv_heads, a.bias), (8, 4, true));
+    let m = 0.1 * 4f64.ln() + 1.0;
+    assert!((a.softmax_scale - m * m / 8f64.sqrt()).abs() < 1e-12);
+    match &v3.encoding {
+        EncodingConfig::Rotary(r) => {
+            assert_eq!(
+                (r.head_dim, r.rotary_dim, r.layout),
+                (8, 4, RopeLayout::Interleaved)
+            );
+            assert_eq!(r.scaling.name(), "yarn");
+        }
+        other => panic!("DeepSeek V3 read as {other:?}"),
+    }
+    let v2 = read("deepseek_v2", 0)?.attention;
+    assert_eq!(v2.latent.map(|l| l.q_lora_rank), Some(None));
+    assert_eq!(v2.softmax_scale, 1.0 / 8f64.sqrt());
+    for (edit, key) in [
+        (r#""qk_rope_head_dim": 3"#, "qk_rope_head_dim"),
+        (r#""v_head_dim": 9"#, "v_head_dim"),
+        (r#""q_lora_rank": 0"#, "q_lora_rank"),
+        (r#""kv_lora_rank": 0"#, "kv_lora_rank"),
+    ] {
+        let mut value: serde_json::Value = serde_json::from_str(&ckpt.metadata()["deepseek_v3"])?;
+        let (name, v) = edit.split_once(": ").expect("an edit");
+        value[name.trim_matches('"')] = serde_json::from_str(v)?;
+        let err = HfAttentionConfig::from_json(&value.to_string()).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{key}: {err}"
         );
     }
     // Chunked layers need a chunk size; the temperature's settings are checked.

@@ -10,6 +10,7 @@ use crate::error::{check_normal_f32, Error, Result};
 use crate::limits::check_elements;
 use crate::positions::Positions;
 
+use super::latent::LatentConfig;
 use super::qk_norm::QkNormConfig;
 use super::temperature::AttentionTemperature;
 
@@ -19,7 +20,7 @@ use super::temperature::AttentionTemperature;
 /// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
 /// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null,
 /// "sliding_window": null, "attention_chunk": null, "attention_temperature": null,
-/// "logit_softcap": null, "sinks": false}`.
+/// "logit_softcap": null, "sinks": false, "latent": null}`.
 /// Only `d_model` and `num_heads` are required (`out_bias` defaults to `bias`); the other fields default as in [`AttentionConfig::new`] and its builders (a
 /// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
 /// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
@@ -69,6 +70,10 @@ pub struct AttentionConfig {
     /// Learned per-head sink logits (`sinks`, shape `(num_heads)`) that join every softmax and
     /// carry no value (gpt-oss; default false).
     pub sinks: bool,
+    /// Multi-head latent attention (DeepSeek V2/V3; default none): q, k and v from low-rank
+    /// latents, RoPE on the first [`LatentConfig::rope_dim`] features of each head, values
+    /// [`LatentConfig::v_head_dim`] wide. Needs as many KV heads as heads and no query/key norm.
+    pub latent: Option<LatentConfig>,
     /// Queries per block: attention runs over blocks of this many queries, each against all
     /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
@@ -113,6 +118,8 @@ struct AttentionConfigFields {
     logit_softcap: Option<f64>,
     #[serde(default)]
     sinks: bool,
+    #[serde(default)]
+    latent: Option<LatentConfig>,
 }
 
 impl From<AttentionConfigFields> for AttentionConfig {
@@ -146,6 +153,7 @@ impl From<AttentionConfigFields> for AttentionConfig {
             .with_attention_temperature(f.attention_temperature)
             .with_logit_softcap(f.logit_softcap)
             .with_sinks(f.sinks)
+            .with_latent(f.latent)
     }
 }
 
@@ -183,6 +191,7 @@ impl AttentionConfig {
             attention_temperature: None,
             logit_softcap: None,
             sinks: false,
+            latent: None,
             query_block: None,
             logits_budget: DEFAULT_LOGITS_BUDGET,
         }
@@ -240,6 +249,12 @@ impl AttentionConfig {
     /// Sets the soft cap of the `q·k` logits (`None`: none).
     pub fn with_logit_softcap(mut self, cap: Option<f64>) -> Self {
         self.logit_softcap = cap;
+        self
+    }
+
+    /// Sets multi-head latent attention (`None`: separate q, k, v projections).
+    pub fn with_latent(mut self, latent: Option<LatentConfig>) -> Self {
+        self.latent = latent;
         self
     }
 
@@ -410,6 +425,26 @@ impl AttentionConfig {
                 ))
             }
             _ => {}
+        }
+        if let Some(latent) = &self.latent {
+            latent.validate(self.d_model, self.num_heads, self.head_dim)?;
+            if self.num_kv_heads != self.num_heads {
+                return Err(Error::config(
+                    "num_kv_heads",
+                    self.num_kv_heads,
+                    format!(
+                        "num_heads ({}) with latent attention (every head has its own keys)",
+                        self.num_heads
+                    ),
+                ));
+            }
+            if self.qk_norm.is_some() {
+                return Err(Error::config(
+                    "qk_norm",
+                    format!("{:?}", self.qk_norm),
+                    "None with latent attention (its latents have their own norms)",
+                ));
+            }
         }
         if let Some(t) = &self.attention_temperature {
             t.validate()?;

@@ -32,6 +32,7 @@ use candle_nn::{linear_b, Linear, VarBuilder};
 use super::blocks::{Chunk, Path};
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::KvCache;
+use super::latent::LatentProjections;
 use super::mask::check_padding;
 use super::qk_norm::QkNorm;
 use crate::error::{check_float, is_float, Error, Result};
@@ -66,14 +67,21 @@ use crate::positions::Positions;
 #[derive(Debug, Clone)]
 pub struct MultiHeadAttention {
     config: AttentionConfig,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    projections: Projections,
     o_proj: Linear,
     qk_norm: Option<QkNorm>,
     /// `(H)` learned sink logits.
     sinks: Option<Tensor>,
     encoding: Option<Arc<dyn PositionalEncoding>>,
+}
+
+/// Where q, k and v come from.
+#[derive(Debug, Clone)]
+enum Projections {
+    /// `q_proj`, `k_proj`, `v_proj`.
+    Separate { q: Linear, k: Linear, v: Linear },
+    /// Multi-head latent attention's low-rank projections.
+    Latent(LatentProjections),
 }
 
 impl MultiHeadAttention {
@@ -99,10 +107,31 @@ impl MultiHeadAttention {
             ));
         }
         let (d, hd) = (config.d_model, config.head_dim);
-        let q_proj = linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?;
-        let k_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?;
-        let v_proj = linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("v_proj"))?;
-        let o_proj = linear_b(config.num_heads * hd, d, config.out_bias, vb.pp("o_proj"))?;
+        let (projections, values) = match &config.latent {
+            None => (
+                Projections::Separate {
+                    q: linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?,
+                    k: linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?,
+                    v: linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("v_proj"))?,
+                },
+                hd,
+            ),
+            Some(latent) => (
+                Projections::Latent(LatentProjections::new(
+                    latent,
+                    (d, config.num_heads, hd),
+                    config.bias,
+                    &vb,
+                )?),
+                latent.v_head_dim,
+            ),
+        };
+        let o_proj = linear_b(
+            config.num_heads * values,
+            d,
+            config.out_bias,
+            vb.pp("o_proj"),
+        )?;
         let qk_norm = config
             .qk_norm
             .as_ref()
@@ -116,9 +145,7 @@ impl MultiHeadAttention {
         };
         Ok(Self {
             config: config.clone(),
-            q_proj,
-            k_proj,
-            v_proj,
+            projections,
             o_proj,
             qk_norm,
             sinks,
@@ -236,7 +263,12 @@ impl MultiHeadAttention {
                 cache.restore(mark);
             }
         })?;
-        let merged = attended.out.reshape((b, t, cfg.num_heads * cfg.head_dim))?;
+        let merged = match &self.projections {
+            Projections::Latent(latent) => latent.values_of(&attended.out)?,
+            Projections::Separate { .. } => {
+                attended.out.reshape((b, t, cfg.num_heads * cfg.head_dim))?
+            }
+        };
         Ok(AttentionOutput {
             output: self.o_proj.forward(&merged)?,
             weights: attended.weights,
@@ -246,7 +278,7 @@ impl MultiHeadAttention {
     /// Checks `x` and its positions against the block; returns `(B, T)`.
     fn check_input(&self, x: &Tensor, positions: &Positions) -> Result<(usize, usize)> {
         let (b, t) = positions.check_input(x, self.config.d_model, "attention input x")?;
-        let weights = self.q_proj.weight().dtype();
+        let weights = self.o_proj.weight().dtype();
         if x.dtype() != weights {
             return Err(Error::DType {
                 what: "attention input x",
@@ -267,7 +299,7 @@ impl MultiHeadAttention {
     /// logits (all queries' when the weights are returned) can be allocated.
     fn check_logits(&self, b: usize, t: usize, tk: usize, weights: bool) -> Result<usize> {
         let cfg = &self.config;
-        let elem = self.q_proj.weight().dtype().size_in_bytes();
+        let elem = self.o_proj.weight().dtype().size_in_bytes();
         let block = cfg.query_block_for(b, t, tk, elem);
         let rows = if weights { t } else { block };
         check_elements(
@@ -305,9 +337,13 @@ impl MultiHeadAttention {
     /// Whether any projection weight or bias, or a query/key norm's scale, tracks gradients
     /// (a `VarMap` variable).
     fn weights_track(&self) -> bool {
-        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
-            .iter()
-            .any(|p| p.weight().track_op() || p.bias().is_some_and(|b| b.track_op()))
+        let linear = |p: &Linear| p.weight().track_op() || p.bias().is_some_and(|b| b.track_op());
+        let projections = match &self.projections {
+            Projections::Separate { q, k, v } => linear(q) || linear(k) || linear(v),
+            Projections::Latent(latent) => latent.tracks(),
+        };
+        projections
+            || linear(&self.o_proj)
             || self.qk_norm.as_ref().is_some_and(QkNorm::tracks)
             || self.sinks.as_ref().is_some_and(Tensor::track_op)
     }
@@ -317,6 +353,14 @@ impl MultiHeadAttention {
     /// so they can be rotated and normalised in place.
     fn project(&self, x: &Tensor, differentiable: bool) -> Result<(Tensor, Tensor, Tensor)> {
         let cfg = &self.config;
+        let (q, k, v) = match &self.projections {
+            Projections::Separate { q, k, v } => (q, k, v),
+            Projections::Latent(latent) => {
+                let (q, k, v) = latent.project(x)?;
+                let keep = |y: Tensor| if differentiable { y } else { y.detach() };
+                return Ok((keep(q), keep(k), keep(v)));
+            }
+        };
         let split = |proj: &Linear, heads: usize, norm: Option<bool>| -> Result<Tensor> {
             let y = proj.forward(x)?;
             let (b, len, _) = y.dims3()?;
@@ -328,9 +372,9 @@ impl MultiHeadAttention {
             Ok(if differentiable { y } else { y.detach() })
         };
         Ok((
-            split(&self.q_proj, cfg.num_heads, Some(false))?,
-            split(&self.k_proj, cfg.num_kv_heads, Some(true))?,
-            split(&self.v_proj, cfg.num_kv_heads, None)?,
+            split(q, cfg.num_heads, Some(false))?,
+            split(k, cfg.num_kv_heads, Some(true))?,
+            split(v, cfg.num_kv_heads, None)?,
         ))
     }
 
@@ -362,8 +406,8 @@ impl MultiHeadAttention {
         (b, t): (usize, usize),
     ) -> Result<(Tensor, Tensor)> {
         let cfg = &self.config;
-        let dtype = self.q_proj.weight().dtype();
-        let device = self.q_proj.weight().device();
+        let dtype = self.o_proj.weight().dtype();
+        let device = self.o_proj.weight().device();
         for (what, x, heads) in [
             ("rotated queries", &q, cfg.num_heads),
             ("rotated keys", &k, cfg.num_kv_heads),

@@ -16,6 +16,7 @@ mod config;
 mod fused_attention;
 mod fused_softmax;
 mod kv_cache;
+mod latent;
 mod mask;
 mod mha;
 mod qk_norm;
@@ -24,6 +25,7 @@ mod unfused;
 
 pub use config::{AttentionConfig, AttentionOptions, AttentionOutput, DEFAULT_LOGITS_BUDGET};
 pub use kv_cache::KvCache;
+pub use latent::LatentConfig;
 pub use mha::MultiHeadAttention;
 pub use qk_norm::{QkNormConfig, QkNormScope};
 pub use temperature::AttentionTemperature;

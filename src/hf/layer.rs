@@ -11,7 +11,8 @@ use serde_json::Value;
 use super::json::{first, parse_root, problem, Obj};
 use super::weights::{remap, QkvLayout, WeightLayout};
 use crate::attention::{
-    AttentionConfig, AttentionTemperature, MultiHeadAttention, QkNormConfig, QkNormScope,
+    AttentionConfig, AttentionTemperature, LatentConfig, MultiHeadAttention, QkNormConfig,
+    QkNormScope,
 };
 use crate::encoding::EncodingConfig;
 use crate::error::{Error, Result};
@@ -53,6 +54,11 @@ pub enum HfFamily {
     /// θ on full-attention layers and a local θ on sliding ones, which see `local_attention / 2`
     /// keys on either side.
     ModernBert,
+    /// `deepseek_v2`, `deepseek_v3`: multi-head latent attention (`q_a_proj`, `q_a_layernorm`,
+    /// `q_b_proj` or `q_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`; `o_proj`),
+    /// RoPE on `qk_rope_head_dim` features of each head (interleaved pairs), YaRN's
+    /// `mscale_all_dim` in the softmax scale.
+    DeepSeek,
 }
 
 impl HfFamily {
@@ -70,6 +76,7 @@ impl HfFamily {
             "t5" => HfFamily::T5,
             "mpt" => HfFamily::Mpt,
             "modernbert" => HfFamily::ModernBert,
+            "deepseek_v2" | "deepseek_v3" => HfFamily::DeepSeek,
             _ => return None,
         })
     }
@@ -105,6 +112,8 @@ impl HfFamily {
 ///   `alibi_bias_max`), T5's `relative_attention_num_buckets` and
 ///   `relative_attention_max_distance`, none for GPT-2 (and MPT without ALiBi);
 /// - MPT's `attn_config.softmax_scale`;
+/// - DeepSeek V2/V3's multi-head latent attention (see [`HfFamily::DeepSeek`]: ranks and head
+///   widths, RoPE over `qk_rope_head_dim`, YaRN's `mscale_all_dim` in the scale);
 ///
 /// Settings the block does not have yet are refused rather than ignored: linear layer types
 /// (and chunked ones outside Llama 4), Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
@@ -213,11 +222,14 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert, deepseek_v2, deepseek_v3"
                 ),
             )
         })?;
         refuse_unsupported(&top, model_type)?;
+        if family == HfFamily::DeepSeek {
+            return read_latent(text, &top, model_type);
+        }
         let kind = layer_kind(&top, model_type, layer)?;
         let mut keys = Keys::default();
         let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
@@ -297,7 +309,7 @@ impl HfAttentionConfig {
                 (b, b)
             }
             (HfFamily::Bloom | HfFamily::Gpt2, _) => (true, true),
-            (HfFamily::ModernBert, _) => {
+            (HfFamily::ModernBert | HfFamily::DeepSeek, _) => {
                 let b = flag("attention_bias", false)?;
                 (b, b)
             }
@@ -565,8 +577,96 @@ impl HfAttentionConfig {
             },
             HfFamily::Mpt => fused(QkvLayout::Stacked("Wqkv"), "out_proj"),
             HfFamily::ModernBert => fused(QkvLayout::Stacked("Wqkv"), "Wo"),
+            HfFamily::DeepSeek => fused(QkvLayout::Latent, "o_proj"),
         }
     }
+}
+
+/// A DeepSeek V2/V3 layer: multi-head latent attention with decoupled RoPE.
+///
+/// Keys: `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `q_lora_rank` (null: one query
+/// projection), `kv_lora_rank`, `attention_bias`; the rotary settings (`rope_parameters` or
+/// `rope_scaling`, `rope_theta`, `max_position_embeddings`) over `qk_rope_head_dim`
+/// features, interleaved pairs (V2 always, V3 by `rope_interleave`, default true); a softmax
+/// scale of `(nope + rope)^-1/2`, times `mscale²` with `mscale = 0.1·mscale_all_dim·ln(factor)
+/// + 1` when the scaling is not the default and names `mscale_all_dim`.
+fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionConfig> {
+    let mut keys = Keys::default();
+    let (hidden, hidden_key) = first(top, &["hidden_size"])?;
+    let (heads, heads_key) = first(top, &["num_attention_heads"])?;
+    keys.set("d_model", hidden_key);
+    keys.set("num_heads", heads_key);
+    let size =
+        |key: &str, default: usize| -> Result<usize> { Ok(top.usize(key)?.unwrap_or(default)) };
+    let nope = size("qk_nope_head_dim", 128)?;
+    let rope_dim = size("qk_rope_head_dim", 64)?;
+    let v_head_dim = size("v_head_dim", 128)?;
+    let kv_lora_rank = size("kv_lora_rank", 512)?;
+    let q_lora_rank = match top.map.get("q_lora_rank") {
+        None => Some(1536),
+        Some(_) => top.usize("q_lora_rank")?,
+    };
+    for (field, key) in [
+        ("latent", "kv_lora_rank"),
+        ("latent.q_lora_rank", "q_lora_rank"),
+        ("latent.kv_lora_rank", "kv_lora_rank"),
+        ("latent.rope_dim", "qk_rope_head_dim"),
+        ("latent.v_head_dim", "v_head_dim"),
+    ] {
+        keys.set(field, key);
+    }
+    keys.set("head_dim", "qk_nope_head_dim + qk_rope_head_dim");
+    let head_dim = nope.checked_add(rope_dim).ok_or_else(|| {
+        problem(
+            "qk_nope_head_dim",
+            "plus qk_rope_head_dim overflows a machine word",
+        )
+    })?;
+    let bias = top.bool("attention_bias")?.unwrap_or(false);
+    let interleaved = match model_type {
+        "deepseek_v2" => true,
+        _ => top.bool("rope_interleave")?.unwrap_or(true),
+    };
+    // The rotary settings over the rotating features only.
+    let mut map = parse_root(text)?;
+    map.insert("model_type".into(), Value::from("llama"));
+    map.insert("head_dim".into(), Value::from(rope_dim));
+    map.insert("rope_interleave".into(), Value::from(interleaved));
+    map.remove("partial_rotary_factor");
+    let mut rope =
+        RopeConfig::from_hf_json(&Value::Object(map).to_string()).map_err(|e| match e {
+            // The head width given to the rotary settings is qk_rope_head_dim.
+            Error::HfConfig { key, problem } if key == "head_dim" => Error::HfConfig {
+                key: "qk_rope_head_dim".into(),
+                problem,
+            },
+            other => other,
+        })?;
+    rope.head_dim = head_dim;
+    // YaRN's mscale_all_dim sharpens the softmax.
+    let mut scale = 1.0 / (head_dim as f64).sqrt();
+    if let crate::rotary::RopeScaling::Yarn(y) = &rope.scaling {
+        if let Some(all) = y.mscale_all_dim {
+            if y.factor > 1.0 {
+                let m = 0.1 * all * y.factor.ln() + 1.0;
+                scale *= m * m;
+            }
+        }
+    }
+    keys.set("softmax_scale", "rope_parameters.mscale_all_dim");
+    let latent = LatentConfig::new(q_lora_rank, kv_lora_rank, rope_dim, v_head_dim);
+    let attention = AttentionConfig::new(hidden, heads)
+        .with_head_dim(head_dim)
+        .with_causal(true)
+        .with_bias(bias)
+        .with_softmax_scale(scale)
+        .with_latent(Some(latent));
+    attention.validate().map_err(|e| blame(e, &keys))?;
+    Ok(HfAttentionConfig {
+        family: HfFamily::DeepSeek,
+        attention,
+        encoding: EncodingConfig::Rotary(rope),
+    })
 }
 
 /// The vision-language models whose language model's attention loads: their `config.json`

@@ -32,6 +32,9 @@ pub(super) enum QkvLayout {
     Grouped(&'static str),
     /// One Conv1D (`y = x W + b`, `W` of shape `(d_model, 3·H·D)`), columns `[q | k | v]`.
     Conv1D(&'static str),
+    /// Multi-head latent attention (DeepSeek): `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or
+    /// `q_proj`), `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, kept under these names.
+    Latent,
 }
 
 /// Where a family keeps its attention weights, relative to the attention module's prefix.
@@ -71,6 +74,51 @@ pub(super) fn remap(
     let rows = [h * hd, hkv * hd, hkv * hd];
     let fused_rows = rows.iter().sum::<usize>();
     match layout.qkv {
+        QkvLayout::Latent => {
+            let Some(latent) = &cfg.latent else {
+                return Err(crate::error::Error::config(
+                    "latent",
+                    "None",
+                    "a latent attention configuration for DeepSeek's weights",
+                ));
+            };
+            let nope = hd - latent.rope_dim;
+            match latent.q_lora_rank {
+                None => put("q_proj", vb.pp("q_proj").get((h * hd, d), "weight")?, None)?,
+                Some(r) => {
+                    let a = vb.pp("q_a_proj").get((r, d), "weight")?;
+                    put("q_a_proj", a, bias("q_a_proj", r, cfg.bias)?)?;
+                    put(
+                        "q_a_layernorm",
+                        vb.pp("q_a_layernorm").get(r, "weight")?,
+                        None,
+                    )?;
+                    put(
+                        "q_b_proj",
+                        vb.pp("q_b_proj").get((h * hd, r), "weight")?,
+                        None,
+                    )?;
+                }
+            }
+            let (r, rope) = (latent.kv_lora_rank, latent.rope_dim);
+            let a = vb.pp("kv_a_proj_with_mqa").get((r + rope, d), "weight")?;
+            put(
+                "kv_a_proj_with_mqa",
+                a,
+                bias("kv_a_proj_with_mqa", r + rope, cfg.bias)?,
+            )?;
+            put(
+                "kv_a_layernorm",
+                vb.pp("kv_a_layernorm").get(r, "weight")?,
+                None,
+            )?;
+            let rows = h * (nope + latent.v_head_dim);
+            put(
+                "kv_b_proj",
+                vb.pp("kv_b_proj").get((rows, r), "weight")?,
+                None,
+            )?;
+        }
         QkvLayout::Separate(names) => {
             for ((ours, theirs), n) in ["q_proj", "k_proj", "v_proj"].iter().zip(names).zip(rows) {
                 let w = vb.pp(theirs).get((n, d), "weight")?;
@@ -128,9 +176,10 @@ pub(super) fn remap(
             }
         }
     }
+    let values = cfg.latent.map_or(hd, |l| l.v_head_dim);
     let o = match layout.out_conv1d {
-        true => vb.pp(layout.out).get((h * hd, d), "weight")?.t()?,
-        false => vb.pp(layout.out).get((d, h * hd), "weight")?,
+        true => vb.pp(layout.out).get((h * values, d), "weight")?.t()?,
+        false => vb.pp(layout.out).get((d, h * values), "weight")?,
     };
     put("o_proj", o, bias(layout.out, d, cfg.out_bias)?)?;
     if let Some(norm) = cfg.qk_norm.as_ref().filter(|n| n.learned_scale) {

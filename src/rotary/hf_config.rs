@@ -14,7 +14,8 @@
 //!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and Pixtral's
 //!   `rope_type: "axial"` (axial 2-D RoPE over the patch grid);
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5, Llama 4 rotate
-//!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is refused;
+//!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is read by
+//!   `HfAttentionConfig` (its rotary part alone is not a whole head);
 //! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
 //!   level (which takes precedence; Phi-3 defaults it to 4096) or in the parameters, defaulting
 //!   to the former.
@@ -166,7 +167,7 @@ impl RopeConfig {
             return Err(problem(
                 "model_type",
                 format!(
-                    "is `{t}`: multi-head latent attention rotates `qk_rope_head_dim` features of a separate projection; build its RopeConfig by hand"
+                    "is `{t}`: multi-head latent attention rotates `qk_rope_head_dim` features of each head; read the layer with HfAttentionConfig, which builds its RopeConfig"
                 ),
             ));
         }
