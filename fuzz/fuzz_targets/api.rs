@@ -43,7 +43,7 @@ use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
 use candle_posenc::{
-    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, AttentionTemperature, ClippedBiasConfig, EncodingConfig,
+    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, AttentionTemperature, LatentConfig, ClippedBiasConfig, EncodingConfig,
     Error, Interpolation, KvCache, LearnedConfig, LongRopeScaling, MultiHeadAttention, Positions,
     QkNormConfig, QkNormScope, RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig,
     SinusoidalConfig, T5Config, YarnScaling,
@@ -576,6 +576,8 @@ struct AttnSpec {
     qk_norm: Option<(bool, bool, bool)>,
     /// Attention temperature tuning: (attn_scale in [0, 1], floor_scale).
     temperature: Option<(Real, Dim<8>)>,
+    /// Latent attention: (query rank, kv rank, rope features, value features).
+    latent: Option<(Option<Dim<8>>, Dim<8>, Dim<8>, Dim<8>)>,
 }
 
 impl AttnSpec {
@@ -645,6 +647,9 @@ impl AttnSpec {
         c.with_sliding_window(self.window.map(|w| w.value))
             .with_attention_chunk(self.chunk.map(|c| c.value))
             .with_attention_temperature(temperature)
+            .with_latent(self.latent.map(|(q, kv, rope, v)| {
+                LatentConfig::new(q.map(|q| q.value), kv.value, rope.value, v.value)
+            }))
             .with_logit_softcap(self.softcap.map(|s| s.get(0.5, 50.0)))
             .with_sinks(self.sinks)
             .with_qk_norm(norm)
@@ -2149,9 +2154,19 @@ fn forward(
         Some(Positions::Offset(o)) => o.saturating_add(xt),
         Some(_) => 2048 + 64 + xt.max(tk),
     };
-    // Tables that follow positions × head width (rotary angles, relative rows) are refused past
-    // the budget, by design: with a head this wide a budget refusal is an answer.
-    let near_budget = cfg.head_dim.saturating_mul(pos_end.max(tk)) > BUDGET / 4;
+    // What a call builds is refused past the budget, by design: tables that follow positions ×
+    // head width (rotary angles, relative rows), a query block's logits (with a fixed block
+    // size the block does not shrink), the cache, the projections. With sizes within 4× of the
+    // budget, a budget refusal is an answer.
+    let rows = cfg.query_block.unwrap_or(1).clamp(1, xt.max(1));
+    let near_budget = [
+        cfg.head_dim.saturating_mul(pos_end.max(tk)),
+        xb.saturating_mul(cfg.num_heads).saturating_mul(rows).saturating_mul(tk),
+        xb.saturating_mul(cfg.num_kv_heads).saturating_mul(cfg.head_dim).saturating_mul(tk),
+        xb.saturating_mul(xt).saturating_mul(cfg.num_heads).saturating_mul(cfg.head_dim),
+    ]
+    .iter()
+    .any(|&n| n > BUDGET / 4);
     let mut cache = cache;
     let r = model.mha.forward_with(&x, &opts, cache.as_deref_mut());
     let what = "MultiHeadAttention::forward_with";
