@@ -13,6 +13,7 @@ use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeValues,
 };
 use candle_posenc::relative::alibi::{Alibi, AlibiConfig, AlibiMode};
+use candle_posenc::rotary::{RopeConfig, RotaryEmbedding};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, Error, KvCache, LearnedConfig, LearnedPositionalEncoding,
     MultiHeadAttention, PositionIds, Positions, Result, SinusoidalConfig,
@@ -1214,6 +1215,106 @@ fn latent_attention_block(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A streaming KV cache (StreamingLLM): fed token by token, each token attends to the sinks,
+/// the last `window` tokens before it and itself, all at their cache slots; until the stream
+/// passes `sinks + window` tokens it equals the full forward. Checked with RoPE (keys rotated
+/// at their slots every step) and ALiBi against a plain forward over exactly those tokens, in a
+/// row. Positions given with a streaming cache are refused; a failed call leaves it as it was.
+fn streaming_cache_keeps_sinks_and_a_window(dev: &Device) -> anyhow::Result<()> {
+    let (sinks, window, n) = (2, 4, 13);
+    // Two sequences over two KV heads, and one over one (the cache's slots are then one
+    // contiguous run, moved within itself).
+    for (batch, kv_heads) in [(2, 2), (1, 1)] {
+        streaming_case(dev, (sinks, window, n), batch, kv_heads)?;
+    }
+    Ok(())
+}
+
+fn streaming_case(
+    dev: &Device,
+    (sinks, window, n): (usize, usize, usize),
+    batch: usize,
+    kv_heads: usize,
+) -> anyhow::Result<()> {
+    let cfg = AttentionConfig::new(16, 4)
+        .with_kv_heads(kv_heads)
+        .with_causal(true);
+    let weights = random_weights(&cfg, 0.4, dev)?;
+    let vb = VarBuilder::from_tensors(weights, DType::F32, dev);
+    let encodings: [Arc<dyn PositionalEncoding>; 2] = [
+        Arc::new(RotaryEmbedding::new(&RopeConfig::new(4), dev)?),
+        Arc::new(Alibi::new(&AlibiConfig::new(4), dev)?),
+    ];
+    let x = Tensor::randn(0f32, 1.0, (batch, n, 16), dev)?;
+    for enc in encodings {
+        let block = MultiHeadAttention::new(&cfg, Some(enc), vb.pp("a"))?;
+        let full = block.forward(&x)?;
+        let mut cache = KvCache::streaming(sinks, window);
+        assert_eq!(cache.streaming_window(), Some((sinks, window)));
+        for i in 0..n {
+            let step = block.forward_with(
+                &x.i((.., i..i + 1))?,
+                &AttentionOptions::default(),
+                Some(&mut cache),
+            )?;
+            assert_eq!(cache.len(), (i + 1).min(sinks + window));
+            let want = if i < sinks + window {
+                full.i((.., i..i + 1))?
+            } else {
+                // The sinks, the window before token i, and token i, in a row from slot 0.
+                let kept = Tensor::cat(&[x.i((.., 0..sinks))?, x.i((.., i - window..i + 1))?], 1)?;
+                block
+                    .forward(&kept)?
+                    .i((.., sinks + window..sinks + window + 1))?
+            };
+            assert_close(&step.output, &want, 1e-5, &format!("token {i}"))?;
+        }
+        // Positions are the cache's own; a failed call (here also a padding mask of the wrong
+        // shape) leaves the cache as it was.
+        let at = Positions::Offset(0);
+        let bad = Tensor::ones((batch, 3), DType::U8, dev)?;
+        let before = cache.clone();
+        for (opts, name) in [
+            (
+                AttentionOptions {
+                    positions: Some(&at),
+                    ..Default::default()
+                },
+                Some("positions"),
+            ),
+            (
+                AttentionOptions {
+                    padding_mask: Some(&bad),
+                    ..Default::default()
+                },
+                None,
+            ),
+        ] {
+            let err = block
+                .forward_with(&x.i((.., 0..1))?, &opts, Some(&mut cache))
+                .unwrap_err();
+            if let Some(name) = name {
+                assert!(
+                    matches!(&err, Error::InvalidConfig { name: n, .. } if *n == name),
+                    "{err}"
+                );
+            }
+        }
+        assert_eq!(cache.len(), before.len());
+        let next = x.i((.., 3..4))?;
+        let (a, b) = (
+            block.forward_with(&next, &AttentionOptions::default(), Some(&mut cache))?,
+            block.forward_with(
+                &next,
+                &AttentionOptions::default(),
+                Some(&mut before.clone()),
+            )?,
+        );
+        assert_close(&a.output, &b.output, 0.0, "after a failed call")?;
+    }
+    Ok(())
+}
+
 /// With sinks the softmax no longer ignores a constant along a row, so ALiBi gives its
 /// formula `−m·(i − j)` exactly rather than its per-key form (which shifted each row by its
 /// query's position: query blocks of different sizes gave different answers).
@@ -1263,6 +1364,7 @@ device_tests!(
     windows_and_chunks_match_their_masks,
     attention_temperature_scales_queries_by_cache_slot,
     latent_attention_block,
+    streaming_cache_keeps_sinks_and_a_window,
     alibi_with_sinks_is_exact,
     parity_plain,
     parity_sinusoidal_causal_bias,

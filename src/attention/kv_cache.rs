@@ -54,6 +54,8 @@ pub struct KvCache {
     positions: Option<Positions>,
     /// Shared by clones: a cache writes into its buffers only while it holds the only handle.
     owner: Arc<()>,
+    /// `Some((sinks, window))`: a streaming cache (see [`Self::streaming`]).
+    streaming: Option<(usize, usize)>,
 }
 
 impl Default for KvCache {
@@ -81,7 +83,35 @@ impl KvCache {
             capacity: capacity.max(1),
             positions: None,
             owner: Arc::new(()),
+            streaming: None,
         }
+    }
+
+    /// A streaming cache (StreamingLLM): after each chunk it keeps the first `sinks` tokens
+    /// (attention sinks) and the last `window`, and forgets the ones between.
+    ///
+    /// Tokens sit at their slots in the cache, not at their places in the text, as the paper
+    /// does: keys are cached before the rotation, and every call rotates all of them at slots
+    /// `0..len` and its queries at the slots after, so the distances the encoding sees never
+    /// pass `sinks + window + chunk` however long the stream. (Rotating each key once at its
+    /// text position, as the plain cache does, would leave a gap between the sinks and the
+    /// window that grows without bound, past the positions the model was trained on.)
+    ///
+    /// Each chunk attends to the cache as it stands plus itself (causally); the eviction
+    /// follows the chunk. Fed token by token, each token sees the sinks, the last `window`
+    /// tokens before it and itself. Until the stream passes `sinks + window` tokens nothing is
+    /// evicted and decoding equals the full forward. Positions are the cache's: a call gives
+    /// none of its own. A padding mask covers the cached keys (after eviction) and the chunk.
+    pub fn streaming(sinks: usize, window: usize) -> Self {
+        Self {
+            streaming: Some((sinks, window)),
+            ..Self::with_capacity(sinks.saturating_add(window).saturating_add(1))
+        }
+    }
+
+    /// `Some((sinks, window))` for a [streaming](Self::streaming) cache.
+    pub fn streaming_window(&self) -> Option<(usize, usize)> {
+        self.streaming
     }
 
     /// Number of cached tokens.
@@ -233,6 +263,47 @@ impl KvCache {
             vb.narrow(2, 0, total)?,
             all_positions,
         ))
+    }
+
+    /// Forgets the tokens between the sinks and the window of a streaming cache (nothing for a
+    /// plain one); the kept keys move to the slots after the sinks.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if copying the kept tokens would pass the budget; the cache is
+    /// then unchanged.
+    pub(crate) fn evict(&mut self) -> Result<()> {
+        let Some((sinks, window)) = self.streaming else {
+            return Ok(());
+        };
+        let keep = sinks.saturating_add(window);
+        if self.len <= keep {
+            return Ok(());
+        }
+        let (Some(k), Some(v)) = (&self.k, &self.v) else {
+            return Ok(());
+        };
+        let recent = |t: &Tensor| -> Result<Tensor> {
+            // A fresh contiguous copy: the slots it moves to overlap the ones it comes from.
+            let r = t.narrow(2, self.len - window, window)?;
+            Ok(match r.is_contiguous() {
+                true => r.copy()?,
+                false => r.contiguous()?,
+            })
+        };
+        let (rk, rv) = (recent(k)?, recent(v)?);
+        let (b, h, _, d) = k.dims4()?;
+        let like = k.clone();
+        // Own storage first (a clone may share it).
+        self.reserve(self.len, (b, h, d), &like)?;
+        if let (Some(k), Some(v)) = (&self.k, &self.v) {
+            if window > 0 {
+                k.slice_set(&rk, 2, sinks)?;
+                v.slice_set(&rv, 2, sinks)?;
+            }
+        }
+        self.len = keep;
+        self.positions = Some(Positions::Offset(0));
+        Ok(())
     }
 
     /// Makes the buffers this cache's own and large enough for `needed` positions of

@@ -191,6 +191,16 @@ impl MultiHeadAttention {
         mut cache: Option<&mut KvCache>,
     ) -> Result<AttentionOutput> {
         let cfg = &self.config;
+        let streaming = cache
+            .as_ref()
+            .is_some_and(|c| c.streaming_window().is_some());
+        if streaming && options.positions.is_some() {
+            return Err(Error::config(
+                "positions",
+                "given",
+                "none with a streaming KV cache, which places tokens at their cache slots",
+            ));
+        }
         let next = Positions::Offset(cache.as_ref().map_or(0, |c| c.next_position()));
         let positions = options.positions.unwrap_or(&next);
         let (b, t) = self.check_input(x, positions)?;
@@ -220,14 +230,47 @@ impl MultiHeadAttention {
         // the graph.
         let differentiable = options.train || x.track_op() || self.weights_track();
         let (q, k, v) = self.project(&x, differentiable)?;
-        let (q, k) = match enc {
-            Some(e) => self.check_rotated(e.rotate(q, k, &ctx)?, (b, t))?,
-            None => (q, k),
-        };
         let mark = cache.as_ref().map(|c| c.mark());
-        let (k, v, k_positions) = match cache.as_deref_mut() {
-            Some(cache) => cache.append(&k, &v, positions)?,
-            None => (k, v, positions.clone()),
+        let (q, k, v, k_positions) = match (cache.as_deref_mut(), streaming) {
+            // A streaming cache holds its keys unrotated: all are rotated at their slots.
+            (Some(cache), true) => {
+                let (k, v, k_positions) = cache.append(&k, &v, positions)?;
+                let rotated = match enc {
+                    Some(e) => {
+                        let all = AttentionContext::new(positions, t, &k_positions, tk)
+                            .with_causal(cfg.causal)
+                            .with_train(options.train)
+                            .with_sinks(cfg.sinks);
+                        // A copy: the rotation may run in place, and the cache keeps its keys
+                        // unrotated.
+                        e.rotate(q, k.copy()?, &all)
+                            .and_then(|qk| self.check_rotated(qk, (b, t, tk)))
+                    }
+                    None => Ok((q, k)),
+                };
+                match rotated {
+                    Ok((q, k)) => (q, k, v, k_positions),
+                    Err(e) => {
+                        if let Some(mark) = mark {
+                            cache.restore(mark);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            (cache, _) => {
+                let (q, k) = match enc {
+                    Some(e) => self.check_rotated(e.rotate(q, k, &ctx)?, (b, t, t))?,
+                    None => (q, k),
+                };
+                match cache {
+                    Some(cache) => {
+                        let (k, v, p) = cache.append(&k, &v, positions)?;
+                        (q, k, v, p)
+                    }
+                    None => (q, k, v, positions.clone()),
+                }
+            }
         };
         let q = match &cfg.attention_temperature {
             // The chunk's first query sits at key index `cached`.
@@ -257,22 +300,28 @@ impl MultiHeadAttention {
             encoding: enc,
         }
         .attend(path)
+        .and_then(|attended| {
+            let merged = match &self.projections {
+                Projections::Latent(latent) => latent.values_of(&attended.out)?,
+                Projections::Separate { .. } => {
+                    attended.out.reshape((b, t, cfg.num_heads * cfg.head_dim))?
+                }
+            };
+            let output = self.o_proj.forward(&merged)?;
+            // A streaming cache forgets what falls between its sinks and its window.
+            if let Some(cache) = cache.as_deref_mut() {
+                cache.evict()?;
+            }
+            Ok((output, attended.weights))
+        })
         .inspect_err(|_| {
             // A chunk that fails (an encoding's answer, a mask) leaves the cache as it was.
             if let (Some(cache), Some(mark)) = (cache, mark) {
                 cache.restore(mark);
             }
-        })?;
-        let merged = match &self.projections {
-            Projections::Latent(latent) => latent.values_of(&attended.out)?,
-            Projections::Separate { .. } => {
-                attended.out.reshape((b, t, cfg.num_heads * cfg.head_dim))?
-            }
-        };
-        Ok(AttentionOutput {
-            output: self.o_proj.forward(&merged)?,
-            weights: attended.weights,
-        })
+        });
+        let (output, weights) = attended?;
+        Ok(AttentionOutput { output, weights })
     }
 
     /// Checks `x` and its positions against the block; returns `(B, T)`.
@@ -403,14 +452,14 @@ impl MultiHeadAttention {
     fn check_rotated(
         &self,
         (q, k): (Tensor, Tensor),
-        (b, t): (usize, usize),
+        (b, tq, tk): (usize, usize, usize),
     ) -> Result<(Tensor, Tensor)> {
         let cfg = &self.config;
         let dtype = self.o_proj.weight().dtype();
         let device = self.o_proj.weight().device();
-        for (what, x, heads) in [
-            ("rotated queries", &q, cfg.num_heads),
-            ("rotated keys", &k, cfg.num_kv_heads),
+        for (what, x, heads, t) in [
+            ("rotated queries", &q, cfg.num_heads, tq),
+            ("rotated keys", &k, cfg.num_kv_heads, tk),
         ] {
             if x.dims() != [b, heads, t, cfg.head_dim] {
                 return Err(Error::shape(
