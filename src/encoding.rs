@@ -29,6 +29,7 @@ use crate::relative::alibi::{Alibi, AlibiConfig};
 use crate::relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
 use crate::relative::shaw::{ShawConfig, ShawRelativePosition};
 use crate::relative::t5::{T5Config, T5RelativeBias};
+use crate::rotary::mixed::{RopeMixed, RopeMixedConfig};
 use crate::rotary::{RopeConfig, RotaryEmbedding};
 
 /// The configuration of any encoding in the crate.
@@ -71,11 +72,13 @@ pub enum EncodingConfig {
     Shaw(ShawConfig),
     /// [`RotaryEmbedding`].
     Rotary(RopeConfig),
+    /// [`RopeMixed`]: learned per-head 2-D rotary frequencies.
+    RopeMixed(RopeMixedConfig),
 }
 
 impl EncodingConfig {
     /// A short name for the kind: `none`, `sinusoidal`, `learned`, `alibi`, `t5`,
-    /// `clipped_bias`, `shaw`, `rotary`.
+    /// `clipped_bias`, `shaw`, `rotary`, `rope_mixed`.
     pub fn kind(&self) -> &'static str {
         match self {
             EncodingConfig::None => "none",
@@ -86,6 +89,7 @@ impl EncodingConfig {
             EncodingConfig::ClippedBias(_) => "clipped_bias",
             EncodingConfig::Shaw(_) => "shaw",
             EncodingConfig::Rotary(_) => "rotary",
+            EncodingConfig::RopeMixed(_) => "rope_mixed",
         }
     }
 
@@ -103,6 +107,7 @@ impl EncodingConfig {
             EncodingConfig::ClippedBias(c) => c.validate(),
             EncodingConfig::Shaw(c) => c.validate(),
             EncodingConfig::Rotary(c) => c.validate(),
+            EncodingConfig::RopeMixed(c) => c.validate(),
         }
     }
 
@@ -124,6 +129,7 @@ impl EncodingConfig {
             EncodingConfig::ClippedBias(c) => Some(Arc::new(ClippedRelativeBias::new(c, vb)?)),
             EncodingConfig::Shaw(c) => Some(Arc::new(ShawRelativePosition::new(c, vb)?)),
             EncodingConfig::Rotary(c) => Some(Arc::new(RotaryEmbedding::new(c, vb.device())?)),
+            EncodingConfig::RopeMixed(c) => Some(Arc::new(RopeMixed::new(c, vb)?)),
         })
     }
 

@@ -112,7 +112,7 @@ pub use relative::t5::{T5Config, T5RelativeBias};
 pub use relative::{BucketedRelativeBias, RelativeBucketing};
 pub use rotary::{
     AxialRope, LongRopeScaling, MropeSection, MropeSegment, QkLayout, RopeConfig, RopeFrequencies,
-    RopeKernel, RopeLayout, RopeScaling, RotaryEmbedding, YarnScaling,
+    RopeKernel, RopeLayout, RopeMixed, RopeMixedConfig, RopeScaling, RotaryEmbedding, YarnScaling,
 };
 
 /// The README's Rust snippets, run as doctests so the quickstart cannot rot.

@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::positions::PositionIds;
+use candle_posenc::rotary::mixed::{RopeMixed, RopeMixedConfig};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, EncodingConfig, Error, KvCache, LongRopeScaling,
     MultiHeadAttention, Positions, QkLayout, RopeConfig, RopeKernel, RopeLayout, RopeScaling,
@@ -1326,7 +1328,99 @@ fn axial_matches_hf(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// RoPE-Mixed against timm's `RotaryEmbeddingMixed` (the paper's code): q and k rotated over a
+/// 3×4 patch grid with its learned frequencies, and torch autograd's gradient with respect to
+/// them; a fresh parameter takes the paper's initialisation; the configuration round-trips
+/// through checkpoint metadata; misplaced positions and widths are typed errors.
+fn rope_mixed_matches_timm(dev: &Device) -> anyhow::Result<()> {
+    let f = fixture("rope_mixed.safetensors", dev)?;
+    let (q, k) = (get(&f, "q"), get(&f, "k"));
+    let cfg = RopeMixedConfig::new(2, 8);
+    // Positions: temporal 0, height = the patch's row (t_y), width = its column (t_x).
+    let n = q.dim(2)?;
+    let axis = |name: &str| -> anyhow::Result<Tensor> {
+        Ok(get(&f, name).to_dtype(DType::U32)?.reshape((1, n))?)
+    };
+    let axes = Tensor::stack(
+        &[
+            Tensor::zeros((1, n), DType::U32, dev)?,
+            axis("t_y")?,
+            axis("t_x")?,
+        ],
+        0,
+    )?;
+    let positions = Positions::Ids(PositionIds::multimodal(&axes)?);
+    // Trained through a VarMap: set to timm's frequencies, then differentiated.
+    let varmap = VarMap::new();
+    let rope = RopeMixed::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
+    let initial = Tensor::from_vec(cfg.initial_freqs(), (2, 2, 4), dev)?;
+    assert_close(
+        rope.freqs(),
+        &initial,
+        0.0,
+        "a new parameter starts at the paper's init",
+    )?;
+    let var = varmap.data().lock().unwrap()["freqs"].clone();
+    var.set(get(&f, "freqs"))?;
+    let (q_rot, k_rot) = (
+        rope.rotate_one(q, &positions)?,
+        rope.rotate_one(k, &positions)?,
+    );
+    assert_close(&q_rot, get(&f, "q_rot"), 1e-5, "q")?;
+    assert_close(&k_rot, get(&f, "k_rot"), 1e-5, "k")?;
+    let loss = ((&q_rot * get(&f, "w"))?.sum_all()? + (&k_rot * get(&f, "u"))?.sum_all()?)?;
+    let grads = loss.backward()?;
+    let grad = grads
+        .get(var.as_tensor())
+        .expect("a gradient for the frequencies");
+    assert_close(grad, get(&f, "grad"), 1e-5, "gradient")?;
+    // The initial frequencies: per head, (f_x, f_y) pairs of magnitude θ^(−4k/D), the second
+    // half at a right angle to the first.
+    let init = cfg.initial_freqs();
+    for h in 0..2 {
+        for kq in 0..2 {
+            let m = 10f64.powf(-(4.0 * kq as f64) / 8.0);
+            let at = |axis: usize, i: usize| init[(axis * 2 + h) * 4 + i] as f64;
+            let (a, b) = ((at(0, kq), at(1, kq)), (at(0, kq + 2), at(1, kq + 2)));
+            assert!(((a.0 * a.0 + a.1 * a.1).sqrt() - m).abs() < 1e-6);
+            assert!((a.0 * b.0 + a.1 * b.1).abs() < 1e-6, "a right angle");
+        }
+    }
+    // Through the block, with checkpoint metadata.
+    let encoding = EncodingConfig::RopeMixed(cfg.with_seed(3));
+    let meta = encoding.to_metadata();
+    assert_eq!(EncodingConfig::from_metadata(&meta, "test")?, encoding);
+    let attn_cfg = AttentionConfig::new(16, 2);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let block = MultiHeadAttention::new(&attn_cfg, encoding.build(vb.pp("rope"))?, vb.pp("attn"))?;
+    let x = Tensor::randn(0f32, 1.0, (1, n, 16), dev)?;
+    let opts = AttentionOptions {
+        positions: Some(&positions),
+        ..Default::default()
+    };
+    assert_eq!(
+        block.forward_with(&x, &opts, None)?.output.dims(),
+        &[1, n, 16]
+    );
+    // Plain offsets have no rows and columns; widths must match.
+    let err = block.forward(&x).unwrap_err();
+    assert!(err.to_string().contains("RoPE-Mixed positions"), "{err}");
+    for bad in [
+        RopeMixedConfig::new(2, 6),
+        RopeMixedConfig::new(0, 8),
+        RopeMixedConfig::new(2, 8).with_theta(1.0),
+    ] {
+        assert!(
+            matches!(bad.validate(), Err(Error::InvalidConfig { .. })),
+            "{bad:?}"
+        );
+    }
+    Ok(())
+}
+
 device_tests!(
+    rope_mixed_matches_timm,
     axial_matches_hf,
     mrope_matches_hf,
     proportional_matches_hf,

@@ -15,16 +15,19 @@
 //! - [`rope`]: [`RotaryEmbedding`] and [`RopeConfig`].
 //! - [`scaling`]: [`RopeScaling`], one function per HF `rope_type`.
 //! - [`hf_config`]: [`RopeConfig::from_hf_json`], reading a model's `config.json`.
+//! - [`mixed`]: RoPE-Mixed, learned per-head 2-D frequencies ([`RopeMixed`]).
 //! - [`mrope`]: multimodal RoPE's frequency bands ([`MropeSection`]) and positions
 //!   ([`mrope::mrope_positions`]).
 
 pub mod hf_config;
 mod inplace;
 mod kernels;
+pub mod mixed;
 pub mod mrope;
 pub mod rope;
 pub mod scaling;
 
+pub use mixed::{RopeMixed, RopeMixedConfig};
 pub use mrope::{AxialRope, MropeSection, MropeSegment};
 pub use rope::{QkLayout, RopeConfig, RopeKernel, RopeLayout, RotaryEmbedding};
 pub use scaling::{LongRopeScaling, RopeFrequencies, RopeScaling, YarnScaling};
