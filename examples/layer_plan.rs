@@ -82,6 +82,12 @@ fn plan(name: &str, json: &str) -> anyhow::Result<()> {
             };
             extras.push(format!("q/k norm {:?}{scale}", n.scope));
         }
+        if a.k_eq_v {
+            extras.push("values = keys".to_string());
+        }
+        if a.value_norm.is_some() {
+            extras.push("value norm".to_string());
+        }
         if let Some(l) = a.latent {
             extras.push(format!(
                 "latent attention (q rank {:?}, kv rank {}, RoPE on {} of {}, values {})",

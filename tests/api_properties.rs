@@ -33,7 +33,8 @@ struct Case {
     bias: bool,
     norm: Option<bool>,
     /// Bits: a sliding window of 2, a soft cap of 3, sink logits, chunks of 3 (causal blocks),
-    /// an attention temperature, latent projections (MLA; when the heads allow).
+    /// an attention temperature, latent projections (MLA; when the heads allow), a value norm,
+    /// values from the keys.
     extras: u8,
     batch: usize,
     chunks: Vec<usize>,
@@ -57,7 +58,7 @@ fn cases() -> impl Strategy<Value = Case> {
             any::<bool>(),
             any::<bool>(),
             prop::option::of(any::<bool>()),
-            0..64u8,
+            any::<u8>(),
         ),
         (0..3usize, prop::collection::vec(0..5usize, 1..4), 0..5usize),
         (
@@ -134,6 +135,8 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         )
         .with_logit_softcap((case.extras & 2 != 0).then_some(3.0))
         .with_sinks(case.extras & 4 != 0)
+        .with_value_norm((case.extras & 64 != 0).then_some(1e-6))
+        .with_k_eq_v(case.extras & 128 != 0 && case.extras & 32 == 0)
         .with_latent(
             (case.extras & 32 != 0 && kv == h && case.norm.is_none() && hd > 2)
                 .then(|| LatentConfig::new(Some(3), 5, 2, hd - 1)),

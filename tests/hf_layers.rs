@@ -17,7 +17,7 @@ use candle_posenc::rotary::RopeLayout;
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 41] = [
+const FAMILIES: [&str; 44] = [
     "llama",
     "mistral",
     "qwen2",
@@ -59,6 +59,9 @@ const FAMILIES: [&str; 41] = [
     "deepseek_v3",
     "deepseek_v3.padded",
     "deepseek_v2",
+    "gemma4.0",
+    "gemma4.1",
+    "gemma4.1.padded",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -441,6 +444,45 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         let (name, v) = edit.split_once(": ").expect("an edit");
         value[name.trim_matches('"')] = serde_json::from_str(v)?;
         let err = HfAttentionConfig::from_json(&value.to_string()).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{key}: {err}"
+        );
+    }
+    // Gemma 4: per-layer head widths and KV heads, values from the keys on full layers, q, k
+    // and v normalised, no scale, proportional RoPE over the full layers' wider heads.
+    let (local, global) = (read("gemma4.0", 0)?, read("gemma4.0", 1)?);
+    let (l, g) = (&local.attention, &global.attention);
+    assert_eq!(
+        (l.head_dim, l.num_kv_heads, l.k_eq_v, l.sliding_window),
+        (8, 2, false, Some(3))
+    );
+    assert_eq!(
+        (g.head_dim, g.num_kv_heads, g.k_eq_v, g.sliding_window),
+        (16, 1, true, None)
+    );
+    for a in [l, g] {
+        assert_eq!((a.softmax_scale, a.value_norm), (1.0, Some(1e-6)));
+        assert!(a.qk_norm.is_some_and(|n| !n.unit_offset && n.learned_scale));
+    }
+    match &global.encoding {
+        EncodingConfig::Rotary(r) => {
+            assert_eq!((r.head_dim, r.scaling.name()), (16, "proportional"))
+        }
+        other => panic!("Gemma 4 read as {other:?}"),
+    }
+    let gemma4: serde_json::Value = serde_json::from_str(&ckpt.metadata()["gemma4.0"])?;
+    for (key, value, layer) in [
+        (
+            "use_bidirectional_attention",
+            serde_json::json!("vision"),
+            0,
+        ),
+        ("num_kv_shared_layers", serde_json::json!(1), 1),
+    ] {
+        let mut edited = gemma4.clone();
+        edited[key] = value;
+        let err = HfAttentionConfig::from_json_layer(&edited.to_string(), layer).unwrap_err();
         assert!(
             matches!(&err, Error::HfConfig { key: k, .. } if k == key),
             "{key}: {err}"

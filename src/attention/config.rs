@@ -20,7 +20,7 @@ use super::temperature::AttentionTemperature;
 /// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
 /// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null,
 /// "sliding_window": null, "attention_chunk": null, "attention_temperature": null,
-/// "logit_softcap": null, "sinks": false, "latent": null}`.
+/// "logit_softcap": null, "sinks": false, "latent": null, "k_eq_v": false, "value_norm": null}`.
 /// Only `d_model` and `num_heads` are required (`out_bias` defaults to `bias`); the other fields default as in [`AttentionConfig::new`] and its builders (a
 /// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
 /// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
@@ -74,6 +74,12 @@ pub struct AttentionConfig {
     /// latents, RoPE on the first [`LatentConfig::rope_dim`] features of each head, values
     /// [`LatentConfig::v_head_dim`] wide. Needs as many KV heads as heads and no query/key norm.
     pub latent: Option<LatentConfig>,
+    /// Values are the key projection, before any key norm and rotation: no `v_proj` (Gemma 4's
+    /// full-attention layers, `attention_k_eq_v`; default false).
+    pub k_eq_v: bool,
+    /// RMS normalisation of each value head without a scale, with this ε (Gemma 4; default
+    /// none).
+    pub value_norm: Option<f64>,
     /// Queries per block: attention runs over blocks of this many queries, each against all
     /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
@@ -120,6 +126,10 @@ struct AttentionConfigFields {
     sinks: bool,
     #[serde(default)]
     latent: Option<LatentConfig>,
+    #[serde(default)]
+    k_eq_v: bool,
+    #[serde(default)]
+    value_norm: Option<f64>,
 }
 
 impl From<AttentionConfigFields> for AttentionConfig {
@@ -154,6 +164,8 @@ impl From<AttentionConfigFields> for AttentionConfig {
             .with_logit_softcap(f.logit_softcap)
             .with_sinks(f.sinks)
             .with_latent(f.latent)
+            .with_k_eq_v(f.k_eq_v)
+            .with_value_norm(f.value_norm)
     }
 }
 
@@ -192,6 +204,8 @@ impl AttentionConfig {
             logit_softcap: None,
             sinks: false,
             latent: None,
+            k_eq_v: false,
+            value_norm: None,
             query_block: None,
             logits_budget: DEFAULT_LOGITS_BUDGET,
         }
@@ -255,6 +269,18 @@ impl AttentionConfig {
     /// Sets multi-head latent attention (`None`: separate q, k, v projections).
     pub fn with_latent(mut self, latent: Option<LatentConfig>) -> Self {
         self.latent = latent;
+        self
+    }
+
+    /// Takes the values from the key projection (`true`) or from `v_proj`.
+    pub fn with_k_eq_v(mut self, k_eq_v: bool) -> Self {
+        self.k_eq_v = k_eq_v;
+        self
+    }
+
+    /// Sets the scale-free RMS norm of the values (its ε; `None`: none).
+    pub fn with_value_norm(mut self, eps: Option<f64>) -> Self {
+        self.value_norm = eps;
         self
     }
 
@@ -426,8 +452,18 @@ impl AttentionConfig {
             }
             _ => {}
         }
+        if let Some(eps) = self.value_norm {
+            check_normal_f32("value_norm", eps)?;
+        }
         if let Some(latent) = &self.latent {
             latent.validate(self.d_model, self.num_heads, self.head_dim)?;
+            if self.k_eq_v {
+                return Err(Error::config(
+                    "k_eq_v",
+                    true,
+                    "false with latent attention (its values have their own projection)",
+                ));
+            }
             if self.num_kv_heads != self.num_heads {
                 return Err(Error::config(
                     "num_kv_heads",

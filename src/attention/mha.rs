@@ -78,8 +78,12 @@ pub struct MultiHeadAttention {
 /// Where q, k and v come from.
 #[derive(Debug, Clone)]
 enum Projections {
-    /// `q_proj`, `k_proj`, `v_proj`.
-    Separate { q: Linear, k: Linear, v: Linear },
+    /// `q_proj`, `k_proj`, `v_proj` (none when the values are the key projection).
+    Separate {
+        q: Linear,
+        k: Linear,
+        v: Option<Linear>,
+    },
     /// Multi-head latent attention's low-rank projections.
     Latent(LatentProjections),
 }
@@ -112,7 +116,15 @@ impl MultiHeadAttention {
                 Projections::Separate {
                     q: linear_b(d, config.num_heads * hd, config.bias, vb.pp("q_proj"))?,
                     k: linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("k_proj"))?,
-                    v: linear_b(d, config.num_kv_heads * hd, config.bias, vb.pp("v_proj"))?,
+                    v: match config.k_eq_v {
+                        true => None,
+                        false => Some(linear_b(
+                            d,
+                            config.num_kv_heads * hd,
+                            config.bias,
+                            vb.pp("v_proj"),
+                        )?),
+                    },
                 },
                 hd,
             ),
@@ -388,7 +400,9 @@ impl MultiHeadAttention {
     fn weights_track(&self) -> bool {
         let linear = |p: &Linear| p.weight().track_op() || p.bias().is_some_and(|b| b.track_op());
         let projections = match &self.projections {
-            Projections::Separate { q, k, v } => linear(q) || linear(k) || linear(v),
+            Projections::Separate { q, k, v } => {
+                linear(q) || linear(k) || v.as_ref().is_some_and(linear)
+            }
             Projections::Latent(latent) => latent.tracks(),
         };
         projections
@@ -410,20 +424,29 @@ impl MultiHeadAttention {
                 return Ok((keep(q), keep(k), keep(v)));
             }
         };
-        let split = |proj: &Linear, heads: usize, norm: Option<bool>| -> Result<Tensor> {
-            let y = proj.forward(x)?;
+        // `norm`: Some(false) queries, Some(true) keys (their norms), None values.
+        let split = |y: Tensor, heads: usize, norm: Option<bool>| -> Result<Tensor> {
             let (b, len, _) = y.dims3()?;
             let y = match (&self.qk_norm, norm) {
                 (Some(qk_norm), Some(keys)) => qk_norm.apply(&y, keys, heads)?,
                 _ => y.reshape((b, len, heads, cfg.head_dim))?,
             };
+            let y = match (cfg.value_norm, norm) {
+                (Some(eps), None) => scale_free_rms(&y, eps)?,
+                _ => y,
+            };
             let y = y.transpose(1, 2)?.contiguous()?;
             Ok(if differentiable { y } else { y.detach() })
         };
+        let keys = k.forward(x)?;
+        let values = match v {
+            Some(v) => v.forward(x)?,
+            None => keys.clone(),
+        };
         Ok((
-            split(q, cfg.num_heads, Some(false))?,
-            split(k, cfg.num_kv_heads, Some(true))?,
-            split(v, cfg.num_kv_heads, None)?,
+            split(q.forward(x)?, cfg.num_heads, Some(false))?,
+            split(keys, cfg.num_kv_heads, Some(true))?,
+            split(values, cfg.num_kv_heads, None)?,
         ))
     }
 
@@ -506,6 +529,15 @@ impl MultiHeadAttention {
             )
         })?))
     }
+}
+
+/// `y` `(…, D)` divided by its RMS over the last axis (in f32, cast back), no scale.
+fn scale_free_rms(y: &Tensor, eps: f64) -> Result<Tensor> {
+    let y32 = y.to_dtype(DType::F32)?;
+    let inv = (y32.sqr()?.mean_keepdim(candle_core::D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    Ok(y32.broadcast_mul(&inv)?.to_dtype(y.dtype())?)
 }
 
 impl Module for MultiHeadAttention {

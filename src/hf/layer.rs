@@ -66,7 +66,9 @@ impl HfFamily {
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
             "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
-            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" | "llama4_text" => HfFamily::Llama,
+            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" | "llama4_text" | "gemma4_text" => {
+                HfFamily::Llama
+            }
             "phi3" => HfFamily::Phi3,
             "gpt_neox" => HfFamily::GptNeoX,
             "bloom" => HfFamily::Bloom,
@@ -100,6 +102,9 @@ impl HfFamily {
 /// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`), OLMo 2
 ///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only), ε
 ///   from `rms_norm_eps`;
+/// - Gemma 4 (`gemma4_text`): `per_layer_config` head widths and KV heads, q/k norms, the
+///   values' scale-free norm, `attention_k_eq_v` on full layers, a scale of 1, per-layer RoPE
+///   over each layer's head width; KV-sharing layers and bidirectional attention are refused;
 /// - Llama 4's chunked attention on its RoPE layers (`attention_chunk_size`, or `layer_types`)
 ///   and its attention temperature on its NoPE layers (`attn_temperature_tuning`,
 ///   `attn_scale`, `floor_scale`);
@@ -222,11 +227,23 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert, deepseek_v2, deepseek_v3"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, gemma4_text, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert, deepseek_v2, deepseek_v3"
                 ),
             )
         })?;
         refuse_unsupported(&top, model_type)?;
+        if model_type == "gemma4_text" {
+            let layers = top.usize("num_hidden_layers")?.unwrap_or(0);
+            let shared = top.usize("num_kv_shared_layers")?.unwrap_or(0);
+            if shared > 0 && layer + shared >= layers {
+                return Err(problem(
+                    "num_kv_shared_layers",
+                    format!(
+                        "makes layer {layer} reuse the keys and values of an earlier layer, which the attention block does not support yet"
+                    ),
+                ));
+            }
+        }
         if family == HfFamily::DeepSeek {
             return read_latent(text, &top, model_type);
         }
@@ -286,6 +303,32 @@ impl HfAttentionConfig {
             }
             None => keys.set("head_dim", format!("{} / {}", hidden_key, heads_key)),
         }
+        // Gemma 4's per-layer overrides (its full-attention layers' wider heads and fewer KV
+        // heads).
+        if model_type == "gemma4_text" {
+            let overrides = top
+                .get("per_layer_config")
+                .and_then(Value::as_object)
+                .and_then(|m| m.get(&layer.to_string()))
+                .and_then(Value::as_object);
+            if let Some(o) = overrides {
+                let entry = Obj {
+                    map: o,
+                    prefix: "per_layer_config.",
+                };
+                if let Some(d) = entry.usize("head_dim")? {
+                    attention = attention.with_head_dim(d);
+                    keys.set("head_dim", format!("per_layer_config.{layer}.head_dim"));
+                }
+                if let Some(kv) = entry.usize("num_key_value_heads")? {
+                    attention = attention.with_kv_heads(kv);
+                    keys.set(
+                        "num_kv_heads",
+                        format!("per_layer_config.{layer}.num_key_value_heads"),
+                    );
+                }
+            }
+        }
         // Biases.
         let flag =
             |key: &str, default: bool| -> Result<bool> { Ok(top.bool(key)?.unwrap_or(default)) };
@@ -344,6 +387,16 @@ impl HfAttentionConfig {
         if model_type == "gpt_oss" {
             attention = attention.with_sinks(true);
         }
+        if model_type == "gemma4_text" {
+            // q and k normalised (below), values too; no further scale.
+            attention = attention
+                .with_softmax_scale(1.0)
+                .with_value_norm(Some(top.f64("rms_norm_eps")?.unwrap_or(1e-6)))
+                .with_k_eq_v(
+                    kind == LayerKind::Full && top.bool("attention_k_eq_v")?.unwrap_or(false),
+                );
+            keys.set("value_norm", "rms_norm_eps");
+        }
         // MPT keeps its attention settings under attn_config.
         let empty = serde_json::Map::new();
         let attn_config = Obj {
@@ -375,7 +428,9 @@ impl HfAttentionConfig {
         }
         // Query/key norms.
         let norm = match model_type {
-            "qwen3" => Some(QkNormConfig::new().with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-6))),
+            "qwen3" | "gemma4_text" => {
+                Some(QkNormConfig::new().with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-6)))
+            }
             "gemma3_text" => Some(
                 QkNormConfig::new()
                     .with_unit_offset(true)
@@ -449,7 +504,12 @@ impl HfAttentionConfig {
             }
             _ if !uses_rope(&top, model_type, layer)? => EncodingConfig::None,
             _ => {
-                let rope = rope_of_layer(text, &top, model_type, kind)?;
+                // Gemma 4's layers rotate over their own head width.
+                let width = match model_type {
+                    "gemma4_text" => attention.head_dim,
+                    _ => 0,
+                };
+                let rope = rope_of_layer(text, &top, model_type, kind, width)?;
                 if rope.head_dim != attention.head_dim {
                     return Err(problem(
                         "head_dim",
@@ -671,12 +731,13 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
 
 /// The vision-language models whose language model's attention loads: their `config.json`
 /// nests it under `text_config`.
-const VISION_LANGUAGE: [&str; 5] = [
+const VISION_LANGUAGE: [&str; 6] = [
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",
     "qwen3_vl_moe",
     "llama4",
+    "gemma4",
 ];
 
 /// The `text_config` of a vision-language model's `config.json`, as text, if this is one.
@@ -739,6 +800,12 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
             "Falcon's ALiBi, which HF computes in bfloat16 (slopes and products rounded) and adds before the softmax scale; the block's f32 ALiBi would differ from it by that rounding",
         ));
     }
+    if model_type == "gemma4_text" && top.str("use_bidirectional_attention")?.is_some() {
+        return Err(unsupported(
+            "use_bidirectional_attention",
+            "bidirectional attention over some or all tokens",
+        ));
+    }
     if model_type == "gpt2" && top.bool("scale_attn_by_inverse_layer_idx")? == Some(true) {
         return Err(unsupported(
             "scale_attn_by_inverse_layer_idx",
@@ -758,7 +825,7 @@ enum LayerKind {
 }
 
 /// The models whose layers differ by `layer_types`.
-const LAYERED: [&str; 9] = [
+const LAYERED: [&str; 10] = [
     "qwen2",
     "qwen3",
     "gemma2",
@@ -768,6 +835,7 @@ const LAYERED: [&str; 9] = [
     "cohere2",
     "modernbert",
     "llama4_text",
+    "gemma4_text",
 ];
 
 /// The window a sliding layer of this model uses, `None` when it has none: `sliding_window`,
@@ -779,6 +847,7 @@ fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
     }
     let default = match model_type {
         "mistral" | "gemma2" | "gemma3_text" | "cohere2" => Some(4096),
+        "gemma4_text" => Some(512),
         "gpt_oss" => Some(128),
         _ => None,
     };
@@ -825,13 +894,18 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
             let every = top.usize("global_attn_every_n_layers")?.unwrap_or(3).max(1);
             !layer.is_multiple_of(every)
         }
-        "gemma3_text" | "cohere2" => {
+        "gemma3_text" | "cohere2" | "gemma4_text" => {
             let default = if model_type == "cohere2" { 4 } else { 6 };
             let pattern = top
                 .usize("sliding_window_pattern")?
                 .unwrap_or(default)
                 .max(1);
-            !(layer + 1).is_multiple_of(pattern)
+            // Gemma 4's last layer is always a full one.
+            let last = model_type == "gemma4_text"
+                && top
+                    .usize("num_hidden_layers")?
+                    .is_some_and(|n| layer + 1 == n);
+            !(layer + 1).is_multiple_of(pattern) && !last
         }
         _ => !(layer + 1).is_multiple_of(2), // Gemma 2, gpt-oss
     };
@@ -968,7 +1042,16 @@ fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
 /// (Gemma 3, ModernBERT), or the flat keys older files have: Gemma 3's `rope_local_base_freq`
 /// on sliding layers (10000 by default) and a global θ of 1e6 by default; ModernBERT's
 /// `global_rope_theta` (160000) and `local_rope_theta` (10000).
-fn rope_of_layer(text: &str, top: &Obj, model_type: &str, kind: LayerKind) -> Result<RopeConfig> {
+///
+/// `head_dim` (when not 0) replaces the file's `head_dim` for this layer (Gemma 4's full layers
+/// are wider).
+fn rope_of_layer(
+    text: &str,
+    top: &Obj,
+    model_type: &str,
+    kind: LayerKind,
+    head_dim: usize,
+) -> Result<RopeConfig> {
     let type_name = match kind {
         LayerKind::Full => "full_attention",
         LayerKind::Sliding(_) => "sliding_attention",
@@ -980,6 +1063,9 @@ fn rope_of_layer(text: &str, top: &Obj, model_type: &str, kind: LayerKind) -> Re
         .and_then(|p| p.get(type_name))
         .cloned();
     let mut map = top.map.clone();
+    if head_dim > 0 {
+        map.insert("head_dim".into(), Value::from(head_dim));
+    }
     match nested {
         Some(entry) => {
             map.insert("rope_parameters".into(), entry);

@@ -121,6 +121,9 @@ pub(super) fn remap(
         }
         QkvLayout::Separate(names) => {
             for ((ours, theirs), n) in ["q_proj", "k_proj", "v_proj"].iter().zip(names).zip(rows) {
+                if *ours == "v_proj" && cfg.k_eq_v {
+                    continue; // the values are the key projection
+                }
                 let w = vb.pp(theirs).get((n, d), "weight")?;
                 put(ours, w, bias(theirs, n, cfg.bias)?)?;
             }
