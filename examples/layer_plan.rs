@@ -51,6 +51,9 @@ fn plan(name: &str, json: &str) -> anyhow::Result<()> {
                     };
                     s += &format!(" M-RoPE {:?} {layout}", m.sections);
                 }
+                if let Some(a) = r.axial {
+                    s += &format!(" axial 2-D ({a:?})");
+                }
                 s
             }
             EncodingConfig::None => "NoPE".to_string(),

@@ -17,7 +17,7 @@ use candle_posenc::rotary::RopeLayout;
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 44] = [
+const FAMILIES: [&str; 45] = [
     "llama",
     "mistral",
     "qwen2",
@@ -62,6 +62,7 @@ const FAMILIES: [&str; 44] = [
     "gemma4.0",
     "gemma4.1",
     "gemma4.1.padded",
+    "pixtral",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {

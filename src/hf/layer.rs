@@ -66,9 +66,8 @@ impl HfFamily {
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
             "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
-            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" | "llama4_text" | "gemma4_text" => {
-                HfFamily::Llama
-            }
+            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" | "llama4_text" | "gemma4_text"
+            | "pixtral" => HfFamily::Llama,
             "phi3" => HfFamily::Phi3,
             "gpt_neox" => HfFamily::GptNeoX,
             "bloom" => HfFamily::Bloom,
@@ -124,7 +123,8 @@ impl HfFamily {
 /// (and chunked ones outside Llama 4), Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
 /// layers differ (sliding and full) is read one layer at a time.
 ///
-/// Decoders are causal; ModernBERT is not; T5 reads as its encoder's self-attention
+/// Decoders are causal; ModernBERT and Pixtral's vision encoder (`pixtral`, axial 2-D RoPE
+/// over multimodal positions) are not; T5 reads as its encoder's self-attention
 /// (bidirectional buckets, not causal), [`Self::with_causal`] gives its decoder's.
 ///
 /// # Example
@@ -227,7 +227,7 @@ impl HfAttentionConfig {
             problem(
                 "model_type",
                 format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, gemma4_text, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert, deepseek_v2, deepseek_v3"
+                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, gemma4_text, pixtral, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert, deepseek_v2, deepseek_v3"
                 ),
             )
         })?;
@@ -289,6 +289,11 @@ impl HfAttentionConfig {
             "head_dim"
         };
         match top.usize(head_key)? {
+            // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its rotary
+            // embedding reads head_dim; a mismatch is refused below).
+            Some(_) if model_type == "pixtral" => {
+                keys.set("head_dim", format!("{} / {}", hidden_key, heads_key))
+            }
             Some(d) => {
                 attention = attention.with_head_dim(d);
                 keys.set("head_dim", head_key);
@@ -365,7 +370,7 @@ impl HfAttentionConfig {
         {
             attention = attention.with_softmax_scale(1.0);
         }
-        if matches!(family, HfFamily::T5 | HfFamily::ModernBert) {
+        if matches!(family, HfFamily::T5 | HfFamily::ModernBert) || model_type == "pixtral" {
             attention = attention.with_causal(false);
         }
         if matches!(model_type, "gemma2" | "gemma3_text") {
