@@ -346,6 +346,16 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
             "{tag}: Qwen2-VL's q/k/v biases"
         );
     }
+    // Qwen2.5-VL's config.json is Qwen2-VL's under other model types.
+    let qwen25 = ckpt.metadata()["qwen2_vl"]
+        .replace("\"qwen2_vl_text\"", "\"qwen2_5_vl_text\"")
+        .replace("\"qwen2_vl\"", "\"qwen2_5_vl\"");
+    assert!(qwen25.contains("qwen2_5_vl_text"));
+    assert_eq!(
+        HfAttentionConfig::from_json(&qwen25)?,
+        read("qwen2_vl", 0)?,
+        "Qwen2.5-VL reads as Qwen2-VL"
+    );
     let oss = read("gpt_oss.0", 1)?.attention;
     assert!(oss.sinks && oss.bias && oss.out_bias && oss.sliding_window.is_none());
     // ModernBERT, as HF writes it (nested rope_parameters, layer_types) and as the published
