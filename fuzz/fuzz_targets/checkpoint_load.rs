@@ -28,6 +28,7 @@ fuzz_target!(|data: &[u8]| {
                 | EncodingConfig::T5(_)
                 | EncodingConfig::ClippedBias(_)
                 | EncodingConfig::Shaw(_)
+                | EncodingConfig::RopeMixed(_)
         ) {
             let vb = ck.var_builder(DType::F32, &dev);
             if let (Ok(enc), Ok(att)) = (config.build(vb.clone()), attention) {

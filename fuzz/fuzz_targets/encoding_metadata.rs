@@ -45,6 +45,9 @@ fn small(c: &EncodingConfig) -> Option<(usize, usize)> {
         EncodingConfig::Rotary(r) => {
             (r.head_dim <= 64 && r.max_position <= 4096).then_some((2, r.head_dim))
         }
+        EncodingConfig::RopeMixed(m) => {
+            (m.num_heads <= 16 && m.head_dim <= 64).then_some((m.num_heads, m.head_dim))
+        }
     }
 }
 
