@@ -1140,6 +1140,17 @@ fn latent_attention_block(dev: &Device) -> anyhow::Result<()> {
                 .with_latent(Some(LatentConfig::new(Some(0), 5, 2, 3))),
             "latent.q_lora_rank",
         ),
+        // Ranks past every budget are refused before any size is computed from them.
+        (
+            cfg.clone()
+                .with_latent(Some(LatentConfig::new(Some(6), usize::MAX, 2, 3))),
+            "latent",
+        ),
+        (
+            cfg.clone()
+                .with_latent(Some(LatentConfig::new(Some(usize::MAX), 5, 2, 3))),
+            "latent",
+        ),
     ] {
         let err = bad.validate().unwrap_err();
         assert!(

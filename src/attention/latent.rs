@@ -133,7 +133,7 @@ impl LatentConfig {
             ),
             (
                 "kv_a_proj_with_mqa",
-                [1, self.kv_lora_rank + self.rope_dim, d_model],
+                [1, self.kv_lora_rank.saturating_add(self.rope_dim), d_model],
             ),
         ] {
             check_elements("latent", format!("{self:?}"), what, &dims)?;
