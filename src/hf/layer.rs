@@ -802,7 +802,7 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
     if model_type == "falcon" && top.bool("alibi")? == Some(true) {
         return Err(unsupported(
             "alibi",
-            "Falcon's ALiBi, which HF computes in bfloat16 (slopes and products rounded) and adds before the softmax scale; the block's f32 ALiBi would differ from it by that rounding",
+            "Falcon's ALiBi, which HF computes in bfloat16 (slopes and products rounded) and adds before the softmax scale (and HF transformers 5.x's FalconModel adds it twice, in the mask and in the attention); the block's f32 ALiBi would differ from it",
         ));
     }
     if model_type == "gemma4_text" && top.str("use_bidirectional_attention")?.is_some() {
