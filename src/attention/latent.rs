@@ -25,10 +25,11 @@
 //! Reference: DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient
 //! Mixture-of-Experts Language Model" (multi-head latent attention, decoupled RoPE).
 
-use candle_core::{DType, Module, Tensor, D};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear_b, linear_no_bias, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::qk_norm::rms_normalized;
 use crate::error::{check_normal_f32, Error, Result};
 use crate::limits::check_elements;
 
@@ -215,14 +216,11 @@ impl LatentProjections {
 
     /// `x` RMS-normalised over its last axis in f32 and scaled by `weight`, in `x`'s dtype.
     fn rms(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-        let x32 = x.to_dtype(DType::F32)?;
-        let inv = (x32.sqr()?.mean_keepdim(D::Minus1)? + self.config.norm_eps)?
-            .sqrt()?
-            .recip()?;
-        Ok(x32
-            .broadcast_mul(&inv)?
-            .to_dtype(x.dtype())?
-            .broadcast_mul(weight)?)
+        Ok(
+            rms_normalized(&x.to_dtype(DType::F32)?, self.config.norm_eps)?
+                .to_dtype(x.dtype())?
+                .broadcast_mul(weight)?,
+        )
     }
 
     /// q and k `(B, H, T, head_dim)`, rope features first, and v `(B, H, T, head_dim)`, its

@@ -34,7 +34,7 @@ use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::KvCache;
 use super::latent::LatentProjections;
 use super::mask::check_padding;
-use super::qk_norm::QkNorm;
+use super::qk_norm::{rms_normalized, QkNorm};
 use crate::error::{check_float, is_float, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{AttentionContext, PositionalEncoding};
@@ -432,7 +432,10 @@ impl MultiHeadAttention {
                 _ => y.reshape((b, len, heads, cfg.head_dim))?,
             };
             let y = match (cfg.value_norm, norm) {
-                (Some(eps), None) => scale_free_rms(&y, eps)?,
+                // Values: no scale, in f32 and cast back.
+                (Some(eps), None) => {
+                    rms_normalized(&y.to_dtype(DType::F32)?, eps)?.to_dtype(y.dtype())?
+                }
                 _ => y,
             };
             let y = y.transpose(1, 2)?.contiguous()?;
@@ -529,15 +532,6 @@ impl MultiHeadAttention {
             )
         })?))
     }
-}
-
-/// `y` `(…, D)` divided by its RMS over the last axis (in f32, cast back), no scale.
-fn scale_free_rms(y: &Tensor, eps: f64) -> Result<Tensor> {
-    let y32 = y.to_dtype(DType::F32)?;
-    let inv = (y32.sqr()?.mean_keepdim(candle_core::D::Minus1)? + eps)?
-        .sqrt()?
-        .recip()?;
-    Ok(y32.broadcast_mul(&inv)?.to_dtype(y.dtype())?)
 }
 
 impl Module for MultiHeadAttention {

@@ -124,6 +124,13 @@ impl QkNormConfig {
     }
 }
 
+/// `y` (f32) divided by its root mean square over the last axis, `√(mean(y²) + ε)`; the one RMS
+/// statistic of the block's norms (queries and keys here, values, latent attention's latents).
+pub(super) fn rms_normalized(y: &Tensor, eps: f64) -> Result<Tensor> {
+    let inv_rms = (y.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    Ok(y.broadcast_mul(&inv_rms)?)
+}
+
 /// The loaded norm: the scales of queries and keys (`(width)`), if it has them.
 #[derive(Debug, Clone)]
 pub(super) struct QkNorm {
@@ -175,10 +182,7 @@ impl QkNorm {
             QkNormScope::PerHead => y32.reshape((b, t, heads, d))?,
             QkNormScope::AllHeads => y32,
         };
-        let inv_rms = (y32.sqr()?.mean_keepdim(D::Minus1)? + self.config.eps)?
-            .sqrt()?
-            .recip()?;
-        let mut normed = y32.broadcast_mul(&inv_rms)?;
+        let mut normed = rms_normalized(&y32, self.config.eps)?;
         if let Some((q, k)) = &self.scales {
             let scale = if keys { k } else { q }.to_dtype(DType::F32)?;
             let scale = match self.config.unit_offset {
