@@ -11,7 +11,7 @@ use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding};
 use candle_posenc::{
-    alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions,
+    alibi_slopes, Alibi, AlibiConfig, AlibiMode, AlibiSlopes, AttentionConfig, AttentionOptions,
     ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error, KvCache, MultiHeadAttention,
     PositionIds, Positions, ShawConfig, ShawRelativePosition, T5Config, T5RelativeBias,
 };
@@ -1012,7 +1012,54 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Falcon's ALiBi at long positions, where its bfloat16 rounding shows: the per-key bias is
+/// `bf16(bf16(m) · p) / √head_dim` at each key's absolute position `p`, computed here with the
+/// `half` crate's bfloat16, in every mode; it serialises and checks its head width.
+fn alibi_falcon_rounds_as_bfloat16(dev: &Device) -> anyhow::Result<()> {
+    let (heads, head_dim) = (12, 4);
+    let config = AlibiConfig::new(heads).with_slopes(AlibiSlopes::Falcon { head_dim });
+    let json = serde_json::to_string(&EncodingConfig::Alibi(config.clone()))?;
+    assert!(
+        json.contains(r#""formula":"falcon","head_dim":4"#),
+        "{json}"
+    );
+    let alibi = Alibi::new(&config, dev)?;
+    let slopes = alibi_slopes(heads)?;
+    let (start, tk) = (1000usize, 40);
+    let keys = Positions::Offset(start);
+    for (causal, q_len) in [(true, 1), (false, 3)] {
+        let queries = Positions::Offset(start + tk - q_len);
+        let ctx = AttentionContext::new(&queries, q_len, &keys, tk).with_causal(causal);
+        let bias = alibi.bias(&ctx)?;
+        assert_eq!(
+            bias.dims(),
+            &[1, heads, 1, tk],
+            "one row per key in every mode"
+        );
+        let got = bias.flatten_all()?.to_vec1::<f32>()?;
+        for (h, m) in slopes.iter().enumerate() {
+            let m = half::bf16::from_f32(*m as f32);
+            for j in 0..tk {
+                // The position stays exact (PyTorch multiplies the int64 positions in f32).
+                let product = half::bf16::from_f32(m.to_f32() * (start + j) as f32);
+                let want = product.to_f32() / (head_dim as f32).sqrt();
+                assert_eq!(got[h * tk + j], want, "head {h}, key {}", start + j);
+            }
+        }
+    }
+    let bad = AlibiConfig::new(heads).with_slopes(AlibiSlopes::Falcon { head_dim: 0 });
+    assert!(matches!(
+        bad.validate(),
+        Err(Error::InvalidConfig {
+            name: "head_dim",
+            ..
+        })
+    ));
+    Ok(())
+}
+
 device_tests!(
+    alibi_falcon_rounds_as_bfloat16,
     alibi_slopes_match_bloom,
     alibi_bias_matches_bloom,
     alibi_forms_and_modes,

@@ -113,14 +113,14 @@ impl HfFamily {
 ///   (`attn_logit_softcapping`, 50 by default), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
 ///   interleaved rotary), ALiBi (BLOOM; MPT's `attn_config.alibi` with its own slopes and
-///   `alibi_bias_max`), T5's `relative_attention_num_buckets` and
+///   `alibi_bias_max`; Falcon's `alibi` with its bfloat16 rounding, [`AlibiSlopes::Falcon`]), T5's `relative_attention_num_buckets` and
 ///   `relative_attention_max_distance`, none for GPT-2 (and MPT without ALiBi);
 /// - MPT's `attn_config.softmax_scale`;
 /// - DeepSeek V2/V3's multi-head latent attention (see [`HfFamily::DeepSeek`]: ranks and head
 ///   widths, RoPE over `qk_rope_head_dim`, YaRN's `mscale_all_dim` in the scale);
 ///
 /// Settings the block does not have yet are refused rather than ignored: linear layer types
-/// (and chunked ones outside Llama 4), Falcon with ALiBi, OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
+/// (and chunked ones outside Llama 4), OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
 /// layers differ (sliding and full) is read one layer at a time.
 ///
 /// Decoders are causal; ModernBERT and Pixtral's vision encoder (`pixtral`, axial 2-D RoPE
@@ -479,6 +479,12 @@ impl HfAttentionConfig {
         let encoding = match family {
             HfFamily::Gpt2 => EncodingConfig::None,
             HfFamily::Bloom => EncodingConfig::Alibi(AlibiConfig::new(heads)),
+            // Falcon-RW: BLOOM's slopes with Falcon's bfloat16 rounding, before the scale.
+            HfFamily::Falcon if top.bool("alibi")?.unwrap_or(false) => {
+                EncodingConfig::Alibi(AlibiConfig::new(heads).with_slopes(AlibiSlopes::Falcon {
+                    head_dim: attention.head_dim,
+                }))
+            }
             HfFamily::Mpt if attn_config.bool("alibi")?.unwrap_or(false) => {
                 let max_bias = attn_config.f64("alibi_bias_max")?.unwrap_or(8.0);
                 let alibi = AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias });
@@ -798,12 +804,6 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
                 return Err(unsupported("attn_config.qk_ln", "layer norms of q and k"));
             }
         }
-    }
-    if model_type == "falcon" && top.bool("alibi")? == Some(true) {
-        return Err(unsupported(
-            "alibi",
-            "Falcon's ALiBi, which HF computes in bfloat16 (slopes and products rounded) and adds before the softmax scale (and HF transformers 5.x's FalconModel adds it twice, in the mask and in the attention); the block's f32 ALiBi would differ from it",
-        ));
     }
     if model_type == "gemma4_text" && top.str("use_bidirectional_attention")?.is_some() {
         return Err(unsupported(

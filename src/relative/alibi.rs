@@ -9,6 +9,7 @@
 //!                 ≡ m_h · (j − i_last) per key, i_last = the chunk's last query position: the two
 //!                   differ by a constant along each softmax row, which softmax ignores
 //! bidirectional: bias[h, i, j] = −m_h · |i − j|
+//! Falcon:        bias[h, i, j] = bf16(bf16(m_h) · p_j) / √d   per key, at absolute positions
 //! ```
 //!
 //! By default ([`AlibiMode::Auto`]) the form follows the attention it serves: the causal form
@@ -80,7 +81,8 @@ pub struct AlibiConfig {
 /// The slope formulas in use. Both are Press et al.'s `2^(−8h/n)` for a power-of-two `n`;
 /// they differ in the largest exponent and in the slopes of other head counts.
 ///
-/// Serialised as `{"formula": "bloom"}` or `{"formula": "mpt", "max_bias": 8.0}`.
+/// Serialised as `{"formula": "bloom"}`, `{"formula": "mpt", "max_bias": 8.0}` or
+/// `{"formula": "falcon", "head_dim": 64}`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 #[serde(tag = "formula", rename_all = "snake_case", deny_unknown_fields)]
 pub enum AlibiSlopes {
@@ -94,6 +96,16 @@ pub enum AlibiSlopes {
         /// The largest exponent (MPT's `alibi_bias_max`, default 8).
         max_bias: f64,
     },
+    /// Falcon's (Falcon-RW): BLOOM's slopes rounded to bfloat16, the per-key bias
+    /// `bf16(m · p_j)` rounded to bfloat16 too, at each key's absolute position `p_j`, and
+    /// added before the softmax scale, so the block adds `bf16(m · p_j) / √head_dim`. The form
+    /// is per key in every mode (a constant along each row apart from the rounding), as in
+    /// Falcon's own code; pass position ids counted from each sequence's first unpadded token,
+    /// as HF's Falcon does, for its rounding at long positions.
+    Falcon {
+        /// The attention's head width (the bias is divided by its square root).
+        head_dim: usize,
+    },
 }
 
 impl AlibiSlopes {
@@ -105,6 +117,10 @@ impl AlibiSlopes {
     pub fn slopes(&self, num_heads: usize) -> Result<Vec<f64>> {
         match *self {
             AlibiSlopes::Bloom => alibi_slopes(num_heads),
+            AlibiSlopes::Falcon { .. } => Ok(alibi_slopes(num_heads)?
+                .into_iter()
+                .map(|m| f64::from(half::bf16::from_f32(m as f32)))
+                .collect()),
             AlibiSlopes::Mpt { max_bias } => {
                 check_num_heads(num_heads)?;
                 if !(max_bias.is_finite() && max_bias > 0.0) {
@@ -204,6 +220,13 @@ impl AlibiConfig {
             if !(max_bias.is_finite() && max_bias > 0.0) {
                 return Err(Error::config("max_bias", max_bias, "a finite number > 0"));
             }
+        }
+        if self.slopes == (AlibiSlopes::Falcon { head_dim: 0 }) {
+            return Err(Error::config(
+                "head_dim",
+                0,
+                "at least 1 (Falcon's ALiBi is divided by √head_dim)",
+            ));
         }
         if self.head_count == 0 || self.first_head.saturating_add(self.head_count) > self.num_heads
         {
@@ -397,6 +420,14 @@ impl Alibi {
         let device = self.slopes.device();
         let h = self.config.head_count;
         let slopes = self.slopes.reshape((1, h, 1, 1))?;
+        if let AlibiSlopes::Falcon { head_dim } = self.config.slopes {
+            // bf16(m · p_j) / √d per key, at absolute key positions. (1|B, H, 1, Tk).
+            let k = keys.to_ids(tk, device)?.to_dtype(DType::F32)?;
+            let (b, _) = k.dims2()?;
+            let products = k.reshape((b, 1, 1, tk))?.broadcast_mul(&slopes)?;
+            let rounded = products.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+            return Ok((rounded / (head_dim as f64).sqrt())?);
+        }
         match mode {
             AlibiMode::Causal | AlibiMode::Auto => {
                 // m · (j − i_last) for every key j, where i_last is the chunk's last query
@@ -454,7 +485,10 @@ impl PositionalEncoding for Alibi {
         let (_, h, tq, _) = check_queries(q, self.config.head_count)?;
         let mode = self.mode_in(ctx);
         let range = DistanceRange::of(ctx.queries, tq, ctx.keys, ctx.k_len)?;
-        let (AlibiMode::CausalPairwise | AlibiMode::Symmetric, Some(range)) = (mode, range) else {
+        let falcon = matches!(self.config.slopes, AlibiSlopes::Falcon { .. });
+        let (AlibiMode::CausalPairwise | AlibiMode::Symmetric, Some(range), false) =
+            (mode, range, falcon)
+        else {
             return Ok(Some(LogitsBias::Dense(self.bias(ctx)?)));
         };
         let build = || -> Result<Tensor> {
