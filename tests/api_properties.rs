@@ -1,9 +1,9 @@
 //! Random use of the public API (proptest): every encoding of the zoo in a random block (heads,
-//! KV heads, head width, causality, biases, a query/key norm, a sliding window, chunks, a soft cap,
-//! sinks), fed random inputs — batch and
-//! length including 0, every float dtype and an integer one, offsets and per-token ids up to
-//! the edge of `u32`, padding, additive masks of random shapes, a KV cache over several chunks
-//! that is cloned and truncated.
+//! KV heads, head width, causality, biases, a query/key norm, a sliding window, chunks, a soft
+//! cap, sinks, a temperature, latent projections, a value norm, values from keys), fed random
+//! inputs — batch and length including 0, every float dtype and an integer one, offsets and
+//! per-token ids up to the edge of `u32`, padding, additive masks of random shapes, a KV cache
+//! (plain or streaming) over several chunks that is cloned and truncated.
 //!
 //! Every call must answer `Ok` with finite output of the right shape, or a typed error of the
 //! crate (never `Error::Candle`, never a panic); the fused, row-pass and plain-ops paths must
@@ -44,6 +44,8 @@ struct Case {
     padding: bool,
     mask_shape: usize,
     truncate: usize,
+    /// A streaming cache `(sinks, window)`: positions are the cache's own, none are given.
+    streaming: Option<(usize, usize)>,
 }
 
 fn cases() -> impl Strategy<Value = Case> {
@@ -60,7 +62,12 @@ fn cases() -> impl Strategy<Value = Case> {
             prop::option::of(any::<bool>()),
             any::<u8>(),
         ),
-        (0..3usize, prop::collection::vec(0..5usize, 1..4), 0..5usize),
+        (
+            0..3usize,
+            prop::collection::vec(0..5usize, 1..4),
+            0..5usize,
+            prop::option::of((0..3usize, 0..4usize)),
+        ),
         (
             prop::sample::select(vec![0u32, 3, 1_000, u32::MAX - 8, u32::MAX]),
             any::<bool>(),
@@ -73,7 +80,7 @@ fn cases() -> impl Strategy<Value = Case> {
             |(
                 (encoding, heads, kv_pick, hd),
                 (causal, bias, norm, extras),
-                (batch, chunks, dtype),
+                (batch, chunks, dtype, streaming),
                 (start, ids, padding, mask_shape, truncate),
             )| Case {
                 encoding,
@@ -92,6 +99,7 @@ fn cases() -> impl Strategy<Value = Case> {
                 padding,
                 mask_shape,
                 truncate,
+                streaming,
             },
         )
 }
@@ -159,7 +167,10 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         return Ok(());
     };
 
-    let mut cache = KvCache::new();
+    let mut cache = match case.streaming {
+        Some((sinks, window)) => KvCache::streaming(sinks, window),
+        None => KvCache::new(),
+    };
     let mut position = case.start;
     for (n, &t) in case.chunks.iter().enumerate() {
         let x = Tensor::randn(0f32, 1.0, (case.batch, t, d_model), &dev)
@@ -194,7 +205,7 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         let mask = (!mask_shape.is_empty())
             .then(|| Tensor::zeros(mask_shape.as_slice(), weights, &dev).unwrap());
         let opts = AttentionOptions {
-            positions: Some(&positions),
+            positions: case.streaming.is_none().then_some(&positions),
             padding_mask: padding.as_ref(),
             attn_mask: mask.as_ref(),
             ..Default::default()
