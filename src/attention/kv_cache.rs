@@ -102,6 +102,25 @@ impl KvCache {
     /// tokens before it and itself. Until the stream passes `sinks + window` tokens nothing is
     /// evicted and decoding equals the full forward. Positions are the cache's: a call gives
     /// none of its own. A padding mask covers the cached keys (after eviction) and the chunk.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use candle_posenc::{AttentionConfig, AttentionOptions, KvCache, MultiHeadAttention};
+    ///
+    /// let dev = Device::Cpu;
+    /// let varmap = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    /// let attn = MultiHeadAttention::new(&AttentionConfig::new(16, 2).with_causal(true), None, vb)?;
+    /// let mut cache = KvCache::streaming(4, 60); // 4 sinks and the last 60 tokens
+    /// for _ in 0..100 {
+    ///     let token = Tensor::randn(0f32, 1.0, (1, 1, 16), &dev)?;
+    ///     attn.forward_with(&token, &AttentionOptions::default(), Some(&mut cache))?;
+    /// }
+    /// assert_eq!(cache.len(), 64);
+    /// # Ok::<(), candle_posenc::Error>(())
+    /// ```
     pub fn streaming(sinks: usize, window: usize) -> Self {
         Self {
             streaming: Some((sinks, window)),

@@ -40,6 +40,26 @@ use crate::limits::check_elements;
 /// Serialised (serde) as `{"q_lora_rank": 1536, "kv_lora_rank": 512, "rope_dim": 64,
 /// "v_head_dim": 128, "norm_eps": 1e-6}` (`q_lora_rank` null for a direct query projection;
 /// `norm_eps` may be left out).
+///
+/// # Example
+/// A DeepSeek-shaped block, 4 heads of 8 query/key features (2 rotate) and 6 value features:
+/// ```
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::attention::{AttentionConfig, LatentConfig, MultiHeadAttention};
+///
+/// let dev = Device::Cpu;
+/// let varmap = VarMap::new();
+/// let cfg = AttentionConfig::new(32, 4)
+///     .with_head_dim(8)
+///     .with_causal(true)
+///     .with_latent(Some(LatentConfig::new(Some(12), 10, 2, 6)));
+/// let attn = MultiHeadAttention::new(&cfg, None, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+/// assert!(varmap.data().lock().unwrap().contains_key("kv_b_proj.weight"));
+/// let x = Tensor::randn(0f32, 1.0, (1, 5, 32), &dev)?;
+/// assert_eq!(attn.forward(&x)?.dims(), &[1, 5, 32]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LatentConfig {

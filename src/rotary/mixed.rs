@@ -135,6 +135,26 @@ impl RopeMixedConfig {
 }
 
 /// RoPE-Mixed (see the module docs): learned per-head 2-D frequencies applied as a rotation.
+///
+/// # Example
+/// Queries of a 2 × 3 patch grid, at their rows and columns:
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_posenc::positions::{PositionIds, Positions};
+/// use candle_posenc::rotary::mixed::{RopeMixed, RopeMixedConfig};
+///
+/// let dev = Device::Cpu;
+/// let varmap = VarMap::new();
+/// let rope = RopeMixed::new(&RopeMixedConfig::new(2, 8), VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+/// assert_eq!(rope.freqs().dims(), &[2, 2, 4]); // a VarMap parameter, trained with the model
+/// // (3, B, T): time 0, the patch's row, its column.
+/// let axes = Tensor::new(&[[[0u32, 0, 0, 0, 0, 0]], [[0, 0, 0, 1, 1, 1]], [[0, 1, 2, 0, 1, 2]]], &dev)?;
+/// let at = Positions::Ids(PositionIds::multimodal(&axes)?);
+/// let q = Tensor::randn(0f32, 1.0, (1, 2, 6, 8), &dev)?;
+/// assert_eq!(rope.rotate_one(&q, &at)?.dims(), &[1, 2, 6, 8]);
+/// # Ok::<(), candle_posenc::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct RopeMixed {
     config: RopeMixedConfig,
