@@ -551,6 +551,64 @@ fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Past its original length, dynamic NTK builds only the rows from the lowest offset asked
+/// for (a decoding step: one row), and they are the rows of the whole table: offsets give
+/// bit for bit what the same positions give as ids (which read the table from position 0), for
+/// queries, keys, both, in place and not, and xPos.
+fn dynamic_rows_from_the_first_position(dev: &Device) -> anyhow::Result<()> {
+    let dynamic = RopeScaling::Dynamic {
+        factor: 2.0,
+        original_max_position_embeddings: 8,
+    };
+    for config in [
+        RopeConfig::new(8).with_scaling(dynamic.clone()),
+        RopeConfig::new(8)
+            .with_scaling(dynamic.clone())
+            .with_rotary_dim(4)
+            .with_layout(RopeLayout::Interleaved),
+        RopeConfig::new(8)
+            .with_scaling(dynamic.clone())
+            .with_xpos(64.0),
+    ] {
+        let rope = RotaryEmbedding::new(&config, dev)?;
+        let as_ids = |start: usize, len: usize| -> anyhow::Result<Positions> {
+            let ids: Vec<u32> = (start..start + len).map(|p| p as u32).collect();
+            Ok(Positions::ids(&Tensor::from_vec(ids, (1, len), dev)?)?)
+        };
+        for (start, len, k_start, k_len) in [
+            (20, 1, 20, 1),
+            (20, 3, 5, 18),
+            (9, 2, 0, 11),
+            (40, 1, 12, 29),
+        ] {
+            let q = Tensor::randn(0f32, 1.0, (1, 2, len, 8), dev)?;
+            let k = Tensor::randn(0f32, 1.0, (1, 2, k_len, 8), dev)?;
+            let (qo, ko) = (Positions::Offset(start), Positions::Offset(k_start));
+            let (qi, ki) = (as_ids(start, len)?, as_ids(k_start, k_len)?);
+            let what = format!("{config:?} at {start}+{len}, keys {k_start}+{k_len}");
+            let (a, b) = rope.rotate_queries_keys(&q, &k, &qo, &ko, QkLayout::Bhtd)?;
+            let (c, d) = rope.rotate_queries_keys(&q, &k, &qi, &ki, QkLayout::Bhtd)?;
+            assert_close(&a, &c, 0.0, &format!("queries {what}"))?;
+            assert_close(&b, &d, 0.0, &format!("keys {what}"))?;
+            let (e, f) =
+                rope.rotate_queries_keys_owned(q.copy()?, k.copy()?, &qo, &ko, QkLayout::Bhtd)?;
+            assert_close(&e, &c, 0.0, &format!("in place {what}"))?;
+            assert_close(&f, &d, 0.0, &format!("in place {what}"))?;
+            let one = rope.rotate_queries(&q, &qo, QkLayout::Bhtd)?;
+            assert_close(
+                &one,
+                &rope.rotate_queries(&q, &qi, QkLayout::Bhtd)?,
+                0.0,
+                &what,
+            )?;
+            let (cos, _) = rope.cos_sin(&qo, len)?;
+            let (cos_ids, _) = rope.cos_sin(&qi, len)?;
+            assert_close(&cos, &cos_ids, 0.0, &format!("cos {what}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// Tables are built once, grown (not rebuilt per call) past max_position, and rebuilt only when
 /// Dynamic NTK's length or LongRoPE's factor set changes.
 fn table_cache(dev: &Device) -> anyhow::Result<()> {
@@ -1421,6 +1479,7 @@ fn rope_mixed_matches_timm(dev: &Device) -> anyhow::Result<()> {
 
 device_tests!(
     rope_mixed_matches_timm,
+    dynamic_rows_from_the_first_position,
     axial_matches_hf,
     mrope_matches_hf,
     proportional_matches_hf,

@@ -377,7 +377,7 @@ impl RotaryEmbedding {
             .clamp(1, INITIAL_ROWS_CAP)
             .min(xpos_limit(config).max(1));
         check_table_size(rows, config.rotary_dim)?;
-        let tables = build_tables(config, Regime::Fixed, rows, device)?;
+        let tables = build_tables(config, Regime::Fixed, 0, rows, device)?;
         Ok(Self {
             config: config.clone(),
             device: device.clone(),
@@ -419,7 +419,8 @@ impl RotaryEmbedding {
     pub fn cos_sin(&self, positions: &Positions, len: usize) -> Result<(Tensor, Tensor)> {
         positions.check_len(len)?;
         let end = positions.end(len);
-        let tables = self.tables_for(self.config.scaling.regime(end), end)?;
+        let (tables, first) = self.tables_covering(&[positions], end)?;
+        let positions = &from_row(positions, first);
         Ok((
             self.rows(&tables.q.0, positions, len)?,
             self.rows(&tables.q.1, positions, len)?,
@@ -447,14 +448,16 @@ impl RotaryEmbedding {
         k_positions: &Positions,
         layout: QkLayout,
     ) -> Result<(Tensor, Tensor)> {
-        let (qt, kt, tables) = self.prepare(q, k, q_positions, k_positions, layout)?;
+        let (qt, kt, tables, first) = self.prepare(q, k, q_positions, k_positions, layout)?;
+        let (q_positions, k_positions) =
+            (&from_row(q_positions, first), &from_row(k_positions, first));
         let q = self.apply(q, &tables.q, q_positions, qt, layout)?;
         let k = self.apply(k, &tables.k, k_positions, kt, layout)?;
         Ok((q, k))
     }
 
-    /// Checks queries, keys and their positions; returns `(Tq, Tk)` and the tables that cover
-    /// both.
+    /// Checks queries, keys and their positions; returns `(Tq, Tk)`, the tables that cover
+    /// both and the position of their first row ([`Self::tables_covering`]).
     fn prepare(
         &self,
         q: &Tensor,
@@ -462,7 +465,7 @@ impl RotaryEmbedding {
         q_positions: &Positions,
         k_positions: &Positions,
         layout: QkLayout,
-    ) -> Result<(usize, usize, Tables)> {
+    ) -> Result<(usize, usize, Tables, usize)> {
         let (qb, qt) = self.check(q, "queries", layout)?;
         let (kb, kt) = self.check(k, "keys", layout)?;
         if qb != kb {
@@ -475,8 +478,38 @@ impl RotaryEmbedding {
         q_positions.check(qb, qt)?;
         k_positions.check(kb, kt)?;
         let end = q_positions.end(qt).max(k_positions.end(kt));
-        let tables = self.tables_for(self.config.scaling.regime(end), end)?;
-        Ok((qt, kt, tables))
+        let (tables, first) = self.tables_covering(&[q_positions, k_positions], end)?;
+        Ok((qt, kt, tables, first))
+    }
+
+    /// The tables for positions up to `end` of the position sets `sets`, and the position of
+    /// their first row (subtract it from the positions, [`from_row`]).
+    ///
+    /// Past its original length dynamic NTK's frequencies follow the sequence's end, so its
+    /// table serves one length only. When every set is an offset, only rows from the lowest
+    /// offset are built (a decoding step needs one row, not the whole sequence's); otherwise,
+    /// and for every other regime, the shared tables from position 0.
+    fn tables_covering(&self, sets: &[&Positions], end: usize) -> Result<(Tables, usize)> {
+        let regime = self.config.scaling.regime(end);
+        if let Regime::Dynamic(_) = regime {
+            let first = sets
+                .iter()
+                .map(|p| match p {
+                    Positions::Offset(start) => Some(*start),
+                    Positions::Ids(_) => None,
+                })
+                .collect::<Option<Vec<_>>>()
+                .and_then(|starts| starts.into_iter().min());
+            if let Some(first) = first.filter(|&f| f > 0 && f < end) {
+                check_table_size(end - first, self.config.rotary_dim)?;
+                check_xpos_range(&self.config, end)?;
+                let tables = build_tables(&self.config, regime, first, end - first, &self.device)?;
+                self.builds
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return Ok((tables, first));
+            }
+        }
+        Ok((self.tables_for(regime, end)?, 0))
     }
 
     /// Rotates queries and keys the caller hands over, overwriting their storage where it can:
@@ -502,7 +535,9 @@ impl RotaryEmbedding {
         k_positions: &Positions,
         layout: QkLayout,
     ) -> Result<(Tensor, Tensor)> {
-        let (qt, kt, tables) = self.prepare(&q, &k, q_positions, k_positions, layout)?;
+        let (qt, kt, tables, first) = self.prepare(&q, &k, q_positions, k_positions, layout)?;
+        let (q_positions, k_positions) =
+            (&from_row(q_positions, first), &from_row(k_positions, first));
         if shares_storage(&q, &k) {
             // Rotating both in place would rotate the shared storage twice.
             let k = self.apply(&k, &tables.k, k_positions, kt, layout)?;
@@ -584,9 +619,9 @@ impl RotaryEmbedding {
         let (b, t) = self.check(x, if queries { "queries" } else { "keys" }, layout)?;
         positions.check(b, t)?;
         let end = positions.end(t);
-        let tables = self.tables_for(self.config.scaling.regime(end), end)?;
+        let (tables, first) = self.tables_covering(&[positions], end)?;
         let table = if queries { &tables.q } else { &tables.k };
-        self.apply(x, table, positions, t, layout)
+        self.apply(x, table, &from_row(positions, first), t, layout)
     }
 
     /// Checks rank and head dimension; returns `(B, T)`.
@@ -710,11 +745,20 @@ impl RotaryEmbedding {
                     .min(max_rows)
                     .min(xpos_limit(&self.config)),
             };
-            *t = build_tables(&self.config, regime, rows, &self.device)?;
+            *t = build_tables(&self.config, regime, 0, rows, &self.device)?;
             self.builds
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(t.clone())
+    }
+}
+
+/// `positions` as rows of a table whose first row is position `first` (`first` is 0 unless
+/// every position set is an offset at or past it, see `tables_covering`).
+fn from_row(positions: &Positions, first: usize) -> Positions {
+    match positions {
+        Positions::Offset(start) if first > 0 => Positions::Offset(start - first),
+        other => other.clone(),
     }
 }
 
@@ -790,9 +834,11 @@ fn rows(table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
 }
 
 /// cos/sin tables for positions `0..rows` in `regime`, computed in f64 and stored as f32.
+/// Tables of `rows` positions from `first` (row `r` is position `first + r`).
 fn build_tables(
     config: &RopeConfig,
     regime: Regime,
+    first: usize,
     rows: usize,
     device: &Device,
 ) -> Result<Tables> {
@@ -817,7 +863,7 @@ fn build_tables(
         Some(_) => (Vec::with_capacity(n), Vec::with_capacity(n)),
         None => (Vec::new(), Vec::new()),
     };
-    for pos in 0..rows {
+    for pos in first..first + rows {
         for (i, w) in freqs.inv_freq.iter().enumerate() {
             let angle = pos as f64 * w;
             let (s, c) = angle.sin_cos();
