@@ -139,5 +139,57 @@ fn main() -> Result<()> {
     let fused_bwd = backward(&fused)?;
     report("forward+backward, ops rotate-half", ops_bwd, ops_bwd);
     report("forward+backward, fused", fused_bwd, ops_bwd);
+
+    // One decoding step of dynamic NTK past its original length (2048): the new token's q and k
+    // at offset L build only their own row; the same positions given as ids read a table from
+    // position 0, which past the original length is rebuilt for every new length (what every
+    // step cost before). B1 H16 D64.
+    let dynamic = RotaryEmbedding::new(
+        &RopeConfig::new(d).with_scaling(candle_posenc::RopeScaling::Dynamic {
+            factor: 2.0,
+            original_max_position_embeddings: 2048,
+        }),
+        &dev,
+    )?;
+    let (q1, k1) = (
+        q.narrow(0, 0, 1)?.narrow(2, 0, 1)?,
+        k.narrow(0, 0, 1)?.narrow(2, 0, 1)?,
+    );
+    println!("dynamic NTK, one decoding step (B1 H16 T1 D64), past the original 2048 positions");
+    println!(
+        "{:<34} {:>12} {:>14}",
+        "position", "median ms", "vs whole table"
+    );
+    for at in [4096usize, 16384] {
+        let step = |positions: &dyn Fn(usize) -> Result<Positions>| {
+            let mut next = at;
+            common::median_ms(runs, || {
+                // Each run a new length, as in decoding.
+                let p = positions(next)?;
+                next += 1;
+                let (qr, kr) = dynamic.rotate_queries_keys(&q1, &k1, &p, &p, QkLayout::Bhtd)?;
+                dev.synchronize()?;
+                drop((qr, kr));
+                Ok(())
+            })
+        };
+        let rows = step(&|p| Ok(Positions::Offset(p)))?;
+        let whole = step(&|p| Ok(Positions::ids(&Tensor::new(&[[p as u32]], &dev)?)?))?;
+        println!(
+            "{:<34} {rows:>12.3} {:>13.3}x",
+            format!("L = {at}, own row"),
+            rows / whole
+        );
+        println!(
+            "{:<34} {whole:>12.3} {:>13.3}x",
+            format!("L = {at}, whole table"),
+            1.0
+        );
+        if json {
+            println!(
+                "{{\"bench\":\"rope\",\"path\":\"dynamic_step\",\"position\":{at},\"own_row_ms\":{rows:.4},\"whole_table_ms\":{whole:.4}}}"
+            );
+        }
+    }
     Ok(())
 }
