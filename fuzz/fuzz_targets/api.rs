@@ -578,6 +578,9 @@ struct AttnSpec {
     temperature: Option<(Real, Dim<8>)>,
     /// Latent attention: (query rank, kv rank, rope features, value features).
     latent: Option<(Option<Dim<8>>, Dim<8>, Dim<8>, Dim<8>)>,
+    /// Gemma 4's value norm and values from the key projection.
+    value_norm: bool,
+    k_eq_v: bool,
 }
 
 impl AttnSpec {
@@ -647,6 +650,8 @@ impl AttnSpec {
         c.with_sliding_window(self.window.map(|w| w.value))
             .with_attention_chunk(self.chunk.map(|c| c.value))
             .with_attention_temperature(temperature)
+            .with_value_norm(self.value_norm.then_some(1e-6))
+            .with_k_eq_v(self.k_eq_v)
             .with_latent(self.latent.map(|(q, kv, rope, v)| {
                 LatentConfig::new(q.map(|q| q.value), kv.value, rope.value, v.value)
             }))
