@@ -18,8 +18,8 @@ use candle_posenc::{
     AttentionOptions, Checkpoint, ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error,
     Interpolation, KvCache, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling,
     MultiHeadAttention, PositionIds, PositionalEncoding, Positions, QkLayout, RopeConfig,
-    RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
-    SinusoidalPositionalEncoding, T5Config, T5RelativeBias, YarnScaling,
+    RopeMixed, RopeMixedConfig, RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition,
+    SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias, YarnScaling,
 };
 use serde_json::json;
 
@@ -708,7 +708,57 @@ fn rotary() {
         ],
         || rope.cos_sin(&Positions::Offset(usize::MAX - 2), 4),
     );
-    s.finish(16);
+    // RoPE-Mixed reads its input and 2-D positions through the same checks.
+    let mixed_vars = VarMap::new();
+    let mixed = RopeMixed::new(
+        &RopeMixedConfig::new(2, 8),
+        VarBuilder::from_varmap(&mixed_vars, DType::F32, &dev),
+    )
+    .expect("valid");
+    let grid = Positions::Ids(
+        PositionIds::multimodal(&Tensor::zeros((3, 2, 3), DType::U32, &dev).expect("ids"))
+            .expect("valid"),
+    );
+    s.case(
+        "RoPE-Mixed head_dim not a multiple of 4",
+        Kind::Config,
+        &["head_dim = 6", "multiple of 4"],
+        || {
+            let vm = VarMap::new();
+            RopeMixed::new(
+                &RopeMixedConfig::new(2, 6),
+                VarBuilder::from_varmap(&vm, DType::F32, &dev),
+            )
+        },
+    );
+    s.case(
+        "RoPE-Mixed input of rank 2",
+        Kind::Rank,
+        &["RoPE-Mixed input", "rank 2"],
+        || mixed.rotate_one(&x(&[5, 3]), &grid),
+    );
+    s.case(
+        "RoPE-Mixed integer input",
+        Kind::DType,
+        &["RoPE-Mixed input", "U32"],
+        || {
+            let q = Tensor::zeros((2, 2, 3, 8), DType::U32, &dev)?;
+            mixed.rotate_one(&q, &grid)
+        },
+    );
+    s.case(
+        "RoPE-Mixed input of other heads",
+        Kind::Shape,
+        &["RoPE-Mixed input", "[2, 3, 3, 8]"],
+        || mixed.rotate_one(&x(&[2, 3, 3, 8]), &grid),
+    );
+    s.case(
+        "RoPE-Mixed at one-dimensional positions",
+        Kind::Shape,
+        &["RoPE-Mixed positions", "multimodal"],
+        || mixed.rotate_one(&q, &off),
+    );
+    s.finish(21);
 }
 
 #[test]

@@ -31,7 +31,7 @@ use candle_core::{DType, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{check_normal_f32, Error, Result};
+use crate::error::{check_float, check_normal_f32, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
@@ -199,13 +199,20 @@ impl RopeMixed {
     /// Rotates `x` `(B, H, T, D)` at the 2-D `positions` of its `T` tokens.
     ///
     /// # Errors
+    /// [`Error::Rank`] unless `x` has four dimensions; [`Error::DType`] unless it is float;
     /// [`Error::Shape`] for an input that is not `(B, H, T, D)` with this configuration's heads
     /// and width, or positions without the three axes of
     /// [`PositionIds::multimodal`](crate::positions::PositionIds::multimodal) for this batch
     /// and length.
     pub fn rotate_one(&self, x: &Tensor, positions: &Positions) -> Result<Tensor> {
         let (h, d) = (self.config.num_heads, self.config.head_dim);
-        let (b, xh, t, xd) = x.dims4()?;
+        let (b, xh, t, xd) = x.dims4().map_err(|_| Error::Rank {
+            what: "RoPE-Mixed input",
+            expected: 4,
+            got: x.rank(),
+            shape: x.dims().to_vec(),
+        })?;
+        check_float("RoPE-Mixed input", x.dtype())?;
         if (xh, xd) != (h, d) {
             return Err(Error::shape(
                 "RoPE-Mixed input",
