@@ -43,10 +43,11 @@ use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
 use candle_posenc::{
-    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, AttentionTemperature, LatentConfig, ClippedBiasConfig, EncodingConfig,
-    Error, Interpolation, KvCache, LearnedConfig, LongRopeScaling, MultiHeadAttention, Positions,
-    QkNormConfig, QkNormScope, RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig,
-    SinusoidalConfig, T5Config, YarnScaling,
+    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, AttentionTemperature,
+    ClippedBiasConfig, EncodingConfig, Error, Interpolation, KvCache, LatentConfig, LearnedConfig,
+    LongRopeScaling, MultiHeadAttention, PositionIds, Positions, QkNormConfig, QkNormScope,
+    RopeConfig, RopeKernel, RopeLayout, RopeMixedConfig, RopeScaling, ShawConfig, SinusoidalConfig,
+    T5Config, YarnScaling,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -204,7 +205,11 @@ impl<'a> Arbitrary<'a> for Prob {
     fn arbitrary(u: &mut Unstructured<'a>) -> AResult<Self> {
         const P: [f32; 8] = [0.0, 0.0, 0.0, 0.1, 0.5, 0.999_999, -0.1, 1.0];
         let b = u8::arbitrary(u)?;
-        Ok(Prob(if b == 255 { f32::NAN } else { P[b as usize % 8] }))
+        Ok(Prob(if b == 255 {
+            f32::NAN
+        } else {
+            P[b as usize % 8]
+        }))
     }
     fn size_hint(_: usize) -> (usize, Option<usize>) {
         (1, Some(1))
@@ -496,7 +501,10 @@ fn check_err(e: &Error, what: &str) {
 }
 
 fn all_finite(t: &Tensor) -> bool {
-    match t.to_dtype(DType::F64).and_then(|t| t.flatten_all()?.to_vec1::<f64>()) {
+    match t
+        .to_dtype(DType::F64)
+        .and_then(|t| t.flatten_all()?.to_vec1::<f64>())
+    {
         Ok(v) => v.iter().all(|x| x.is_finite()),
         Err(e) => panic!("reading back a result: {e}"),
     }
@@ -585,7 +593,10 @@ struct AttnSpec {
 
 impl AttnSpec {
     fn config(&self, f: &mut Flags) -> AttentionConfig {
-        let heads = self.heads.value.max(usize::from(!self.heads.extreme && self.heads.value == 0));
+        let heads = self
+            .heads
+            .value
+            .max(usize::from(!self.heads.extreme && self.heads.value == 0));
         let head_dim = match &self.head_dim {
             HeadDimSpec::Derived => 4,
             HeadDimSpec::Explicit(d) => d.value,
@@ -601,10 +612,13 @@ impl AttnSpec {
         c = match &self.kv {
             KvSpec::Same => c,
             KvSpec::Divisor(i) => {
-                let divisors: Vec<usize> = (1..=heads.min(64))
-                    .filter(|d| heads % d == 0)
-                    .collect();
-                c.with_kv_heads(divisors.get(i.0 % divisors.len().max(1)).copied().unwrap_or(1))
+                let divisors: Vec<usize> = (1..=heads.min(64)).filter(|d| heads % d == 0).collect();
+                c.with_kv_heads(
+                    divisors
+                        .get(i.0 % divisors.len().max(1))
+                        .copied()
+                        .unwrap_or(1),
+                )
             }
             KvSpec::Any(d) => c.with_kv_heads(d.value),
         };
@@ -875,6 +889,13 @@ enum EncSpec {
     },
     Rotary(RotarySpec),
     Custom(CustomSpec),
+    /// RoPE-Mixed: learned 2-D frequencies per head, read from multimodal positions.
+    Mixed {
+        num_heads: M<Dim<8>>,
+        head_dim: M<Dim<16>>,
+        theta: Real,
+        seed: u8,
+    },
 }
 
 impl EncSpec {
@@ -1002,6 +1023,22 @@ impl EncSpec {
                 }
                 (EncodingConfig::Rotary(c), 0.0)
             }
+            EncSpec::Mixed {
+                num_heads,
+                head_dim,
+                theta,
+                seed,
+            } => (
+                EncodingConfig::RopeMixed(
+                    RopeMixedConfig::new(
+                        num_heads.get(a.num_heads, f),
+                        head_dim.get(a.head_dim, f),
+                    )
+                    .with_theta(theta.get(2.0, 100.0))
+                    .with_seed(*seed as u64),
+                ),
+                0.0,
+            ),
             EncSpec::Custom(_) => return None,
         })
     }
@@ -1096,7 +1133,9 @@ impl ColSpec {
                 }
                 let v: Vec<f64> = (0..n)
                     .map(|i| match values {
-                        IndexValues::Below(s) => (hash(*s as u64, i) % (width as u64).saturating_add(1)) as f64,
+                        IndexValues::Below(s) => {
+                            (hash(*s as u64, i) % (width as u64).saturating_add(1)) as f64
+                        }
                         IndexValues::Zero => 0.0,
                         IndexValues::Max => u32::MAX as f64,
                         IndexValues::Any(s) => (hash(*s as u64, i) % (1u64 << 32)) as f64,
@@ -1168,8 +1207,10 @@ impl CustomSpec {
         let cols = |c: &ColSpec| match c {
             ColSpec::Shift(_) => true,
             ColSpec::Index { shape, dtype, .. } => {
-                matches!(shape, ShapeSpec::Right | ShapeSpec::Right2 | ShapeSpec::Right3)
-                    && dtype.get() == DType::U32
+                matches!(
+                    shape,
+                    ShapeSpec::Right | ShapeSpec::Right2 | ShapeSpec::Right3
+                ) && dtype.get() == DType::U32
             }
         };
         self.fail.is_none()
@@ -1177,7 +1218,9 @@ impl CustomSpec {
             && match &self.rotate {
                 RotSpec::Keep | RotSpec::Keep2 => true,
                 RotSpec::Swap => false,
-                RotSpec::Replace(q, k) => q.as_ref().is_none_or(right) && k.as_ref().is_none_or(right),
+                RotSpec::Replace(q, k) => {
+                    q.as_ref().is_none_or(right) && k.as_ref().is_none_or(right)
+                }
             }
             && match &self.bias {
                 BiasSpec::None => true,
@@ -1248,7 +1291,13 @@ impl Custom {
         )
     }
 
-    fn make(&self, t: &TSpec, right: &[usize], broadcast_ok: bool, like: DType) -> Result<Tensor, Error> {
+    fn make(
+        &self,
+        t: &TSpec,
+        right: &[usize],
+        broadcast_ok: bool,
+        like: DType,
+    ) -> Result<Tensor, Error> {
         let (dims, _) = t.shape.dims(right, broadcast_ok);
         let dtype = match t.dtype {
             DtSel::Model | DtSel::Model2 => like,
@@ -1272,7 +1321,12 @@ impl PositionalEncoding for Custom {
         }
     }
 
-    fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor), Error> {
+    fn rotate(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        ctx: &AttentionContext,
+    ) -> Result<(Tensor, Tensor), Error> {
         if self.fails(Hook::Rotate) {
             return Err(hook_error("rotate"));
         }
@@ -1282,11 +1336,21 @@ impl PositionalEncoding for Custom {
             RotSpec::Swap => Ok((k, q)),
             RotSpec::Replace(qs, ks) => {
                 let q = match qs {
-                    Some(t) => self.make(t, &[b, self.heads, ctx.q_len, self.head_dim], false, self.dtype)?,
+                    Some(t) => self.make(
+                        t,
+                        &[b, self.heads, ctx.q_len, self.head_dim],
+                        false,
+                        self.dtype,
+                    )?,
                     None => q,
                 };
                 let k = match ks {
-                    Some(t) => self.make(t, &[b, self.kv_heads, ctx.k_len, self.head_dim], false, self.dtype)?,
+                    Some(t) => self.make(
+                        t,
+                        &[b, self.kv_heads, ctx.k_len, self.head_dim],
+                        false,
+                        self.dtype,
+                    )?,
                     None => k,
                 };
                 Ok((q, k))
@@ -1394,6 +1458,13 @@ enum PosSpec {
     Continue2,
     Offset(Offset),
     Ids(IdsSpec),
+    /// Multimodal ids `(3, B, T)`: a patch grid `width` columns wide from `offset` on every
+    /// axis (temporal = the patch's index).
+    Grid {
+        batch: BatchSel,
+        offset: Offset,
+        width: Up<8>,
+    },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -1588,9 +1659,9 @@ fn reference_dense(
             for i in 0..tq {
                 for j in 0..tk {
                     let col = match columns {
-                        Columns::Shift(s) => {
-                            (j as i128 - i as i128 + *s as i128).clamp(0, width as i128 - 1) as usize
-                        }
+                        Columns::Shift(s) => (j as i128 - i as i128 + *s as i128)
+                            .clamp(0, width as i128 - 1)
+                            as usize,
                         Columns::Index(_) => {
                             let (ix, ib) = index.expect("index values");
                             let bi = if ib == 1 { 0 } else { b };
@@ -1642,8 +1713,16 @@ impl PlugCase {
                 dense,
             } => {
                 let rows = if *per_query { tq.value } else { 1 };
-                let (dims, _) = values.shape.dims(&[batch.0, heads.0, rows, width.value], true);
-                let dtype = values.dtype.get(model, &mut Flags { wellformed: true, moderate: true });
+                let (dims, _) = values
+                    .shape
+                    .dims(&[batch.0, heads.0, rows, width.value], true);
+                let dtype = values.dtype.get(
+                    model,
+                    &mut Flags {
+                        wellformed: true,
+                        moderate: true,
+                    },
+                );
                 let Some(v) = filled(&values.fill, &dims, dtype) else {
                     return;
                 };
@@ -1683,7 +1762,10 @@ impl PlugCase {
                 assert_eq!(got_dims.len(), 4, "to_dense rank");
                 assert_eq!(&got_dims[2..], &want_dims[2..], "to_dense shape");
                 assert_eq!(got.dtype(), v.dtype(), "to_dense dtype");
-                let got_host = host(&got.broadcast_as(want_dims.as_slice()).expect("broadcastable"));
+                let got_host = host(
+                    &got.broadcast_as(want_dims.as_slice())
+                        .expect("broadcastable"),
+                );
                 for (n, (g, w)) in got_host.iter().zip(&want).enumerate() {
                     assert!(
                         g == w || (g.is_nan() && w.is_nan()),
@@ -1792,6 +1874,8 @@ struct Case {
     /// Weights are overwritten with pseudo-random values of this seed.
     seed: u8,
     capacity: Up<8>,
+    /// A streaming cache of (sinks, window) instead of a plain one.
+    streaming: Option<(Up<8>, Up<24>)>,
     steps: Vec<Step>,
     plug: Vec<PlugCase>,
 }
@@ -1807,6 +1891,8 @@ struct Model {
     /// Dropout anywhere in training.
     dropout: bool,
     xpos: bool,
+    /// RoPE-Mixed, which reads multimodal positions only.
+    mixed: bool,
     custom_moderate: bool,
 }
 
@@ -1823,7 +1909,10 @@ impl Case {
             trace(|| "no model".into());
             return;
         };
-        let mut caches = vec![KvCache::with_capacity(1 << self.capacity.0)];
+        let mut caches = vec![match &self.streaming {
+            Some((sinks, window)) => KvCache::streaming(sinks.0, window.0),
+            None => KvCache::with_capacity(1 << self.capacity.0),
+        }];
         // Whether a cache may hold non-finite keys or values (0 · NaN is NaN: every later
         // chunk that attends to them has non-finite output, as documented).
         let mut tainted = vec![false];
@@ -1840,7 +1929,14 @@ impl Case {
                     let before = caches[current].len();
                     let cached = batches[current].filter(|_| before > 0);
                     let mut appended = None;
-                    if !forward(&model, c, Some(&mut caches[current]), fl, cached, &mut appended) {
+                    if !forward(
+                        &model,
+                        c,
+                        Some(&mut caches[current]),
+                        fl,
+                        cached,
+                        &mut appended,
+                    ) {
                         tainted[current] = true;
                     }
                     if caches[current].len() > before {
@@ -1857,7 +1953,12 @@ impl Case {
                         Ok(()) => assert_eq!(cache.len(), n.0, "truncate"),
                         Err(e) => {
                             check_err(&e, "KvCache::truncate");
-                            assert!(n.0 > before.0, "truncate to {} of {} refused", n.0, before.0);
+                            assert!(
+                                n.0 > before.0,
+                                "truncate to {} of {} refused",
+                                n.0,
+                                before.0
+                            );
                             assert_eq!((cache.len(), cache.next_position()), before);
                         }
                     }
@@ -1886,46 +1987,50 @@ impl Case {
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, dtype, &dev);
         let enc_config = self.enc.config(&cfg, flags);
-        let (encoding, enc_dropout, xpos, custom_moderate): (Option<Arc<dyn PositionalEncoding>>, f32, bool, bool) =
-            match enc_config.clone() {
-                Some((c, dropout)) => {
-                    if dropout > 0.5 {
+        let (encoding, enc_dropout, xpos, custom_moderate): (
+            Option<Arc<dyn PositionalEncoding>>,
+            f32,
+            bool,
+            bool,
+        ) = match enc_config.clone() {
+            Some((c, dropout)) => {
+                if dropout > 0.5 {
+                    flags.immoderate();
+                }
+                if let EncodingConfig::Alibi(a) = &c {
+                    // m·(j − i) grows with the distance to later keys, which nothing masks
+                    // without a causal mask: past f16's range at large distances.
+                    if a.mode == AlibiMode::CausalPairwise && !cfg.causal && dtype == DType::F16 {
                         flags.immoderate();
                     }
-                    if let EncodingConfig::Alibi(a) = &c {
-                        // m·(j − i) grows with the distance to later keys, which nothing masks
-                        // without a causal mask: past f16's range at large distances.
-                        if a.mode == AlibiMode::CausalPairwise && !cfg.causal && dtype == DType::F16 {
-                            flags.immoderate();
-                        }
-                    }
-                    let xpos = matches!(&c, EncodingConfig::Rotary(r) if r.xpos_scale_base.is_some());
-                    match c.build(vb.pp("enc")) {
-                        Ok(e) => (e, dropout, xpos, true),
-                        Err(e) => {
-                            check_err(&e, "EncodingConfig::build");
-                            return None;
-                        }
+                }
+                let xpos = matches!(&c, EncodingConfig::Rotary(r) if r.xpos_scale_base.is_some());
+                match c.build(vb.pp("enc")) {
+                    Ok(e) => (e, dropout, xpos, true),
+                    Err(e) => {
+                        check_err(&e, "EncodingConfig::build");
+                        return None;
                     }
                 }
-                None => {
-                    let EncSpec::Custom(spec) = &self.enc else {
-                        unreachable!()
-                    };
-                    if !spec.wellformed() {
-                        flags.malformed();
-                    }
-                    let custom = Custom {
-                        spec: spec.clone(),
-                        heads: cfg.num_heads,
-                        kv_heads: cfg.num_kv_heads,
-                        head_dim: cfg.head_dim,
-                        d_model: cfg.d_model,
-                        dtype,
-                    };
-                    (Some(Arc::new(custom)), 0.0, false, spec.moderate())
+            }
+            None => {
+                let EncSpec::Custom(spec) = &self.enc else {
+                    unreachable!()
+                };
+                if !spec.wellformed() {
+                    flags.malformed();
                 }
-            };
+                let custom = Custom {
+                    spec: spec.clone(),
+                    heads: cfg.num_heads,
+                    kv_heads: cfg.num_kv_heads,
+                    head_dim: cfg.head_dim,
+                    d_model: cfg.d_model,
+                    dtype,
+                };
+                (Some(Arc::new(custom)), 0.0, false, spec.moderate())
+            }
+        };
         let mha = match MultiHeadAttention::new(&cfg, encoding.clone(), vb.pp("attn")) {
             Ok(m) => m,
             Err(e) => {
@@ -1974,6 +2079,7 @@ impl Case {
             dtype,
             dropout: cfg.dropout > 0.0 || enc_dropout > 0.0,
             xpos,
+            mixed: matches!(self.enc, EncSpec::Mixed { .. }),
             custom_moderate,
         })
     }
@@ -1981,7 +2087,13 @@ impl Case {
 
 /// Positions for a chunk of `b` sequences of `t` tokens, and whether they are well formed and
 /// small.
-fn positions(spec: &PosSpec, b: usize, t: usize, f: &mut Flags, half: bool) -> Result<Option<Positions>, ()> {
+fn positions(
+    spec: &PosSpec,
+    b: usize,
+    t: usize,
+    f: &mut Flags,
+    half: bool,
+) -> Result<Option<Positions>, ()> {
     match spec {
         PosSpec::Continue | PosSpec::Continue2 => Ok(None),
         PosSpec::Offset(o) => {
@@ -2005,11 +2117,19 @@ fn positions(spec: &PosSpec, b: usize, t: usize, f: &mut Flags, half: bool) -> R
                 }
             };
             let len = ids.len.get(t, f);
-            let n = batch.checked_mul(len).filter(|&n| n <= MAX_BUILT).ok_or(())?;
+            let n = batch
+                .checked_mul(len)
+                .filter(|&n| n <= MAX_BUILT)
+                .ok_or(())?;
             let (vals, ok): (Vec<f64>, bool) = match &ids.values {
-                IdValues::Arange(o) => ((0..n).map(|i| (o.0 + i % len.max(1)) as f64).collect(), small_offset(o.0)),
+                IdValues::Arange(o) => (
+                    (0..n).map(|i| (o.0 + i % len.max(1)) as f64).collect(),
+                    small_offset(o.0),
+                ),
                 IdValues::Reverse(o) => (
-                    (0..n).map(|i| (o.0 + len - 1 - i % len.max(1)) as f64).collect(),
+                    (0..n)
+                        .map(|i| (o.0 + len - 1 - i % len.max(1)) as f64)
+                        .collect(),
                     small_offset(o.0),
                 ),
                 IdValues::Const(o) => (vec![o.0 as f64; n], small_offset(o.0)),
@@ -2020,7 +2140,10 @@ fn positions(spec: &PosSpec, b: usize, t: usize, f: &mut Flags, half: bool) -> R
                     small_offset(o.0),
                 ),
                 IdValues::Negative => ((0..n).map(|i| -(i as f64) - 1.0).collect(), false),
-                IdValues::PastU32 => ((0..n).map(|i| (1u64 << 32) as f64 + i as f64).collect(), false),
+                IdValues::PastU32 => (
+                    (0..n).map(|i| (1u64 << 32) as f64 + i as f64).collect(),
+                    false,
+                ),
             };
             if !ok || ids.dtype.get() != DType::U32 && ids.dtype.get() != DType::I64 || ids.rank3 {
                 f.malformed();
@@ -2028,12 +2151,61 @@ fn positions(spec: &PosSpec, b: usize, t: usize, f: &mut Flags, half: bool) -> R
             if half && vals.iter().any(|&v| v >= 2048.0) {
                 f.immoderate();
             }
-            let dims: Vec<usize> = if ids.rank3 { vec![batch, len, 1] } else { vec![batch, len] };
+            let dims: Vec<usize> = if ids.rank3 {
+                vec![batch, len, 1]
+            } else {
+                vec![batch, len]
+            };
             let t = tensor(&vals, &dims, ids.dtype.get()).ok_or(())?;
             match Positions::ids(&t) {
                 Ok(p) => Ok(Some(p)),
                 Err(e) => {
                     check_err(&e, "Positions::ids");
+                    Err(())
+                }
+            }
+        }
+        PosSpec::Grid {
+            batch,
+            offset,
+            width,
+        } => {
+            let batch = match batch {
+                BatchSel::Match => b,
+                BatchSel::One => 1,
+                BatchSel::Other(n) => {
+                    if n.0 != b && n.0 != 1 {
+                        f.malformed();
+                    }
+                    n.0
+                }
+            };
+            if !small_offset(offset.0) {
+                f.malformed();
+            }
+            if half && offset.0.saturating_add(t) >= 2048 {
+                f.immoderate();
+            }
+            let n = batch.checked_mul(t).filter(|&n| n <= MAX_BUILT).ok_or(())?;
+            let w = width.0.max(1);
+            let o = offset.0 as f64;
+            let mut vals = Vec::with_capacity(3 * n);
+            for axis in 0..3 {
+                for i in 0..n {
+                    let p = i % t.max(1);
+                    let v = match axis {
+                        0 => p,
+                        1 => p / w,
+                        _ => p % w,
+                    };
+                    vals.push(o + v as f64);
+                }
+            }
+            let t = tensor(&vals, &[3, batch, t], DType::U32).ok_or(())?;
+            match PositionIds::multimodal(&t) {
+                Ok(p) => Ok(Some(Positions::Ids(p))),
+                Err(e) => {
+                    check_err(&e, "PositionIds::multimodal");
                     Err(())
                 }
             }
@@ -2099,6 +2271,11 @@ fn forward(
     let Ok(pos) = positions(&c.positions, xb, xt, &mut f, half) else {
         return f.moderate;
     };
+    // A streaming cache places tokens at its slots: positions of a call's own are refused.
+    let streaming = cache.as_ref().and_then(|c| c.streaming_window());
+    if streaming.is_some() && pos.is_some() {
+        f.malformed();
+    }
     if let (None, Some(cache)) = (&pos, &cache) {
         // Positions continue the cache.
         if !small_offset(cache.next_position()) {
@@ -2109,7 +2286,10 @@ fn forward(
     // A cache whose storage would pass the budget is refused (`KvCache` documents it): the
     // cached tokens times batch × kv heads × head_dim must fit.
     if cache.is_some() && xb > 0 && xt > 0 {
-        let per_position = xb.saturating_mul(cfg.num_kv_heads).saturating_mul(cfg.head_dim).max(1);
+        let per_position = xb
+            .saturating_mul(cfg.num_kv_heads)
+            .saturating_mul(cfg.head_dim)
+            .max(1);
         if tk > BUDGET / per_position {
             f.malformed();
         }
@@ -2158,11 +2338,8 @@ fn forward(
         train: c.train,
     };
     // Paths to compare against: a copy of the cache for each.
-    let compare = c.compare
-        && model.dtype == DType::F32
-        && x_dtype == DType::F32
-        && !c.train
-        && f.moderate;
+    let compare =
+        c.compare && model.dtype == DType::F32 && x_dtype == DType::F32 && !c.train && f.moderate;
     let spare = match (&cache, compare) {
         (Some(cache), true) => vec![(*cache).clone(), (*cache).clone(), (*cache).clone()],
         _ => Vec::new(),
@@ -2182,9 +2359,15 @@ fn forward(
     let rows = cfg.query_block.unwrap_or(1).clamp(1, xt.max(1));
     let near_budget = [
         cfg.head_dim.saturating_mul(pos_end.max(tk)),
-        xb.saturating_mul(cfg.num_heads).saturating_mul(rows).saturating_mul(tk),
-        xb.saturating_mul(cfg.num_kv_heads).saturating_mul(cfg.head_dim).saturating_mul(tk),
-        xb.saturating_mul(xt).saturating_mul(cfg.num_heads).saturating_mul(cfg.head_dim),
+        xb.saturating_mul(cfg.num_heads)
+            .saturating_mul(rows)
+            .saturating_mul(tk),
+        xb.saturating_mul(cfg.num_kv_heads)
+            .saturating_mul(cfg.head_dim)
+            .saturating_mul(tk),
+        xb.saturating_mul(xt)
+            .saturating_mul(cfg.num_heads)
+            .saturating_mul(cfg.head_dim),
     ]
     .iter()
     .any(|&n| n > BUDGET / 4);
@@ -2201,6 +2384,8 @@ fn forward(
                 let allowed = matches!(e, Error::PositionOutOfRange { .. })
                     || (model.xpos && matches!(e, Error::InvalidConfig { .. }))
                     || matches!(e, Error::InvalidConfig { name: "fuzz hook", .. })
+                    // RoPE-Mixed without multimodal positions for its queries or keys.
+                    || (model.mixed && matches!(e, Error::Shape { what: "RoPE-Mixed positions", .. }))
                     || (near_budget
                         && matches!(&e, Error::InvalidConfig { expected, .. } if expected.contains("at most")));
                 assert!(allowed, "{what}: well-formed input refused: {e}");
@@ -2215,39 +2400,82 @@ fn forward(
             return f.moderate;
         }
         Ok(out) => {
-            trace(|| format!("forward ok {:?} moderate {} compare {compare}", x.dims(), f.moderate));
+            trace(|| {
+                format!(
+                    "forward ok {:?} moderate {} compare {compare}",
+                    x.dims(),
+                    f.moderate
+                )
+            });
             out
         }
     };
     f.moderate &= all_finite(&x)
-        && attn_mask.as_ref().is_none_or(|m| !host(m).iter().any(|v| v.is_nan() || *v == f64::INFINITY));
+        && attn_mask
+            .as_ref()
+            .is_none_or(|m| !host(m).iter().any(|v| v.is_nan() || *v == f64::INFINITY));
     // Shapes.
-    assert_eq!(out.output.dims(), &[xb, xt, cfg.d_model], "{what}: output shape");
+    assert_eq!(
+        out.output.dims(),
+        &[xb, xt, cfg.d_model],
+        "{what}: output shape"
+    );
     assert_eq!(out.output.dtype(), model.dtype, "{what}: output dtype");
     if let Some(cache) = &cache {
         let grown = if xb == 0 || xt == 0 { 0 } else { xt };
-        assert_eq!(cache.len(), cached + grown, "{what}: cache length");
+        // A streaming cache keeps its sinks and its window.
+        let kept = streaming.map_or(usize::MAX, |(s, w)| s.saturating_add(w));
+        assert_eq!(
+            cache.len(),
+            (cached + grown).min(kept.max(cached)),
+            "{what}: cache length"
+        );
     }
-    assert_eq!(out.weights.is_some(), c.weights, "{what}: weights returned iff asked for");
+    assert_eq!(
+        out.weights.is_some(),
+        c.weights,
+        "{what}: weights returned iff asked for"
+    );
     if let Some(w) = &out.weights {
-        assert_eq!(w.dims(), &[xb, cfg.num_heads, xt, tk], "{what}: weights shape");
+        assert_eq!(
+            w.dims(),
+            &[xb, cfg.num_heads, xt, tk],
+            "{what}: weights shape"
+        );
     }
     if !f.moderate {
         return f.moderate;
     }
-    assert!(all_finite(&out.output), "{what}: non-finite output from finite input");
+    assert!(
+        all_finite(&out.output),
+        "{what}: non-finite output from finite input"
+    );
     if let Some(w) = &out.weights {
         let wv = host(w);
-        assert!(wv.iter().all(|p| p.is_finite() && *p >= 0.0 && *p <= 1.0 + 1e-3), "{what}: weights outside [0, 1]");
+        assert!(
+            wv.iter()
+                .all(|p| p.is_finite() && *p >= 0.0 && *p <= 1.0 + 1e-3),
+            "{what}: weights outside [0, 1]"
+        );
         if !c.train && tk > 0 {
-            let tol = if half || model.dtype == DType::BF16 { 5e-2 } else { 1e-3 };
+            let tol = if half || model.dtype == DType::BF16 {
+                5e-2
+            } else {
+                1e-3
+            };
             for (r, row) in wv.chunks(tk).enumerate() {
                 let s: f64 = row.iter().sum();
                 // Sinks take part of each row's weight (and all of a fully masked row's).
                 if cfg.sinks {
-                    assert!(s <= 1.0 + tol, "{what}: weights row {r} sums to {s} with sinks");
+                    assert!(
+                        s <= 1.0 + tol,
+                        "{what}: weights row {r} sums to {s} with sinks"
+                    );
                 } else {
-                    assert!((s - 1.0).abs() <= tol, "{what}: weights row {r} sums to {s}");
+                    assert!(
+                        (s - 1.0).abs() <= tol,
+                        "{what}: weights row {r} sums to {s}"
+                    );
                 }
             }
         }
@@ -2275,9 +2503,17 @@ fn forward(
             .iter()
             .zip(&reference)
             .fold(0f64, |d, (a, b)| d.max((a - b).abs()));
-        assert!(diff <= 1e-4 * scale, "{what}: the {label} path differs by {diff:e} (scale {scale})");
+        assert!(
+            diff <= 1e-4 * scale,
+            "{what}: the {label} path differs by {diff:e} (scale {scale})"
+        );
     };
-    run(&model.mha, !c.weights, false, if c.weights { "fused" } else { "row-pass" });
+    run(
+        &model.mha,
+        !c.weights,
+        false,
+        if c.weights { "fused" } else { "row-pass" },
+    );
     if let Some(alt) = &model.alt {
         run(alt, c.weights, false, "other query block");
     }
@@ -2343,7 +2579,10 @@ fn direct(model: &Model, d: &DirectSpec) {
     let q = like(&d.q, &[b, cfg.num_heads, ql, cfg.head_dim]);
     let k = like(&d.k, &[b, cfg.num_kv_heads, kl, cfg.head_dim]);
     // Positions.
-    ok_or_typed(Positions::relative_distances(&qp, ql, &kp, kl, &dev), "relative_distances");
+    ok_or_typed(
+        Positions::relative_distances(&qp, ql, &kp, kl, &dev),
+        "relative_distances",
+    );
     ok_or_typed(qp.to_ids(d.len.value, &dev), "Positions::to_ids");
     ok_or_typed(qp.extend(ql, &kp, kl, &dev), "Positions::extend");
     // The hooks.
@@ -2373,15 +2612,24 @@ fn direct(model: &Model, d: &DirectSpec) {
     // The encodings' own public methods.
     let vb = VarBuilder::from_varmap(&model.varmap, model.dtype, &dev);
     let len = d.len.value;
-    let layout = if d.bthd { QkLayout::Bthd } else { QkLayout::Bhtd };
+    let layout = if d.bthd {
+        QkLayout::Bthd
+    } else {
+        QkLayout::Bhtd
+    };
     match &model.config {
         Some(EncodingConfig::T5(c)) => {
-            if let Some(e) = ok_or_typed(T5RelativeBias::new(c, vb.pp("enc")), "T5RelativeBias::new") {
+            if let Some(e) =
+                ok_or_typed(T5RelativeBias::new(c, vb.pp("enc")), "T5RelativeBias::new")
+            {
                 ok_or_typed(e.bias(&qp, ql, &kp, kl), "T5RelativeBias::bias");
             }
         }
         Some(EncodingConfig::ClippedBias(c)) => {
-            if let Some(e) = ok_or_typed(ClippedRelativeBias::new(c, vb.pp("enc")), "ClippedRelativeBias::new") {
+            if let Some(e) = ok_or_typed(
+                ClippedRelativeBias::new(c, vb.pp("enc")),
+                "ClippedRelativeBias::new",
+            ) {
                 ok_or_typed(e.bias(&qp, ql, &kp, kl), "ClippedRelativeBias::bias");
             }
         }
@@ -2402,24 +2650,39 @@ fn direct(model: &Model, d: &DirectSpec) {
                 if let Some(q) = &q {
                     ok_or_typed(e.rotate_queries(q, &qp, layout), "rotate_queries");
                     if let Some(k) = &k {
-                        ok_or_typed(e.rotate_queries_keys(q, k, &qp, &kp, layout), "rotate_queries_keys");
+                        ok_or_typed(
+                            e.rotate_queries_keys(q, k, &qp, &kp, layout),
+                            "rotate_queries_keys",
+                        );
                     }
                 }
             }
         }
         Some(EncodingConfig::Sinusoidal(c)) => {
-            if let Some(e) = ok_or_typed(SinusoidalPositionalEncoding::new(c, &dev), "Sinusoidal::new") {
+            if let Some(e) = ok_or_typed(
+                SinusoidalPositionalEncoding::new(c, &dev),
+                "Sinusoidal::new",
+            ) {
                 ok_or_typed(e.encodings(len), "Sinusoidal::encodings");
                 if let Some(x) = &x {
-                    ok_or_typed(e.forward_with_positions(x, &qp, d.train), "Sinusoidal::forward_with_positions");
+                    ok_or_typed(
+                        e.forward_with_positions(x, &qp, d.train),
+                        "Sinusoidal::forward_with_positions",
+                    );
                 }
             }
         }
         Some(EncodingConfig::Learned(c)) => {
-            if let Some(e) = ok_or_typed(LearnedPositionalEncoding::new(c, vb.pp("enc")), "Learned::new") {
+            if let Some(e) = ok_or_typed(
+                LearnedPositionalEncoding::new(c, vb.pp("enc")),
+                "Learned::new",
+            ) {
                 ok_or_typed(e.interpolated(len), "Learned::interpolated");
                 if let Some(x) = &x {
-                    ok_or_typed(e.forward_with_positions(x, &qp, d.train), "Learned::forward_with_positions");
+                    ok_or_typed(
+                        e.forward_with_positions(x, &qp, d.train),
+                        "Learned::forward_with_positions",
+                    );
                 }
             }
         }

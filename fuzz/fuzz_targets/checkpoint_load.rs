@@ -46,7 +46,13 @@ fuzz_target!(|data: &[u8]| {
     }
     // load_into either copies every variable or changes none.
     let varmap = VarMap::new();
-    let _ = varmap.get((2, 3), "weight", candle_nn::Init::Const(7.0), DType::F32, &dev);
+    let _ = varmap.get(
+        (2, 3),
+        "weight",
+        candle_nn::Init::Const(7.0),
+        DType::F32,
+        &dev,
+    );
     if ck.load_into(&varmap).is_err() {
         let data = varmap.data().lock().unwrap();
         let w = data["weight"].as_tensor().flatten_all().unwrap();

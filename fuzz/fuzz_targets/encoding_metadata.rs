@@ -65,13 +65,19 @@ fn run(c: &EncodingConfig, data: &[u8]) {
     let Ok(enc) = c.build(vb.pp("enc")) else {
         return;
     };
-    let attn = AttentionConfig::new(d_model, heads).with_head_dim(head_dim).with_causal(true);
+    let attn = AttentionConfig::new(d_model, heads)
+        .with_head_dim(head_dim)
+        .with_causal(true);
     let Ok(mha) = MultiHeadAttention::new(&attn, enc, vb.pp("attn")) else {
         return;
     };
     // A start position from the input's last bytes: tables that grow with it (sinusoidal,
     // RoPE) stay under 2^13 rows so an execution stays fast; relative biases go to 2^20.
-    let tail = data.iter().rev().take(3).fold(0usize, |a, &b| (a << 8) | b as usize);
+    let tail = data
+        .iter()
+        .rev()
+        .take(3)
+        .fold(0usize, |a, &b| (a << 8) | b as usize);
     let start = match c {
         EncodingConfig::Sinusoidal(_) | EncodingConfig::Learned(_) => tail % 5000,
         EncodingConfig::Rotary(_) => tail % (1 << 13),
@@ -83,8 +89,13 @@ fn run(c: &EncodingConfig, data: &[u8]) {
     let mut cache = KvCache::new();
     for (at, len) in [(start, 2), (start + 2, 1)] {
         let p = Positions::Offset(at);
-        let o = AttentionOptions { positions: Some(&p), ..Default::default() };
-        let Ok(chunk) = x.narrow(1, 0, len) else { return };
+        let o = AttentionOptions {
+            positions: Some(&p),
+            ..Default::default()
+        };
+        let Ok(chunk) = x.narrow(1, 0, len) else {
+            return;
+        };
         if mha.forward_with(&chunk, &o, Some(&mut cache)).is_err() {
             return;
         }
