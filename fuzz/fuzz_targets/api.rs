@@ -1443,6 +1443,22 @@ enum IdValues {
     PastU32,
 }
 
+impl BatchSel {
+    /// The batch of ids for inputs of batch `b` (1 broadcasts; others are malformed).
+    fn get(&self, b: usize, f: &mut Flags) -> usize {
+        match self {
+            BatchSel::Match => b,
+            BatchSel::One => 1,
+            BatchSel::Other(n) => {
+                if n.0 != b && n.0 != 1 {
+                    f.malformed();
+                }
+                n.0
+            }
+        }
+    }
+}
+
 #[derive(Arbitrary, Debug, Clone)]
 struct IdsSpec {
     batch: BatchSel,
@@ -2106,16 +2122,7 @@ fn positions(
             Ok(Some(Positions::Offset(o.0)))
         }
         PosSpec::Ids(ids) => {
-            let batch = match ids.batch {
-                BatchSel::Match => b,
-                BatchSel::One => 1,
-                BatchSel::Other(n) => {
-                    if n.0 != b && n.0 != 1 {
-                        f.malformed();
-                    }
-                    n.0
-                }
-            };
+            let batch = ids.batch.get(b, f);
             let len = ids.len.get(t, f);
             let n = batch
                 .checked_mul(len)
@@ -2170,16 +2177,7 @@ fn positions(
             offset,
             width,
         } => {
-            let batch = match batch {
-                BatchSel::Match => b,
-                BatchSel::One => 1,
-                BatchSel::Other(n) => {
-                    if n.0 != b && n.0 != 1 {
-                        f.malformed();
-                    }
-                    n.0
-                }
-            };
+            let batch = batch.get(b, f);
             if !small_offset(offset.0) {
                 f.malformed();
             }
