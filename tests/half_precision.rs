@@ -11,7 +11,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, Positions, QkLayout, RopeConfig, RotaryEmbedding,
 };
@@ -42,21 +42,29 @@ fn half_vs_f32(dev: &Device) -> anyhow::Result<()> {
         let (reference, varmap) = zoo::attention(config, &attn, DType::F32, dev)?;
         let want = reference.forward_with(&x, &opts, None)?.output;
         let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0) as f64;
+        // Both paths: the fused core on widened q, k and v (on the CPU), and candle ops in
+        // the half format (asked for the weights).
+        let with_weights = AttentionOptions {
+            return_weights: true,
+            ..opts.clone()
+        };
         for dtype in [DType::BF16, DType::F16] {
             let half = zoo::attention_from(config, &attn, &varmap, dtype, dev)?;
-            let got = half.forward_with(&x.to_dtype(dtype)?, &opts, None)?.output;
-            assert_eq!(got.dtype(), dtype);
-            let err = max_abs_diff(&got, &want)?;
-            let tol = 16.0 * unit_roundoff(dtype) * scale;
-            println!(
-                "{} {dtype:?}: max |half − f32| = {err:.2e} (tolerance {tol:.2e})",
-                zoo::label(i, config)
-            );
-            if err > tol {
-                failures.push(format!(
-                    "{} {dtype:?}: {err:e} > {tol:e}",
+            for (path, o) in [("fused", &opts), ("ops", &with_weights)] {
+                let got = half.forward_with(&x.to_dtype(dtype)?, o, None)?.output;
+                assert_eq!(got.dtype(), dtype);
+                let err = max_abs_diff(&got, &want)?;
+                let tol = 16.0 * unit_roundoff(dtype) * scale;
+                println!(
+                    "{} {dtype:?} {path}: max |half − f32| = {err:.2e} (tolerance {tol:.2e})",
                     zoo::label(i, config)
-                ));
+                );
+                if err > tol {
+                    failures.push(format!(
+                        "{} {dtype:?} {path}: {err:e} > {tol:e}",
+                        zoo::label(i, config)
+                    ));
+                }
             }
         }
     }
@@ -143,4 +151,57 @@ fn rope_angles_at_a_million(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-device_tests!(half_vs_f32, rope_angles_at_a_million);
+/// A query row masked whole by the half format's lowest value: in that format the sum with
+/// any moderate logit rounds back to the lowest, so candle's ops give uniform weights; the
+/// fused core, which adds the mask in f32, gives the same (it reads the lowest as f32's).
+fn rows_masked_by_the_lowest_value(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(16, 4).with_head_dim(4);
+    let x = Tensor::randn(0f32, 1.0, (1, 5, 16), dev)?;
+    let config = &zoo::configs(16, 4, 4)[0];
+    let (_, varmap) = zoo::attention(config, &attn, DType::F32, dev)?;
+    for (dtype, lowest) in [(DType::F16, -65504f32), (DType::BF16, -3.389_531_4e38)] {
+        let half = zoo::attention_from(config, &attn, &varmap, dtype, dev)?;
+        // Row 2 hidden from every key; row 3 from the first two.
+        let mut m = vec![0f32; 25];
+        m[10..15].fill(lowest);
+        m[15..17].fill(lowest);
+        let mask = Tensor::from_vec(m, (1, 1, 5, 5), dev)?.to_dtype(dtype)?;
+        let x = x.to_dtype(dtype)?;
+        let run = |weights: bool| {
+            let o = AttentionOptions {
+                attn_mask: Some(&mask),
+                return_weights: weights,
+                ..Default::default()
+            };
+            half.forward_with(&x, &o, None)
+        };
+        let (fused, ops) = (run(false)?, run(true)?);
+        let w = ops.weights.expect("asked for").to_dtype(DType::F32)?;
+        let row = w.i((0, 0, 2))?.to_vec1::<f32>()?;
+        assert!(
+            row.iter().all(|&p| (p - 0.2).abs() < 1e-2),
+            "{dtype:?}: {row:?}"
+        );
+        let row3 = w.i((0, 0, 3))?.to_vec1::<f32>()?;
+        assert!(row3[..2].iter().all(|&p| p == 0.0), "{dtype:?}: {row3:?}");
+        let err = max_abs_diff(&fused.output, &ops.output.to_dtype(DType::F32)?)?;
+        let scale = ops
+            .output
+            .to_dtype(DType::F32)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        let tol = 16.0 * unit_roundoff(dtype) * (scale as f64).max(1.0);
+        assert!(
+            err <= tol,
+            "{dtype:?}: fused and ops differ by {err:e} > {tol:e}"
+        );
+    }
+    Ok(())
+}
+
+device_tests!(
+    half_vs_f32,
+    rope_angles_at_a_million,
+    rows_masked_by_the_lowest_value
+);

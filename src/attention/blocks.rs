@@ -95,6 +95,9 @@ pub(crate) struct Chunk<'a> {
     pub(crate) block: usize,
     pub(crate) return_weights: bool,
     pub(crate) encoding: Option<&'a dyn PositionalEncoding>,
+    /// The block's own dtype (q, k and v may be widened to f32 for the fused core): an
+    /// additive mask saturates to its range, as it would on the block's own ops.
+    pub(crate) dtype: DType,
 }
 
 /// One query block's inputs, narrowed from the chunk.
@@ -196,7 +199,7 @@ impl Chunk<'_> {
                 .as_ref()
                 .map(|m| narrowed(m, 2, start, n, t))
                 .transpose()?;
-            let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q)?;
+            let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q, self.dtype)?;
             if let Some(merged) = &merged {
                 fused_attention::Core {
                     q: &part.q,
@@ -262,6 +265,23 @@ impl Chunk<'_> {
     }
 }
 
+/// A half-precision mask widened to `dtype` (f32) for the fused core: a value at the half
+/// format's lowest hides its key as it does in that format, where adding it to any moderate
+/// logit gives the lowest value again (so a row masked whole is uniform on every path): it
+/// becomes `dtype`'s lowest. Other values are exact in the wider format.
+fn widened_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
+    let lowest = match mask.dtype() {
+        DType::F16 => -65504.0,
+        DType::BF16 => -3.389_531_389_251_535_5e38,
+        _ => return Ok(mask.to_dtype(dtype)?),
+    };
+    let wide = mask.to_dtype(dtype)?;
+    let floor = Tensor::full(f32::MIN, (), mask.device())?
+        .to_dtype(dtype)?
+        .broadcast_as(wide.shape())?;
+    Ok(wide.le(lowest)?.where_cond(&floor, &wide)?)
+}
+
 /// The additive terms of one query block's logits, in the forms its path reads.
 pub(crate) struct LogitTerms {
     /// Broadcastable to `(B, H, n, kv)`, in the logits' dtype.
@@ -272,13 +292,15 @@ pub(crate) struct LogitTerms {
 
 impl LogitTerms {
     /// Checks the encoding's bias and the mask against the block's `dims` and converts them to
-    /// what `path` reads: shifted rows stay rows on the fused paths; everything else is dense.
+    /// what `path` reads: shifted rows stay rows on the fused paths; everything else is dense,
+    /// in q's dtype (the mask saturated to the block's dtype `range` first).
     fn new(
         bias: Option<LogitsBias>,
         mask: Option<Tensor>,
         dims: (usize, usize, usize, usize),
         path: Path,
         q: &Tensor,
+        range: DType,
     ) -> Result<Self> {
         let (dtype, device) = (q.dtype(), q.device());
         let mut terms = Self {
@@ -286,7 +308,11 @@ impl LogitTerms {
             rows: Vec::new(),
         };
         if let Some(mask) = mask {
-            terms.dense.push(cast_mask(&mask, dtype)?);
+            let mask = cast_mask(&mask, range)?;
+            terms.dense.push(match mask.dtype() == dtype {
+                true => mask,
+                false => widened_mask(&mask, dtype)?,
+            });
         }
         match bias {
             None => {}

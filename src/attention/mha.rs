@@ -284,12 +284,39 @@ impl MultiHeadAttention {
                 }
             }
         };
-        let q = match &cfg.attention_temperature {
-            // The chunk's first query sits at key index `cached`.
-            Some(t) => t.apply(&q, cached)?,
-            None => q,
+        let dtype = v.dtype();
+        let prepared = (|| -> Result<(Tensor, Tensor, Tensor)> {
+            let q = match &cfg.attention_temperature {
+                // The chunk's first query sits at key index `cached`.
+                Some(t) => t.apply(&q, cached)?,
+                None => q,
+            };
+            // Half precision on the CPU runs the fused core in f32 when neither gradients nor
+            // weights are wanted: q, k and v are widened once (T × D values, never the
+            // logits), and the heads return to the block's dtype before the output projection.
+            let widen = !differentiable
+                && !options.return_weights
+                && q.device().is_cpu()
+                && matches!(dtype, DType::BF16 | DType::F16);
+            Ok(match widen {
+                true => (
+                    (q.to_dtype(DType::F32)? * cfg.softmax_scale)?,
+                    k.to_dtype(DType::F32)?,
+                    v.to_dtype(DType::F32)?,
+                ),
+                false => ((q * cfg.softmax_scale)?, k, v),
+            })
+        })();
+        let (q, k, v) = match prepared {
+            Ok(qkv) => qkv,
+            Err(e) => {
+                // Nothing of this chunk stays in the cache.
+                if let (Some(cache), Some(mark)) = (cache, mark) {
+                    cache.restore(mark);
+                }
+                return Err(e);
+            }
         };
-        let q = (q * cfg.softmax_scale)?;
         let path = Path::choose(&q, &k, &v, differentiable, options.return_weights);
         let attended = Chunk {
             attn_mask,
@@ -310,13 +337,15 @@ impl MultiHeadAttention {
             block,
             return_weights: options.return_weights,
             encoding: enc,
+            dtype,
         }
         .attend(path)
         .and_then(|attended| {
+            let out = attended.out.to_dtype(dtype)?;
             let merged = match &self.projections {
-                Projections::Latent(latent) => latent.values_of(&attended.out)?,
+                Projections::Latent(latent) => latent.values_of(&out)?,
                 Projections::Separate { .. } => {
-                    attended.out.reshape((b, t, cfg.num_heads * cfg.head_dim))?
+                    out.reshape((b, t, cfg.num_heads * cfg.head_dim))?
                 }
             };
             let output = self.o_proj.forward(&merged)?;

@@ -6,10 +6,14 @@
 //! hook → rotation → cache → query blocks (`blocks.rs`) → merge heads → output projection.
 //! Each call runs one execution path, chosen once:
 //! - the fused CPU core (`fused_attention.rs`): f32 inference without returned weights, per
-//!   head and tile of queries, reading relative biases and values as rows;
+//!   head and tile of queries, reading relative biases and values as rows; bf16 and f16
+//!   blocks run it too, on q, k and v widened to f32 once per call (the heads return to the
+//!   block's dtype before the output projection, and an additive mask saturates to the
+//!   block's range first, so its lowest value hides a key as it does in that format);
 //! - the row pass (`fused_softmax.rs`): f32 CPU inference returning the weights, bias, masks and
 //!   softmax in one in-place pass over the logits;
-//! - plain candle ops (`unfused.rs`): training, other dtypes and devices; differentiable.
+//! - plain candle ops (`unfused.rs`): training, returned weights in other dtypes, other
+//!   devices; differentiable.
 
 mod blocks;
 mod config;
