@@ -1,6 +1,7 @@
 //! Attention block cost of each positional encoding, against the same block with no encoding
-//! measured in the same run (ratio of the medians, and median of the per-pair ratios), and the block with no encoding against the same attention written
-//! as plain candle ops (matmul, softmax_last_dim, matmul); query block sizes; one decoding step
+//! measured in the same run (ratio of the medians, and median of the per-pair ratios), and the
+//! block with no encoding against the same attention written as plain candle ops (matmul,
+//! softmax_last_dim, matmul); the block in bf16 and f16 against f32; query block sizes; one decoding step
 //! against caches of growing length; peak memory of Shaw attention against the direct formula;
 //! and long-context (T = 16384) forwards per encoding, with their peak memory.
 //!
@@ -8,8 +9,8 @@
 //! cargo bench --bench attention              # table of medians and ratios
 //! cargo bench --bench attention -- --json    # one JSON object per line as well
 //! cargo bench --bench attention -- --quick   # fewer, smaller runs (a smoke test)
-//! cargo bench --bench attention -- --only decode   # one section: encodings, blocks, decode,
-//!                                                  # memory or long
+//! cargo bench --bench attention -- --only decode   # one section: encodings, half, blocks,
+//!                                                  # decode, memory or long
 //! ```
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
@@ -439,6 +440,57 @@ fn main() -> Result<()> {
             "\"bench\":\"attention\",\"encoding\":\"plain_candle\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4}",
             ms / base
         ));
+    }
+
+    // Half precision: the block in bf16 and f16 against the same block in f32, paired (the
+    // fused core runs on widened q, k and v in both half formats).
+    if section("half") {
+        println!("\nhalf precision, B{b} H{heads} T{t} D{head_dim}: against f32 (target <= 1.30x)");
+        println!(
+            "{:<18} {:>8} {:>6} {:>12} {:>10}",
+            "encoding", "causal", "dtype", "median ms", "vs f32"
+        );
+    }
+    for causal in [false, true].into_iter().filter(|_| section("half")) {
+        for case in all
+            .iter()
+            .filter(|c| matches!(c.name, "none" | "rope" | "alibi"))
+        {
+            let f32_block = block(case, causal, d_model, heads, &vb)?;
+            for dtype in [candle_core::DType::BF16, candle_core::DType::F16] {
+                let half_vb = common::inference_vb_of(&dev, dtype);
+                let half = block(case, causal, d_model, heads, &half_vb)?;
+                let xh = x.to_dtype(dtype)?;
+                let opts = AttentionOptions::default();
+                let p = common::paired(
+                    runs,
+                    || {
+                        let y = f32_block.forward_with(&x, &opts, None)?.output;
+                        dev.synchronize()?;
+                        drop(y);
+                        Ok(())
+                    },
+                    || {
+                        let y = half.forward_with(&xh, &opts, None)?.output;
+                        dev.synchronize()?;
+                        drop(y);
+                        Ok(())
+                    },
+                )?;
+                println!(
+                    "{:<18} {:>8} {:>6} {:>12.2} {:>9.2}x",
+                    case.name,
+                    causal,
+                    format!("{dtype:?}").to_lowercase(),
+                    p.b_ms,
+                    p.ratio
+                );
+                json_line(json, &format!(
+                    "\"bench\":\"attention_half\",\"encoding\":\"{}\",\"causal\":{causal},\"dtype\":\"{dtype:?}\",\"t\":{t},\"median_ms\":{:.3},\"f32_ms\":{:.3},\"ratio\":{:.4}",
+                    case.name, p.b_ms, p.a_ms, p.ratio
+                ));
+            }
+        }
     }
 
     // Query block sizes: the automatic choice against fixed ones, no encoding and ALiBi.

@@ -83,6 +83,11 @@ pub fn paired(
 /// plain tensors, not variables: a model loaded for inference, whose attention takes the fast
 /// paths (a block whose weights track gradients takes the differentiable one).
 pub fn inference_vb(dev: &Device) -> candle_nn::VarBuilder<'static> {
+    inference_vb_of(dev, candle_core::DType::F32)
+}
+
+/// [`inference_vb`] in another dtype (fresh weights).
+pub fn inference_vb_of(dev: &Device, dtype: candle_core::DType) -> candle_nn::VarBuilder<'static> {
     struct Detached(candle_nn::VarMap);
     impl candle_nn::var_builder::SimpleBackend for Detached {
         fn get(
@@ -109,7 +114,7 @@ pub fn inference_vb(dev: &Device) -> candle_nn::VarBuilder<'static> {
     }
     candle_nn::VarBuilder::from_backend(
         Box::new(Detached(candle_nn::VarMap::new())),
-        candle_core::DType::F32,
+        dtype,
         dev.clone(),
     )
 }
