@@ -187,6 +187,20 @@ impl PositionIds {
     /// either side has multimodal axes, the other's ids become three equal axes (text tokens).
     fn concat(&self, other: &PositionIds) -> Result<PositionIds> {
         let batch = self.batch().max(other.batch());
+        // A batch of 1 broadcast to the other's, three times over with multimodal axes:
+        // budgeted before any of it exists.
+        let len = self.len().saturating_add(other.len());
+        let axes = if self.axes.is_some() || other.axes.is_some() {
+            3
+        } else {
+            1
+        };
+        crate::limits::check_elements(
+            "position ids",
+            format!("batch {batch} × length {len}"),
+            "axes × batch × length of the positions of a cache and a chunk together",
+            &[axes, batch, len],
+        )?;
         let a = broadcast_batch(&self.ids, batch)?;
         let b = broadcast_batch(&other.ids, batch)?;
         let axes = match (&self.axes, &other.axes) {

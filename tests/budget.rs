@@ -5,6 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::limits::{max_elements, set_max_elements, MAX_ELEMENTS};
+use candle_posenc::plug::{Columns, RelativeBias};
 use candle_posenc::{
     AttentionConfig, AttentionContext, AttentionOptions, Error, KvCache, LearnedConfig,
     LearnedPositionalEncoding, MultiHeadAttention, PositionalEncoding, Positions, RopeConfig,
@@ -90,6 +91,21 @@ fn budget_is_one_number() -> anyhow::Result<()> {
         (
             "four projections of 64 × 64 (each alone fits)",
             AttentionConfig::new(64, 4).validate().unwrap_err(),
+        ),
+        (
+            "positions of 2048 cached keys spread over a chunk's 8 sequences (2048 alone fit)",
+            Positions::Offset(0)
+                .extend(2048, &ids, 16, &dev)
+                .unwrap_err(),
+        ),
+        (
+            "relative rows 512 wide spread over 8 × 4 queries (the 8 × 4 × 2 bias fits)",
+            RelativeBias::new(
+                Tensor::zeros((1, 1, 1, 512), DType::F32, &dev)?,
+                Columns::Index(Tensor::zeros((8, 4, 2), DType::U32, &dev)?),
+            )?
+            .to_dense(4, 2)
+            .unwrap_err(),
         ),
     ];
     set_max_elements(MAX_ELEMENTS);

@@ -232,6 +232,14 @@ impl RelativeBias {
                 .index_select(&index.flatten_all()?, 2)?
                 .reshape((vb, vh, tq, tk))?);
         }
+        // The rows spread over every batch and query before the gather: budgeted as well (a
+        // wide table read by few keys is larger than the bias it gives).
+        check_elements(
+            "relative bias width",
+            width,
+            "batch × heads × queries × width of the relative rows spread over every query",
+            &[batch, vh, tq, width],
+        )?;
         let values = self
             .values
             .broadcast_as((batch, vh, tq, width))?
