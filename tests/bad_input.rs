@@ -758,7 +758,16 @@ fn rotary() {
         &["RoPE-Mixed positions", "multimodal"],
         || mixed.rotate_one(&q, &off),
     );
-    s.finish(21);
+    s.case(
+        "RoPE-Mixed keys shared by grouped query heads",
+        Kind::Shape,
+        &["RoPE-Mixed keys", "grouped KV heads", "[2, 1, 3, 8]"],
+        || {
+            let ctx = AttentionContext::new(&grid, 3, &grid, 3);
+            mixed.rotate(q.clone(), x(&[2, 1, 3, 8]), &ctx)
+        },
+    );
+    s.finish(22);
 }
 
 #[test]

@@ -1028,17 +1028,23 @@ impl EncSpec {
                 head_dim,
                 theta,
                 seed,
-            } => (
-                EncodingConfig::RopeMixed(
-                    RopeMixedConfig::new(
-                        num_heads.get(a.num_heads, f),
-                        head_dim.get(a.head_dim, f),
-                    )
-                    .with_theta(theta.get(2.0, 100.0))
-                    .with_seed(*seed as u64),
-                ),
-                0.0,
-            ),
+            } => {
+                // One frequency set per head: grouped KV heads are refused.
+                if a.num_kv_heads != a.num_heads {
+                    f.malformed();
+                }
+                (
+                    EncodingConfig::RopeMixed(
+                        RopeMixedConfig::new(
+                            num_heads.get(a.num_heads, f),
+                            head_dim.get(a.head_dim, f),
+                        )
+                        .with_theta(theta.get(2.0, 100.0))
+                        .with_seed(*seed as u64),
+                    ),
+                    0.0,
+                )
+            }
             EncSpec::Custom(_) => return None,
         })
     }

@@ -266,6 +266,18 @@ impl RopeMixed {
 impl PositionalEncoding for RopeMixed {
     /// Rotates q at the queries' 2-D positions and k at the keys'.
     fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
+        // Each head turns by its own frequencies: a key shared by a group of query heads would
+        // need one rotation per head of the group.
+        if k.rank() == 4 && k.dim(1)? != self.config.num_heads {
+            return Err(Error::shape(
+                "RoPE-Mixed keys",
+                format!(
+                    "(B, {}, T, {}): one key head per query head (each head has its own frequencies, so grouped KV heads cannot share a rotated key)",
+                    self.config.num_heads, self.config.head_dim
+                ),
+                k.shape(),
+            ));
+        }
         Ok((
             self.rotate_one(&q, ctx.queries)?,
             self.rotate_one(&k, ctx.keys)?,
