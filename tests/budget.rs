@@ -99,15 +99,27 @@ fn budget_is_one_number() -> anyhow::Result<()> {
                 .unwrap_err(),
         ),
         (
-            "relative rows 512 wide spread over 8 × 4 queries (the 8 × 4 × 2 bias fits)",
+            "relative rows viewed as 8 × 4 × 64 × 16 (the 8 × 4 × 64 × 1 bias fits)",
             RelativeBias::new(
-                Tensor::zeros((1, 1, 1, 512), DType::F32, &dev)?,
-                Columns::Index(Tensor::zeros((8, 4, 2), DType::U32, &dev)?),
+                Tensor::zeros((1, 1, 1, 16), DType::F32, &dev)?.broadcast_as((8, 4, 64, 16))?,
+                Columns::Shift(0),
             )?
-            .to_dense(4, 2)
+            .to_dense(64, 1)
             .unwrap_err(),
         ),
     ];
+    // A table wider than the budget allows to spread over every query still gives its bias:
+    // nothing wider than the bias is built.
+    let table = Tensor::arange(0f32, 512.0, &dev)?.reshape((1, 1, 1, 512))?;
+    let map: Vec<u32> = (0..64u32).map(|n| n * 37 % 512).collect();
+    let wide = RelativeBias::new(
+        table,
+        Columns::Index(Tensor::from_vec(map.clone(), (8, 4, 2), &dev)?),
+    )?
+    .to_dense(4, 2)?;
+    assert_eq!(wide.dims(), &[8, 1, 4, 2]);
+    let got: Vec<f32> = wide.flatten_all()?.to_vec1()?;
+    assert_eq!(got, map.iter().map(|&c| c as f32).collect::<Vec<_>>());
     set_max_elements(MAX_ELEMENTS);
     for (what, err) in refused {
         assert!(

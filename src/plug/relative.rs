@@ -232,23 +232,42 @@ impl RelativeBias {
                 .index_select(&index.flatten_all()?, 2)?
                 .reshape((vb, vh, tq, tk))?);
         }
-        // The rows spread over every batch and query before the gather: budgeted as well (a
-        // wide table read by few keys is larger than the bias it gives).
+        if batch * vh * tq * tk == 0 {
+            return Ok(Tensor::zeros(
+                (batch, vh, tq, tk),
+                self.values.dtype(),
+                self.values.device(),
+            )?);
+        }
+        // One flat index into the rows per entry, `((b·H + h)·rows + i)·W + c(i, j)` (b and i
+        // 0 where the rows are shared), so nothing wider than the bias itself is built however
+        // wide the table is.
         check_elements(
-            "relative bias width",
-            width,
-            "batch × heads × queries × width of the relative rows spread over every query",
-            &[batch, vh, tq, width],
+            "relative bias rows",
+            format!("({vb}, {vh}, {rows}, {width})"),
+            "the relative rows as one flat table",
+            &[vb, vh, rows, width],
         )?;
-        let values = self
+        let device = self.values.device();
+        let offsets = |n: usize, used: bool, stride: usize, at: usize| -> Result<Tensor> {
+            let mut dims = [1usize; 4];
+            dims[at] = n;
+            let t = match used && n > 1 {
+                true => Tensor::arange(0i64, n as i64, device)?
+                    .broadcast_mul(&Tensor::new(stride as i64, device)?)?,
+                false => Tensor::zeros(n, DType::I64, device)?,
+            };
+            Ok(t.reshape(dims.as_slice())?)
+        };
+        let flat = offsets(batch, vb == batch, vh * rows * width, 0)?
+            .broadcast_add(&offsets(vh, true, rows * width, 1)?)?
+            .broadcast_add(&offsets(tq, rows == tq, width, 2)?)?
+            .broadcast_add(&index.to_dtype(DType::I64)?.unsqueeze(1)?)?;
+        Ok(self
             .values
-            .broadcast_as((batch, vh, tq, width))?
-            .contiguous()?;
-        let index = index
-            .unsqueeze(1)?
-            .broadcast_as((batch, vh, tq, tk))?
-            .contiguous()?;
-        Ok(values.gather(&index, 3)?)
+            .flatten_all()?
+            .index_select(&flat.flatten_all()?, 0)?
+            .reshape((batch, vh, tq, tk))?)
     }
 }
 
