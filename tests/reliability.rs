@@ -262,7 +262,49 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
     Ok(())
 }
 
+/// A rotation hook that answers with views strided on the feature axis (the same values):
+/// every path reads them (found by the api fuzz target: candle's matmul refused them with its
+/// own error).
+#[derive(Debug)]
+struct StridedAnswers;
+
+impl candle_posenc::PositionalEncoding for StridedAnswers {
+    fn rotate(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        _: &candle_posenc::AttentionContext,
+    ) -> candle_posenc::Result<(Tensor, Tensor)> {
+        // Every axis reversed in memory: (B, H, T, D) with strides (1, B, B·H, B·H·T).
+        let strided = |t: &Tensor| t.permute((3, 2, 1, 0))?.contiguous()?.permute((3, 2, 1, 0));
+        Ok((strided(&q)?, strided(&k)?))
+    }
+}
+
+fn hooks_may_answer_strided_views(dev: &Device) -> anyhow::Result<()> {
+    // No grouped heads: the keys reach the products as the hook gave them.
+    let cfg = AttentionConfig::new(16, 4).with_causal(true);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let plain = MultiHeadAttention::new(&cfg, None, vb.clone())?;
+    let strided = MultiHeadAttention::new(&cfg, Some(std::sync::Arc::new(StridedAnswers)), vb)?;
+    let x = Tensor::randn(0f32, 1.0, (2, 5, 16), dev)?;
+    for (weights, train) in [(false, false), (true, false), (false, true)] {
+        let o = AttentionOptions {
+            return_weights: weights,
+            train,
+            ..Default::default()
+        };
+        let want = plain.forward_with(&x, &o, None)?.output;
+        let got = strided.forward_with(&x, &o, None)?.output;
+        let diff = common::max_abs_diff(&got, &want)?;
+        assert!(diff < 1e-6, "weights {weights} train {train}: {diff:e}");
+    }
+    Ok(())
+}
+
 device_tests!(
+    hooks_may_answer_strided_views,
     empty_batch_gives_empty_outputs,
     position_ids_past_u32,
     masks_of_the_wrong_kind,

@@ -500,7 +500,7 @@ impl MultiHeadAttention {
                 got: y.dtype(),
             });
         }
-        Ok(y)
+        packed(y)
     }
 
     /// Checks what the rotation hook returned: the shapes, dtype and device it was given.
@@ -534,7 +534,7 @@ impl MultiHeadAttention {
                 });
             }
         }
-        Ok((q, k))
+        Ok((packed(q)?, packed(k)?))
     }
 
     /// The additive mask broadcast to the full `(B, H, T, Tk)` logits.
@@ -561,6 +561,16 @@ impl MultiHeadAttention {
             )
         })?))
     }
+}
+
+/// A hook's answer with features of unit stride, as every path reads them (a view strided on
+/// the last axis is copied; the block's own layouts are kept). candle's matmul refuses such
+/// views with its own error.
+fn packed(t: Tensor) -> Result<Tensor> {
+    Ok(match t.stride().last().is_none_or(|&s| s == 1) {
+        true => t,
+        false => t.contiguous()?,
+    })
 }
 
 impl Module for MultiHeadAttention {
