@@ -267,8 +267,8 @@ impl Chunk<'_> {
 
 /// A half-precision mask widened to `dtype` (f32) for the fused core: a value at the half
 /// format's lowest hides its key as it does in that format, where adding it to any moderate
-/// logit gives the lowest value again (so a row masked whole is uniform on every path): it
-/// becomes `dtype`'s lowest. Other values are exact in the wider format.
+/// logit gives the lowest value again: it becomes `dtype`'s lowest. Other values are exact in
+/// the wider format.
 fn widened_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
     let lowest = match mask.dtype() {
         DType::F16 => -65504.0,
