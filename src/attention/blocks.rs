@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::fused_attention;
 use super::fused_softmax::RowRule;
-use super::mask::cast_mask;
+use super::mask::{cast_mask, widened_mask};
 use super::unfused;
 use crate::error::{check_float, Error, Result};
 use crate::plug::{
@@ -263,23 +263,6 @@ impl Chunk<'_> {
         }
         Ok((bias, values))
     }
-}
-
-/// A half-precision mask widened to `dtype` (f32) for the fused core: a value at the half
-/// format's lowest hides its key as it does in that format, where adding it to any moderate
-/// logit gives the lowest value again: it becomes `dtype`'s lowest. Other values are exact in
-/// the wider format.
-fn widened_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
-    let lowest = match mask.dtype() {
-        DType::F16 => -65504.0,
-        DType::BF16 => -3.389_531_389_251_535_5e38,
-        _ => return Ok(mask.to_dtype(dtype)?),
-    };
-    let wide = mask.to_dtype(dtype)?;
-    let floor = Tensor::full(f32::MIN, (), mask.device())?
-        .to_dtype(dtype)?
-        .broadcast_as(wide.shape())?;
-    Ok(wide.le(lowest)?.where_cond(&floor, &wide)?)
 }
 
 /// The additive terms of one query block's logits, in the forms its path reads.

@@ -169,15 +169,39 @@ pub(crate) fn apply_keep_mask(scores: &Tensor, keep: &Tensor) -> Result<Tensor> 
         .where_cond(scores, &fill)?)
 }
 
+/// The largest finite value of a float format the masks saturate to (`None` for f64 and the
+/// others, which are cast as they are).
+fn largest_finite(dtype: DType) -> Option<f64> {
+    match dtype {
+        DType::F16 => Some(65504.0),
+        DType::BF16 => Some(3.389_531_389_251_535_5e38),
+        DType::F32 => Some(f32::MAX as f64),
+        _ => None,
+    }
+}
+
+/// A half-precision mask widened to `dtype` (f32) for the fused core: a value at the half
+/// format's lowest hides its key as it does in that format, where adding it to any moderate
+/// logit gives the lowest value again: it becomes `dtype`'s lowest. Other values are exact in
+/// the wider format.
+pub(crate) fn widened_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
+    let lowest = match mask.dtype() {
+        DType::F16 | DType::BF16 => largest_finite(mask.dtype()).map_or(f64::MIN, |m| -m),
+        _ => return Ok(mask.to_dtype(dtype)?),
+    };
+    let wide = mask.to_dtype(dtype)?;
+    let floor = Tensor::full(f32::MIN, (), mask.device())?
+        .to_dtype(dtype)?
+        .broadcast_as(wide.shape())?;
+    Ok(wide.le(lowest)?.where_cond(&floor, &wide)?)
+}
+
 /// The additive mask in the logits' `dtype`. A finite value past the dtype's range (an f64
 /// mask of `f64::MIN` for f32 logits) saturates to its largest finite value instead of
 /// becoming ±∞ in the cast, so a finite mask stays finite; NaN and ±∞ pass through as given.
 pub(crate) fn cast_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
-    let limit = match dtype {
-        DType::F16 => 65504.0,
-        DType::BF16 => 3.389_531_389_251_535_5e38,
-        DType::F32 => f32::MAX as f64,
-        _ => return Ok(mask.to_dtype(dtype)?),
+    let Some(limit) = largest_finite(dtype) else {
+        return Ok(mask.to_dtype(dtype)?);
     };
     let wider = match mask.dtype() {
         DType::F64 => true,
