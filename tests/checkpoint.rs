@@ -67,7 +67,10 @@ fn self_describing_round_trip(dev: &Device) -> anyhow::Result<()> {
         let vb3 = VarBuilder::from_tensors(plain, DType::F32, dev);
         let mha3 = MultiHeadAttention::new(&attn, enc.build(vb3.pp("pos"))?, vb3.pp("attn"))?;
         assert_close(&mha3.forward(&x)?, &mha2.forward(&x)?, 0.0, enc.kind())?;
-        assert_close(&mha.forward(&x)?, &mha2.forward(&x)?, 1e-6, enc.kind())?;
+        // The tracked block takes the differentiable ops and the loaded one the fused core: the
+        // same sums in another order, so this is the crate's f32 tolerance, not bit equality
+        // (1e-6 failed on a CI machine for one random input).
+        assert_close(&mha.forward(&x)?, &mha2.forward(&x)?, 1e-5, enc.kind())?;
         // The sinusoidal table is a buffer: it is not in the file.
         assert!(ckpt
             .tensors()
