@@ -401,7 +401,56 @@ fn misfits_are_typed_errors(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Values read from the key projection (k = v) are never rotated with the keys: RoPE turns
+/// what the block hands it in place where it can, and for one KV head, or a chunk of one token,
+/// the keys' and values' heads were views of one storage (a review found the values rotated).
+/// The same block with a value projection equal to the key projection is the reference, on a
+/// whole chunk and token by token through a cache.
+fn keys_as_values_keep_their_own_storage(dev: &Device) -> anyhow::Result<()> {
+    use candle_core::Module;
+    use candle_posenc::{KvCache, RopeConfig, RotaryEmbedding};
+    for kv_heads in [1usize, 2] {
+        let cfg = AttentionConfig::new(D_MODEL, HEADS)
+            .with_kv_heads(kv_heads)
+            .with_causal(true);
+        let w = |rows: usize| Tensor::randn(0f32, 0.5, (rows, D_MODEL), dev);
+        let k_proj = w(kv_heads * HEAD_DIM)?;
+        let mut weights = std::collections::HashMap::new();
+        weights.insert("q_proj.weight".to_string(), w(D_MODEL)?);
+        weights.insert("k_proj.weight".to_string(), k_proj.clone());
+        weights.insert("o_proj.weight".to_string(), w(D_MODEL)?.t()?.contiguous()?);
+        let mut separate = weights.clone();
+        separate.insert("v_proj.weight".to_string(), k_proj);
+        let rope: Arc<dyn PositionalEncoding> =
+            Arc::new(RotaryEmbedding::new(&RopeConfig::new(HEAD_DIM), dev)?);
+        let block = |cfg: &AttentionConfig, w: &std::collections::HashMap<String, Tensor>| {
+            let vb = VarBuilder::from_tensors(w.clone(), DType::F32, dev);
+            MultiHeadAttention::new(cfg, Some(rope.clone()), vb)
+        };
+        let shared = block(&cfg.clone().with_k_eq_v(true), &weights)?;
+        let reference = block(&cfg, &separate)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 5, D_MODEL), dev)?;
+        let want = reference.forward(&x)?;
+        assert_close(&shared.forward(&x)?, &want, 1e-6, &format!("kv {kv_heads}"))?;
+        let mut cache = KvCache::new();
+        let steps = (0..5)
+            .map(|i| {
+                let step = shared.forward_with(
+                    &x.narrow(1, i, 1)?,
+                    &AttentionOptions::default(),
+                    Some(&mut cache),
+                )?;
+                anyhow::Ok(step.output)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let what = format!("kv {kv_heads} decoded");
+        common::assert_close_scaled(&Tensor::cat(&steps, 1)?, &want, 1e-5, 2e-6, &what)?;
+    }
+    Ok(())
+}
+
 device_tests!(
+    keys_as_values_keep_their_own_storage,
     every_shift_on_every_path,
     shaw_far_apart,
     shaw_reads_reachable_rows,

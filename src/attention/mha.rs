@@ -37,7 +37,7 @@ use super::mask::check_padding;
 use super::qk_norm::{rms_normalized, QkNorm};
 use crate::error::{check_float, is_float, Error, Result};
 use crate::limits::check_elements;
-use crate::plug::{AttentionContext, PositionalEncoding};
+use crate::plug::{shares_storage, AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
 /// Multi-head self-attention that consumes any [`PositionalEncoding`].
@@ -475,10 +475,21 @@ impl MultiHeadAttention {
             Some(v) => v.forward(x)?,
             None => keys.clone(),
         };
-        Ok((
-            split(q.forward(x)?, cfg.num_heads, Some(false))?,
+        let (keys, values) = (
             split(keys, cfg.num_kv_heads, Some(true))?,
             split(values, cfg.num_kv_heads, None)?,
+        );
+        // Values read from the keys' projection (k = v) share its storage when nothing between
+        // them copies (no norm, and a head axis or a chunk of one): the rotation hook may turn
+        // the keys in place, so the values get storage of their own.
+        let values = match shares_storage(&keys, &values) {
+            true => values.copy()?,
+            false => values,
+        };
+        Ok((
+            split(q.forward(x)?, cfg.num_heads, Some(false))?,
+            keys,
+            values,
         ))
     }
 

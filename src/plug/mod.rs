@@ -212,3 +212,13 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
         Ok(None)
     }
 }
+
+/// Whether two tensors are views of one storage: a hook may rotate what it is handed in place,
+/// so the block never hands it a tensor that shares storage with one it still reads.
+pub(crate) fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
+    let (sa, _) = a.storage_and_layout();
+    let pa: *const candle_core::Storage = &*sa;
+    drop(sa);
+    let (sb, _) = b.storage_and_layout();
+    std::ptr::eq(pa, &*sb)
+}

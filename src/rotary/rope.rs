@@ -11,7 +11,7 @@ use super::mrope::{AxialRope, MropeSection};
 use super::scaling::{Regime, RopeFrequencies, RopeScaling};
 use crate::absolute::gather_rows;
 use crate::error::{Error, Result};
-use crate::plug::{AttentionContext, PositionalEncoding};
+use crate::plug::{shares_storage, AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
 /// Largest number of cos (or sin) table entries ever built (`positions × rotary_dim / 2`): half
@@ -763,14 +763,6 @@ fn from_row(positions: &Positions, first: usize) -> Positions {
 }
 
 /// Whether two tensors are views of one storage.
-fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
-    let (sa, _) = a.storage_and_layout();
-    let pa: *const candle_core::Storage = &*sa;
-    drop(sa);
-    let (sb, _) = b.storage_and_layout();
-    std::ptr::eq(pa, &*sb)
-}
-
 fn poisoned() -> Error {
     Error::Candle(candle_core::Error::Msg(
         "rotary table lock poisoned by a panicking thread".into(),
