@@ -110,6 +110,18 @@ fn fixture_cases(fx: &HashMap<String, Tensor>) -> anyhow::Result<Vec<Case>> {
             0,
         ),
         (
+            "llama3_step",
+            128,
+            5e5,
+            RopeScaling::Llama3 {
+                factor: 16.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 1.0,
+                original_max_position_embeddings: 8192,
+            },
+            0,
+        ),
+        (
             "llama3_custom",
             64,
             1e4,
@@ -878,6 +890,14 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
         (128, 128, 131072)
     );
     check(&llama, "llama3", 0)?;
+    // Llama 4 Scout's published scaling: equal low and high factors.
+    let scout = RopeConfig::from_hf_json(
+        r#"{"model_type": "llama4_text", "hidden_size": 5120, "num_attention_heads": 40,
+            "head_dim": 128, "rope_theta": 500000.0, "max_position_embeddings": 10485760,
+            "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}"#,
+    )?;
+    check(&scout, "llama3_step", 0)?;
 
     // transformers 5 style: rope_parameters holding the theta; old `type` key; explicit head_dim.
     let yarn = RopeConfig::from_hf_json(
@@ -888,6 +908,32 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
                 "mscale": 0.9, "mscale_all_dim": 0.7, "truncate": false}}"#,
     )?;
     check(&yarn, "yarn_custom", 0)?;
+    // An empty or null `rope_scaling` gives way to `rope_parameters`, as HF's
+    // `rope_scaling or rope_parameters` does.
+    for empty in ["{}", "null"] {
+        let cfg = RopeConfig::from_hf_json(&format!(
+            r#"{{"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 64,
+                "max_position_embeddings": 4096, "rope_scaling": {empty},
+                "rope_parameters": {{"rope_type": "yarn", "rope_theta": 50000.0, "factor": 16.0,
+                    "original_max_position_embeddings": 256, "beta_fast": 24, "beta_slow": 2,
+                    "mscale": 0.9, "mscale_all_dim": 0.7, "truncate": false}}}}"#
+        ))?;
+        assert_eq!(cfg, yarn, "rope_scaling {empty}");
+    }
+    // The old `type` key names proportional RoPE as `rope_type` does.
+    let proportional = |key: &str| {
+        RopeConfig::from_hf_json(&format!(
+            r#"{{"hidden_size": 512, "num_attention_heads": 4,
+                "rope_parameters": {{"{key}": "proportional", "rope_theta": 1e6,
+                    "partial_rotary_factor": 0.25, "factor": 8.0}}}}"#
+        ))
+    };
+    let (by_type, by_rope_type) = (proportional("type")?, proportional("rope_type")?);
+    assert_eq!(by_type, by_rope_type);
+    assert_eq!(
+        by_type.rotary_dim, 128,
+        "the whole head is the rotary dimension"
+    );
     let f = yarn.scaling.frequencies(64, yarn.base, 0)?;
     assert!(
         (f.attention_factor - f64s(get(&fx, "freq.yarn_custom.attention_factor"))?[0]).abs()
@@ -1366,6 +1412,10 @@ fn axial_matches_hf(dev: &Device) -> anyhow::Result<()> {
     for (name, layout) in [
         ("pixtral", AxialRope::EvenOdd),
         ("qwen2_vl_vision", AxialRope::Repeated),
+        // Its width under `hidden_size`, where Qwen2-VL's is under `embed_dim`.
+        ("qwen2_5_vl_vision", AxialRope::Repeated),
+        // Each half of the head rotates on its own (a review found it read as Repeated).
+        ("gemma4_vision", AxialRope::SplitHalves),
     ] {
         let cfg = RopeConfig::from_hf_json(&file.metadata()[name])?;
         assert_eq!(cfg.axial, Some(layout), "{name}");
@@ -1375,6 +1425,11 @@ fn axial_matches_hf(dev: &Device) -> anyhow::Result<()> {
             let (qr, kr) = rope.rotate_queries_keys(q, k, &grid, &grid, QkLayout::Bhtd)?;
             assert_close(&qr, get(fx, &format!("{name}.q_rot")), 1e-5, name)?;
             assert_close(&kr, get(fx, &format!("{name}.k_rot")), 1e-5, name)?;
+            // The path that may rotate in place, and the one-at-a-time entry points.
+            let (qo, ko) =
+                rope.rotate_queries_keys_owned(q.copy()?, k.copy()?, &grid, &grid, QkLayout::Bhtd)?;
+            assert_close(&qo, &qr, 0.0, name)?;
+            assert_close(&ko, &kr, 0.0, name)?;
         }
     }
     // A layout HF does not pin down is refused under its key.
@@ -1383,6 +1438,18 @@ fn axial_matches_hf(dev: &Device) -> anyhow::Result<()> {
             "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}"#,
     );
     assert_eq!(key, "rope_parameters.rope_type");
+    // Gemma 4's halves rotate as rotate-half only.
+    let err = RotaryEmbedding::new(
+        &RopeConfig::new(32)
+            .with_axial(Some(AxialRope::SplitHalves))
+            .with_layout(candle_posenc::RopeLayout::Interleaved),
+        dev,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, candle_posenc::Error::InvalidConfig { name, .. } if *name == "layout"),
+        "{err}"
+    );
     Ok(())
 }
 

@@ -61,9 +61,12 @@ impl RopeConfig {
         let map = &parse_root(text)?;
         let top = Obj { map, prefix: "" };
 
-        // HF reads `rope_scaling` first when a file has both.
-        let (params_key, params_value) = match (top.get("rope_scaling"), top.get("rope_parameters"))
-        {
+        // HF reads `rope_scaling` first when a file has both, unless it is null or empty
+        // (`rope_scaling or rope_parameters`).
+        let scaling = top
+            .get("rope_scaling")
+            .filter(|v| !(v.is_null() || v.as_object().is_some_and(|m| m.is_empty())));
+        let (params_key, params_value) = match (scaling, top.get("rope_parameters")) {
             (Some(v), _) => ("rope_scaling", Some(v)),
             (None, Some(v)) => ("rope_parameters", Some(v)),
             (None, None) => ("rope_parameters", None),
@@ -95,10 +98,10 @@ impl RopeConfig {
         let (head_dim, head_key) = match top.usize("head_dim")? {
             Some(d) => (d, "head_dim".to_string()),
             None => {
-                // Qwen-VL vision encoders keep their width in `embed_dim` (`hidden_size` is
-                // the language model's there).
+                // Qwen2-VL's vision encoder keeps its width in `embed_dim` (`hidden_size` is
+                // the language model's there); Qwen2.5-VL's and Qwen3-VL's in `hidden_size`.
                 let widths: &[&str] = match top.str("model_type")? {
-                    Some(t) if t.ends_with("_vl_vision") => &["embed_dim"],
+                    Some("qwen2_vl_vision") => &["embed_dim"],
                     _ => &["hidden_size", "n_embd", "d_model"],
                 };
                 let (hidden, hidden_key) = first(&top, widths)?;
@@ -134,7 +137,10 @@ impl RopeConfig {
         let mut rotary_key = head_key.clone();
         // Proportional RoPE reads partial_rotary_factor as the fraction of frequencies that
         // rotate; the whole head is its rotary dimension.
-        let proportional = params.str("rope_type")? == Some("proportional");
+        let proportional = match params.str("rope_type")? {
+            Some(t) => t == "proportional",
+            None => params.str("type")? == Some("proportional"),
+        };
         if !proportional {
             if let Some(f) = params.f64("partial_rotary_factor")? {
                 config = config.with_partial_rotary_factor(f);
@@ -312,10 +318,12 @@ impl RopeConfig {
         let mut config = config.with_scaling(scaling);
         if axial {
             // Pixtral interleaves the rows' and columns' frequencies; the Qwen-VL and Gemma 4
-            // vision encoders repeat a half-width head's frequencies.
+            // vision encoders repeat a half-width head's frequencies, and Gemma 4 rotates each
+            // half of the head on its own.
             let layout = match model_type {
                 Some("pixtral") => AxialRope::EvenOdd,
-                Some(t) if t.ends_with("_vl_vision") || t == "gemma4_vision" => AxialRope::Repeated,
+                Some("gemma4_vision") => AxialRope::SplitHalves,
+                Some(t) if t.ends_with("_vl_vision") => AxialRope::Repeated,
                 other => {
                     return Err(problem(
                         type_key,

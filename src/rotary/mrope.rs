@@ -138,19 +138,28 @@ fn unreachable_axes(table: &Tensor) -> Error {
 /// EvenOdd  (Pixtral):              f_k = base^(-2k/d), k < d/2;  rows take f_0, f_2, f_4, …,
 ///                                  columns f_1, f_3, f_5, …
 /// Repeated (Qwen2-VL's vision):    g_k = base^(-4k/d), k < d/4;  rows take g, columns g again
+/// SplitHalves (Gemma 4's vision):  the frequencies of Repeated; features [0, d/2) rotate by
+///                                  rows, pairing c with c + d/4, features [d/2, d) by columns
 /// angle[p, i] = row(p) · freq[i]  (i < d/4),   col(p) · freq[i]  (d/4 ≤ i < d/2)
 /// ```
 ///
+/// Under the rotate-half layout the first two pair feature `i` with `i + d/2`; SplitHalves
+/// pairs within each half of the head (it is two rotate-half RoPEs side by side, which is the
+/// first two's rotation with the head's middle quarters exchanged).
+///
 /// Reference: Heo et al. 2024, "Rotary Position Embedding for Vision Transformer" (axial
-/// RoPE); Pixtral and Qwen2-VL as HF transformers implement them.
+/// RoPE); Pixtral, Qwen2-VL and Gemma 4 as HF transformers implement them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AxialRope {
     /// Pixtral: the even-indexed frequencies of the head on rows, the odd ones on columns.
     EvenOdd,
-    /// Qwen2-VL's vision encoder: the frequencies of a head half as wide, on rows and again on
-    /// columns.
+    /// Qwen2-VL's (and Qwen2.5-VL's, Qwen3-VL's) vision encoder: the frequencies of a head
+    /// half as wide, on rows and again on columns.
     Repeated,
+    /// Gemma 4's vision encoder: the first half of the head a RoPE over rows, the second half
+    /// one over columns, each with the rotate-half pairing inside its half.
+    SplitHalves,
 }
 
 impl AxialRope {
@@ -166,7 +175,7 @@ impl AxialRope {
                     .chain((0..quarter).map(|j| f(2 * j + 1)))
                     .collect()
             }
-            AxialRope::Repeated => {
+            AxialRope::Repeated | AxialRope::SplitHalves => {
                 let g = |k: usize| 1.0 / base.powf((4 * k) as f64 / d);
                 (0..quarter).chain(0..quarter).map(g).collect()
             }

@@ -271,6 +271,13 @@ impl RopeConfig {
                     "plain frequencies: no scaling and no xPos",
                 ));
             }
+            if *a == AxialRope::SplitHalves && self.layout != RopeLayout::Half {
+                return Err(Error::config(
+                    "layout",
+                    format!("{:?}", self.layout),
+                    "Half with SplitHalves (each half of the head rotates as rotate-half)",
+                ));
+            }
         }
         if let Some(m) = &self.mrope {
             m.validate(self.rotary_dim / 2)?;
@@ -559,7 +566,9 @@ impl RotaryEmbedding {
         len: usize,
         layout: QkLayout,
     ) -> Result<Tensor> {
+        // Split halves rotate through a copy with the middle quarters exchanged.
         let in_place = x.device().is_cpu()
+            && self.config.axial != Some(AxialRope::SplitHalves)
             && x.elem_count() > 0
             && x.is_contiguous()
             && !x.track_op()
@@ -691,9 +700,18 @@ impl RotaryEmbedding {
         } else {
             (work, None)
         };
+        let split = c.axial == Some(AxialRope::SplitHalves);
+        let rot = match split {
+            true => swap_middle_quarters(&rot)?,
+            false => rot,
+        };
         let rotated = match c.kernel {
             RopeKernel::Fused => rotate_fused(&rot, &cos, &sin, c.layout, layout)?,
             RopeKernel::Ops => rotate_ops(&rot, &cos, &sin, c.layout, layout)?,
+        };
+        let rotated = match split {
+            true => swap_middle_quarters(&rotated)?,
+            false => rotated,
         };
         let out = match pass {
             Some(pass) => Tensor::cat(&[&rotated, &pass], 3)?,
@@ -751,6 +769,18 @@ impl RotaryEmbedding {
         }
         Ok(t.clone())
     }
+}
+
+/// `x` with the second and third quarters of its last axis exchanged (its own inverse): two
+/// rotate-half RoPEs side by side, pairing `c` with `c + d/4` in each half, are one rotate-half
+/// RoPE pairing `c` with `c + d/2` on the exchanged features.
+fn swap_middle_quarters(x: &Tensor) -> Result<Tensor> {
+    let q = x.dim(3)? / 4;
+    let part = |i: usize| x.narrow(3, i * q, q);
+    Ok(Tensor::cat(
+        &[&part(0)?, &part(2)?, &part(1)?, &part(3)?],
+        3,
+    )?)
 }
 
 /// `positions` as rows of a table whose first row is position `first` (`first` is 0 unless

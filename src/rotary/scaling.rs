@@ -234,7 +234,8 @@ pub enum RopeScaling {
         factor: f64,
         /// Wavelengths longer than `L / low_freq_factor` are fully scaled (1 in Llama 3.1).
         low_freq_factor: f64,
-        /// Wavelengths shorter than `L / high_freq_factor` are kept (4 in Llama 3.1).
+        /// Wavelengths shorter than `L / high_freq_factor` are kept (4 in Llama 3.1). At least
+        /// `low_freq_factor`; equal to it (1 and 1 in Llama 4), there is no ramp between.
         high_freq_factor: f64,
         /// Pretraining context length `L` (8192 in Llama 3.1).
         original_max_position_embeddings: usize,
@@ -352,11 +353,13 @@ impl RopeScaling {
                     "original_max_position_embeddings",
                     *original_max_position_embeddings,
                 )?;
-                if low_freq_factor >= high_freq_factor {
+                // Equal factors (Llama 4's published configs) are a step at `L / factor` with
+                // no ramp between; HF only warns about them.
+                if low_freq_factor > high_freq_factor {
                     return Err(Error::config(
                         "low_freq_factor",
                         low_freq_factor,
-                        format!("less than high_freq_factor ({high_freq_factor})"),
+                        format!("at most high_freq_factor ({high_freq_factor})"),
                     ));
                 }
                 Ok(())
@@ -618,6 +621,10 @@ pub fn llama3_inv_freq(
                 w
             } else if wavelen > low_freq_wavelen {
                 w / factor
+            } else if low_freq_factor == high_freq_factor {
+                // Equal factors: the ramp is one wavelength wide, and HF's formula for it
+                // divides 0 by 0 there; the step keeps the frequency, as for shorter waves.
+                w
             } else {
                 let smooth = (l / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                 (1.0 - smooth) * w / factor + smooth * w
