@@ -520,3 +520,21 @@ impl Positions {
         Ok(k.unsqueeze(1)?.broadcast_sub(&q.unsqueeze(2)?)?)
     }
 }
+
+/// The one check of a relative encoding's (or any pairwise hook's) positions, before any distance is computed: `tq`
+/// queries at `queries` and `tk` keys at `keys`, each offset with its length within
+/// [`MAX_POSITION`] (so every distance fits `i64`), ids holding their
+/// chunk's tokens. Also [`crate::plug::AttentionContext::check_positions`].
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for an offset whose chunk passes `MAX_POSITION`, even when the
+/// other side is empty; [`Error::Shape`] for ids of another length.
+pub(crate) fn check_ranges(
+    queries: &Positions,
+    tq: usize,
+    keys: &Positions,
+    tk: usize,
+) -> Result<()> {
+    queries.check_len(tq)?;
+    keys.check_len(tk)
+}

@@ -153,15 +153,62 @@ fn one_dtype_rule_for_every_table(dev: &Device) -> anyhow::Result<()> {
 fn t5_buckets_at_the_ends_of_i64(_dev: &Device) -> anyhow::Result<()> {
     for bidirectional in [false, true] {
         let cfg = T5Config::new(4).with_bidirectional(bidirectional);
-        let far_before = cfg.bucket(-1_000_000);
+        let far_before = cfg.bucket(-1_000_000)?;
         assert_eq!(
-            cfg.bucket(i64::MIN),
+            cfg.bucket(i64::MIN)?,
             far_before,
             "bidirectional {bidirectional}"
         );
-        assert_eq!(cfg.bucket(i64::MIN + 1), far_before);
-        assert_eq!(cfg.bucket(i64::MAX), cfg.bucket(1_000_000));
+        assert_eq!(cfg.bucket(i64::MIN + 1)?, far_before);
+        assert_eq!(cfg.bucket(i64::MAX)?, cfg.bucket(1_000_000)?);
     }
+    Ok(())
+}
+
+/// The public bucket methods check their configuration (it may never have been validated):
+/// a typed error where the bucket has no answer (no buckets, a log over ln 1 = 0, a clip
+/// range whose ends cross), never a panic or a wrapped bucket; valid configurations keep
+/// their buckets, at the ends of `i64` too.
+fn bucket_methods_check_their_configuration(_dev: &Device) -> anyhow::Result<()> {
+    let refused = |what: &str, r: candle_posenc::Result<u32>, name: &str| match r {
+        Err(Error::InvalidConfig { name: got, .. }) if got == name => {}
+        other => panic!("{what}: {other:?}"),
+    };
+    for d in [i64::MIN, -100, -1, 0, 1, 5, 100, i64::MAX] {
+        refused(
+            "clipped, k = usize::MAX",
+            ClippedBiasConfig::new(1, usize::MAX).bucket(d),
+            "max_distance",
+        );
+        refused(
+            "clipped, k = 0",
+            ClippedBiasConfig::new(1, 0).bucket(d),
+            "max_distance",
+        );
+        refused(
+            "T5 without buckets",
+            T5Config::new(4).with_num_buckets(0).bucket(d),
+            "num_buckets",
+        );
+        refused(
+            "T5 with max_distance = the exact range",
+            T5Config::new(4).with_max_distance(8).bucket(d),
+            "max_distance",
+        );
+    }
+    // Valid configurations at their edges: a clip of 2^29 (the table within the default
+    // budget), T5 with buckets so many that its log quotient passes usize (the sum saturates
+    // into the last bucket; it overflowed).
+    let clipped = ClippedBiasConfig::new(1, 1 << 29);
+    assert_eq!(clipped.bucket(i64::MIN)?, 0);
+    assert_eq!(clipped.bucket(0)?, 1 << 29);
+    assert_eq!(clipped.bucket(i64::MAX)?, 1 << 30);
+    let wide = T5Config::new(1)
+        .with_num_buckets(1 << 31)
+        .with_max_distance((1 << 30) + 1)
+        .with_bidirectional(false);
+    assert_eq!(wide.bucket(i64::MIN)?, (1 << 31) - 1);
+    assert_eq!(wide.bucket(-5)?, 5);
     Ok(())
 }
 
@@ -310,5 +357,6 @@ device_tests!(
     masks_of_the_wrong_kind,
     one_dtype_rule_for_every_table,
     t5_buckets_at_the_ends_of_i64,
+    bucket_methods_check_their_configuration,
     configurations_that_cannot_give_finite_output
 );
