@@ -350,7 +350,55 @@ fn hooks_may_answer_strided_views(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Multimodal positions: the work follows the tokens (a grid of no tokens but 2^64 frames
+/// returns at once), and positions that would pass `u32` are refused with a typed error,
+/// however the segments add up (`pos + max(h, w)` overflowed u64).
+fn mrope_positions_bound_their_work(_dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::rotary::mrope::{mrope_positions, MropeSection, MropeSegment};
+    let grid = |t, h, w| MropeSegment::Grid {
+        t,
+        h,
+        w,
+        time_interval: 1.0,
+    };
+    let started = std::time::Instant::now();
+    let (axes, delta) = mrope_positions(&[grid(usize::MAX, 0, 1), MropeSegment::Text(2)])?;
+    assert!(started.elapsed().as_secs() < 5, "{:?}", started.elapsed());
+    // The empty grid still moves the text on by max(h, w) = 1, as HF does.
+    assert_eq!(axes, vec![1, 2, 1, 2, 1, 2]);
+    assert_eq!(delta, 1);
+    for segments in [
+        vec![grid(0, usize::MAX, 0), grid(0, 1, 0), MropeSegment::Text(1)],
+        vec![MropeSegment::Text(1), grid(0, usize::MAX, 0)],
+        vec![grid(0, 1 << 32, 0), MropeSegment::Text(1)],
+        vec![
+            MropeSegment::Text(3),
+            grid(0, u32::MAX as usize, 0),
+            MropeSegment::Text(1),
+        ],
+    ] {
+        match mrope_positions(&segments) {
+            Err(Error::InvalidConfig { name, expected, .. }) => {
+                assert_eq!(name, "segments");
+                assert!(expected.contains("fit u32"), "{expected}");
+            }
+            other => panic!("{segments:?}: {other:?}"),
+        }
+    }
+    // The last position that fits is given.
+    let (axes, _) = mrope_positions(&[grid(0, u32::MAX as usize, 0), MropeSegment::Text(1)])?;
+    assert_eq!(axes, vec![u32::MAX; 3]);
+    // Band layouts with sections near usize::MAX: no 3·h or t + h overflow.
+    let big = MropeSection::new([usize::MAX, usize::MAX, usize::MAX]);
+    assert_eq!(big.axis_of(usize::MAX), 1); // not below t = usize::MAX, below t + h
+    let big = big.with_interleaved(true);
+    assert_eq!((big.axis_of(4), big.axis_of(5)), (1, 2));
+    assert_eq!(MropeSection::new([1, usize::MAX, 1]).axis_of(usize::MAX), 1);
+    Ok(())
+}
+
 device_tests!(
+    mrope_positions_bound_their_work,
     hooks_may_answer_strided_views,
     empty_batch_gives_empty_outputs,
     position_ids_past_u32,
