@@ -332,8 +332,8 @@ impl Positions {
     ///
     /// # Errors
     /// [`Error::Rank`] unless `x` has rank 3, [`Error::Shape`] for another width,
-    /// [`Error::DType`] for an integer dtype, and the errors
-    /// of [`Self::check`]. `what` names `x` in the messages.
+    /// [`Error::DType`] for an integer dtype, [`Error::Device`] for ids on another device than
+    /// `x`, and the errors of [`Self::check`]. `what` names `x` in the messages.
     pub fn check_input(
         &self,
         x: &Tensor,
@@ -359,6 +359,9 @@ impl Positions {
             }
         };
         crate::error::check_float(what, x.dtype())?;
+        if let Positions::Ids(ids) = self {
+            crate::error::check_device("position ids", ids.ids(), x.device())?;
+        }
         self.check(b, t)?;
         Ok((b, t))
     }
