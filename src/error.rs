@@ -5,9 +5,10 @@
 //! expected. Failures inside candle's kernels are wrapped as [`Error::Candle`], except the two
 //! that concern checkpoints (a tensor that is missing or has the wrong shape), which are turned
 //! into [`Error::MissingTensor`] and [`Error::TensorShape`] so callers can match on them, and
-//! a checkpoint tensor of the wrong dtype, which becomes [`Error::Checkpoint`].
+//! a checkpoint tensor of the wrong dtype, which becomes [`Error::Checkpoint`], and two
+//! operands on different devices, which become [`Error::Device`].
 
-use candle_core::{DType, Shape};
+use candle_core::{DType, Device, DeviceLocation, Shape, Tensor};
 
 /// Result alias used throughout the crate.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -72,6 +73,18 @@ pub enum Error {
         expected: &'static str,
         /// The dtype that was given.
         got: candle_core::DType,
+    },
+
+    /// A tensor is on another device than the one it must be combined with (the block's
+    /// weights and input, or the other operand of one of candle's ops).
+    #[error("{what} is on {got}, expected a tensor on {expected}")]
+    Device {
+        /// Which argument (or, from inside candle, which op found the two devices).
+        what: &'static str,
+        /// The device expected, printed.
+        expected: String,
+        /// The device the tensor is on, printed.
+        got: String,
     },
 
     /// A checkpoint lacks a tensor that a module needs.
@@ -188,6 +201,13 @@ impl From<candle_core::Error> for Error {
                     None => Error::Candle(err),
                 }
             }
+            // Two operands of one op on two devices: typed, though candle names only its op
+            // (the crate checks its own inputs where it takes them, see `check_device`).
+            candle_core::Error::DeviceMismatchBinaryOp { lhs, rhs, op } => Error::Device {
+                what: op,
+                expected: format!("{lhs:?} (the op's first operand)"),
+                got: format!("{rhs:?}"),
+            },
             _ => Error::Candle(err),
         }
     }
@@ -236,4 +256,71 @@ pub(crate) fn check_normal_f32(name: &'static str, value: f64) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// [`Error::Device`] naming `what` unless `t` lives on `device`: the one check of a tensor's
+/// device where the crate takes it (candle would otherwise fail inside an op).
+///
+/// # Errors
+/// [`Error::Device`] when `t` is on another device than `device`.
+pub(crate) fn check_device(what: &'static str, t: &Tensor, device: &Device) -> Result<()> {
+    device_error(what, device.location(), t.device().location())
+}
+
+/// [`Error::Device`] naming `what` unless the two locations are one device (the comparison
+/// of [`check_device`], on locations so it can be tested without a second device).
+fn device_error(what: &'static str, expected: DeviceLocation, got: DeviceLocation) -> Result<()> {
+    if expected != got {
+        return Err(Error::Device {
+            what,
+            expected: format!("{expected:?}"),
+            got: format!("{got:?}"),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The device comparison on locations (a CPU-only build cannot make a second device), and
+    /// candle's own mismatch error turned into the same variant.
+    #[test]
+    fn devices_compare_by_location() {
+        let cuda = DeviceLocation::Cuda { gpu_id: 1 };
+        assert!(device_error("x", DeviceLocation::Cpu, DeviceLocation::Cpu).is_ok());
+        let err = device_error("padding mask", DeviceLocation::Cpu, cuda).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                Error::Device {
+                    what: "padding mask",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "padding mask is on Cuda { gpu_id: 1 }, expected a tensor on Cpu"
+        );
+        assert!(check_device(
+            "x",
+            &Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap(),
+            &Device::Cpu
+        )
+        .is_ok());
+        let candle = candle_core::Error::DeviceMismatchBinaryOp {
+            lhs: DeviceLocation::Cpu,
+            rhs: cuda,
+            op: "matmul",
+        }
+        .bt();
+        let err = Error::from(candle);
+        assert!(
+            matches!(&err, Error::Device { what: "matmul", .. }),
+            "{err}"
+        );
+    }
 }

@@ -332,8 +332,8 @@ impl Positions {
     ///
     /// # Errors
     /// [`Error::Rank`] unless `x` has rank 3, [`Error::Shape`] for another width,
-    /// [`Error::DType`] for an integer dtype, and the errors
-    /// of [`Self::check`]. `what` names `x` in the messages.
+    /// [`Error::DType`] for an integer dtype, [`Error::Device`] for ids on another device than
+    /// `x`, and the errors of [`Self::check`]. `what` names `x` in the messages.
     pub fn check_input(
         &self,
         x: &Tensor,
@@ -359,6 +359,9 @@ impl Positions {
             }
         };
         crate::error::check_float(what, x.dtype())?;
+        if let Positions::Ids(ids) = self {
+            crate::error::check_device("position ids", ids.ids(), x.device())?;
+        }
         self.check(b, t)?;
         Ok((b, t))
     }
@@ -519,4 +522,22 @@ impl Positions {
         )?;
         Ok(k.unsqueeze(1)?.broadcast_sub(&q.unsqueeze(2)?)?)
     }
+}
+
+/// The one check of a relative encoding's (or any pairwise hook's) positions, before any distance is computed: `tq`
+/// queries at `queries` and `tk` keys at `keys`, each offset with its length within
+/// [`MAX_POSITION`] (so every distance fits `i64`), ids holding their
+/// chunk's tokens. Also [`crate::plug::AttentionContext::check_positions`].
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for an offset whose chunk passes `MAX_POSITION`, even when the
+/// other side is empty; [`Error::Shape`] for ids of another length.
+pub(crate) fn check_ranges(
+    queries: &Positions,
+    tq: usize,
+    keys: &Positions,
+    tk: usize,
+) -> Result<()> {
+    queries.check_len(tq)?;
+    keys.check_len(tk)
 }

@@ -1062,6 +1062,9 @@ fn attention_temperature_scales_queries_by_cache_slot(dev: &Device) -> anyhow::R
         AttentionTemperature::new(-0.1, 8),
         AttentionTemperature::new(f64::NAN, 8),
         AttentionTemperature::new(0.1, 0),
+        // Its factor is ∞ in f32 from key index 1: NaN output, silently, before.
+        AttentionTemperature::new(f32::MAX as f64, 1),
+        AttentionTemperature::new(AttentionTemperature::MAX_ATTN_SCALE * 1.01, 1),
     ] {
         let err = base
             .clone()
@@ -1069,6 +1072,12 @@ fn attention_temperature_scales_queries_by_cache_slot(dev: &Device) -> anyhow::R
             .validate()
             .unwrap_err();
         assert!(matches!(&err, Error::InvalidConfig { .. }), "{err}");
+    }
+    // The largest scale accepted keeps the factor finite in f32 at every key index.
+    let edge = AttentionTemperature::new(AttentionTemperature::MAX_ATTN_SCALE, 1);
+    edge.validate()?;
+    for p in [0, 1, 1 << 32, usize::MAX - 1, usize::MAX] {
+        assert!((edge.factor(p) as f32).is_finite(), "p = {p}");
     }
     let cfg = base.with_kv_heads(2).with_attention_temperature(Some(t));
     let json = serde_json::to_string(&cfg)?;

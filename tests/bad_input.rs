@@ -588,7 +588,50 @@ fn relative() {
             t5.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
         },
     );
-    s.finish(24);
+    // Every relative encoding checks its context's ranges the same way before computing a
+    // distance (Shaw computed 0 − i64::MIN; T5 and the clipped bias skipped the check when a
+    // side was empty, then overflowed s + len).
+    let far = Positions::Offset(1 << 63);
+    let end = Positions::Offset(usize::MAX);
+    let clipped =
+        ClippedRelativeBias::new(&ClippedBiasConfig::new(2, 4), zeros_vb()).expect("valid");
+    s.case(
+        "shaw logits bias, queries at 2^63",
+        Kind::Config,
+        &["position offset = 9223372036854775808", "at most"],
+        || shaw.logits_bias(&x(&[1, 2, 1, 4]), &AttentionContext::new(&far, 1, &o, 1)),
+    );
+    s.case(
+        "shaw value term, keys at 2^63",
+        Kind::Config,
+        &["position offset = 9223372036854775808"],
+        || shaw.value_term(&AttentionContext::new(&o, 1, &far, 1)),
+    );
+    s.case(
+        "t5 logits bias, no queries, keys at usize::MAX",
+        Kind::Config,
+        &["position offset = 18446744073709551615"],
+        || t5.logits_bias(&x(&[1, 2, 0, 4]), &AttentionContext::new(&o, 0, &end, 1)),
+    );
+    s.case(
+        "clipped logits bias, no queries, keys at usize::MAX",
+        Kind::Config,
+        &["position offset = 18446744073709551615"],
+        || clipped.logits_bias(&x(&[1, 2, 0, 4]), &AttentionContext::new(&o, 0, &end, 1)),
+    );
+    s.case(
+        "t5 bias, no queries, keys at usize::MAX",
+        Kind::Config,
+        &["position offset = 18446744073709551615"],
+        || t5.bias(&o, 0, &end, 1),
+    );
+    s.case(
+        "alibi logits bias, no keys, queries at usize::MAX",
+        Kind::Config,
+        &["position offset = 18446744073709551615"],
+        || alibi.logits_bias(&x(&[1, 4, 1, 4]), &AttentionContext::new(&end, 1, &o, 0)),
+    );
+    s.finish(30);
 }
 
 #[test]

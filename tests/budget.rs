@@ -120,6 +120,22 @@ fn budget_is_one_number() -> anyhow::Result<()> {
     assert_eq!(wide.dims(), &[8, 1, 4, 2]);
     let got: Vec<f32> = wide.flatten_all()?.to_vec1()?;
     assert_eq!(got, map.iter().map(|&c| c as f32).collect::<Vec<_>>());
+    // With no budget at all, validate's own arithmetic is checked: 2·num_heads + 2·num_kv_heads
+    // of 2^63 heads each (one feature wide, so every product before it fits).
+    set_max_elements(usize::MAX);
+    let mut heads = AttentionConfig::new(1, 1).with_kv_heads(1 << 63);
+    heads.num_heads = 1 << 63;
+    let err = heads.validate().unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::InvalidConfig {
+                name: "num_heads",
+                ..
+            }
+        ) && err.to_string().contains("within usize"),
+        "{err}"
+    );
     set_max_elements(MAX_ELEMENTS);
     for (what, err) in refused {
         assert!(

@@ -724,9 +724,16 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
         format!(r#"{{"model_type": "gemma3_text", {base}, "head_dim": 8, "sliding_window": 5}}"#);
     assert_eq!(window(&gemma3, 4)?, Some(5));
     assert_eq!(window(&gemma3, 5)?, None);
-    // A layer past layer_types.
+    // A layer past the model's layers, then one past layer_types (which lists fewer).
     let ckpt = fixtures(&Device::Cpu)?;
     let err = HfAttentionConfig::from_json_layer(&ckpt.metadata()["gemma2.0"], 2).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "num_hidden_layers"),
+        "{err}"
+    );
+    let short =
+        ckpt.metadata()["gemma2.0"].replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3");
+    let err = HfAttentionConfig::from_json_layer(&short, 2).unwrap_err();
     assert!(
         matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
         "{err}"
@@ -853,7 +860,95 @@ fn qk_norm_config_and_formula(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Layer indices are checked against the model's layers before any arithmetic on them: the
+/// last index, `usize::MAX` (whose `layer + 1` overflowed), and Gemma 4's KV-sharing refusal
+/// with a shared count whose sum with the layer overflowed.
+fn layer_indices_past_the_model(_dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(&Device::Cpu)?;
+    let meta = ckpt.metadata();
+    for tag in [
+        "gemma2.0",
+        "gemma3.0",
+        "gemma4.0",
+        "smollm3.0",
+        "llama4.0",
+        "gpt_oss.0",
+    ] {
+        for layer in [usize::MAX, usize::MAX - 1, 1 << 40] {
+            let err = HfAttentionConfig::from_json_layer(&meta[tag], layer).unwrap_err();
+            assert!(
+                matches!(&err, Error::HfConfig { key, problem }
+                    if key == "num_hidden_layers" && problem.contains(&format!("no layer {layer}"))),
+                "{tag} layer {layer}: {err}"
+            );
+        }
+    }
+    // GPT-2 counts its layers as n_layer.
+    let err = HfAttentionConfig::from_json_layer(&meta["gpt2"], usize::MAX).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "n_layer"),
+        "{err}"
+    );
+    // Without a layer count the patterns are still total: every_nth, not (layer + 1).
+    let gemma2 = r#"{"model_type": "gemma2", "hidden_size": 32, "num_attention_heads": 4,
+        "head_dim": 8, "sliding_window": 5}"#;
+    let last = HfAttentionConfig::from_json_layer(gemma2, usize::MAX)?;
+    // usize::MAX + 1 = 2^64 is even: a full layer.
+    assert_eq!(last.attention.sliding_window, None);
+    // Gemma 4 with a shared-layer count so large that layer + shared overflowed (and so
+    // skipped the refusal in release).
+    let gemma4 = r#"{"model_type": "gemma4_text", "hidden_size": 32, "num_attention_heads": 4,
+        "head_dim": 8, "num_hidden_layers": 4, "num_kv_shared_layers": 18446744073709551615}"#;
+    let err = HfAttentionConfig::from_json_layer(gemma4, 3).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "num_kv_shared_layers"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// The config's fields are public: values changed after parsing are checked again by
+/// `load` before any size is computed from them (no division by zero heads, no overflow).
+fn fields_changed_after_parsing_are_checked(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let meta = ckpt.metadata();
+    let vb = ckpt.var_builder(DType::F32, dev);
+    let expect = |cfg: &HfAttentionConfig, tag: &str, name: &str| {
+        let prefix = format!("{tag}/{}", meta[&format!("{tag}.prefix")]);
+        match cfg.load(vb.pp(&prefix)) {
+            Err(Error::InvalidConfig { name: got, .. }) => {
+                assert!(got.contains(name), "{tag}: {got}, expected {name}")
+            }
+            other => panic!("{tag}: {other:?}"),
+        }
+    };
+    // Falcon's grouped layout divided num_heads by num_kv_heads.
+    let mut gqa = HfAttentionConfig::from_json(&meta["falcon_gqa"])?;
+    gqa.attention.num_kv_heads = 0;
+    expect(&gqa, "falcon_gqa", "num_kv_heads");
+    let mut llama = HfAttentionConfig::from_json(&meta["llama"])?;
+    llama.attention.num_heads = usize::MAX;
+    expect(&llama, "llama", "num_kv_heads");
+    llama.attention.num_heads = 1 << 40;
+    llama.attention.num_kv_heads = 1 << 40;
+    expect(&llama, "llama", "head_dim");
+    // DeepSeek's head_dim − rope_dim.
+    let mut deepseek = HfAttentionConfig::from_json(&meta["deepseek_v2"])?;
+    let latent = deepseek.attention.latent.as_mut().expect("latent");
+    latent.rope_dim = deepseek.attention.head_dim + 2;
+    expect(&deepseek, "deepseek_v2", "rope_dim");
+    // T5's table shape comes from the encoding.
+    let mut t5 = HfAttentionConfig::from_json(&meta["t5"])?;
+    if let EncodingConfig::T5(c) = &mut t5.encoding {
+        c.num_buckets = usize::MAX;
+    }
+    expect(&t5, "t5", "num_buckets");
+    Ok(())
+}
+
 device_tests!(
+    layer_indices_past_the_model,
+    fields_changed_after_parsing_are_checked,
     every_family_matches_hf,
     configs_read_as_hf_does,
     t5_later_layers_share_the_first_table,

@@ -153,15 +153,62 @@ fn one_dtype_rule_for_every_table(dev: &Device) -> anyhow::Result<()> {
 fn t5_buckets_at_the_ends_of_i64(_dev: &Device) -> anyhow::Result<()> {
     for bidirectional in [false, true] {
         let cfg = T5Config::new(4).with_bidirectional(bidirectional);
-        let far_before = cfg.bucket(-1_000_000);
+        let far_before = cfg.bucket(-1_000_000)?;
         assert_eq!(
-            cfg.bucket(i64::MIN),
+            cfg.bucket(i64::MIN)?,
             far_before,
             "bidirectional {bidirectional}"
         );
-        assert_eq!(cfg.bucket(i64::MIN + 1), far_before);
-        assert_eq!(cfg.bucket(i64::MAX), cfg.bucket(1_000_000));
+        assert_eq!(cfg.bucket(i64::MIN + 1)?, far_before);
+        assert_eq!(cfg.bucket(i64::MAX)?, cfg.bucket(1_000_000)?);
     }
+    Ok(())
+}
+
+/// The public bucket methods check their configuration (it may never have been validated):
+/// a typed error where the bucket has no answer (no buckets, a log over ln 1 = 0, a clip
+/// range whose ends cross), never a panic or a wrapped bucket; valid configurations keep
+/// their buckets, at the ends of `i64` too.
+fn bucket_methods_check_their_configuration(_dev: &Device) -> anyhow::Result<()> {
+    let refused = |what: &str, r: candle_posenc::Result<u32>, name: &str| match r {
+        Err(Error::InvalidConfig { name: got, .. }) if got == name => {}
+        other => panic!("{what}: {other:?}"),
+    };
+    for d in [i64::MIN, -100, -1, 0, 1, 5, 100, i64::MAX] {
+        refused(
+            "clipped, k = usize::MAX",
+            ClippedBiasConfig::new(1, usize::MAX).bucket(d),
+            "max_distance",
+        );
+        refused(
+            "clipped, k = 0",
+            ClippedBiasConfig::new(1, 0).bucket(d),
+            "max_distance",
+        );
+        refused(
+            "T5 without buckets",
+            T5Config::new(4).with_num_buckets(0).bucket(d),
+            "num_buckets",
+        );
+        refused(
+            "T5 with max_distance = the exact range",
+            T5Config::new(4).with_max_distance(8).bucket(d),
+            "max_distance",
+        );
+    }
+    // Valid configurations at their edges: a clip of 2^29 (the table within the default
+    // budget), T5 with buckets so many that its log quotient passes usize (the sum saturates
+    // into the last bucket; it overflowed).
+    let clipped = ClippedBiasConfig::new(1, 1 << 29);
+    assert_eq!(clipped.bucket(i64::MIN)?, 0);
+    assert_eq!(clipped.bucket(0)?, 1 << 29);
+    assert_eq!(clipped.bucket(i64::MAX)?, 1 << 30);
+    let wide = T5Config::new(1)
+        .with_num_buckets(1 << 31)
+        .with_max_distance((1 << 30) + 1)
+        .with_bidirectional(false);
+    assert_eq!(wide.bucket(i64::MIN)?, (1 << 31) - 1);
+    assert_eq!(wide.bucket(-5)?, 5);
     Ok(())
 }
 
@@ -199,6 +246,37 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
         assert!(matches!(err, Error::InvalidConfig { .. }), "{what}: {err}");
         assert!(cfg.validate().is_err(), "{what}: validate accepts it");
     }
+    // xPos's key scale ζ^(−n/γ) times a large attention factor passes f32 at a position the
+    // tables reach: refused where they are built (xPos γ = 1: at position ~46) and where they
+    // grow (γ = 8, built for 16 positions, grown to 200), naming the position and the cause.
+    let xpos_cause = |err: &Error, what: &str| {
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidConfig {
+                    name: "position",
+                    ..
+                }
+            ) && text.contains("finite in f32")
+                && text.contains("xPos"),
+            "{what}: {text}"
+        );
+    };
+    let yarn = |a| RopeScaling::Yarn(YarnScaling::new(4.0, 64).with_attention_factor(a));
+    let cfg = RopeConfig::new(8).with_xpos(1.0).with_scaling(yarn(1e14));
+    xpos_cause(&RotaryEmbedding::new(&cfg, dev).unwrap_err(), "built");
+    let cfg = RopeConfig::new(8)
+        .with_xpos(8.0)
+        .with_max_position(16)
+        .with_scaling(yarn(1e30));
+    let rope = RotaryEmbedding::new(&cfg, dev)?;
+    let q = Tensor::ones((1, 1, 1, 8), DType::F32, dev)?;
+    let at = Positions::Offset(200);
+    let err = rope
+        .rotate_queries_keys(&q, &q, &at, &at, QkLayout::Bhtd)
+        .unwrap_err();
+    xpos_cause(&err, "grown");
     for scale in [1e300, 1e-300, f64::MIN_POSITIVE / 2.0] {
         let err = AttentionConfig::new(16, 4)
             .with_softmax_scale(scale)
@@ -303,12 +381,61 @@ fn hooks_may_answer_strided_views(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Multimodal positions: the work follows the tokens (a grid of no tokens but 2^64 frames
+/// returns at once), and positions that would pass `u32` are refused with a typed error,
+/// however the segments add up (`pos + max(h, w)` overflowed u64).
+fn mrope_positions_bound_their_work(_dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::rotary::mrope::{mrope_positions, MropeSection, MropeSegment};
+    let grid = |t, h, w| MropeSegment::Grid {
+        t,
+        h,
+        w,
+        time_interval: 1.0,
+    };
+    let started = std::time::Instant::now();
+    let (axes, delta) = mrope_positions(&[grid(usize::MAX, 0, 1), MropeSegment::Text(2)])?;
+    assert!(started.elapsed().as_secs() < 5, "{:?}", started.elapsed());
+    // The empty grid still moves the text on by max(h, w) = 1, as HF does.
+    assert_eq!(axes, vec![1, 2, 1, 2, 1, 2]);
+    assert_eq!(delta, 1);
+    for segments in [
+        vec![grid(0, usize::MAX, 0), grid(0, 1, 0), MropeSegment::Text(1)],
+        vec![MropeSegment::Text(1), grid(0, usize::MAX, 0)],
+        vec![grid(0, 1 << 32, 0), MropeSegment::Text(1)],
+        vec![
+            MropeSegment::Text(3),
+            grid(0, u32::MAX as usize, 0),
+            MropeSegment::Text(1),
+        ],
+    ] {
+        match mrope_positions(&segments) {
+            Err(Error::InvalidConfig { name, expected, .. }) => {
+                assert_eq!(name, "segments");
+                assert!(expected.contains("fit u32"), "{expected}");
+            }
+            other => panic!("{segments:?}: {other:?}"),
+        }
+    }
+    // The last position that fits is given.
+    let (axes, _) = mrope_positions(&[grid(0, u32::MAX as usize, 0), MropeSegment::Text(1)])?;
+    assert_eq!(axes, vec![u32::MAX; 3]);
+    // Band layouts with sections near usize::MAX: no 3·h or t + h overflow.
+    let big = MropeSection::new([usize::MAX, usize::MAX, usize::MAX]);
+    assert_eq!(big.axis_of(usize::MAX), 1); // not below t = usize::MAX, below t + h
+    let big = big.with_interleaved(true);
+    assert_eq!((big.axis_of(4), big.axis_of(5)), (1, 2));
+    assert_eq!(MropeSection::new([1, usize::MAX, 1]).axis_of(usize::MAX), 1);
+    Ok(())
+}
+
 device_tests!(
+    mrope_positions_bound_their_work,
     hooks_may_answer_strided_views,
     empty_batch_gives_empty_outputs,
     position_ids_past_u32,
     masks_of_the_wrong_kind,
     one_dtype_rule_for_every_table,
     t5_buckets_at_the_ends_of_i64,
+    bucket_methods_check_their_configuration,
     configurations_that_cannot_give_finite_output
 );

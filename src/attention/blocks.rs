@@ -13,13 +13,13 @@
 //! core and the row pass read shifted rows in place and every other form through its broadcast
 //! strides; plain ops expand everything to `(B, H, n, kv)`.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use super::fused_attention;
 use super::fused_softmax::RowRule;
 use super::mask::{cast_mask, widened_mask};
 use super::unfused;
-use crate::error::{check_float, Error, Result};
+use crate::error::{check_device, check_float, Error, Result};
 use crate::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
@@ -328,20 +328,6 @@ impl LogitTerms {
         }
         Ok(terms)
     }
-}
-
-fn check_device(what: &'static str, t: &Tensor, device: &Device) -> Result<()> {
-    if !t.device().same_device(device) {
-        return Err(Error::shape(
-            what,
-            format!(
-                "a tensor on the attention's device ({:?})",
-                device.location()
-            ),
-            t.shape(),
-        ));
-    }
-    Ok(())
 }
 
 /// Repeats each KV head `n_rep` times: `(B, Hkv, T, D)` → `(B, Hkv·n_rep, T, D)`.

@@ -413,7 +413,20 @@ impl AttentionConfig {
             &[self.d_model, width],
         )?;
         // The four projections together: q and o hold H·D rows or columns, k and v Hkv·D.
-        let heads = 2 * self.num_heads + 2 * self.num_kv_heads;
+        let heads = self
+            .num_heads
+            .checked_add(self.num_kv_heads)
+            .and_then(|n| n.checked_mul(2))
+            .ok_or_else(|| {
+                Error::config(
+                    "num_heads",
+                    self.num_heads,
+                    format!(
+                        "2·num_heads + 2·num_kv_heads ({}) within usize, the rows of the four projections",
+                        self.num_kv_heads
+                    ),
+                )
+            })?;
         check_elements(
             "d_model",
             self.d_model,

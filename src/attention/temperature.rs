@@ -54,6 +54,10 @@ impl AttentionTemperature {
         }
     }
 
+    /// The largest `attn_scale` [`Self::validate`] accepts, `f32::MAX / 64`: the logarithm is
+    /// below 45 at every position (`p < 2^64`), so the factor stays finite in f32.
+    pub const MAX_ATTN_SCALE: f64 = f32::MAX as f64 / 64.0;
+
     /// The factor `1 + s · ln(1 + ⌊(p + 1) / f⌋)` of the query at key index `p`.
     pub fn factor(&self, p: usize) -> f64 {
         let steps = (p as f64 + 1.0) / self.floor_scale.max(1) as f64;
@@ -63,15 +67,17 @@ impl AttentionTemperature {
     /// Checks the settings.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an `attn_scale` that is negative, NaN or past f32's range,
-    /// or a `floor_scale` of 0.
+    /// [`Error::InvalidConfig`] for an `attn_scale` that is negative, NaN or past
+    /// [`Self::MAX_ATTN_SCALE`], or a `floor_scale` of 0.
     pub fn validate(&self) -> Result<()> {
-        // Within f32's range: the factor multiplies f32 (or narrower) queries.
-        if !(self.attn_scale >= 0.0 && self.attn_scale <= f64::from(f32::MAX)) {
+        // The factor multiplies f32 (or narrower) queries, so it must be finite in f32 at
+        // every position: ln(1 + ⌊(p + 1)/f⌋) ≤ ln(1 + 2^64) < 45, so s ≤ f32::MAX / 64 keeps
+        // 1 + s·ln(..) finite wherever p is.
+        if !(self.attn_scale >= 0.0 && self.attn_scale <= Self::MAX_ATTN_SCALE) {
             return Err(Error::config(
                 "attention_temperature.attn_scale",
                 self.attn_scale,
-                "a number from 0 to f32::MAX",
+                "a number from 0 to f32::MAX / 64 (so the factor 1 + s·ln(1 + ⌊(p + 1)/f⌋) is finite in f32 at every position)",
             ));
         }
         if self.floor_scale == 0 {
@@ -86,9 +92,24 @@ impl AttentionTemperature {
 
     /// `q` `(B, H, T, D)` whose query `i` sits at key index `first + i`, each multiplied by its
     /// factor (computed in f32, as HF does, and cast back to `q`'s dtype).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming `attn_scale` if the factor at the chunk's last key
+    /// index (the largest: the factor grows with `p`) is not finite in f32 — never for a
+    /// validated configuration, checked here since the fields are public.
     pub(super) fn apply(&self, q: &Tensor, first: usize) -> Result<Tensor> {
         let t = q.dim(2)?;
-        let factors: Vec<f32> = (0..t).map(|i| self.factor(first + i) as f32).collect();
+        let last = first.saturating_add(t.saturating_sub(1));
+        if !(self.factor(last) as f32).is_finite() {
+            return Err(Error::config(
+                "attention_temperature.attn_scale",
+                self.attn_scale,
+                format!("a factor finite in f32 at key index {last}, the chunk's last"),
+            ));
+        }
+        let factors: Vec<f32> = (0..t)
+            .map(|i| self.factor(first.saturating_add(i)) as f32)
+            .collect();
         let factors = Tensor::from_vec(factors, (1, 1, t, 1), q.device())?;
         let dtype = q.dtype();
         let wide = match dtype {

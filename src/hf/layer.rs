@@ -207,7 +207,8 @@ impl HfAttentionConfig {
     /// tuning on its NoPE layers.
     ///
     /// # Errors
-    /// As [`Self::from_json`]; [`Error::HfConfig`] naming `layer_types` for a layer past its
+    /// As [`Self::from_json`]; [`Error::HfConfig`] naming `num_hidden_layers` (or `n_layer`,
+    /// `n_layers`) for a layer past the model's layers, and `layer_types` for a layer past its
     /// entries or a layer type the block does not have (`chunked_attention`).
     pub fn from_json_layer(text: &str, layer: usize) -> Result<Self> {
         Self::read(text, layer)
@@ -232,10 +233,13 @@ impl HfAttentionConfig {
             )
         })?;
         refuse_unsupported(&top, model_type)?;
+        check_layer(&top, layer)?;
         if model_type == "gemma4_text" {
             let layers = top.usize("num_hidden_layers")?.unwrap_or(0);
             let shared = top.usize("num_kv_shared_layers")?.unwrap_or(0);
-            if shared > 0 && layer + shared >= layers {
+            // The last `shared` layers reuse earlier keys: layer + shared ≥ layers, without
+            // the sum (both are the file's numbers).
+            if shared > 0 && layer >= layers.saturating_sub(shared) {
                 return Err(problem(
                     "num_kv_shared_layers",
                     format!(
@@ -572,7 +576,9 @@ impl HfAttentionConfig {
     ///
     /// # Errors
     /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the HF tensor that is absent or
-    /// misshapen; [`Error::DType`] for an integer `VarBuilder`.
+    /// misshapen; [`Error::DType`] for an integer `VarBuilder`; [`Error::InvalidConfig`] as
+    /// [`AttentionConfig::validate`] and [`EncodingConfig::validate`] when the public fields
+    /// were changed after parsing (checked before any size is computed from them).
     pub fn load(&self, vb: VarBuilder) -> Result<MultiHeadAttention> {
         let mut map = self.tensors(&vb, true)?;
         let ours = VarBuilder::from_tensors(std::mem::take(&mut map), vb.dtype(), vb.device());
@@ -599,6 +605,10 @@ impl HfAttentionConfig {
     /// The layer's tensors under the block's names.
     fn tensors(&self, vb: &VarBuilder, with_table: bool) -> Result<HashMap<String, Tensor>> {
         crate::error::check_float("attention weights (the VarBuilder's dtype)", vb.dtype())?;
+        // The fields are public: check them again before their sizes shape any read (a T5
+        // table's shape comes from the encoding).
+        self.attention.validate()?;
+        self.encoding.validate()?;
         let table = match (&self.encoding, with_table) {
             (EncodingConfig::T5(t5), true) => Some((t5.num_buckets, t5.num_heads)),
             _ => None,
@@ -909,10 +919,10 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
             let last = model_type == "gemma4_text"
                 && top
                     .usize("num_hidden_layers")?
-                    .is_some_and(|n| layer + 1 == n);
-            !(layer + 1).is_multiple_of(pattern) && !last
+                    .is_some_and(|n| n.checked_sub(1) == Some(layer));
+            !every_nth(layer, pattern) && !last
         }
-        _ => !(layer + 1).is_multiple_of(2), // Gemma 2, gpt-oss
+        _ => !every_nth(layer, 2), // Gemma 2, gpt-oss
     };
     Ok(if sliding {
         LayerKind::Sliding(w)
@@ -951,6 +961,32 @@ fn llama4_layer_kind(top: &Obj, layer: usize) -> Result<LayerKind> {
         })?,
     };
     Ok(LayerKind::Chunked(size))
+}
+
+/// Whether `layer` (from 0) is every `n`-th layer counting from 1, i.e. `(layer + 1) mod n =
+/// 0`, without the sum (`layer` is the caller's number). `n` is at least 1.
+fn every_nth(layer: usize, n: usize) -> bool {
+    layer % n == n - 1
+}
+
+/// Refuses a layer index past the model's layers when the file gives their number
+/// (`num_hidden_layers`, or GPT-2's, BLOOM's and GPT-J's `n_layer`, MPT's `n_layers`).
+///
+/// # Errors
+/// [`Error::HfConfig`] naming the count's key for `layer ≥` the count.
+fn check_layer(top: &Obj, layer: usize) -> Result<()> {
+    for key in ["num_hidden_layers", "n_layer", "n_layers"] {
+        if let Some(layers) = top.usize(key)? {
+            if layer >= layers {
+                return Err(problem(
+                    key,
+                    format!("is {layers}, so there is no layer {layer} (layers count from 0)"),
+                ));
+            }
+            return Ok(());
+        }
+    }
+    Ok(())
 }
 
 /// Entry `layer` of the per-layer list at `key` (`None` when the key is absent).
@@ -1003,7 +1039,7 @@ fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
         },
         None => {
             let interval = top.usize("no_rope_layer_interval")?.unwrap_or(4).max(1);
-            Ok(!(layer + 1).is_multiple_of(interval))
+            Ok(!every_nth(layer, interval))
         }
     }
 }

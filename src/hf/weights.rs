@@ -17,7 +17,19 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 use crate::attention::AttentionConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// `a × b` (or `a + b`) of the layer's sizes, or [`Error::InvalidConfig`] naming `what`: the
+/// sizes are public fields, so they are checked even after [`AttentionConfig::validate`].
+fn size(what: &'static str, n: Option<usize>) -> Result<usize> {
+    n.ok_or_else(|| {
+        Error::config(
+            what,
+            "overflow",
+            "layer sizes whose weight shapes fit usize",
+        )
+    })
+}
 
 /// How q, k and v are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +67,9 @@ pub(super) fn remap(
     relative_bias: Option<(usize, usize)>,
     vb: &VarBuilder,
 ) -> Result<HashMap<String, Tensor>> {
+    // The fields are public and may have changed since parsing: check them before any
+    // arithmetic (the same checks as `MultiHeadAttention::new`).
+    cfg.validate()?;
     let (d, hd) = (cfg.d_model, cfg.head_dim);
     let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
     let mut out = HashMap::new();
@@ -71,20 +86,30 @@ pub(super) fn remap(
             false => None,
         })
     };
-    let rows = [h * hd, hkv * hd, hkv * hd];
-    let fused_rows = rows.iter().sum::<usize>();
+    let q_rows = size("num_heads × head_dim", h.checked_mul(hd))?;
+    let kv_rows = size("num_kv_heads × head_dim", hkv.checked_mul(hd))?;
+    let rows = [q_rows, kv_rows, kv_rows];
+    let fused_rows = size(
+        "(num_heads + 2·num_kv_heads) × head_dim",
+        q_rows
+            .checked_add(kv_rows)
+            .and_then(|n| n.checked_add(kv_rows)),
+    )?;
     match layout.qkv {
         QkvLayout::Latent => {
             let Some(latent) = &cfg.latent else {
-                return Err(crate::error::Error::config(
+                return Err(Error::config(
                     "latent",
                     "None",
                     "a latent attention configuration for DeepSeek's weights",
                 ));
             };
-            let nope = hd - latent.rope_dim;
+            let nope = size(
+                "head_dim − latent.rope_dim",
+                hd.checked_sub(latent.rope_dim),
+            )?;
             match latent.q_lora_rank {
-                None => put("q_proj", vb.pp("q_proj").get((h * hd, d), "weight")?, None)?,
+                None => put("q_proj", vb.pp("q_proj").get((q_rows, d), "weight")?, None)?,
                 Some(r) => {
                     let a = vb.pp("q_a_proj").get((r, d), "weight")?;
                     put("q_a_proj", a, bias("q_a_proj", r, cfg.bias)?)?;
@@ -95,24 +120,29 @@ pub(super) fn remap(
                     )?;
                     put(
                         "q_b_proj",
-                        vb.pp("q_b_proj").get((h * hd, r), "weight")?,
+                        vb.pp("q_b_proj").get((q_rows, r), "weight")?,
                         None,
                     )?;
                 }
             }
             let (r, rope) = (latent.kv_lora_rank, latent.rope_dim);
-            let a = vb.pp("kv_a_proj_with_mqa").get((r + rope, d), "weight")?;
+            let kv_a = size("latent.kv_lora_rank + latent.rope_dim", r.checked_add(rope))?;
+            let a = vb.pp("kv_a_proj_with_mqa").get((kv_a, d), "weight")?;
             put(
                 "kv_a_proj_with_mqa",
                 a,
-                bias("kv_a_proj_with_mqa", r + rope, cfg.bias)?,
+                bias("kv_a_proj_with_mqa", kv_a, cfg.bias)?,
             )?;
             put(
                 "kv_a_layernorm",
                 vb.pp("kv_a_layernorm").get(r, "weight")?,
                 None,
             )?;
-            let rows = h * (nope + latent.v_head_dim);
+            let rows = size(
+                "num_heads × (head_dim − rope_dim + v_head_dim)",
+                nope.checked_add(latent.v_head_dim)
+                    .and_then(|n| n.checked_mul(h)),
+            )?;
             put(
                 "kv_b_proj",
                 vb.pp("kv_b_proj").get((rows, r), "weight")?,
@@ -151,25 +181,27 @@ pub(super) fn remap(
                 .map(|b| b.reshape((h, 3, hd)))
                 .transpose()?;
             for (i, ours) in ["q_proj", "k_proj", "v_proj"].iter().enumerate() {
-                let w = w.narrow(1, i, 1)?.reshape((h * hd, d))?;
+                let w = w.narrow(1, i, 1)?.reshape((q_rows, d))?;
                 let b = b
                     .as_ref()
-                    .map(|b| b.narrow(1, i, 1)?.reshape(h * hd))
+                    .map(|b| b.narrow(1, i, 1)?.reshape(q_rows))
                     .transpose()?;
                 put(ours, w, b)?;
             }
         }
         QkvLayout::Grouped(name) => {
+            // validate: hkv ≥ 1 divides h. A group's rows: its queries, then its k and v.
             let g = h / hkv;
+            let group = size("num_heads / num_kv_heads + 2", g.checked_add(2))?;
             let w = vb
                 .pp(name)
                 .get((fused_rows, d), "weight")?
-                .reshape((hkv, g + 2, hd, d))?;
+                .reshape((hkv, group, hd, d))?;
             let b = bias(name, fused_rows, cfg.bias)?
-                .map(|b| b.reshape((hkv, g + 2, hd)))
+                .map(|b| b.reshape((hkv, group, hd)))
                 .transpose()?;
             for (ours, start, count) in [("q_proj", 0, g), ("k_proj", g, 1), ("v_proj", g + 1, 1)] {
-                let n = hkv * count * hd;
+                let n = kv_rows * count;
                 let w = w.narrow(1, start, count)?.reshape((n, d))?;
                 let b = b
                     .as_ref()
@@ -180,9 +212,10 @@ pub(super) fn remap(
         }
     }
     let values = cfg.latent.map_or(hd, |l| l.v_head_dim);
+    let o_cols = size("num_heads × value width", h.checked_mul(values))?;
     let o = match layout.out_conv1d {
-        true => vb.pp(layout.out).get((h * values, d), "weight")?.t()?,
-        false => vb.pp(layout.out).get((d, h * values), "weight")?,
+        true => vb.pp(layout.out).get((o_cols, d), "weight")?.t()?,
+        false => vb.pp(layout.out).get((d, o_cols), "weight")?,
     };
     put("o_proj", o, bias(layout.out, d, cfg.out_bias)?)?;
     if let Some(norm) = cfg.qk_norm.as_ref().filter(|n| n.learned_scale) {
@@ -190,7 +223,7 @@ pub(super) fn remap(
         for (name, heads) in [("q_norm", h), ("k_norm", hkv)] {
             let width = match norm.scope {
                 QkNormScope::PerHead => hd,
-                QkNormScope::AllHeads => heads * hd,
+                QkNormScope::AllHeads => size("heads × head_dim", heads.checked_mul(hd))?,
             };
             out.insert(format!("{name}.weight"), vb.pp(name).get(width, "weight")?);
         }

@@ -80,6 +80,18 @@ impl<'a> AttentionContext<'a> {
         Self::new(positions, len, positions, len)
     }
 
+    /// Checks the context's positions before a hook computes distances from them: each offset
+    /// with its length within [`crate::positions::MAX_POSITION`] (so every key − query
+    /// distance fits `i64`), even when the other side is empty; ids holding their chunk's
+    /// tokens. Every relative encoding runs this one check.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidConfig`] naming the position offset; [`crate::Error::Shape`] for
+    /// ids of another length than `q_len` / `k_len`.
+    pub fn check_positions(&self) -> Result<()> {
+        crate::positions::check_ranges(self.queries, self.q_len, self.keys, self.k_len)
+    }
+
     /// Sets causality.
     pub fn with_causal(mut self, causal: bool) -> Self {
         self.causal = causal;

@@ -386,9 +386,8 @@ impl Alibi {
     /// # Errors
     /// [`Error::Shape`] if explicit ids disagree on the batch size or the lengths.
     pub fn bias(&self, ctx: &AttentionContext) -> Result<Tensor> {
+        ctx.check_positions()?;
         let (queries, tq, keys, tk) = (ctx.queries, ctx.q_len, ctx.keys, ctx.k_len);
-        queries.check_len(tq)?;
-        keys.check_len(tk)?;
         let mode = self.mode_in(ctx);
         if tq == 0 {
             // No query row to anchor the causal form on: an empty bias.

@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{BucketedRelativeBias, RelativeBucketing};
+use super::{clipped_row, BucketedRelativeBias, RelativeBucketing};
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
 
@@ -63,10 +63,14 @@ impl ClippedBiasConfig {
         Ok(())
     }
 
-    /// The table row of distance `d = j − i`.
-    pub fn bucket(&self, d: i64) -> u32 {
-        let k = self.max_distance as i64;
-        (d.clamp(-k, k) + k) as u32
+    /// The table row of distance `d = j − i`: `clamp(d, −k, k) + k`.
+    ///
+    /// # Errors
+    /// As [`Self::validate`]: a configuration that was never checked has no rows to name (a
+    /// clip distance of 0 or past 2^30).
+    pub fn bucket(&self, d: i64) -> Result<u32> {
+        self.validate()?;
+        Ok(clipped_row(self.max_distance, d))
     }
 }
 
@@ -78,11 +82,11 @@ impl RelativeBucketing for ClippedBiasConfig {
     }
 
     fn num_buckets(&self) -> usize {
-        2 * self.max_distance + 1
+        self.max_distance.saturating_mul(2).saturating_add(1)
     }
 
     fn bucket(&self, d: i64) -> u32 {
-        ClippedBiasConfig::bucket(self, d)
+        clipped_row(self.max_distance, d)
     }
 
     fn validate(&self) -> Result<()> {

@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{check_float, Error, Result};
 use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
-use crate::positions::Positions;
+use crate::positions::{check_ranges, Positions};
 
 /// Maps every query/key pair to `bucket(j − i)`: a `u32` tensor of shape `(B|1, Tq, Tk)`.
 ///
@@ -34,6 +34,7 @@ pub(crate) fn relative_buckets(
     device: &Device,
     bucket: &dyn Fn(i64) -> u32,
 ) -> Result<Tensor> {
+    check_ranges(queries, tq, keys, tk)?;
     crate::limits::check_elements(
         "queries × keys",
         format!("{tq} × {tk}"),
@@ -109,14 +110,14 @@ impl DistanceRange {
         keys: &Positions,
         tk: usize,
     ) -> Result<Option<Self>> {
+        // Before the early returns: an empty side does not excuse the other's range.
+        check_ranges(queries, tq, keys, tk)?;
         let (Positions::Offset(qs), Positions::Offset(ks)) = (queries, keys) else {
             return Ok(None);
         };
         if tq == 0 || tk == 0 {
             return Ok(None);
         }
-        queries.check_len(tq)?;
-        keys.check_len(tk)?;
         crate::limits::check_elements(
             "queries + keys",
             format!("{tq} + {tk}"),
@@ -147,10 +148,18 @@ impl DistanceRange {
 /// Cache layout tag of the per-distance rows behind a [`RelativeBias`](crate::RelativeBias).
 pub(crate) const ROWS_LAYOUT: (usize, usize) = (usize::MAX, 0);
 
+/// Row `clamp(d, −k, k) + k` of a table of clipped distances (`2k + 1` rows): the clipped
+/// bias's and Shaw's. Total: a `k` past `i64` clips at `i64::MAX`, a row past `u32` is
+/// `u32::MAX` (their `validate` keeps `k` far below either).
+pub(crate) fn clipped_row(max_distance: usize, d: i64) -> u32 {
+    let k = i64::try_from(max_distance).unwrap_or(i64::MAX);
+    u32::try_from(i128::from(d.clamp(-k, k)) + i128::from(k)).unwrap_or(u32::MAX)
+}
+
 /// The smallest and largest position a chunk of `len` tokens may hold.
 fn span(p: &Positions, len: usize) -> (usize, usize) {
     match p {
-        Positions::Offset(s) => (*s, (s + len).saturating_sub(1)),
+        Positions::Offset(s) => (*s, s.saturating_add(len).saturating_sub(1)),
         Positions::Ids(ids) => (0, ids.end().saturating_sub(1)),
     }
 }
@@ -231,7 +240,10 @@ pub trait RelativeBucketing: std::fmt::Debug + Clone + Send + Sync {
     fn num_heads(&self) -> usize;
     /// Table rows.
     fn num_buckets(&self) -> usize;
-    /// The row of relative distance `d = j − i`.
+    /// The row of relative distance `d = j − i` for a configuration that passed
+    /// [`Self::validate`] (as [`BucketedRelativeBias::new`] checks). Implementations must be
+    /// total: on any other configuration they return some row without panicking; callers
+    /// wanting an error there use the configs' own `bucket`, which validates.
     fn bucket(&self, d: i64) -> u32;
     /// Checks the configuration.
     ///
@@ -308,6 +320,7 @@ impl<C: RelativeBucketing> BucketedRelativeBias<C> {
         keys: &Positions,
         tk: usize,
     ) -> Result<Tensor> {
+        check_ranges(queries, tq, keys, tk)?;
         let device = self.table.device();
         let cfg = &self.config;
         let buckets = self.cache.get_or_build(queries, tq, keys, tk, (0, 0), || {
@@ -329,6 +342,7 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
     /// table's `(1, H, 1, num_buckets)` rows with the bucket of every pair as the column map.
     fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         let (_, h, tq, _) = check_queries(q, self.config.num_heads())?;
+        check_ranges(ctx.queries, tq, ctx.keys, ctx.k_len)?;
         let (k_len, cfg, device) = (ctx.k_len, &self.config, self.table.device());
         let rows = match DistanceRange::of(ctx.queries, tq, ctx.keys, k_len)? {
             Some(range) => {

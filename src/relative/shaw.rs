@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::positions::Positions;
 
-use super::{query_dims, relative_buckets};
+use super::{clipped_row, query_dims, relative_buckets};
 use crate::error::{check_float, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{
@@ -98,8 +98,7 @@ impl ShawConfig {
     }
 
     fn bucket(&self, d: i64) -> u32 {
-        let k = self.max_distance as i64;
-        (d.clamp(-k, k) + k) as u32
+        clipped_row(self.max_distance, d)
     }
 }
 
@@ -261,6 +260,7 @@ impl PositionalEncoding for ShawRelativePosition {
     /// rows the pairs reach (at most `min(2k + 1, Tq + Tk − 1)`), read at `r(i, j)`.
     fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
         self.check_queries(q)?;
+        ctx.check_positions()?;
         let span = self.span(ctx);
         let rows = RelativeBias::new(self.per_bucket(q, span)?, self.columns(ctx, span.0)?)?;
         Ok(Some(LogitsBias::Relative(rows)))
@@ -268,6 +268,7 @@ impl PositionalEncoding for ShawRelativePosition {
 
     /// `a^V`, one row per clamped distance the pairs reach, read at `r(i, j)`.
     fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
+        ctx.check_positions()?;
         match &self.values {
             Some(table) => {
                 let (lo, width) = self.span(ctx);

@@ -133,6 +133,14 @@ impl T5Config {
             format!("num_buckets × num_heads ({})", self.num_heads).as_str(),
             &[self.num_buckets, self.num_heads],
         )?;
+        // Buckets index the table as u32 (a budget raised past 2^32 must not wrap them).
+        if u32::try_from(self.num_buckets).is_err() {
+            return Err(Error::config(
+                "num_buckets",
+                self.num_buckets,
+                format!("at most {} (buckets are u32 indices)", u32::MAX),
+            ));
+        }
         let (_, exact) = self.halves();
         if self.max_distance <= exact {
             return Err(Error::config(
@@ -145,7 +153,18 @@ impl T5Config {
     }
 
     /// The bucket of relative distance `d = j − i`, as HF T5 computes it.
-    pub fn bucket(&self, d: i64) -> u32 {
+    ///
+    /// # Errors
+    /// As [`Self::validate`]: buckets are defined for valid configurations only (with no
+    /// bucket, or a `max_distance` within the exact range, the log branch has no answer).
+    pub fn bucket(&self, d: i64) -> Result<u32> {
+        self.validate()?;
+        Ok(self.row(d))
+    }
+
+    /// [`Self::bucket`] without the check, total on any configuration (saturating where an
+    /// unchecked one would overflow) and equal to HF's on valid ones.
+    fn row(&self, d: i64) -> u32 {
         let (n, exact) = self.halves();
         let (offset, r) = if self.bidirectional {
             (if d > 0 { n } else { 0 }, d.unsigned_abs())
@@ -157,12 +176,14 @@ impl T5Config {
             r as usize
         } else {
             // f32 throughout, as HF does: ln(r / exact) / ln(max_distance / exact) · (n − exact).
+            // The cast saturates (∞ → usize::MAX, NaN → 0), and so does the sum: a far
+            // distance whose quotient passes usize lands in the last bucket, never wraps.
             let ratio = (r as f32 / exact as f32).ln();
             let scale = (self.max_distance as f64 / exact as f64).ln() as f32;
-            let large = exact + (ratio / scale * (n - exact) as f32) as usize;
-            large.min(n - 1)
+            let large = exact.saturating_add((ratio / scale * (n - exact) as f32) as usize);
+            large.min(n.saturating_sub(1))
         };
-        (offset + within) as u32
+        u32::try_from(offset.saturating_add(within)).unwrap_or(u32::MAX)
     }
 }
 
@@ -178,7 +199,7 @@ impl RelativeBucketing for T5Config {
     }
 
     fn bucket(&self, d: i64) -> u32 {
-        T5Config::bucket(self, d)
+        self.row(d)
     }
 
     fn validate(&self) -> Result<()> {
@@ -196,8 +217,8 @@ impl RelativeBucketing for T5Config {
 /// use candle_posenc::{Positions, T5Config, T5RelativeBias};
 ///
 /// let t5 = T5RelativeBias::new(&T5Config::new(8), VarBuilder::zeros(DType::F32, &Device::Cpu))?;
-/// assert_eq!(t5.config().bucket(-3), 3);  // 3 keys back, exact bucket
-/// assert_eq!(t5.config().bucket(3), 19);  // 3 keys ahead: the second half
+/// assert_eq!(t5.config().bucket(-3)?, 3);  // 3 keys back, exact bucket
+/// assert_eq!(t5.config().bucket(3)?, 19);  // 3 keys ahead: the second half
 /// let bias = t5.bias(&Positions::Offset(0), 5, &Positions::Offset(0), 5)?;
 /// assert_eq!(bias.dims(), &[1, 8, 5, 5]);
 /// # Ok::<(), candle_posenc::Error>(())

@@ -64,14 +64,15 @@ impl MropeSection {
     pub fn axis_of(&self, i: usize) -> usize {
         let [t, h, w] = self.sections;
         if self.interleaved {
+            // i < 3·h as i / 3 < h: no product of the caller's sections.
             match i % 3 {
-                1 if i < 3 * h => 1,
-                2 if i < 3 * w => 2,
+                1 if i / 3 < h => 1,
+                2 if i / 3 < w => 2,
                 _ => 0,
             }
         } else if i < t {
             0
-        } else if i < t + h {
+        } else if i - t < h {
             1
         } else {
             2
@@ -219,8 +220,9 @@ pub enum MropeSegment {
 /// `Tensor::from_vec(values, (3, 1, T), device)` and [`PositionIds::multimodal`].
 ///
 /// # Errors
-/// [`Error::InvalidConfig`] for a `time_interval` that is not finite and ≥ 0, or positions or
-/// a token count past [`crate::limits::max_elements`] or `u32`.
+/// [`Error::InvalidConfig`] for a `time_interval` that is not finite and ≥ 0, a token count
+/// past [`crate::limits::max_elements`], or positions that do not fit `u32` (the next
+/// position after any segment, a grid's `max(h, w)` included, at most `u32::MAX + 1`).
 pub fn mrope_positions(segments: &[MropeSegment]) -> Result<(Vec<u32>, i64)> {
     let mut tokens = 0usize;
     for s in segments {
@@ -265,16 +267,32 @@ pub fn mrope_positions(segments: &[MropeSegment]) -> Result<(Vec<u32>, i64)> {
         Vec::with_capacity(tokens),
         Vec::with_capacity(tokens),
     ];
-    let too_far = || Error::config("segments", "their positions", "positions within u32");
+    let too_far = || {
+        Error::config(
+            "segments",
+            "their positions",
+            format!("positions that fit u32 (at most {})", u32::MAX),
+        )
+    };
+    // The next position: at most u32::MAX + 1 (one past the last that fits), so every sum
+    // below stays far inside u64.
+    let advance = |pos: u64, by: usize| -> Result<u64> {
+        u64::try_from(by)
+            .ok()
+            .and_then(|by| pos.checked_add(by))
+            .filter(|&p| p <= u64::from(u32::MAX) + 1)
+            .ok_or_else(too_far)
+    };
     let mut pos: u64 = 0;
     for s in segments {
         match *s {
             MropeSegment::Text(n) => {
-                for k in 0..n as u64 {
-                    let p = u32::try_from(pos + k).map_err(|_| too_far())?;
+                let next = advance(pos, n)?;
+                for p in pos..next {
+                    let p = u32::try_from(p).map_err(|_| too_far())?;
                     axes.iter_mut().for_each(|a| a.push(p));
                 }
-                pos += n as u64;
+                pos = next;
             }
             MropeSegment::Grid {
                 t,
@@ -282,7 +300,11 @@ pub fn mrope_positions(segments: &[MropeSegment]) -> Result<(Vec<u32>, i64)> {
                 w,
                 time_interval,
             } => {
-                for k in 0..t {
+                // The loops below run once per token: a grid of no tokens (t × 0 × w) is
+                // skipped whatever its other sides, so the work follows the budgeted count.
+                let next = advance(pos, h.max(w))?;
+                let rows = if h == 0 || w == 0 { 0 } else { t };
+                for k in 0..rows {
                     let temporal = pos as f64 + (k as f64 * time_interval).floor();
                     if temporal > u32::MAX as f64 {
                         return Err(too_far());
@@ -295,7 +317,7 @@ pub fn mrope_positions(segments: &[MropeSegment]) -> Result<(Vec<u32>, i64)> {
                         }
                     }
                 }
-                pos += h.max(w) as u64;
+                pos = next;
             }
         }
     }

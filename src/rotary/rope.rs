@@ -375,7 +375,9 @@ impl RotaryEmbedding {
     ///
     /// # Errors
     /// As [`RopeConfig::validate`]; [`Error::InvalidConfig`] if the initial table would exceed
-    /// 2^30 entries.
+    /// 2^30 entries, or naming the position where an entry of a table it builds is not finite
+    /// in f32 (the attention factor times xPos's key scale past f32's range: such tables are
+    /// refused here and wherever they grow, instead of giving ∞ and NaN logits).
     pub fn new(config: &RopeConfig, device: &Device) -> Result<Self> {
         config.validate()?;
         // Tables grow on demand, so a huge max_position (1M-token configs) is not built eagerly.
@@ -446,7 +448,8 @@ impl RotaryEmbedding {
     /// # Errors
     /// [`Error::Rank`] unless both have rank 4; [`Error::Shape`] if a head dimension is not
     /// `head_dim`, the batches differ, or position ids do not match `(B, T)`;
-    /// [`Error::InvalidConfig`] if a table past 2^30 entries would be needed.
+    /// [`Error::InvalidConfig`] if a table past 2^30 entries would be needed, or naming the
+    /// first position whose table entry is not finite in f32 (see [`Self::new`]).
     pub fn rotate_queries_keys(
         &self,
         q: &Tensor,
@@ -855,6 +858,28 @@ fn rows(table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
     }
 }
 
+/// A table entry computed in f64, as the f32 it is stored (and rotated) in.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] naming the position when the entry is not finite in f32: the
+/// attention factor times xPos's scale (`ζ^(±n/γ)`) past f32's range, which would turn
+/// finite queries and keys into ∞ and NaN logits. Every table built or grown passes here.
+fn finite_entry(value: f64, pos: usize, factor: f64, xpos: Option<f64>) -> Result<f32> {
+    let v = value as f32;
+    if v.is_finite() {
+        return Ok(v);
+    }
+    let cause = match xpos {
+        Some(gamma) => format!(
+            "rotary tables finite in f32; there the attention factor ({factor:e}) times xPos's scale ζ^(±n/γ) (γ = {gamma}) is {value:e}"
+        ),
+        None => format!(
+            "rotary tables finite in f32; there cos·attention factor ({factor:e}) is {value:e}"
+        ),
+    };
+    Err(Error::config("position", pos, cause))
+}
+
 /// cos/sin tables for positions `0..rows` in `regime`, computed in f64 and stored as f32.
 /// Tables of `rows` positions from `first` (row `r` is position `first + r`).
 fn build_tables(
@@ -885,22 +910,22 @@ fn build_tables(
         Some(_) => (Vec::with_capacity(n), Vec::with_capacity(n)),
         None => (Vec::new(), Vec::new()),
     };
+    let a = freqs.attention_factor;
     for pos in first..first + rows {
         for (i, w) in freqs.inv_freq.iter().enumerate() {
             let angle = pos as f64 * w;
             let (s, c) = angle.sin_cos();
-            let a = freqs.attention_factor;
             match config.xpos_scale_base {
                 None => {
-                    cos.push((c * a) as f32);
-                    sin.push((s * a) as f32);
+                    cos.push(finite_entry(c * a, pos, a, None)?);
+                    sin.push(finite_entry(s * a, pos, a, None)?);
                 }
                 Some(gamma) => {
                     let scale = zeta[i].powf(pos as f64 / gamma);
-                    cos.push((c * a * scale) as f32);
-                    sin.push((s * a * scale) as f32);
-                    cos_k.push((c * a / scale) as f32);
-                    sin_k.push((s * a / scale) as f32);
+                    cos.push(finite_entry(c * a * scale, pos, a, Some(gamma))?);
+                    sin.push(finite_entry(s * a * scale, pos, a, Some(gamma))?);
+                    cos_k.push(finite_entry(c * a / scale, pos, a, Some(gamma))?);
+                    sin_k.push(finite_entry(s * a / scale, pos, a, Some(gamma))?);
                 }
             }
         }
