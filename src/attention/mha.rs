@@ -35,7 +35,7 @@ use super::kv_cache::KvCache;
 use super::latent::LatentProjections;
 use super::mask::check_padding;
 use super::qk_norm::{rms_normalized, QkNorm};
-use crate::error::{check_float, is_float, Error, Result};
+use crate::error::{check_device, check_float, is_float, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{shares_storage, AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
@@ -194,8 +194,9 @@ impl MultiHeadAttention {
     /// [`Error::Rank`] / [`Error::Shape`] for a malformed input, positions, mask or cache
     /// chunk, or for an encoding's answer that does not fit the block; [`Error::DType`] for an
     /// input whose dtype is not the weights'; [`Error::InvalidConfig`] if the logits (batch ×
-    /// heads × queries × keys) would pass [`crate::limits::max_elements`]; the encoding's own
-    /// errors (e.g. [`Error::PositionOutOfRange`]).
+    /// heads × queries × keys) would pass [`crate::limits::max_elements`]; [`Error::Device`]
+    /// for an input, mask or position ids on another device than the block's weights; the
+    /// encoding's own errors (e.g. [`Error::PositionOutOfRange`]).
     pub fn forward_with(
         &self,
         x: &Tensor,
@@ -223,7 +224,10 @@ impl MultiHeadAttention {
         let attn_mask = self.attn_mask(options, full)?;
         let padding = options
             .padding_mask
-            .map(|p| check_padding(p, b, tk))
+            .map(|p| {
+                check_device("padding mask", p, x.device())?;
+                check_padding(p, b, tk)
+            })
             .transpose()?;
         if t == 0 || b == 0 {
             return self.empty_output(full, x, options.return_weights);
@@ -368,6 +372,7 @@ impl MultiHeadAttention {
     /// Checks `x` and its positions against the block; returns `(B, T)`.
     fn check_input(&self, x: &Tensor, positions: &Positions) -> Result<(usize, usize)> {
         let (b, t) = positions.check_input(x, self.config.d_model, "attention input x")?;
+        check_device("attention input x", x, self.o_proj.weight().device())?;
         let weights = self.o_proj.weight().dtype();
         if x.dtype() != weights {
             return Err(Error::DType {
@@ -557,6 +562,11 @@ impl MultiHeadAttention {
         let Some(mask) = options.attn_mask else {
             return Ok(None);
         };
+        check_device(
+            "additive attention mask",
+            mask,
+            self.o_proj.weight().device(),
+        )?;
         if !is_float(mask.dtype()) {
             return Err(Error::DType {
                 what: "additive attention mask",

@@ -214,7 +214,8 @@ pub enum MropeSegment {
 /// text positions after it (`max + 1 − T`), as transformers' Qwen2-VL `get_rope_index` builds
 /// them: text continues one by one on all three axes; a grid starting at `s` puts token
 /// `(k, r, c)` at `(s + ⌊k·time_interval⌋, s + r, s + c)`, and the text after it continues at
-/// `s + max(h, w)`.
+/// `s + max(h, w)`, as transformers 5 places it (transformers 4 continued after the grid's
+/// largest position on any axis, its frames included, so videos resume later there).
 ///
 /// Returns the three axes flattened, `3 × T` values (temporal first), for
 /// `Tensor::from_vec(values, (3, 1, T), device)` and [`PositionIds::multimodal`].
