@@ -391,8 +391,13 @@ fn unit(seed: u64, i: usize) -> f64 {
 const MAX_BUILT: usize = 1 << 18;
 
 /// A CPU tensor of `dims` in `dtype` holding `values` (cast from f64), or `None` when it would
-/// hold more than [`MAX_BUILT`] elements.
+/// hold more than [`MAX_BUILT`] elements, or when its strides would not fit `usize` (an empty
+/// tensor with two huge axes: candle's own stride arithmetic overflows on it, which a build
+/// with debug assertions reports as a panic in candle, not in the crate).
 fn tensor(values: &[f64], dims: &[usize], dtype: DType) -> Option<Tensor> {
+    dims.iter()
+        .filter(|&&d| d > 0)
+        .try_fold(1usize, |a, &d| a.checked_mul(d))?;
     let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
     if n > MAX_BUILT || n != values.len() {
         return None;
