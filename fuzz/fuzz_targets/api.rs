@@ -1122,7 +1122,9 @@ impl ColSpec {
     fn build(&self, batch: usize, tq: usize, tk: usize, width: usize) -> Option<Columns> {
         Some(match self {
             ColSpec::Shift(s) => Columns::Shift(match s {
-                ShiftSpec::Natural | ShiftSpec::Natural2 => tq as i64 - 1,
+                ShiftSpec::Natural | ShiftSpec::Natural2 => {
+                    i64::try_from(tq).unwrap_or(i64::MAX) - 1
+                }
                 ShiftSpec::Small(x) => *x as i64,
                 ShiftSpec::Min => i64::MIN,
                 ShiftSpec::MinPlus1 => i64::MIN + 1,
@@ -2154,12 +2156,14 @@ fn positions(
                 .ok_or(())?;
             let (vals, ok): (Vec<f64>, bool) = match &ids.values {
                 IdValues::Arange(o) => (
-                    (0..n).map(|i| (o.0 + i % len.max(1)) as f64).collect(),
+                    (0..n)
+                        .map(|i| o.0.saturating_add(i % len.max(1)) as f64)
+                        .collect(),
                     small_offset(o.0),
                 ),
                 IdValues::Reverse(o) => (
                     (0..n)
-                        .map(|i| (o.0 + len - 1 - i % len.max(1)) as f64)
+                        .map(|i| o.0.saturating_add(len - 1 - i % len.max(1)) as f64)
                         .collect(),
                     small_offset(o.0),
                 ),
