@@ -54,6 +54,8 @@ impl PositionIds {
                 got: ids.dtype(),
             });
         }
+        let (_, t) = ids.dims2()?;
+        check_chunk_len("position ids", t)?;
         if ids.elem_count() == 0 {
             return Ok(Self {
                 ids: ids.to_dtype(DType::U32)?,
@@ -109,6 +111,7 @@ impl PositionIds {
             ));
         }
         let (_, b, t) = axes.dims3()?;
+        check_chunk_len("multimodal position ids", b)?;
         // The checks of `new`, on all three axes at once.
         let all = Self::new(&axes.reshape((3 * b, t))?)?;
         let axes = all.ids.reshape((3, b, t))?;
@@ -303,6 +306,7 @@ impl Positions {
     /// Checks that these positions can describe `len` tokens of some batch: an offset that
     /// stays within [`MAX_POSITION`], or ids holding `len` tokens per sequence.
     pub(crate) fn check_len(&self, len: usize) -> Result<()> {
+        check_chunk_len("chunk length", len)?;
         match self {
             Positions::Offset(_) => self.check_offset(len),
             Positions::Ids(ids) if ids.len() != len => Err(Error::shape(
@@ -359,6 +363,7 @@ impl Positions {
             }
         };
         crate::error::check_float(what, x.dtype())?;
+        check_chunk_len(what, t)?;
         if let Positions::Ids(ids) = self {
             crate::error::check_device("position ids", ids.ids(), x.device())?;
         }
@@ -540,4 +545,19 @@ pub(crate) fn check_ranges(
 ) -> Result<()> {
     queries.check_len(tq)?;
     keys.check_len(tk)
+}
+
+/// Refuses an axis of tokens longer than the element budget ([`crate::limits::max_elements`]):
+/// nothing of that many tokens can be computed at any width, and an empty batch of them would
+/// still give shapes (`(0, T, H, D)`, `(0, H, T, T)`) whose strides overflow `usize`.
+fn check_chunk_len(what: &'static str, len: usize) -> Result<()> {
+    let max = crate::limits::max_elements();
+    if len > max {
+        return Err(Error::config(
+            what,
+            len,
+            format!("at most {max} tokens on an axis (the element budget, limits::max_elements)"),
+        ));
+    }
+    Ok(())
 }

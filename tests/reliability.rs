@@ -428,7 +428,50 @@ fn mrope_positions_bound_their_work(_dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An empty batch of more tokens than the element budget is refused as a full one is: its
+/// shapes (`(0, T, H, D)`, `(0, H, T, T)`) would need strides past `usize` (found by the api
+/// fuzz target built with debug assertions, where candle's stride arithmetic overflowed), and
+/// an empty batch asking for weights is budgeted as one sequence.
+fn empty_batches_of_huge_chunks(dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::PositionIds;
+    let typed = |r: Result<(), Error>, what: &str| match r {
+        Err(Error::InvalidConfig { .. }) => {}
+        other => panic!("{what}: {other:?}"),
+    };
+    let huge = candle_posenc::limits::max_elements() + 1;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4).with_causal(true), None, vb)?;
+    let weights = AttentionOptions {
+        return_weights: true,
+        ..Default::default()
+    };
+    for (t, opts) in [
+        (huge, AttentionOptions::default()),
+        (huge, weights.clone()),
+        // One sequence's weights, 4 · 2^16 · 2^16 = 2^34, pass the budget.
+        (1 << 16, weights),
+    ] {
+        let x = Tensor::zeros((0, t, 16), DType::F32, dev)?;
+        typed(
+            mha.forward_with(&x, &opts, None).map(|_| ()),
+            &format!("T {t}"),
+        );
+    }
+    let ids = Tensor::zeros((0, huge), DType::U32, dev)?;
+    typed(PositionIds::new(&ids).map(|_| ()), "ids");
+    let axes = Tensor::zeros((3, huge, 0), DType::U32, dev)?;
+    typed(PositionIds::multimodal(&axes).map(|_| ()), "multimodal ids");
+    let rope = RotaryEmbedding::new(&RopeConfig::new(8), dev)?;
+    typed(
+        rope.cos_sin(&Positions::Offset(0), huge).map(|_| ()),
+        "cos_sin",
+    );
+    Ok(())
+}
+
 device_tests!(
+    empty_batches_of_huge_chunks,
     mrope_positions_bound_their_work,
     hooks_may_answer_strided_views,
     empty_batch_gives_empty_outputs,
