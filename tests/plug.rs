@@ -228,6 +228,12 @@ fn constructors_check(dev: &Device) -> anyhow::Result<()> {
             RelativeBias::new(t(&[1, 2, 1, 0])?, Columns::Shift(0)).map(drop),
         ),
         (
+            // Empty, but 2^32 columns: past the u32 column indices (found by the api fuzz
+            // target, where the last column's index overflowed).
+            "rows of width 2^32",
+            RelativeBias::new(t(&[0, 1, 1, 1 << 32])?, Columns::Shift(0)).map(drop),
+        ),
+        (
             "integer rows",
             RelativeBias::new(
                 Tensor::zeros((1, 1, 1, 3), DType::U32, dev)?,

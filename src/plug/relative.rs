@@ -98,7 +98,8 @@ impl Columns {
                     let s = row_segments(i, *shift, width, tk);
                     index.extend(std::iter::repeat_n(0u32, s.lo));
                     index.extend((s.first_col..s.first_col + (s.hi - s.lo)).map(|c| c as u32));
-                    index.extend(std::iter::repeat_n(width as u32 - 1, tk - s.hi));
+                    let last = (width - 1).min(u32::MAX as usize) as u32;
+                    index.extend(std::iter::repeat_n(last, tk - s.hi));
                 }
                 Ok(Tensor::from_vec(index, (1, tq, tk), device)?)
             }
@@ -151,7 +152,8 @@ impl RelativeBias {
     /// Rows `values` read at `columns`.
     ///
     /// # Errors
-    /// [`Error::Rank`] unless `values` is 4-D; [`Error::Shape`] for an empty last axis;
+    /// [`Error::Rank`] unless `values` is 4-D; [`Error::Shape`] for an empty last axis or one
+    /// of 2^32 columns or more;
     /// [`Error::DType`] for integer values; for an index map, [`Error::Rank`] unless it is 3-D
     /// and [`Error::DType`] unless it is `u32`.
     pub fn new(values: Tensor, columns: Columns) -> Result<Self> {
@@ -161,10 +163,11 @@ impl RelativeBias {
             got: values.rank(),
             shape: values.dims().to_vec(),
         })?;
-        if width == 0 {
+        // Columns are read through u32 indices.
+        if width == 0 || width > u32::MAX as usize {
             return Err(Error::shape(
                 "relative bias values",
-                "(batch, heads, rows, width) with width ≥ 1",
+                "(batch, heads, rows, width) with 1 ≤ width ≤ 2^32 − 1 (columns are u32 indices)",
                 values.shape(),
             ));
         }
@@ -286,7 +289,8 @@ impl RelativeValues {
     /// Table rows read at `columns`.
     ///
     /// # Errors
-    /// [`Error::Rank`] unless `table` is 2-D; [`Error::Shape`] for an empty table;
+    /// [`Error::Rank`] unless `table` is 2-D; [`Error::Shape`] for an empty table or one of
+    /// 2^32 rows or more;
     /// [`Error::DType`] for an integer table; the index map's errors as in [`RelativeBias::new`].
     pub fn new(table: Tensor, columns: Columns) -> Result<Self> {
         let (width, d) = table.dims2().map_err(|_| Error::Rank {
@@ -295,10 +299,10 @@ impl RelativeValues {
             got: table.rank(),
             shape: table.dims().to_vec(),
         })?;
-        if width == 0 || d == 0 {
+        if width == 0 || d == 0 || width > u32::MAX as usize {
             return Err(Error::shape(
                 "relative value table",
-                "(width ≥ 1, head_dim ≥ 1)",
+                "(1 ≤ width ≤ 2^32 − 1, head_dim ≥ 1): columns are u32 indices",
                 table.shape(),
             ));
         }
