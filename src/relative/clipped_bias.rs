@@ -65,12 +65,20 @@ impl ClippedBiasConfig {
 
     /// The table row of distance `d = j − i`: `clamp(d, −k, k) + k`.
     ///
+    /// Total: it never panics. A configuration that [`Self::validate`] refuses (a clip
+    /// distance of 0 or past 2^30) has no rows to name, and its rows are saturated values;
+    /// [`Self::try_bucket`] checks the configuration first.
+    pub fn bucket(&self, d: i64) -> u32 {
+        clipped_row(self.max_distance, d)
+    }
+
+    /// [`Self::bucket`] of a checked configuration.
+    ///
     /// # Errors
-    /// As [`Self::validate`]: a configuration that was never checked has no rows to name (a
-    /// clip distance of 0 or past 2^30).
-    pub fn bucket(&self, d: i64) -> Result<u32> {
+    /// As [`Self::validate`].
+    pub fn try_bucket(&self, d: i64) -> Result<u32> {
         self.validate()?;
-        Ok(clipped_row(self.max_distance, d))
+        Ok(self.bucket(d))
     }
 }
 
@@ -86,7 +94,7 @@ impl RelativeBucketing for ClippedBiasConfig {
     }
 
     fn bucket(&self, d: i64) -> u32 {
-        clipped_row(self.max_distance, d)
+        ClippedBiasConfig::bucket(self, d)
     }
 
     fn validate(&self) -> Result<()> {

@@ -154,17 +154,11 @@ impl T5Config {
 
     /// The bucket of relative distance `d = j − i`, as HF T5 computes it.
     ///
-    /// # Errors
-    /// As [`Self::validate`]: buckets are defined for valid configurations only (with no
-    /// bucket, or a `max_distance` within the exact range, the log branch has no answer).
-    pub fn bucket(&self, d: i64) -> Result<u32> {
-        self.validate()?;
-        Ok(self.row(d))
-    }
-
-    /// [`Self::bucket`] without the check, total on any configuration (saturating where an
-    /// unchecked one would overflow) and equal to HF's on valid ones.
-    fn row(&self, d: i64) -> u32 {
+    /// Total: it never panics (it saturates where an unchecked configuration would overflow).
+    /// Buckets are defined for valid configurations only: with no bucket, or a `max_distance`
+    /// within the exact range, the log branch has no answer and the value means nothing;
+    /// [`Self::try_bucket`] checks the configuration first.
+    pub fn bucket(&self, d: i64) -> u32 {
         let (n, exact) = self.halves();
         let (offset, r) = if self.bidirectional {
             (if d > 0 { n } else { 0 }, d.unsigned_abs())
@@ -185,6 +179,15 @@ impl T5Config {
         };
         u32::try_from(offset.saturating_add(within)).unwrap_or(u32::MAX)
     }
+
+    /// [`Self::bucket`] of a checked configuration.
+    ///
+    /// # Errors
+    /// As [`Self::validate`].
+    pub fn try_bucket(&self, d: i64) -> Result<u32> {
+        self.validate()?;
+        Ok(self.bucket(d))
+    }
 }
 
 impl RelativeBucketing for T5Config {
@@ -199,7 +202,7 @@ impl RelativeBucketing for T5Config {
     }
 
     fn bucket(&self, d: i64) -> u32 {
-        self.row(d)
+        T5Config::bucket(self, d)
     }
 
     fn validate(&self) -> Result<()> {
@@ -217,8 +220,8 @@ impl RelativeBucketing for T5Config {
 /// use candle_posenc::{Positions, T5Config, T5RelativeBias};
 ///
 /// let t5 = T5RelativeBias::new(&T5Config::new(8), VarBuilder::zeros(DType::F32, &Device::Cpu))?;
-/// assert_eq!(t5.config().bucket(-3)?, 3);  // 3 keys back, exact bucket
-/// assert_eq!(t5.config().bucket(3)?, 19);  // 3 keys ahead: the second half
+/// assert_eq!(t5.config().bucket(-3), 3);  // 3 keys back, exact bucket
+/// assert_eq!(t5.config().bucket(3), 19);  // 3 keys ahead: the second half
 /// let bias = t5.bias(&Positions::Offset(0), 5, &Positions::Offset(0), 5)?;
 /// assert_eq!(bias.dims(), &[1, 8, 5, 5]);
 /// # Ok::<(), candle_posenc::Error>(())
