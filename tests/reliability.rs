@@ -342,6 +342,43 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
         }
     }
     assert!(accepted > 30, "only {accepted} configurations accepted");
+    // RoPE-Mixed's loaded frequencies: non-finite ones, or ones whose angle at a u32 position
+    // passes f32, are refused; 2^64 (the largest allowed) rotates finitely at 2^32 − 1.
+    use candle_posenc::rotary::mixed::{RopeMixed, RopeMixedConfig, MAX_FREQUENCY};
+    let cfg = RopeMixedConfig::new(1, 4);
+    let load = |f: f32| {
+        let freqs = Tensor::new(&[[[0.5f32, f]], [[0.25, 1.0]]], dev)?;
+        let tensors = std::collections::HashMap::from([("freqs".to_string(), freqs)]);
+        anyhow::Ok(RopeMixed::new(
+            &cfg,
+            VarBuilder::from_tensors(tensors, DType::F32, dev),
+        ))
+    };
+    for f in [f32::NAN, f32::INFINITY, -1e30] {
+        let err = load(f)?.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidConfig {
+                    name: "RoPE-Mixed frequency",
+                    ..
+                }
+            ),
+            "{f}: {err}"
+        );
+    }
+    let rope = load(-(MAX_FREQUENCY as f32))??;
+    let far = Tensor::new(&[u32::MAX], dev)?.reshape((1, 1))?;
+    let ids = candle_posenc::PositionIds::multimodal(&Tensor::stack(&[&far, &far, &far], 0)?)?;
+    let out = rope.rotate_one(
+        &Tensor::ones((1, 1, 1, 4), DType::F32, dev)?,
+        &Positions::Ids(ids),
+    )?;
+    assert!(out
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|x| x.is_finite()));
     Ok(())
 }
 
@@ -475,7 +512,117 @@ fn empty_batches_of_huge_chunks(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// f16 rotations whose scales do not fit f16 are refused instead of giving ∞ (found by the api
+/// fuzz target: an f16 block with xPos γ = 16 decoding past position 142, where the key scale
+/// 3.5^(n/16) passes 65504 while the f32 tables are finite). For every γ and attention factor
+/// a rotation either gives finite output or is refused with a typed error, and the refusal
+/// comes only where a·ζ^(±n/γ) leaves 2^±8; f32 and bf16 rotate the same positions.
+fn half_precision_rotations_stay_in_range(dev: &Device) -> anyhow::Result<()> {
+    let finite = |t: &Tensor| -> anyhow::Result<bool> {
+        Ok(t.to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .all(|x| x.is_finite()))
+    };
+    let ln_zeta0 = (1.4f64 / 0.4).ln();
+    for gamma in [16.0, 64.0, 512.0] {
+        let cfg = RopeConfig::new(8).with_xpos(gamma);
+        let rope = RotaryEmbedding::new(&cfg, dev)?;
+        // One past the last position whose scales stay within 2^±8.
+        let limit = (8.0 * std::f64::consts::LN_2 * gamma / ln_zeta0) as usize + 1;
+        let x = (Tensor::ones((1, 2, 4, 8), DType::F32, dev)? * 4.0)?;
+        for end in [4, limit - 1, limit, limit + 1, 2 * limit, 4 * limit] {
+            let at = Positions::Offset(end - 4);
+            for dtype in [DType::F16, DType::BF16, DType::F32] {
+                let x = x.to_dtype(dtype)?;
+                let r = rope.rotate_queries_keys(&x, &x, &at, &at, QkLayout::Bhtd);
+                let what = format!("γ {gamma} end {end} {dtype:?}");
+                match r {
+                    Ok((q, k)) => {
+                        assert!(dtype != DType::F16 || end <= limit, "{what}: accepted");
+                        assert!(finite(&q)? && finite(&k)?, "{what}: not finite");
+                    }
+                    Err(e @ Error::InvalidConfig { name, .. }) => {
+                        assert_eq!(dtype, DType::F16, "{what}: {e}");
+                        assert!(end > limit, "{what}: refused early: {e}");
+                        assert_eq!(name, "sequence end", "{what}");
+                        assert!(e.to_string().contains("f16"), "{what}: {e}");
+                    }
+                    Err(e) => panic!("{what}: {e}"),
+                }
+                // Each tensor alone, as queries and as keys, follows the same rule.
+                let k = rope.rotate_keys(&x, &at, QkLayout::Bhtd);
+                assert_eq!(k.is_ok(), dtype != DType::F16 || end <= limit, "{what}");
+            }
+        }
+    }
+    // Without xPos the attention factor scales queries and keys alike: 300 is refused in f16
+    // only, 200 accepted everywhere.
+    for (a, f16_ok) in [(200.0, true), (300.0, false), (1.0 / 300.0, false)] {
+        let scaling = RopeScaling::Yarn(YarnScaling::new(4.0, 64).with_attention_factor(a));
+        let rope = RotaryEmbedding::new(&RopeConfig::new(8).with_scaling(scaling), dev)?;
+        for dtype in [DType::F16, DType::F32] {
+            let x = Tensor::ones((1, 1, 2, 8), dtype, dev)?;
+            let r = rope.rotate_queries(&x, &Positions::Offset(0), QkLayout::Bhtd);
+            let ok = dtype != DType::F16 || f16_ok;
+            assert_eq!(r.is_ok(), ok, "factor {a} {dtype:?}: {r:?}");
+            if let Err(e) = r {
+                assert!(
+                    matches!(
+                        e,
+                        Error::InvalidConfig {
+                            name: "rope attention factor",
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            }
+        }
+    }
+    // The fuzz target's case as a block: f16, xPos γ = 16, decoding 35 tokens at a time through
+    // a cache. Every chunk either gives finite output or is refused, with the cache unchanged.
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F16, dev);
+    let rope = std::sync::Arc::new(RotaryEmbedding::new(
+        &RopeConfig::new(4).with_xpos(16.0),
+        dev,
+    )?);
+    let mha = MultiHeadAttention::new(
+        &AttentionConfig::new(28, 7).with_causal(true),
+        Some(rope),
+        vb,
+    )?;
+    let mut cache = KvCache::new();
+    let x = (Tensor::ones((3, 35, 28), DType::F32, dev)? * 4.0)?.to_dtype(DType::F16)?;
+    let mut refused = false;
+    for chunk in 0..3 {
+        let before = cache.len();
+        match mha.forward_with(&x, &AttentionOptions::default(), Some(&mut cache)) {
+            Ok(out) => {
+                assert!(!refused, "chunk {chunk} accepted after a refusal");
+                assert!(finite(&out.output)?, "chunk {chunk}: not finite");
+            }
+            Err(Error::InvalidConfig {
+                name: "sequence end",
+                ..
+            }) => {
+                // The limit for γ = 16 is position 71 (the key scale 2^8): chunks end at 35,
+                // 70 and 105.
+                assert_eq!(chunk, 2, "chunk {chunk} refused");
+                assert_eq!(cache.len(), before, "chunk {chunk} changed the cache");
+                refused = true;
+            }
+            Err(e) => panic!("chunk {chunk}: {e}"),
+        }
+    }
+    assert!(refused, "positions past the f16 limit were accepted");
+    Ok(())
+}
+
 device_tests!(
+    half_precision_rotations_stay_in_range,
     empty_batches_of_huge_chunks,
     mrope_positions_bound_their_work,
     hooks_may_answer_strided_views,

@@ -1108,7 +1108,7 @@ fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
         RopeConfig::new(16)
             .with_rotary_dim(10)
             .with_layout(RopeLayout::Interleaved),
-        RopeConfig::new(16).with_xpos(8.0),
+        RopeConfig::new(16).with_xpos(32.0),
     ];
     for cfg in configs {
         let rope = RotaryEmbedding::new(&cfg, dev)?;

@@ -162,12 +162,19 @@ pub struct RopeMixed {
     freqs: Tensor,
 }
 
+/// Largest magnitude of a loaded frequency: `2^64`, so that the angle at any `u32` position
+/// (below `2^32`) stays below `2^96`, finite in f32.
+pub const MAX_FREQUENCY: f64 = 18_446_744_073_709_551_616.0;
+
 impl RopeMixed {
     /// Loads `freqs` `(2, H, D/2)` from `vb`, or creates it there with the paper's
     /// initialisation ([`RopeMixedConfig::initial_freqs`]).
     ///
     /// # Errors
-    /// As [`RopeMixedConfig::validate`]; [`Error::TensorShape`] for a misshapen `freqs`.
+    /// As [`RopeMixedConfig::validate`]; [`Error::TensorShape`] for a misshapen `freqs`;
+    /// [`Error::InvalidConfig`] for loaded frequencies that are not finite or past
+    /// [`MAX_FREQUENCY`] in magnitude (their angles at a `u32` position would not be finite in
+    /// f32, so finite input would rotate to NaN).
     pub fn new(config: &RopeMixedConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
         let shape = (2, config.num_heads, config.head_dim / 2);
@@ -179,6 +186,21 @@ impl RopeMixed {
             let init = Tensor::from_vec(config.initial_freqs(), shape, freqs.device())?
                 .to_dtype(freqs.dtype())?;
             freqs.slice_set(&init, 0, 0)?;
+        } else {
+            let loaded = freqs
+                .to_dtype(DType::F64)?
+                .flatten_all()?
+                .to_vec1::<f64>()?;
+            if let Some(f) = loaded
+                .iter()
+                .find(|f| f.is_nan() || f.abs() > MAX_FREQUENCY)
+            {
+                return Err(Error::config(
+                    "RoPE-Mixed frequency",
+                    f,
+                    format!("finite and at most {MAX_FREQUENCY:e} in magnitude: its angle at a u32 position must be finite in f32"),
+                ));
+            }
         }
         Ok(Self {
             config: *config,

@@ -316,6 +316,8 @@ struct Tables {
     q: (Tensor, Tensor),
     /// Keys' cos, sin: the same tensors as `q` unless xPos is on (then scaled by `ζ^(−n/γ)`).
     k: (Tensor, Tensor),
+    /// The attention factor every entry carries.
+    factor: f64,
 }
 
 impl Tables {
@@ -448,8 +450,10 @@ impl RotaryEmbedding {
     /// # Errors
     /// [`Error::Rank`] unless both have rank 4; [`Error::Shape`] if a head dimension is not
     /// `head_dim`, the batches differ, or position ids do not match `(B, T)`;
-    /// [`Error::InvalidConfig`] if a table past 2^30 entries would be needed, or naming the
-    /// first position whose table entry is not finite in f32 (see [`Self::new`]).
+    /// [`Error::InvalidConfig`] if a table past 2^30 entries would be needed, naming the
+    /// first position whose table entry is not finite in f32 (see [`Self::new`]), or, for f16
+    /// queries or keys, when the attention factor times xPos's scale `ζ^(±n/γ)` leaves `2^±8`
+    /// at a rotated position (f16's range is `2^±16`; the keys and logits need the rest).
     pub fn rotate_queries_keys(
         &self,
         q: &Tensor,
@@ -489,6 +493,8 @@ impl RotaryEmbedding {
         k_positions.check(kb, kt)?;
         let end = q_positions.end(qt).max(k_positions.end(kt));
         let (tables, first) = self.tables_covering(&[q_positions, k_positions], end)?;
+        check_dtype_range(&self.config, tables.factor, end, q.dtype())?;
+        check_dtype_range(&self.config, tables.factor, end, k.dtype())?;
         Ok((qt, kt, tables, first))
     }
 
@@ -632,6 +638,7 @@ impl RotaryEmbedding {
         positions.check(b, t)?;
         let end = positions.end(t);
         let (tables, first) = self.tables_covering(&[positions], end)?;
+        check_dtype_range(&self.config, tables.factor, end, x.dtype())?;
         let table = if queries { &tables.q } else { &tables.k };
         self.apply(x, table, &from_row(positions, first), t, layout)
     }
@@ -834,6 +841,50 @@ fn check_xpos_range(config: &RopeConfig, end: usize) -> Result<()> {
     Ok(())
 }
 
+/// Largest natural log of a table entry's scale in f16 (`2^8`), either way: f16's range is
+/// `2^±16` at best (65504; normal from `2^−14`), so keys scaled past `2^8` leave too little
+/// room for their own values and their logits, and queries scaled below `2^−8` lose bits.
+const F16_MAX_LOG_SCALE: f64 = 8.0 * std::f64::consts::LN_2;
+
+/// Refuses rotating `dtype` queries or keys at positions below `end` when their scales (the
+/// attention factor `a`, times xPos's `ζ^(±n/γ)`) do not fit its range. Only f16 needs this: f32
+/// tables are checked entry by entry where they are built ([`finite_entry`], up to `e^60` for
+/// xPos, [`check_xpos_range`]), and bf16 and f64 have at least f32's range.
+fn check_dtype_range(config: &RopeConfig, factor: f64, end: usize, dtype: DType) -> Result<()> {
+    if dtype != DType::F16 || end == 0 {
+        return Ok(());
+    }
+    let log_a = factor.ln();
+    match config.xpos_scale_base {
+        None => {
+            if log_a.abs() > F16_MAX_LOG_SCALE {
+                return Err(Error::config(
+                    "rope attention factor",
+                    factor,
+                    "within 2^±8 for f16 queries and keys: it scales both, and f16's range is 2^±16",
+                ));
+            }
+        }
+        Some(gamma) => {
+            // The key scale a·ζ_0^(−n/γ) is the largest, the query scale a·ζ_0^(n/γ) the smallest.
+            let per_position = (1.4f64 / 0.4).ln() / gamma;
+            let spread = (end - 1) as f64 * per_position;
+            if log_a.abs() + spread > F16_MAX_LOG_SCALE {
+                let limit =
+                    ((F16_MAX_LOG_SCALE - log_a.abs()).max(0.0) / per_position) as usize + 1;
+                return Err(Error::config(
+                    "sequence end",
+                    end,
+                    format!(
+                        "at most {limit} for f16 queries and keys with xPos scale base {gamma} and attention factor {factor}: their scales a·ζ^(±n/γ) leave 2^±8 there, and f16's range is 2^±16"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_table_size(rows: usize, rotary_dim: usize) -> Result<()> {
     let max = max_table_elements();
     if rows.saturating_mul(rotary_dim / 2) > max {
@@ -942,7 +993,12 @@ fn build_tables(
     } else {
         q.clone()
     };
-    Ok(Tables { regime, q, k })
+    Ok(Tables {
+        regime,
+        q,
+        k,
+        factor: a,
+    })
 }
 
 impl Module for RotaryEmbedding {
