@@ -1385,7 +1385,67 @@ fn alibi_with_sinks_is_exact(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Rows longer than a key tile (1024 keys): the fused core's online softmax equals the row pass
+/// (which takes the softmax of whole rows) within 3e-6 of the largest output, for every
+/// encoding, and, without one, for windows both ways, chunks, sinks and a soft cap, left-padded
+/// so that the padded causal rows are masked whole.
+fn long_rows_span_key_tiles(dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::EncodingConfig;
+    use common::zoo;
+    let (d_model, heads, head_dim, t) = (16, 2, 8, zoo::LEARNED_LEN);
+    let x = Tensor::randn(0f32, 1.0, (2, t, d_model), dev)?;
+    let left = 5;
+    let keep: Vec<u8> = (0..2 * t)
+        .map(|n| (n / t == 0 || n % t >= left) as u8)
+        .collect();
+    let padding = Tensor::from_vec(keep, (2, t), dev)?;
+    let base = AttentionConfig::new(d_model, heads);
+    let causal = base.clone().with_causal(true);
+    let rules = [
+        causal.clone(),
+        base.clone(),
+        causal
+            .clone()
+            .with_sliding_window(Some(300))
+            .with_sinks(true)
+            .with_logit_softcap(Some(5.0)),
+        base.clone().with_sliding_window(Some(200)),
+        causal.clone().with_attention_chunk(Some(400)),
+    ];
+    let compare = |mha: &MultiHeadAttention, pad: Option<&Tensor>, what: &str| {
+        let opts = AttentionOptions {
+            padding_mask: pad,
+            ..Default::default()
+        };
+        let fused = mha.forward_with(&x, &opts, None)?.output;
+        let weights = AttentionOptions {
+            return_weights: true,
+            ..opts
+        };
+        let rows = mha.forward_with(&x, &weights, None)?.output;
+        let top = rows.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+        assert_close(&fused, &rows, 3e-6 * top, what)
+    };
+    for (i, enc) in zoo::configs(d_model, heads, head_dim).iter().enumerate() {
+        let attn = if matches!(enc, EncodingConfig::Shaw(_) | EncodingConfig::Rotary(_)) {
+            causal.clone()
+        } else {
+            base.clone()
+        };
+        let (mha, _) = zoo::attention(enc, &attn, DType::F32, dev)?;
+        compare(&mha, None, &zoo::label(i, enc))?;
+    }
+    for cfg in &rules {
+        let (mha, _) = zoo::attention(&EncodingConfig::None, cfg, DType::F32, dev)?;
+        for pad in [None, Some(&padding)] {
+            compare(&mha, pad, &format!("{cfg:?} padded {}", pad.is_some()))?;
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
+    long_rows_span_key_tiles,
     window_softcap_sinks,
     windows_and_chunks_match_their_masks,
     attention_temperature_scales_queries_by_cache_slot,

@@ -211,6 +211,7 @@ impl Chunk<'_> {
                     rule: &part.rule,
                     values: values.as_ref(),
                     tile: fused_attention::tile_rows(kv),
+                    key_tile: fused_attention::KEY_TILE,
                 }
                 .write_into(merged, start)?;
             } else {

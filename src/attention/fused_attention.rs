@@ -1,41 +1,58 @@
-//! The attention core of one query block in one pass per head (CPU, f32, inference).
+//! The attention core of one query block in one pass per head (CPU, f32, inference), with an
+//! online softmax over key tiles (Milakov & Gimelshein 2018; FlashAttention's schedule).
 //!
 //! ```text
-//! for each (b, h) and each tile of n query rows i (n·Tk ≈ 256k floats, 16 ≤ n ≤ 256):
-//!     S = q[b, h, i] · k[b, h / r]ᵀ                     (n × Tk', in a per-thread buffer)
-//!     S ← softmax(S + biases + masks)  row by row       (the fused row pass)
-//!     out[b, i, h, :] = S · v[b, h / r]                 (written straight into (B, T, H, D))
-//!     out[b, i, h, :] += Σ_c (Σ_{j: c(i,j) = c} S_ij) a[c]   (relative values, if any)
+//! for each (b, h) and each tile of n query rows i (16 ≤ n ≤ 256):
+//!     m_i = sink_h or −∞,  l_i = 1 or 0,  acc_i = 0            (running max, sum, output)
+//!     for each tile of ≤ 1024 keys J the rows can see:
+//!         S = q[b, h, i] · k[b, h / r, J]ᵀ                     (n × |J|, a per-thread buffer)
+//!         S ← S + biases, masked                               (the row pass's terms and masks)
+//!         m_i' = max(m_i, max_j S_ij);  α_i = e^(m_i − m_i')
+//!         P = e^(S − m')                                        (in place)
+//!         l_i ← α_i l_i + Σ_j P_ij;  acc_i ← α_i acc_i + P v[b, h / r, J]
+//!         sums_i ← α_i sums_i + Σ_{j: c(i,j) = c} P_ij          (relative values, if any)
+//!     out[b, i, h, :] = (acc_i + sums_i · a) / l_i              (written straight into (B, T, H, D))
 //! ```
 //!
-//! `r = H / Hkv` (grouped KV heads read their shared head; nothing is repeated) and `Tk'` is
-//! `Tk`, or, under a plain causal mask, the keys up to the tile's last visible one. The logits
-//! of a tile (1 MiB at most but for very long rows) stay in the core's cache from the product
-//! that writes them, through the softmax, to the product that reads them; no `(B, H, Tq, Tk)`
-//! tensor is allocated, and the heads come out already merged for the output projection.
+//! `r = H / Hkv` (grouped KV heads read their shared head; nothing is repeated). Without
+//! padding or a dense term no row is masked whole, and a tile visits only the keys its rows
+//! can see through the causal limit, window and chunk ([`RowRule::keys_seen`]); otherwise every
+//! key, so that a row masked whole is uniform over all of them, as on the other paths. The
+//! logits of a tile (1 MiB) stay in the core's cache from the product that writes them, through
+//! the softmax, to the product that reads them, at any length; no `(B, H, Tq, Tk)` tensor is
+//! allocated, and the heads come out already merged for the output projection.
 //!
 //! Both products run `gemm` (the crate candle's CPU matmul uses, with its AVX-512 kernels when
-//! the `avx512` feature is on) on raw strided views, one thread per tile. The softmax is the
-//! row pass of [`super::fused_softmax`], so the weights are exactly the fused path's.
+//! the `avx512` feature is on) on raw strided views, one thread per tile. The terms and masks
+//! are the row pass's of [`super::fused_softmax`]; its weights differ from the row pass's by
+//! rounding only (normalised at the end instead of before the product).
 
 use std::cell::RefCell;
 
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::fused_softmax::{read_storage, strided_terms, RowRule, StorageGuard, TermGuards};
+use super::fused_softmax::{
+    read_storage, strided_terms, RowRule, Running, StorageGuard, TermGuards,
+};
 use crate::error::{Error, Result};
-use crate::plug::relative::{add_indexed_sums, add_shifted_sums};
+use crate::plug::relative::{add_indexed_sums, add_shifted_sums_from};
 use crate::plug::{Columns, RelativeBias, RelativeValues};
 
-/// The logits of one tile (`rows × Tk` floats), which must stay in the core's cache from the
+/// The logits of one tile (`rows × keys` floats), which must stay in the core's cache from the
 /// product that writes them to the one that reads them: half of a 2 MiB L2.
 const TILE_BYTES: usize = 1 << 20;
 
-/// Query rows per tile for `tk` keys: [`TILE_BYTES`] of logits, 16 to 256 rows (fewer rows
-/// would repack the keys too often; more would leave too few tiles to share out).
+/// Keys per tile: a query tile meets its keys in tiles of this many (the online softmax
+/// carries each row's maximum and sum from one to the next), so its logits stay in cache at
+/// any length.
+pub(crate) const KEY_TILE: usize = 1024;
+
+/// Query rows per tile for `tk` keys: [`TILE_BYTES`] of logits of at most [`KEY_TILE`] keys,
+/// 16 to 256 rows (fewer rows would repack the keys too often; more would leave too few tiles
+/// to share out).
 pub(crate) fn tile_rows(tk: usize) -> usize {
-    (TILE_BYTES / (4 * tk.max(1))).clamp(16, 256)
+    (TILE_BYTES / (4 * tk.clamp(1, KEY_TILE))).clamp(16, 256)
 }
 
 /// One query block of the core, written into rows `first_row..first_row + Tq` of `out`.
@@ -58,6 +75,8 @@ pub(crate) struct Core<'a> {
     pub values: Option<&'a RelativeValues>,
     /// Query rows per tile ([`tile_rows`] of the key count).
     pub tile: usize,
+    /// Keys per tile ([`KEY_TILE`]).
+    pub key_tile: usize,
 }
 
 impl Core<'_> {
@@ -72,13 +91,14 @@ impl Core<'_> {
             v: self.v.clone(),
             terms: strided_terms((b, h, tq, tk), &self.dense, &self.relative)?,
             padding: self.padding.map(|p| p.contiguous()).transpose()?,
-            // Trailing keys hidden from a whole tile may be left out only when no row can be
-            // fully masked (a fully masked row is uniform over every key).
-            trim: self.rule.causal && self.padding.is_none() && self.dense.is_empty(),
+            // Keys no row of a tile sees may be left out only when no row can be masked whole
+            // (such a row is uniform over every key).
+            skip: self.padding.is_none() && self.dense.is_empty(),
             rule: self.rule.clone(),
             first_row,
             dims: (b, h, tq, tk, d),
             tile: self.tile.max(1),
+            key_tile: self.key_tile.max(1),
             values: match self.values {
                 Some(v) => Some(ValueOperands::new(v, (b, tq, tk, d))?),
                 None => None,
@@ -95,7 +115,8 @@ struct CoreOp {
     v: Tensor,
     terms: Vec<super::fused_softmax::Strided>,
     padding: Option<Tensor>,
-    trim: bool,
+    /// Whether a tile visits only the keys its rows can see ([`RowRule::keys_seen`]).
+    skip: bool,
     rule: RowRule,
     first_row: usize,
     /// `(B, H, Tq, Tk, D)`.
@@ -103,6 +124,7 @@ struct CoreOp {
     /// The relative value term, ready for the tiles.
     values: Option<ValueOperands>,
     tile: usize,
+    key_tile: usize,
 }
 
 /// A relative value term as the tiles read it: a contiguous f32 `(W, D)` table and its
@@ -223,6 +245,10 @@ thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Each thread's weights summed per relative distance, `rows × W`.
     static SUMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each thread's unnormalised output rows, `rows × D`.
+    static ACC: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each thread's online softmax state per row.
+    static RUNNING: RefCell<Vec<Running>> = const { RefCell::new(Vec::new()) };
 }
 
 impl InplaceOp1 for CoreOp {
@@ -295,79 +321,119 @@ impl InplaceOp1 for CoreOp {
             }
         };
         let out = OutPtr(out[start..].as_mut_ptr());
-        let tile = self.tile;
+        let (tile, key_tile) = (self.tile, self.key_tile);
         let tiles = tq.div_ceil(tile);
         (0..b * h * tiles).into_par_iter().for_each(|task| {
             let (bh, i0) = (task / tiles, (task % tiles) * tile);
             let (bi, hi) = (bh / h, bh % h);
             let rows = tile.min(tq - i0);
-            let keys = match self.trim {
-                true => self.rule.visible(i0 + rows - 1, tk),
-                false => tk,
+            let r0 = (bi * h + hi) * tq + i0;
+            let (lo, hi_key) = match self.skip {
+                true => self.rule.keys_seen(i0, i0 + rows, tk),
+                false => (0, tk),
             };
-            // SAFETY: bi < B, hi / group < Hkv and row 0 < Tk (Tk ≥ 1: empty views are refused).
-            let (kp, vp) = unsafe { (k.at(bi, hi / group, 0), v.at(bi, hi / group, 0)) };
+            let width = values.as_ref().map_or(0, |(_, w, _)| *w);
             TILE.with_borrow_mut(|s| {
-                s.resize(rows * keys, 0.0);
-                // SAFETY: S is rows × keys (resized above); the q rows, k and v rows read lie in
-                // their views (i0 + rows ≤ Tq, keys ≤ Tk), checked against storage in `View::new`.
-                unsafe {
-                    product(
-                        (rows, keys, d),
-                        (s.as_mut_ptr(), keys, false),
-                        (q.at(bi, hi, i0), 1, q.strides[2]),
-                        (kp, k.strides[2], 1),
-                    )
-                };
-                for (li, row) in s.chunks_exact_mut(keys).enumerate() {
-                    pass.run_best((bi * h + hi) * tq + i0 + li, row);
-                }
-                let row0 = (bi * t + self.first_row + i0) * h + hi;
-                // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements (checked above);
-                // this tile writes rows first_row + i0 .. + rows of head hi only.
-                let dst = unsafe { out.add(row0 * d) };
-                // SAFETY: as above; S is rows × keys, v's rows lie in its view.
-                unsafe {
-                    product(
-                        (rows, d, keys),
-                        (dst, h * d, false),
-                        (s.as_ptr(), 1, keys),
-                        (vp, 1, v.strides[2]),
-                    )
-                };
-                let Some((table, width, rule)) = &values else {
-                    return;
-                };
-                let width = *width;
-                SUMS.with_borrow_mut(|sums| {
-                    sums.clear();
-                    sums.resize(rows * width, 0.0);
-                    for (li, (row, sums)) in s
-                        .chunks_exact(keys)
-                        .zip(sums.chunks_exact_mut(width))
-                        .enumerate()
-                    {
-                        match rule {
-                            TileColumns::Shift(shift) => {
-                                add_shifted_sums(row, i0 + li, *shift, sums)
+                ACC.with_borrow_mut(|acc| {
+                    SUMS.with_borrow_mut(|sums| {
+                        RUNNING.with_borrow_mut(|running| {
+                            acc.resize(rows * d, 0.0);
+                            sums.clear();
+                            sums.resize(rows * width, 0.0);
+                            running.clear();
+                            running.extend((0..rows).map(|li| pass.running(r0 + li)));
+                            for j0 in (lo..hi_key).step_by(key_tile) {
+                                let n = key_tile.min(hi_key - j0);
+                                s.resize(rows * n, 0.0);
+                                // SAFETY: bi < B, hi / group < Hkv, j0 < Tk; S is rows × n
+                                // (resized above), acc rows × D; the q rows and the k and v rows
+                                // read lie in their views (i0 + rows ≤ Tq, j0 + n ≤ Tk), checked
+                                // against storage in `View::new`.
+                                let (kp, vp) =
+                                    unsafe { (k.at(bi, hi / group, j0), v.at(bi, hi / group, j0)) };
+                                unsafe {
+                                    product(
+                                        (rows, n, d),
+                                        (s.as_mut_ptr(), n, false),
+                                        (q.at(bi, hi, i0), 1, q.strides[2]),
+                                        (kp, k.strides[2], 1),
+                                    )
+                                };
+                                for (li, row) in s.chunks_exact_mut(n).enumerate() {
+                                    let alpha =
+                                        pass.online_best(r0 + li, row, j0, &mut running[li]);
+                                    if alpha != 1.0 && j0 > lo {
+                                        acc[li * d..(li + 1) * d]
+                                            .iter_mut()
+                                            .for_each(|x| *x *= alpha);
+                                        sums[li * width..(li + 1) * width]
+                                            .iter_mut()
+                                            .for_each(|x| *x *= alpha);
+                                    }
+                                }
+                                // SAFETY: as above.
+                                unsafe {
+                                    product(
+                                        (rows, d, n),
+                                        (acc.as_mut_ptr(), d, j0 > lo),
+                                        (s.as_ptr(), 1, n),
+                                        (vp, 1, v.strides[2]),
+                                    )
+                                };
+                                if let Some((_, _, rule)) = &values {
+                                    for (li, (row, sums)) in s
+                                        .chunks_exact(n)
+                                        .zip(sums.chunks_exact_mut(width))
+                                        .enumerate()
+                                    {
+                                        match rule {
+                                            TileColumns::Shift(shift) => add_shifted_sums_from(
+                                                row,
+                                                i0 + li,
+                                                *shift,
+                                                j0,
+                                                sums,
+                                            ),
+                                            TileColumns::Index(index, ib) => {
+                                                let batch = if *ib == 1 { 0 } else { bi };
+                                                let at = (batch * tq + i0 + li) * tk + j0;
+                                                add_indexed_sums(row, &index[at..at + n], sums);
+                                            }
+                                        }
+                                    }
+                                }
                             }
-                            TileColumns::Index(index, ib) => {
-                                let batch = if *ib == 1 { 0 } else { bi };
-                                let at = (batch * tq + i0 + li) * tk;
-                                add_indexed_sums(row, &index[at..at + keys], sums);
+                            let row0 = (bi * t + self.first_row + i0) * h + hi;
+                            for (li, state) in running.iter().enumerate() {
+                                let inv = 1.0 / state.sum;
+                                // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements
+                                // (checked above); this tile writes rows first_row + i0 .. + rows
+                                // of head hi only.
+                                let dst = unsafe {
+                                    std::slice::from_raw_parts_mut(out.add((row0 + li * h) * d), d)
+                                };
+                                for (o, a) in dst.iter_mut().zip(&acc[li * d..(li + 1) * d]) {
+                                    *o = a * inv;
+                                }
+                                sums[li * width..(li + 1) * width]
+                                    .iter_mut()
+                                    .for_each(|x| *x *= inv);
                             }
-                        }
-                    }
-                    // SAFETY: as above; sums is rows × W, the table W × D.
-                    unsafe {
-                        product(
-                            (rows, d, width),
-                            (dst, h * d, true),
-                            (sums.as_ptr(), 1, width),
-                            (table.as_ptr(), 1, d),
-                        )
-                    };
-                });
+                            let Some((table, width, _)) = &values else {
+                                return;
+                            };
+                            // SAFETY: as above; sums is rows × W, the table W × D.
+                            unsafe {
+                                product(
+                                    (rows, d, *width),
+                                    (out.add(row0 * d), h * d, true),
+                                    (sums.as_ptr(), 1, *width),
+                                    (table.as_ptr(), 1, d),
+                                )
+                            };
+                        })
+                    })
+                })
             });
         });
         Ok(())
@@ -503,7 +569,7 @@ mod tests {
                 }
                 let p = candle_nn::ops::softmax(&s, D::Minus1)?;
                 let want = (p.matmul(&rep(&v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?;
-                for tile in [1, 3, 5, 13] {
+                for (tile, key_tile) in [(1, 17), (3, 1), (5, 4), (13, 5), (13, 17)] {
                     let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
                     Core {
                         q: &q,
@@ -515,12 +581,13 @@ mod tests {
                         rule: &rule,
                         values: Some(values),
                         tile,
+                        key_tile,
                     }
                     .write_into(&out, 0)?;
                     let diff = (out - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
                     assert!(
                         diff < 1e-5,
-                        "tile {tile} causal {causal:?} padded {}: {diff:e}",
+                        "tile {tile}×{key_tile} causal {causal:?} padded {}: {diff:e}",
                         pad.is_some()
                     );
                 }
@@ -544,7 +611,7 @@ mod tests {
         let want = candle_nn::ops::softmax(&s, D::Minus1)?
             .matmul(&v)?
             .transpose(1, 2)?;
-        for tile in [1, 2, 4, 9] {
+        for (tile, key_tile) in [(1, 12), (2, 1), (4, 5), (9, 3)] {
             let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
             let core = Core {
                 q: &q,
@@ -556,10 +623,103 @@ mod tests {
                 rule: &rule,
                 values: None,
                 tile,
+                key_tile,
             };
             core.write_into(&out, 0)?;
             let diff = (out - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(diff < 1e-5, "tile {tile}: {diff:e}");
+            assert!(diff < 1e-5, "tile {tile}×{key_tile}: {diff:e}");
+        }
+        Ok(())
+    }
+
+    /// The online softmax over key tiles equals the row pass over whole rows (the one-pass
+    /// core it replaced) within 3e-6 of the largest output, for every row rule (causal and
+    /// bidirectional windows, chunks, sinks, a soft cap), with and without padding (rows
+    /// masked whole included), with a relative bias and relative values, for key tiles of one
+    /// key to all of them.
+    #[test]
+    fn key_tiles_equal_whole_rows() -> anyhow::Result<()> {
+        use crate::attention::fused_softmax::bias_mask_softmax_in_place;
+        let dev = Device::Cpu;
+        let (b, h, tq, tk, d, w) = (2, 2, 11, 23, 8, 4);
+        let first = tk - tq;
+        let q = (Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)? * 2.0)?;
+        let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let relative = RelativeBias::new(
+            Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
+            Columns::Shift(w as i64 - first as i64),
+        )?;
+        let values = RelativeValues::new(
+            Tensor::randn(0f32, 1.0, (2 * w + 1, d), &dev)?,
+            Columns::Shift(w as i64 - first as i64),
+        )?;
+        // Batch item 0: its first 14 keys padded, so its early causal rows are masked whole.
+        let mut keep = vec![1u8; b * tk];
+        keep[..14].fill(0);
+        keep[tk + 5] = 0;
+        let padding = Tensor::from_vec(keep, (b, tk), &dev)?;
+        let causal = RowRule {
+            first,
+            causal: true,
+            ..RowRule::default()
+        };
+        let rules = [
+            RowRule::default(),
+            causal.clone(),
+            RowRule {
+                window: Some(5),
+                ..causal.clone()
+            },
+            RowRule {
+                first,
+                window: Some(3),
+                ..RowRule::default()
+            },
+            RowRule {
+                chunk: Some(4),
+                ..causal.clone()
+            },
+            RowRule {
+                softcap: Some(2.0),
+                sinks: Some(vec![0.5, -1.0]),
+                window: Some(6),
+                ..causal.clone()
+            },
+            RowRule {
+                sinks: Some(vec![3.0, f32::MIN]),
+                ..RowRule::default()
+            },
+        ];
+        for rule in &rules {
+            for pad in [None, Some(&padding)] {
+                let s = q.matmul(&k.t()?)?.contiguous()?;
+                bias_mask_softmax_in_place(&s, &[], &[&relative], pad, rule)?;
+                let want = (s.matmul(&v)? + values.weighted_sum(&s)?)?.transpose(1, 2)?;
+                let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                for (tile, key_tile) in [(11, 1), (3, 4), (4, 7), (11, 23), (1, 1024)] {
+                    let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
+                    Core {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        dense: vec![],
+                        relative: vec![&relative],
+                        padding: pad,
+                        rule,
+                        values: Some(&values),
+                        tile,
+                        key_tile,
+                    }
+                    .write_into(&out, 0)?;
+                    let diff = (out - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(
+                        diff <= 3e-6 * top,
+                        "{rule:?} padded {} tile {tile}×{key_tile}: {diff:e} of {top}",
+                        pad.is_some()
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -567,8 +727,9 @@ mod tests {
     #[test]
     fn tiles_hold_about_a_mebibyte_of_logits() {
         assert_eq!(tile_rows(1024), 256);
-        assert_eq!(tile_rows(4096), 64);
-        assert_eq!(tile_rows(1 << 20), 16);
+        assert_eq!(tile_rows(4096), 256);
+        assert_eq!(tile_rows(1 << 20), 256);
         assert_eq!(tile_rows(1), 256);
+        assert_eq!(KEY_TILE * tile_rows(KEY_TILE) * 4, TILE_BYTES);
     }
 }

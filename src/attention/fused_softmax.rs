@@ -19,7 +19,7 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::plug::{row_segments, Columns, RelativeBias};
+use crate::plug::{row_segments_from, Columns, RelativeBias};
 
 /// A broadcast view of an additive term: storage offset and the strides of `(B, H, Tq, X)`,
 /// where `X` is `Tk` for a dense term and the row width for a relative one.
@@ -48,26 +48,26 @@ impl Strided {
         })
     }
 
-    /// Adds this term's row `(bi, hi, i)` to `row` (the first `row.len()` keys).
+    /// Adds this term's row `(bi, hi, i)` at keys `j0..j0 + row.len()` to `row`.
     #[inline(always)]
-    fn add_row(&self, src: &[f32], bi: usize, hi: usize, i: usize, row: &mut [f32]) {
+    fn add_row(&self, src: &[f32], (bi, hi, i): (usize, usize, usize), j0: usize, row: &mut [f32]) {
         let [s0, s1, s2, s3] = self.strides;
         let base = self.offset + bi * s0 + hi * s1 + i * s2;
         match self.relative {
             None if s3 == 1 => {
-                for (x, y) in row.iter_mut().zip(&src[base..]) {
+                for (x, y) in row.iter_mut().zip(&src[base + j0..]) {
                     *x += y;
                 }
             }
             None => {
                 for (j, x) in row.iter_mut().enumerate() {
-                    *x += src[base + j * s3];
+                    *x += src[base + (j0 + j) * s3];
                 }
             }
             Some((shift, width)) => {
                 // Contiguous values (checked when built): one row of `width` columns.
                 let values = &src[base..base + width];
-                let s = row_segments(i, shift, width, row.len());
+                let s = row_segments_from(i, shift, width, j0, row.len());
                 let (left, rest) = row.split_at_mut(s.lo);
                 let (middle, right) = rest.split_at_mut(s.hi - s.lo);
                 left.iter_mut().for_each(|x| *x += values[0]);
@@ -232,6 +232,20 @@ impl RowRule {
         (start, end)
     }
 
+    /// The keys `lo..hi` out of `tk` that rows `i0..i1` (`i1 > i0`) can see through the causal
+    /// limit, window and chunk when no key is padded (spans move right with the row, so the
+    /// first row's start and the last row's end bound them all); every key if none is left.
+    pub(crate) fn keys_seen(&self, i0: usize, i1: usize, tk: usize) -> (usize, usize) {
+        let last = i1 - 1;
+        let lo = self.span(i0, 0).0.min(tk);
+        let hi = self.visible(last, tk).min(self.span(last, 0).1);
+        if lo < hi {
+            (lo, hi)
+        } else {
+            (0, tk)
+        }
+    }
+
     /// Whether a row's window or chunk depends on the sequence's leading padding.
     pub(crate) fn needs_left(&self) -> bool {
         self.chunk.is_some()
@@ -355,6 +369,7 @@ impl<'a> TermGuards<'a> {
         Ok(RowPass {
             terms,
             padding,
+            lefts: leading_padding(rule, padding, tk),
             rule,
             dims: (h, tq, tk),
             isa: Isa::detect(),
@@ -362,10 +377,31 @@ impl<'a> TermGuards<'a> {
     }
 }
 
+/// Each sequence's leading padded keys when `rule` counts chunks from them (else empty).
+fn leading_padding(rule: &RowRule, padding: Option<&[u8]>, tk: usize) -> Vec<usize> {
+    match (rule.needs_left(), padding) {
+        (true, Some(p)) => p
+            .chunks_exact(tk.max(1))
+            .map(|keep| keep.iter().position(|&k| k != 0).unwrap_or(tk))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// One row's online softmax so far: the largest logit seen (or the sink's) and the sum of
+/// `e^(s − max)` over the keys seen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Running {
+    pub(crate) max: f32,
+    pub(crate) sum: f32,
+}
+
 /// Everything one row of the pass reads.
 pub(crate) struct RowPass<'a> {
     terms: Vec<(&'a [f32], &'a Strided)>,
     padding: Option<&'a [u8]>,
+    /// Each sequence's leading padded keys when the rule counts chunks from them (else empty).
+    lefts: Vec<usize>,
     rule: &'a RowRule,
     /// `(H, Tq, Tk)`: `Tk` is the padding mask's row length.
     dims: (usize, usize, usize),
@@ -418,41 +454,49 @@ impl RowPass<'_> {
         }
     }
 
-    /// Bias, masks and softmax of logits row `r` (flat over `(B, H, Tq)`).
+    /// Soft cap, terms, padding, window and chunk of the logits of keys `j0..j0 + row.len()`
+    /// of row `r` (flat over `(B, H, Tq)`), masked keys set to `f32::MIN`; returns how many of
+    /// them lie before the row's causal limit (the keys past it are left as they are).
     #[inline(always)]
-    fn run(&self, r: usize, row: &mut [f32]) {
+    fn mask_keys(&self, r: usize, row: &mut [f32], j0: usize) -> usize {
         let (h, tq, tk) = self.dims;
         let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
-        let len = row.len();
         let rule = self.rule;
-        let visible = rule.visible(i, len);
-        let (row, hidden) = row.split_at_mut(visible);
+        let visible = rule.visible(i, j0 + row.len()).saturating_sub(j0);
+        let row = &mut row[..visible];
         if let Some(c) = rule.softcap {
             for x in row.iter_mut() {
                 *x = c * (*x / c).tanh();
             }
         }
         for (src, t) in &self.terms {
-            t.add_row(src, bi, hi, i, row);
+            t.add_row(src, (bi, hi, i), j0, row);
         }
         if let Some(p) = self.padding {
-            for (x, keep) in row.iter_mut().zip(&p[bi * tk..]) {
+            for (x, keep) in row.iter_mut().zip(&p[bi * tk + j0..]) {
                 if *keep == 0 {
                     *x = f32::MIN;
                 }
             }
         }
-        let left = match (rule.needs_left(), self.padding) {
-            (true, Some(p)) => p[bi * tk..(bi + 1) * tk]
-                .iter()
-                .position(|&keep| keep != 0)
-                .unwrap_or(tk),
-            _ => 0,
-        };
+        let left = self.lefts.get(bi).copied().unwrap_or(0);
         let (start, end) = rule.span(i, left);
-        let (start, end) = (start.min(visible), end.min(visible));
+        let clip = |x: usize| x.saturating_sub(j0).min(visible);
+        let (start, end) = (clip(start), clip(end));
         row[..start].iter_mut().for_each(|x| *x = f32::MIN);
         row[end.max(start)..].iter_mut().for_each(|x| *x = f32::MIN);
+        visible
+    }
+
+    /// Bias, masks and softmax of logits row `r` (flat over `(B, H, Tq)`).
+    #[inline(always)]
+    fn run(&self, r: usize, row: &mut [f32]) {
+        let (h, tq, _) = self.dims;
+        let hi = (r / tq) % h;
+        let len = row.len();
+        let visible = self.mask_keys(r, row, 0);
+        let (row, hidden) = row.split_at_mut(visible);
+        let rule = self.rule;
         let sink = rule.sinks.as_ref().map(|s| s[hi]);
         let max = row_max(row);
         if max == f32::MIN && sink.is_none() && !hidden.is_empty() {
@@ -479,6 +523,91 @@ impl RowPass<'_> {
         // 0, or NaN when the row is NaN: what the unfused softmax gives keys masked with the
         // lowest value.
         hidden.iter_mut().for_each(|x| *x = 0.0 * inv);
+    }
+
+    /// The state row `r`'s online softmax starts from: its head's sink logit at weight 1 (the
+    /// sink joins the normalisation and carries no value), or nothing.
+    #[inline(always)]
+    pub(crate) fn running(&self, r: usize) -> Running {
+        let (h, tq, _) = self.dims;
+        match &self.rule.sinks {
+            Some(s) => Running {
+                max: s[(r / tq) % h],
+                sum: 1.0,
+            },
+            None => Running {
+                max: f32::NEG_INFINITY,
+                sum: 0.0,
+            },
+        }
+    }
+
+    /// One key tile of row `r`'s online softmax, with the fastest build of [`Self::online`]
+    /// this CPU runs.
+    #[inline(always)]
+    pub(crate) fn online_best(
+        &self,
+        r: usize,
+        row: &mut [f32],
+        j0: usize,
+        state: &mut Running,
+    ) -> f32 {
+        match self.isa {
+            // SAFETY: `Isa::detect` found the instructions on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { self.online_avx512(r, row, j0, state) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { self.online_avx2(r, row, j0, state) },
+            Isa::Baseline => self.online(r, row, j0, state),
+        }
+    }
+
+    /// One key tile of row `r`'s online softmax: the logits of keys `j0..j0 + row.len()` get
+    /// the row's terms and masks (keys past its causal limit are masked too), then become
+    /// weights `e^(s − m)` against the running maximum `m` over every tile so far, which
+    /// `state` keeps with the running sum of weights. Returns the factor `e^(m_old − m)` by
+    /// which everything the row accumulated from earlier tiles must be scaled.
+    ///
+    /// The weights of a whole row are [`Self::run`]'s once divided by the final sum, up to
+    /// rounding: masked keys take `f32::MIN` here too, so a row masked whole is uniform over
+    /// every key given to it.
+    #[inline(always)]
+    fn online(&self, r: usize, row: &mut [f32], j0: usize, state: &mut Running) -> f32 {
+        let visible = self.mask_keys(r, row, j0);
+        row[visible..].iter_mut().for_each(|x| *x = f32::MIN);
+        let max = row_max(row);
+        // Comparisons, not f32::max: a NaN must stay NaN.
+        let m = if max > state.max || max.is_nan() {
+            max
+        } else {
+            state.max
+        };
+        if m == f32::NEG_INFINITY {
+            // Only −∞ logits so far: nothing weighs yet (a row of −∞ only ends with a sum of
+            // 0 and NaN output, as `run` gives).
+            row.iter_mut().for_each(|x| *x = 0.0);
+            return 0.0;
+        }
+        let d = state.max - m;
+        let alpha = if d < FLUSH_BELOW { 0.0 } else { exp(d) };
+        state.sum = state.sum * alpha + exp_shifted_in_place(row, m);
+        state.max = m;
+        alpha
+    }
+
+    /// [`Self::online`] compiled for AVX2 (the same operations per lane as the baseline).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn online_avx2(&self, r: usize, row: &mut [f32], j0: usize, state: &mut Running) -> f32 {
+        self.online(r, row, j0, state)
+    }
+
+    /// [`Self::online`] compiled for AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn online_avx512(&self, r: usize, row: &mut [f32], j0: usize, state: &mut Running) -> f32 {
+        self.online(r, row, j0, state)
     }
 
     /// [`Self::run`] compiled for AVX2: eight lanes instead of SSE2's four. The arithmetic is
@@ -570,6 +699,7 @@ mod tests {
                 let pass = RowPass {
                     terms: vec![],
                     padding,
+                    lefts: leading_padding(rule, padding, tk),
                     rule,
                     dims: (h, tq, tk),
                     isa: Isa::Baseline,

@@ -22,7 +22,7 @@
 
 pub(crate) mod relative;
 
-pub(crate) use relative::row_segments;
+pub(crate) use relative::row_segments_from;
 pub use relative::{Columns, RelativeBias, RelativeValues};
 
 use candle_core::Tensor;

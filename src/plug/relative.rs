@@ -122,10 +122,22 @@ pub(crate) struct RowSegments {
 /// The [`RowSegments`] of row `i` for `Columns::Shift(shift)`, `width` columns and `tk` keys,
 /// exact for every `i64` shift (the arithmetic runs in `i128`).
 pub(crate) fn row_segments(i: usize, shift: i64, width: usize, tk: usize) -> RowSegments {
-    // Key j reads column j − first before clamping.
-    let first = i as i128 - shift as i128;
-    let lo = first.clamp(0, tk as i128) as usize;
-    let hi = (first + width as i128).clamp(0, tk as i128) as usize;
+    row_segments_from(i, shift, width, 0, tk)
+}
+
+/// The [`RowSegments`] of keys `j0..j0 + n` of row `i` (positions counted from `j0`): the same
+/// columns as [`row_segments`] gives those keys of the whole row.
+pub(crate) fn row_segments_from(
+    i: usize,
+    shift: i64,
+    width: usize,
+    j0: usize,
+    n: usize,
+) -> RowSegments {
+    // Key j0 + j reads column j − first before clamping.
+    let first = i as i128 - shift as i128 - j0 as i128;
+    let lo = first.clamp(0, n as i128) as usize;
+    let hi = (first + width as i128).clamp(0, n as i128) as usize;
     // When lo < hi, first ≤ lo < first + width, so the column lies in 0..width.
     let first_col = if lo < hi {
         (lo as i128 - first) as usize
@@ -447,8 +459,19 @@ impl GraftBackward for ExpandAt {
 /// Adds query row `i`'s weights (keys `0..row.len()`) into `sums` per column
 /// `clamp(j − i + shift, 0, sums.len() − 1)`.
 pub(crate) fn add_shifted_sums(row: &[f32], i: usize, shift: i64, sums: &mut [f32]) {
+    add_shifted_sums_from(row, i, shift, 0, sums)
+}
+
+/// [`add_shifted_sums`] for `row` holding the weights of keys `j0..j0 + row.len()` of row `i`.
+pub(crate) fn add_shifted_sums_from(
+    row: &[f32],
+    i: usize,
+    shift: i64,
+    j0: usize,
+    sums: &mut [f32],
+) {
     let width = sums.len();
-    let s = row_segments(i, shift, width, row.len());
+    let s = row_segments_from(i, shift, width, j0, row.len());
     sums[0] += row[..s.lo].iter().sum::<f32>();
     for (c, p) in sums[s.first_col..s.first_col + (s.hi - s.lo)]
         .iter_mut()
