@@ -157,6 +157,14 @@ impl Chunk<'_> {
             bias || values.as_ref().is_some_and(|v| v.table().track_op())
         });
         let path = if tracked { Path::Ops } else { path };
+        // The fused core allocates no logits, so the budget's query blocks only bound the
+        // encoding's answers: when they do not grow with the queries (none, or one row shared
+        // by every query), the whole chunk is one block, and the core's tiles reuse each key
+        // tile across all its queries.
+        if path == Path::Fused && spans.len() > 1 && first.as_ref().is_some_and(shared_answers) {
+            spans = vec![(0, t, tk)];
+            first = Some(self.answers(spans[0])?);
+        }
         let differentiable = self.differentiable || tracked;
         let (k, v) = match path {
             Path::Fused => (self.k.clone(), self.v.clone()), // grouped heads read in place
@@ -206,6 +214,7 @@ impl Chunk<'_> {
                     k: &part.k,
                     v: &part.v,
                     dense: terms.dense.iter().collect(),
+                    dense_masks: self.attn_mask.is_some(),
                     relative: terms.rows.iter().collect(),
                     padding: part.padding,
                     rule: &part.rule,
@@ -332,6 +341,23 @@ impl LogitTerms {
 }
 
 /// Repeats each KV head `n_rep` times: `(B, Hkv, T, D)` → `(B, Hkv·n_rep, T, D)`.
+/// Whether an encoding's answers for a query block take the same memory for any number of
+/// queries: no bias, or a bias with one row for every query (dense or shifted), and no values
+/// or values read through a shift (not an index map per query).
+fn shared_answers((bias, values): &Answers) -> bool {
+    let one_row = |t: &Tensor| t.rank() == 4 && t.dims()[2] == 1;
+    let bias = match bias {
+        None => true,
+        Some(LogitsBias::Dense(t)) => one_row(t),
+        Some(LogitsBias::Relative(r)) => {
+            one_row(r.values()) && matches!(r.columns(), Columns::Shift(_))
+        }
+    };
+    bias && values
+        .as_ref()
+        .is_none_or(|v| matches!(v.columns(), Columns::Shift(_)))
+}
+
 fn repeat_kv(t: &Tensor, n_rep: usize) -> Result<Tensor> {
     if n_rep == 1 {
         return Ok(t.clone());

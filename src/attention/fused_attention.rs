@@ -15,9 +15,11 @@
 //! ```
 //!
 //! `r = H / Hkv` (grouped KV heads read their shared head; nothing is repeated). Without
-//! padding or a dense term no row is masked whole, and a tile visits only the keys its rows
-//! can see through the causal limit, window and chunk ([`RowRule::keys_seen`]); otherwise every
-//! key, so that a row masked whole is uniform over all of them, as on the other paths. The
+//! padding or a user's mask no row is masked whole (an encoding's bias is finite), and a tile
+//! visits only the keys its rows can see through the causal limit, window and chunk
+//! ([`RowRule::keys_seen`]); otherwise every key, so that a row masked whole is uniform over all
+//! of them, as on the other paths. When key tiles are read by several query tiles, the keys
+//! are transposed once per call, so that gemm reads each tile in place instead of gathering it. The
 //! logits of a tile (1 MiB) stay in the core's cache from the product that writes them, through
 //! the softmax, to the product that reads them, at any length; no `(B, H, Tq, Tk)` tensor is
 //! allocated, and the heads come out already merged for the output projection.
@@ -65,6 +67,9 @@ pub(crate) struct Core<'a> {
     pub v: &'a Tensor,
     /// Additive terms broadcastable to `(B, H, Tq, Tk)` (f32, CPU).
     pub dense: Vec<&'a Tensor>,
+    /// Whether a dense term may hide keys (a user's mask): then a row may be masked whole.
+    /// An encoding's bias is taken to be finite, as the other paths' trimming takes it.
+    pub dense_masks: bool,
     /// Relative terms with shifted columns, f32 (checked against the block by the caller).
     pub relative: Vec<&'a RelativeBias>,
     /// `(B, Tk)` u8, non-zero = keep.
@@ -93,7 +98,7 @@ impl Core<'_> {
             padding: self.padding.map(|p| p.contiguous()).transpose()?,
             // Keys no row of a tile sees may be left out only when no row can be masked whole
             // (such a row is uniform over every key).
-            skip: self.padding.is_none() && self.dense.is_empty(),
+            skip: self.padding.is_none() && !self.dense_masks,
             rule: self.rule.clone(),
             first_row,
             dims: (b, h, tq, tk, d),
@@ -239,16 +244,33 @@ unsafe impl Sync for View {}
 // The per-thread buffers below are borrowed mutably for the whole of one tile's work
 // (`with_borrow_mut`); that is sound only because nothing inside that closure re-enters rayon
 // (gemm runs with `Parallelism::None`, the row pass is serial): a nested parallel call could run
-// another tile on this thread while the buffer is borrowed, and `RefCell` would panic.
+// another tile on this thread while the buffers are borrowed, and `RefCell` would panic.
 thread_local! {
-    /// Each thread's tile of logits, reused across tiles and calls (no page faults).
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// Each thread's weights summed per relative distance, `rows × W`.
-    static SUMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// Each thread's unnormalised output rows, `rows × D`.
-    static ACC: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// Each thread's online softmax state per row.
-    static RUNNING: RefCell<Vec<Running>> = const { RefCell::new(Vec::new()) };
+    /// Each thread's buffers, reused across tiles and calls (no page faults).
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch::new()) };
+}
+
+/// One thread's working memory for a query tile.
+struct Scratch {
+    /// The logits of a key tile, `rows × n`.
+    logits: Vec<f32>,
+    /// Unnormalised output rows, `rows × D`.
+    acc: Vec<f32>,
+    /// Weights summed per relative distance, `rows × W`.
+    sums: Vec<f32>,
+    /// The online softmax state per row.
+    running: Vec<Running>,
+}
+
+impl Scratch {
+    const fn new() -> Self {
+        Self {
+            logits: Vec::new(),
+            acc: Vec::new(),
+            sums: Vec::new(),
+            running: Vec::new(),
+        }
+    }
 }
 
 impl InplaceOp1 for CoreOp {
@@ -323,6 +345,13 @@ impl InplaceOp1 for CoreOp {
         let out = OutPtr(out[start..].as_mut_ptr());
         let (tile, key_tile) = (self.tile, self.key_tile);
         let tiles = tq.div_ceil(tile);
+        // gemm reads a key tile as stored, (n, D), by gathering it column by column, a third of
+        // the core's time when every query tile does it again: when key tiles are read by more
+        // than one query tile, the keys are transposed once, (B, Hkv, D, Tk).
+        let keys_t = match tiles * group > 1 {
+            true => Some(transposed_keys(&k, (b, hkv, tk, d))?),
+            false => None,
+        };
         (0..b * h * tiles).into_par_iter().for_each(|task| {
             let (bh, i0) = (task / tiles, (task % tiles) * tile);
             let (bi, hi) = (bh / h, bh % h);
@@ -333,111 +362,157 @@ impl InplaceOp1 for CoreOp {
                 false => (0, tk),
             };
             let width = values.as_ref().map_or(0, |(_, w, _)| *w);
-            TILE.with_borrow_mut(|s| {
-                ACC.with_borrow_mut(|acc| {
-                    SUMS.with_borrow_mut(|sums| {
-                        RUNNING.with_borrow_mut(|running| {
-                            acc.resize(rows * d, 0.0);
-                            sums.clear();
-                            sums.resize(rows * width, 0.0);
-                            running.clear();
-                            running.extend((0..rows).map(|li| pass.running(r0 + li)));
-                            for j0 in (lo..hi_key).step_by(key_tile) {
-                                let n = key_tile.min(hi_key - j0);
-                                s.resize(rows * n, 0.0);
-                                // SAFETY: bi < B, hi / group < Hkv, j0 < Tk; S is rows × n
-                                // (resized above), acc rows × D; the q rows and the k and v rows
-                                // read lie in their views (i0 + rows ≤ Tq, j0 + n ≤ Tk), checked
-                                // against storage in `View::new`.
-                                let (kp, vp) =
-                                    unsafe { (k.at(bi, hi / group, j0), v.at(bi, hi / group, j0)) };
-                                unsafe {
-                                    product(
-                                        (rows, n, d),
-                                        (s.as_mut_ptr(), n, false),
-                                        (q.at(bi, hi, i0), 1, q.strides[2]),
-                                        (kp, k.strides[2], 1),
-                                    )
-                                };
-                                for (li, row) in s.chunks_exact_mut(n).enumerate() {
-                                    let alpha =
-                                        pass.online_best(r0 + li, row, j0, &mut running[li]);
-                                    if alpha != 1.0 && j0 > lo {
-                                        acc[li * d..(li + 1) * d]
-                                            .iter_mut()
-                                            .for_each(|x| *x *= alpha);
-                                        sums[li * width..(li + 1) * width]
-                                            .iter_mut()
-                                            .for_each(|x| *x *= alpha);
-                                    }
+            SCRATCH.with_borrow_mut(|scratch| {
+                let Scratch {
+                    logits: s,
+                    acc,
+                    sums,
+                    running,
+                } = scratch;
+                acc.resize(rows * d, 0.0);
+                sums.clear();
+                sums.resize(rows * width, 0.0);
+                running.clear();
+                running.extend((0..rows).map(|li| pass.running(r0 + li)));
+                for j0 in (lo..hi_key).step_by(key_tile) {
+                    let n = key_tile.min(hi_key - j0);
+                    s.resize(rows * n, 0.0);
+                    // SAFETY: bi < B, hi / group < Hkv, j0 < Tk; S is rows × n (resized
+                    // above), acc rows × D; the q rows, the k and v rows and the transposed keys
+                    // read lie in their views (i0 + rows ≤ Tq, j0 + n ≤ Tk), checked against
+                    // storage in `View::new` and by `transposed_keys`.
+                    let (kp, vp) = unsafe { (k.at(bi, hi / group, j0), v.at(bi, hi / group, j0)) };
+                    let keys = match &keys_t {
+                        // The key tile (D, n) as a view of (D, Tk): read in place.
+                        Some(kt) => (
+                            kt[((bi * hkv + hi / group) * d) * tk + j0..].as_ptr(),
+                            1,
+                            tk,
+                        ),
+                        // (n, D) as stored: gemm gathers it column by column.
+                        None => (kp, k.strides[2], 1),
+                    };
+                    unsafe {
+                        product(
+                            (rows, n, d),
+                            (s.as_mut_ptr(), n, false),
+                            (q.at(bi, hi, i0), 1, q.strides[2]),
+                            keys,
+                        )
+                    };
+                    for (li, row) in s.chunks_exact_mut(n).enumerate() {
+                        let alpha = pass.online_best(r0 + li, row, j0, &mut running[li]);
+                        if alpha != 1.0 && j0 > lo {
+                            acc[li * d..(li + 1) * d]
+                                .iter_mut()
+                                .for_each(|x| *x *= alpha);
+                            sums[li * width..(li + 1) * width]
+                                .iter_mut()
+                                .for_each(|x| *x *= alpha);
+                        }
+                    }
+                    // SAFETY: as above.
+                    unsafe {
+                        product(
+                            (rows, d, n),
+                            (acc.as_mut_ptr(), d, j0 > lo),
+                            (s.as_ptr(), 1, n),
+                            (vp, 1, v.strides[2]),
+                        )
+                    };
+                    if let Some((_, _, rule)) = &values {
+                        for (li, (row, sums)) in s
+                            .chunks_exact(n)
+                            .zip(sums.chunks_exact_mut(width))
+                            .enumerate()
+                        {
+                            match rule {
+                                TileColumns::Shift(shift) => {
+                                    add_shifted_sums_from(row, i0 + li, *shift, j0, sums)
                                 }
-                                // SAFETY: as above.
-                                unsafe {
-                                    product(
-                                        (rows, d, n),
-                                        (acc.as_mut_ptr(), d, j0 > lo),
-                                        (s.as_ptr(), 1, n),
-                                        (vp, 1, v.strides[2]),
-                                    )
-                                };
-                                if let Some((_, _, rule)) = &values {
-                                    for (li, (row, sums)) in s
-                                        .chunks_exact(n)
-                                        .zip(sums.chunks_exact_mut(width))
-                                        .enumerate()
-                                    {
-                                        match rule {
-                                            TileColumns::Shift(shift) => add_shifted_sums_from(
-                                                row,
-                                                i0 + li,
-                                                *shift,
-                                                j0,
-                                                sums,
-                                            ),
-                                            TileColumns::Index(index, ib) => {
-                                                let batch = if *ib == 1 { 0 } else { bi };
-                                                let at = (batch * tq + i0 + li) * tk + j0;
-                                                add_indexed_sums(row, &index[at..at + n], sums);
-                                            }
-                                        }
-                                    }
+                                TileColumns::Index(index, ib) => {
+                                    let batch = if *ib == 1 { 0 } else { bi };
+                                    let at = (batch * tq + i0 + li) * tk + j0;
+                                    add_indexed_sums(row, &index[at..at + n], sums);
                                 }
                             }
-                            let row0 = (bi * t + self.first_row + i0) * h + hi;
-                            for (li, state) in running.iter().enumerate() {
-                                let inv = 1.0 / state.sum;
-                                // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements
-                                // (checked above); this tile writes rows first_row + i0 .. + rows
-                                // of head hi only.
-                                let dst = unsafe {
-                                    std::slice::from_raw_parts_mut(out.add((row0 + li * h) * d), d)
-                                };
-                                for (o, a) in dst.iter_mut().zip(&acc[li * d..(li + 1) * d]) {
-                                    *o = a * inv;
-                                }
-                                sums[li * width..(li + 1) * width]
-                                    .iter_mut()
-                                    .for_each(|x| *x *= inv);
-                            }
-                            let Some((table, width, _)) = &values else {
-                                return;
-                            };
-                            // SAFETY: as above; sums is rows × W, the table W × D.
-                            unsafe {
-                                product(
-                                    (rows, d, *width),
-                                    (out.add(row0 * d), h * d, true),
-                                    (sums.as_ptr(), 1, *width),
-                                    (table.as_ptr(), 1, d),
-                                )
-                            };
-                        })
-                    })
-                })
+                        }
+                    }
+                }
+                let row0 = (bi * t + self.first_row + i0) * h + hi;
+                for (li, state) in running.iter().enumerate() {
+                    let inv = 1.0 / state.sum;
+                    // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements (checked
+                    // above); this tile writes rows first_row + i0 .. + rows of head hi only.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(out.add((row0 + li * h) * d), d) };
+                    for (o, a) in dst.iter_mut().zip(&acc[li * d..(li + 1) * d]) {
+                        *o = a * inv;
+                    }
+                    sums[li * width..(li + 1) * width]
+                        .iter_mut()
+                        .for_each(|x| *x *= inv);
+                }
+                let Some((table, width, _)) = &values else {
+                    return;
+                };
+                // SAFETY: as above; sums is rows × W, the table W × D.
+                unsafe {
+                    product(
+                        (rows, d, *width),
+                        (out.add(row0 * d), h * d, true),
+                        (sums.as_ptr(), 1, *width),
+                        (table.as_ptr(), 1, d),
+                    )
+                };
             });
         });
         Ok(())
     }
+}
+
+/// The keys of `k` `(B, Hkv, Tk, D)` transposed into a new `(B, Hkv, D, Tk)` buffer, in
+/// parallel over heads and blocks of 16 keys.
+///
+/// # Errors
+/// Past the crate's element budget, or when the allocation fails (an error, not an abort).
+fn transposed_keys(
+    k: &View,
+    (b, hkv, tk, d): (usize, usize, usize, usize),
+) -> candle_core::Result<Vec<f32>> {
+    let len = [b, hkv, d, tk]
+        .iter()
+        .try_fold(1usize, |n, &x| n.checked_mul(x))
+        .filter(|&n| n <= crate::limits::max_elements())
+        .ok_or_else(|| {
+            candle_core::Error::Msg(
+                "fused attention: transposed keys past the element budget".into(),
+            )
+        })?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(len)
+        .map_err(|e| candle_core::Error::Msg(format!("fused attention: transposed keys: {e}")))?;
+    out.resize(len, 0.0);
+    out.par_chunks_mut(d * tk)
+        .enumerate()
+        .for_each(|(bh, dst)| {
+            let (bi, hk) = (bh / hkv, bh % hkv);
+            for j0 in (0..tk).step_by(16) {
+                let n = 16.min(tk - j0);
+                // SAFETY: bi < B, hk < Hkv, j0 + jj < Tk; each row holds D features with unit
+                // stride inside k's view (`View::new`).
+                let rows: [&[f32]; 16] = std::array::from_fn(|jj| unsafe {
+                    std::slice::from_raw_parts(k.at(bi, hk, j0 + jj.min(n - 1)), d)
+                });
+                // Each feature's 16 values written in a row, read from 16 rows in L1.
+                for (p, line) in dst.chunks_exact_mut(tk).enumerate() {
+                    for (x, row) in line[j0..j0 + n].iter_mut().zip(&rows) {
+                        *x = row[p];
+                    }
+                }
+            }
+        });
+    Ok(out)
 }
 
 /// How a tile's rows pick the value table's rows: a shift, or a `(1|B, Tq, Tk)` index map
@@ -576,6 +651,7 @@ mod tests {
                         k: &k,
                         v: &v,
                         dense: vec![&dense],
+                        dense_masks: true,
                         relative: vec![&relative],
                         padding: pad,
                         rule: &rule,
@@ -596,7 +672,7 @@ mod tests {
         Ok(())
     }
 
-    /// Without padding or a dense term, causal tiles leave out the keys none of their rows
+    /// Without padding or a mask, causal tiles leave out the keys none of their rows
     /// sees; the result is the same as with every key.
     #[test]
     fn causal_tiles_trim_hidden_keys() -> anyhow::Result<()> {
@@ -618,6 +694,7 @@ mod tests {
                 k: &k,
                 v: &v,
                 dense: vec![],
+                dense_masks: false,
                 relative: vec![],
                 padding: None,
                 rule: &rule,
@@ -704,6 +781,7 @@ mod tests {
                         k: &k,
                         v: &v,
                         dense: vec![],
+                        dense_masks: false,
                         relative: vec![&relative],
                         padding: pad,
                         rule,
