@@ -4,12 +4,15 @@ Run by hand (CI never needs Python), on the same quiet machine as `cargo bench -
 
     python benches/pytorch_baseline.py            # B2 H8 T1024 D64, f32, 2 threads
     python benches/pytorch_baseline.py --json     # JSON lines as well
+    python benches/pytorch_baseline.py --long     # also one block forward at B1 H8 T16384
 
 Each case is the crate's block written with torch: four bias-free projections of d_model = 512,
 `scaled_dot_product_attention` with ALiBi as a float mask (BLOOM's slopes; `-m|i - j|` for the
 bidirectional case, `-m (i - j)` plus `-inf` above the diagonal for the causal one), and the
 output projection. The attention core alone (SDPA on ready q, k, v) is timed too. Medians of 9
-runs after one warm-up.
+runs after one warm-up. `--long` adds the block without a bias at T = 16384 (B1, SDPA's flash
+kernel; ALiBi would need an 8.6 GB float mask there), causal and bidirectional, medians of 3:
+the counterpart of `cargo bench --bench attention -- --only long`.
 """
 
 import argparse
@@ -54,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--long", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -94,6 +98,32 @@ def main() -> None:
                 print(f"{name:<34} {ms:>10.2f}")
                 if args.json:
                     print(json.dumps({"bench": "pytorch", "case": name, "median_ms": round(ms, 3)}))
+    if args.long:
+        long_context(proj, h, d, args.json)
+
+
+def long_context(proj, h: int, d: int, as_json: bool) -> None:
+    """One block forward without a bias at B1 T16384, causal and bidirectional."""
+    b, t = 1, 16384
+    dm = h * d
+    x = torch.randn(b, t, dm)
+
+    def split(y: torch.Tensor) -> torch.Tensor:
+        return y.view(b, t, h, d).transpose(1, 2)
+
+    with torch.inference_mode():
+        for causal in (True, False):
+
+            def block(c=causal):
+                qq, kk, vv = (split(p(x)) for p in proj[:3])
+                out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=c)
+                return proj[3](out.transpose(1, 2).reshape(b, t, dm))
+
+            name = f"long T{t} block no bias causal={causal}"
+            ms = median_ms(block, runs=3)
+            print(f"{name:<34} {ms:>10.2f}")
+            if as_json:
+                print(json.dumps({"bench": "pytorch", "case": name, "median_ms": round(ms, 3)}))
 
 
 if __name__ == "__main__":
