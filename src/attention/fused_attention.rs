@@ -343,12 +343,21 @@ impl InplaceOp1 for CoreOp {
             }
         };
         let out = OutPtr(out[start..].as_mut_ptr());
-        let (tile, key_tile) = (self.tile, self.key_tile);
+        let (mut tile, key_tile) = (self.tile, self.key_tile);
+        if let Some((_, width, _)) = &values {
+            tile = value_tile_rows(tile, *width, d);
+            if tile.saturating_mul(*width) > crate::limits::max_elements() {
+                candle_core::bail!(
+                    "fused attention: a relative value table {width} wide passes the element budget"
+                );
+            }
+        }
         let tiles = tq.div_ceil(tile);
         // gemm reads a key tile as stored, (n, D), by gathering it column by column, a third of
         // the core's time when every query tile does it again: when key tiles are read by more
-        // than one query tile, the keys are transposed once, (B, Hkv, D, Tk).
-        let keys_t = match tiles * group > 1 {
+        // than one query tile, the keys are transposed once, (B, Hkv, D, Tk). Not for a few
+        // queries (decoding), where that would read and write the whole cache again per step.
+        let keys_t = match tiles * group > 1 && tq >= 16 {
             true => Some(transposed_keys(&k, (b, hkv, tk, d))?),
             false => None,
         };
@@ -469,6 +478,15 @@ impl InplaceOp1 for CoreOp {
         });
         Ok(())
     }
+}
+
+/// Query rows per tile with a relative value table `width` wide and `d` features: each thread
+/// sums a tile's weights per column into `rows × width` floats, so the rows shrink until those
+/// sums take no more than the table itself (`width × d`) or 2^20 floats, whichever is more
+/// (at least one row).
+fn value_tile_rows(tile: usize, width: usize, d: usize) -> usize {
+    let cap = (width.saturating_mul(d)).max(1 << 20) / width.max(1);
+    tile.min(cap).max(1)
 }
 
 /// The keys of `k` `(B, Hkv, Tk, D)` transposed into a new `(B, Hkv, D, Tk)` buffer, in
@@ -718,7 +736,9 @@ mod tests {
     fn key_tiles_equal_whole_rows() -> anyhow::Result<()> {
         use crate::attention::fused_softmax::bias_mask_softmax_in_place;
         let dev = Device::Cpu;
-        let (b, h, tq, tk, d, w) = (2, 2, 11, 23, 8, 4);
+        // 19 queries: tiles of fewer read the keys transposed once, one tile of all reads them
+        // as stored.
+        let (b, h, tq, tk, d, w) = (2, 2, 19, 31, 8, 4);
         let first = tk - tq;
         let q = (Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)? * 2.0)?;
         let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
@@ -774,7 +794,7 @@ mod tests {
                 bias_mask_softmax_in_place(&s, &[], &[&relative], pad, rule)?;
                 let want = (s.matmul(&v)? + values.weighted_sum(&s)?)?.transpose(1, 2)?;
                 let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
-                for (tile, key_tile) in [(11, 1), (3, 4), (4, 7), (11, 23), (1, 1024)] {
+                for (tile, key_tile) in [(19, 1), (3, 4), (4, 7), (19, 31), (1, 1024)] {
                     let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
                     Core {
                         q: &q,
@@ -800,6 +820,20 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// The per-column sums of a tile never take more than the value table or 2^20 floats.
+    #[test]
+    fn value_sums_stay_within_the_table() {
+        assert_eq!(value_tile_rows(256, 129, 64), 256);
+        assert_eq!(value_tile_rows(256, 1 << 16, 64), 64);
+        assert_eq!(value_tile_rows(256, 1 << 22, 1), 1);
+        assert_eq!(value_tile_rows(256, (1 << 32) - 1, 1), 1);
+        assert_eq!(value_tile_rows(256, 0, 1), 256);
+        for (w, d) in [(1usize << 30, 4usize), (5000, 3), (1 << 20, 1)] {
+            let rows = value_tile_rows(256, w, d);
+            assert!(rows * w <= (w * d).max(1 << 20), "{w} × {d}: {rows} rows");
+        }
     }
 
     #[test]
