@@ -377,7 +377,8 @@ impl RotaryEmbedding {
     ///
     /// # Errors
     /// As [`RopeConfig::validate`]; [`Error::InvalidConfig`] if the initial table would exceed
-    /// 2^30 entries, or naming the position where an entry of a table it builds is not finite
+    /// 2^30 entries, for an attention factor outside `2^±32` (it scales the logits by its
+    /// square), or naming the position where an entry of a table it builds is not finite
     /// in f32 (the attention factor times xPos's key scale past f32's range: such tables are
     /// refused here and wherever they grow, instead of giving ∞ and NaN logits).
     pub fn new(config: &RopeConfig, device: &Device) -> Result<Self> {
@@ -841,6 +842,10 @@ fn check_xpos_range(config: &RopeConfig, end: usize) -> Result<()> {
     Ok(())
 }
 
+/// Largest natural log of the attention factor, either way (`2^±32`): the logits carry its
+/// square, `2^±64`, which leaves f32 (`2^±126`) room for the queries' and keys' own values.
+const MAX_LOG_ATTENTION_FACTOR: f64 = 32.0 * std::f64::consts::LN_2;
+
 /// Largest natural log of a table entry's scale in f16 (`2^8`), either way: f16's range is
 /// `2^±16` at best (65504; normal from `2^−14`), so keys scaled past `2^8` leave too little
 /// room for their own values and their logits, and queries scaled below `2^−8` lose bits.
@@ -962,6 +967,16 @@ fn build_tables(
         None => (Vec::new(), Vec::new()),
     };
     let a = freqs.attention_factor;
+    // The factor scales queries and keys alike, so the logits by its square: far past 1 (or
+    // below it) it turns finite input into ∞ (or 0) logits even where every table entry is
+    // finite in f32.
+    if a.is_nan() || a.ln().abs() > MAX_LOG_ATTENTION_FACTOR {
+        return Err(Error::config(
+            "rope attention factor",
+            a,
+            "within 2^±32: it scales queries and keys alike, so the logits by its square, which must stay well inside f32's range",
+        ));
+    }
     for pos in first..first + rows {
         for (i, w) in freqs.inv_freq.iter().enumerate() {
             let angle = pos as f64 * w;
