@@ -110,6 +110,21 @@ impl MultiHeadAttention {
                 "at most 65504 for f16 weights (the scale multiplies q in their dtype)",
             ));
         }
+        // A logit sums head_dim products, times the scale: in f16 (2^16 at most) the two
+        // together may reach 2^8, leaving 2^8 for the products themselves. The default scale
+        // 1/√head_dim gives √head_dim, within it up to head_dim = 65536.
+        let reach = config.softmax_scale * config.head_dim as f64;
+        if vb.dtype() == DType::F16 && reach > F16_MAX_LOGIT_REACH {
+            return Err(Error::config(
+                "softmax_scale",
+                config.softmax_scale,
+                format!(
+                    "at most {:e} for f16 weights with head_dim {}: scale × head_dim ({reach:e}) past 2^8 lets moderate queries and keys overflow f16's logits",
+                    F16_MAX_LOGIT_REACH / config.head_dim as f64,
+                    config.head_dim
+                ),
+            ));
+        }
         let (d, hd) = (config.d_model, config.head_dim);
         let (projections, values) = match &config.latent {
             None => (
@@ -588,6 +603,9 @@ impl MultiHeadAttention {
 /// A hook's answer with features of unit stride, as every path reads them (a view strided on
 /// the last axis is copied; the block's own layouts are kept). candle's matmul refuses such
 /// views with its own error.
+/// Largest `softmax_scale × head_dim` of an f16 block ([`MultiHeadAttention::new`]).
+const F16_MAX_LOGIT_REACH: f64 = 256.0;
+
 fn packed(t: Tensor) -> Result<Tensor> {
     Ok(match t.stride().last().is_none_or(|&s| s == 1) {
         true => t,
