@@ -2,7 +2,7 @@
 //! configuration or an input obeys it at once. (Its own test binary: the budget is
 //! process-wide, so lowering it must not race other tests.)
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::limits::{max_elements, set_max_elements, MAX_ELEMENTS};
 use candle_posenc::plug::{Columns, RelativeBias};
@@ -31,12 +31,25 @@ fn budget_is_one_number() -> anyhow::Result<()> {
     let ids = Positions::ids(&Tensor::zeros((8, 16), DType::U32, &dev)?)?;
     let keys = Positions::ids(&Tensor::zeros((1, 64), DType::U32, &dev)?)?;
     let at0 = Positions::Offset(0);
+    // One head 1024 wide on a model 1 wide: its projections fit in 4096 elements.
+    let wide = MultiHeadAttention::new(
+        &AttentionConfig::new(1, 1).with_head_dim(1024),
+        None,
+        vb.pp("w"),
+    )?;
+    let eight = Tensor::zeros((1, 8, 1), DType::F32, &dev)?;
+    wide.forward(&eight)?;
 
     assert_eq!(set_max_elements(4096), MAX_ELEMENTS);
     let refused: Vec<(&str, Error)> = vec![
         (
             "logits of 4 × 64 × 64",
             mha.forward_with(&x, &weights, None).unwrap_err(),
+        ),
+        (
+            "queries of 8 × 1024 (the logits of 8 × 8 fit)",
+            wide.forward_with(&eight, &AttentionOptions::default(), None)
+                .unwrap_err(),
         ),
         (
             "a sinusoidal table of 512 × 16",

@@ -224,6 +224,22 @@ impl LatentProjections {
         })
     }
 
+    /// The widest per-token tensor a call builds: the query's low-rank activations, the
+    /// compressed keys and values, their expansion to every head, or the heads' queries.
+    pub(super) fn widest_per_token(&self) -> usize {
+        let c = &self.config;
+        let nope = self.head_dim - c.rope_dim;
+        [
+            c.q_lora_rank.unwrap_or(0),
+            c.kv_lora_rank.saturating_add(c.rope_dim),
+            self.heads.saturating_mul(nope.saturating_add(c.v_head_dim)),
+            self.heads.saturating_mul(self.head_dim),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+    }
+
     /// Whether any weight tracks gradients.
     pub(super) fn tracks(&self) -> bool {
         let linear = |l: &Linear| l.weight().track_op() || l.bias().is_some_and(|b| b.track_op());

@@ -235,6 +235,7 @@ impl MultiHeadAttention {
         let cached = cache.as_ref().map_or(0, |c| c.len());
         let tk = cached.saturating_add(t);
         let block = self.check_logits(b, t, tk, options.return_weights)?;
+        self.check_activations(b, t, tk)?;
         let full = (b, cfg.num_heads, t, tk);
         let attn_mask = self.attn_mask(options, full)?;
         let padding = options
@@ -424,6 +425,41 @@ impl MultiHeadAttention {
             &[b.max(1), cfg.num_heads, rows, tk],
         )?;
         Ok(block)
+    }
+
+    /// Checks that the tensors of one call that grow with its tokens can be allocated: the
+    /// queries and every per-token projection `(B, T, width)` (the heads' `H · head_dim`, and
+    /// latent attention's low-rank activations), the keys and values with the cache
+    /// `(B, Hkv, T_keys, head_dim)`, and the output `(B, T, d_model)`. Each is what a few
+    /// more tensors of the same size hold too (rotated, normalised, scaled copies), so the
+    /// peak memory of a call stays a small multiple of [`crate::limits::max_elements`].
+    fn check_activations(&self, b: usize, t: usize, tk: usize) -> Result<()> {
+        let cfg = &self.config;
+        // Latent attention expands its keys and values to every query head.
+        let (width, kv_heads) = match &self.projections {
+            Projections::Latent(latent) => (latent.widest_per_token(), cfg.num_heads),
+            Projections::Separate { .. } => {
+                (cfg.num_heads.saturating_mul(cfg.head_dim), cfg.num_kv_heads)
+            }
+        };
+        let width = width.max(cfg.d_model);
+        check_elements(
+            "sequence length",
+            t,
+            format!("batch ({b}) × queries × the widest per-token projection ({width})").as_str(),
+            &[b.max(1), t, width],
+        )?;
+        check_elements(
+            "sequence length",
+            t,
+            format!(
+                "batch ({b}) × KV heads ({kv_heads}) × keys with the cache ({tk}) × head_dim ({})",
+                cfg.head_dim
+            )
+            .as_str(),
+            &[b.max(1), kv_heads, tk, cfg.head_dim],
+        )?;
+        Ok(())
     }
 
     /// The output of a chunk with no query or no sequence: empty, shaped as `full` =
