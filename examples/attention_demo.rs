@@ -14,10 +14,12 @@
 //! them apart. It prints one attention map and checks that a checkpoint saved to `weights/` loads
 //! back bit for bit. `--write-weights` regenerates the weights file deterministically.
 //!
-//! Then it loads the pretrained language models of the extrapolation experiment
+//! Then it loads the pretrained character-level language models of the extrapolation experiment
 //! (`weights/extrapolation_*.safetensors`, written by `examples/extrapolation.rs`; each file
-//! says which encoding, model and task it holds), scores each on fresh sequences at the training
-//! length L and at 2L, 4L and 8L, and prints the table (on the CPU, whatever `--device` says).
+//! says which encoding, model and alphabet it holds) and prints their held-out loss at the
+//! training length L and at 4L and 16L: scored live on a held-out sample of the plays when the
+//! corpus has been fetched (`scripts/fetch_shakespeare.sh`), else as each checkpoint recorded
+//! it (on the CPU, whatever `--device` says).
 
 #[allow(dead_code)]
 mod lm;
@@ -268,60 +270,90 @@ fn main() -> Result<()> {
     pretrained_table()
 }
 
-/// Sequences per evaluation length in the pretrained table.
-const DEMO_SEQUENCES: usize = 8;
+/// Held-out characters the demo scores per length (a sample after the experiment's own).
+const DEMO_CHARACTERS: usize = 4096;
+/// Where the demo's sample starts in the held-out text.
+const DEMO_OFFSET: usize = 1 << 16;
 
-/// Scores the extrapolation experiment's checkpoints at L..8L on fresh sequences.
+/// The extrapolation experiment's pretrained character-level models: each scored live on a
+/// held-out sample of the plays when the corpus has been fetched, and otherwise the scores
+/// each checkpoint recorded on the held-out plays when it was trained.
 fn pretrained_table() -> Result<()> {
-    use lm::train::{checkpoint_name, evaluate_lengths, load, markdown_table, variants};
-    use lm::train::{Score, Settings, DEMO_STREAM};
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights");
+    use lm::text::Corpus;
+    use lm::text_eval::{evaluate_text, TextEval};
+    use lm::text_report::load_text;
+    use lm::train::{checkpoint_name, variants, Settings};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let corpus_dir = root.join("data/shakespeare");
+    let corpus = if corpus_dir.is_dir() {
+        Some(Corpus::load(&corpus_dir)?)
+    } else {
+        None
+    };
     let started = std::time::Instant::now();
-    let mut rows = Vec::new();
-    let mut shape = None;
+    let mut table = String::new();
     for variant in variants(&Settings::standard()) {
-        let path = dir.join(checkpoint_name(variant.label));
+        if variant.train != variant.eval {
+            continue; // evaluated from another row's weights; no checkpoint of its own
+        }
+        let path = root.join("weights").join(checkpoint_name(variant.label));
         if !path.exists() {
             println!(
-                "
-(no {}: `cargo run --release --example extrapolation` writes it)",
+                "(no {}: `cargo run --release --example extrapolation` writes it)",
                 path.display()
             );
             continue;
         }
-        let loaded = load(&path).with_context(|| format!("loading {}", path.display()))?;
-        let s = Settings {
-            task: loaded.task.clone(),
-            train_len: loaded.train_len,
-            eval_seqs: DEMO_SEQUENCES,
-            eval_batch: DEMO_SEQUENCES,
-            progress: false,
-            ..Settings::standard()
-        };
-        if rows.is_empty() {
-            let oracle = s
-                .eval_lengths()
+        let loaded = load_text(&path).with_context(|| format!("loading {}", path.display()))?;
+        let l = loaded.train_len;
+        let multiples = [1, 4, 16];
+        let scores: Vec<Option<f64>> = match &corpus {
+            Some(c) if c.alphabet == loaded.alphabet => {
+                let e = TextEval {
+                    train_len: l,
+                    multiples: multiples.to_vec(),
+                    tokens: DEMO_CHARACTERS,
+                    slide_tokens: (l / 2).max(1),
+                    batch_tokens: 8192,
+                };
+                let sample = c.held_out.get(DEMO_OFFSET..).unwrap_or(&c.held_out);
+                evaluate_text(&loaded.lm, sample, &e, &indicatif::ProgressBar::hidden())?.windows
+            }
+            _ => multiples
                 .iter()
-                .map(|&len| {
-                    let seqs = s.task.sequences(DEMO_STREAM, 0, DEMO_SEQUENCES, len + 1);
-                    let (loss, accuracy) = s.task.oracle(&seqs);
-                    Some(Score { loss, accuracy })
-                })
-                .collect();
-            rows.push(("oracle".to_string(), oracle));
+                .map(|m| loaded.recorded("windows", m * l))
+                .collect::<Result<_>>()?,
+        };
+        if table.is_empty() {
+            table = format!(
+                "| encoding | {l} (L) | {} (4L) | {} (16L) |\n|---|---|---|---|\n",
+                4 * l,
+                16 * l
+            );
         }
-        let scores = evaluate_lengths(&s, &loaded.lm, DEMO_STREAM, DEMO_SEQUENCES, variant.label)?;
-        rows.push((loaded.label, scores));
-        shape = Some((s.eval_lengths(), s.train_len));
+        let cells: Vec<String> = scores
+            .iter()
+            .map(|s| s.map_or_else(|| "n/a".to_string(), |v| format!("{v:.3}")))
+            .collect();
+        table.push_str(&format!("| {} | {} |\n", loaded.label, cells.join(" | ")));
     }
-    let Some((lengths, train_len)) = shape else {
+    if table.is_empty() {
         return Ok(());
-    };
-    println!(
-        "\nPretrained language models (weights/extrapolation_*.safetensors), trained at L = {train_len},\n\
-         scored on {DEMO_SEQUENCES} fresh sequences per length: loss (nats per token) / next-token accuracy\n"
-    );
-    print!("{}", markdown_table(&lengths, train_len, &rows));
+    }
+    match corpus {
+        Some(_) => println!(
+            "\nPretrained character-level models (weights/extrapolation_*.safetensors), trained on\n\
+             Shakespeare at length L, scored now on {DEMO_CHARACTERS} held-out characters per length\n\
+             (non-overlapping windows; loss in nats per character):\n"
+        ),
+        None => println!(
+            "\nPretrained character-level models (weights/extrapolation_*.safetensors), trained on\n\
+             Shakespeare at length L: the held-out loss (nats per character, non-overlapping windows)\n\
+             each recorded when it was trained. `bash scripts/fetch_shakespeare.sh` fetches the\n\
+             corpus, and the demo then scores a held-out sample itself:\n"
+        ),
+    }
+    print!("{table}");
     println!("({:.1} s)", started.elapsed().as_secs_f64());
     Ok(())
 }

@@ -1,39 +1,45 @@
-//! Train short, test long: one tiny language model per positional encoding, trained at length
-//! L = 64 and evaluated at L, 2L, 4L and 8L.
+//! Train short, test long: one small language model per positional encoding, trained at length
+//! L = 64 and evaluated on longer inputs, after Press et al. (2022).
 //!
 //! ```text
-//! cargo run --release --example extrapolation            # every encoding, at most 15 minutes on 2 cores
-//! cargo run --release --example extrapolation -- --quick # a smoke run of the pipeline, well under 2 minutes
+//! bash scripts/fetch_shakespeare.sh                       # once: the corpus, into data/shakespeare/
+//! cargo run --release --example extrapolation             # every encoding, three seeds, ≤ 15 minutes on 2 cores
+//! cargo run --release --example extrapolation -- --quick  # a smoke run of the pipeline, ≤ 2 minutes
+//! cargo run --release --example extrapolation -- --task copy   # the synthetic copy task instead
 //! ```
 //!
-//! The task (see `examples/lm/data.rs`): sequences over 32 tokens where, after the first 12
-//! random tokens, each token is with probability 0.7 a copy of the token 12 places back, with
-//! probability 0.2 the fixed successor of the previous token, and otherwise uniform noise. Both
-//! rules look a fixed distance back, so the next token depends on relative position only; an
-//! encoding that sees distances can in principle keep applying them past the training length.
-//! Training and held-out sequences come from different seeds; everything is seeded, so the same
-//! command prints the same table.
+//! **Text** (the default): character-level language models of Shakespeare's plays
+//! (`examples/lm/text.rs`; whole plays held out), d 128, 4 heads, 2 layers
+//! (`examples/lm/model.rs`), trained with candle-nn's AdamW at L = 64 with the same number of
+//! characters for every encoding, one model per encoding and seed. Each is scored on the
+//! held-out plays at 1, 2, 4, 8 and 16 L three ways (`examples/lm/text_eval.rs`):
+//! non-overlapping windows, loss per position bucket, and sliding windows with stride L/2.
+//! `--corpus PATH` reads any UTF-8 text instead (a folder of documents or one file).
 //!
-//! The model (`examples/lm/model.rs`): token embedding, 2 pre-norm layers of the crate's causal
-//! `MultiHeadAttention` (d 64, 4 heads) and a 2× GELU MLP, and a linear head. Absolute encodings
-//! are added to the embeddings once; rotary and bias encodings are plugged into every layer's
-//! attention. Each model is trained with candle-nn's AdamW on CPU (batch 16, 400 steps).
+//! **Copy** (`--task copy`): the synthetic task of `examples/lm/data.rs`, where the next token
+//! is a copy of the one 12 back or a fixed successor of the previous one: it rewards exact
+//! offsets, the kind of task where Kazemnejad et al. (2023) found their ordering.
 //!
 //! Rows: none, sinusoidal, learned (its table ends at L, so longer inputs are a typed error and
 //! the table says `n/a`), learned+interp (the same weights, the table linearly stretched to the
-//! input length at evaluation), rope, rope+yarn (the same weights, YaRN ×8 applied at
-//! evaluation), rope+dynamic (the same weights, dynamic NTK with factor 2 at evaluation), alibi,
-//! t5 (causal buckets), clipped_bias (k = 32) and shaw (relative keys and values, k = 32); plus the oracle,
-//! the generator's own probabilities (the best possible score).
+//! input length at evaluation), rope, rope+yarn (the same weights, YaRN applied at evaluation
+//! with the factor of the longest length), rope+dynamic (the same weights, dynamic NTK with
+//! factor 2 at evaluation), alibi, t5 (causal buckets), clipped_bias (k = 32) and shaw (relative
+//! keys and values, k = 32).
 //!
-//! Outputs: the markdown table on stdout and between the table markers of
-//! `docs/extrapolation.md` (the page's prose is kept), a PNG plot of loss against evaluation
-//! length in `docs/img/extrapolation_loss.png`, and one self-describing f16
-//! safetensors checkpoint per row in `weights/extrapolation_<row>.safetensors` (what
-//! `attention_demo` evaluates). `--quick` writes everything under the system temp folder
-//! instead, so it never replaces the committed results; `--out DIR` puts every output in DIR.
-//! `--replot` redraws the table and the plot from the scores recorded in the checkpoints,
-//! without training; `--only a,b` and `--steps N` run a subset or another length of training.
+//! Outputs of the text run: the tables between the text markers of `docs/extrapolation.md`
+//! (the page's prose is kept), every number with the run's settings in
+//! `docs/extrapolation.json`, PNG plots in `docs/img/` (loss against evaluation length with the
+//! seeds' spread; loss per position bucket), and one self-describing f16 checkpoint per trained
+//! encoding (the first seed's) in `weights/extrapolation_<row>.safetensors`, which
+//! `attention_demo` scores. The copy run writes its table between the copy markers and its
+//! checkpoints to `target/extrapolation-copy/`. `--quick` writes everything under the system
+//! temp folder instead, so it never replaces the committed results; `--out DIR` puts every
+//! output in DIR. `--only a,b`, `--steps N` and `--seeds 1,2` run a subset, another length of
+//! training or other seeds; `--replot` (copy task) redraws from the checkpoints.
+//!
+//! Every weight is initialised from a seeded generator and every batch drawn from a seeded
+//! stream: the same command gives the same numbers, bit for bit, on the same machine.
 
 #[allow(dead_code)]
 #[path = "common/plot.rs"]
@@ -42,6 +48,9 @@ mod plot;
 #[allow(dead_code)]
 mod lm;
 
+#[path = "common/malloc.rs"]
+mod malloc;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -49,9 +58,11 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 use candle_posenc::{Checkpoint, EncodingConfig};
+use lm::text::Corpus;
+use lm::text_report::{run_seed, spread, table, Record, RowRuns, TextSettings, View};
 use lm::train::{
     checkpoint_name, evaluate_lengths, markdown_table, train, variants, Score, Settings, Trained,
-    EVAL_STREAM,
+    Variant, EVAL_STREAM,
 };
 
 /// Trains and evaluates every variant (or those in `only`), writing their checkpoints.
@@ -120,68 +131,297 @@ fn recorded(s: &Settings, weights: &Path) -> Result<Vec<Row>> {
 
 type Row = (String, Vec<Option<Score>>);
 
-/// Marks where the table starts in `docs/extrapolation.md` (the page's prose is kept).
-const TABLE_START: &str =
-    "<!-- table: written by `cargo run --release --example extrapolation` -->\n";
-/// Marks where the table ends.
-const TABLE_END: &str = "<!-- end of table -->";
+/// Marks where the copy task's table starts in `docs/extrapolation.md`.
+const COPY_START: &str =
+    "<!-- copy table: written by `cargo run --release --example extrapolation -- --task copy` -->\n";
+/// Marks where the copy task's table ends.
+const COPY_END: &str = "<!-- end of copy table -->";
+/// Marks where the text tables start.
+const TEXT_START: &str =
+    "<!-- text tables: written by `cargo run --release --example extrapolation` -->\n";
+/// Marks where the text tables end.
+const TEXT_END: &str = "<!-- end of text tables -->";
 
-/// Writes `table` into the page at `md`: between the table markers where the page has them, or
-/// as the whole file where there is no page yet or it holds only an earlier run's table.
-fn write_table(md: &Path, table: &str) -> Result<()> {
+/// Writes `block` into the page at `md` between `start` and `end`, or as the whole file where
+/// there is no page yet.
+fn write_between(md: &Path, start: &str, end: &str, block: &str) -> Result<()> {
     let text = match std::fs::read_to_string(md) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => table.to_string(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => format!("{start}{block}{end}\n"),
         Err(e) => return Err(e).with_context(|| format!("reading {}", md.display())),
-        Ok(page) if page.starts_with('|') => table.to_string(),
-        Ok(page) => match (page.find(TABLE_START), page.find(TABLE_END)) {
-            (Some(start), Some(end)) if start < end => {
-                format!("{}{TABLE_START}{table}{}", &page[..start], &page[end..])
-            }
-            _ => anyhow::bail!(
-                "{} has prose but no `{}` ... `{TABLE_END}` markers around its table",
-                md.display(),
-                TABLE_START.trim_end()
-            ),
+        Ok(page) => match (page.find(start), page.find(end)) {
+            (Some(a), Some(z)) if a < z => format!("{}{start}{block}{}", &page[..a], &page[z..]),
+            _ => format!("{page}\n{start}{block}{end}\n"),
         },
     };
     std::fs::write(md, text).with_context(|| format!("writing {}", md.display()))
 }
 
+/// Command-line options shared by both tasks.
+struct Options {
+    args: Vec<String>,
+    quick: bool,
+    root: PathBuf,
+}
+
+impl Options {
+    fn flag(&self, name: &str) -> bool {
+        self.args.iter().any(|a| a == name)
+    }
+
+    fn value(&self, name: &str) -> Result<Option<&String>> {
+        match self.args.iter().position(|a| a == name) {
+            Some(i) => Ok(Some(
+                self.args
+                    .get(i + 1)
+                    .with_context(|| format!("{name} needs a value"))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    fn list(&self, name: &str) -> Result<Option<Vec<String>>> {
+        Ok(self
+            .value(name)?
+            .map(|v| v.split(',').map(str::to_string).collect()))
+    }
+
+    /// Folders for checkpoints, pages and pictures.
+    fn folders(&self, default_weights: PathBuf, temp: &str) -> Result<(PathBuf, PathBuf, PathBuf)> {
+        let out = match self.value("--out")? {
+            Some(dir) => Some(PathBuf::from(dir)),
+            None if self.quick => Some(std::env::temp_dir().join(temp)),
+            None => None,
+        };
+        let dirs = match out {
+            Some(dir) => (dir.clone(), dir.clone(), dir),
+            None => (
+                default_weights,
+                self.root.join("docs"),
+                self.root.join("docs/img"),
+            ),
+        };
+        for dir in [&dirs.0, &dirs.1, &dirs.2] {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        Ok(dirs)
+    }
+}
+
 fn main() -> Result<()> {
+    malloc::keep_freed_memory();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = match args.iter().position(|a| a == "--out") {
-        Some(i) => Some(PathBuf::from(
-            args.get(i + 1).context("--out needs a folder")?,
-        )),
-        None if quick => Some(std::env::temp_dir().join("candle-posenc-extrapolation-quick")),
-        None => None,
+    let o = Options {
+        quick: args.iter().any(|a| a == "--quick"),
+        args,
+        root: PathBuf::from(env!("CARGO_MANIFEST_DIR")),
     };
-    let (weights, docs, img) = match &out {
-        Some(dir) => (dir.clone(), dir.clone(), dir.clone()),
-        None => (
-            root.join("weights"),
-            root.join("docs"),
-            root.join("docs/img"),
+    match o.value("--task")?.map(String::as_str) {
+        None | Some("text") => text_main(&o),
+        Some("copy") => copy_main(&o),
+        Some(other) => anyhow::bail!("--task {other}: expected `text` or `copy`"),
+    }
+}
+
+/// The text experiment.
+fn text_main(o: &Options) -> Result<()> {
+    let default_corpus = o.root.join("data/shakespeare");
+    let corpus = match o.value("--corpus")? {
+        Some(path) => Corpus::load(Path::new(path))?,
+        None if default_corpus.is_dir() => Corpus::load(&default_corpus)?,
+        None if o.quick => {
+            println!(
+                "(no corpus in {}: a generated text instead)",
+                default_corpus.display()
+            );
+            Corpus::generated(7, 12, 40_000)?
+        }
+        None => anyhow::bail!(
+            "no corpus in {}: run `bash scripts/fetch_shakespeare.sh` once, or pass --corpus PATH",
+            default_corpus.display()
         ),
     };
-    for dir in [&weights, &docs, &img] {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (weights, docs, img) =
+        o.folders(o.root.join("weights"), "candle-posenc-extrapolation-quick")?;
+    let mut s = if o.quick {
+        TextSettings::quick(corpus.vocab())
+    } else {
+        TextSettings::standard(corpus.vocab())
+    };
+    if let Some(steps) = o.value("--steps")? {
+        s.train.steps = steps.parse()?;
     }
-    let mut s = if quick {
+    for (flag, field) in [
+        ("--d-model", &mut s.train.model.d_model),
+        ("--layers", &mut s.train.model.num_layers),
+        ("--mlp", &mut s.train.model.mlp),
+        ("--batch", &mut s.train.batch),
+        ("--warmup", &mut s.train.warmup),
+    ] {
+        if let Some(v) = o.value(flag)? {
+            *field = v.parse()?;
+        }
+    }
+    if let Some(lr) = o.value("--lr")? {
+        s.train.lr = lr.parse()?;
+    }
+    if let Some(seeds) = o.list("--seeds")? {
+        s.seeds = seeds.iter().map(|x| x.parse()).collect::<Result<_, _>>()?;
+    }
+    let only = o.list("--only")?;
+    println!(
+        "corpus: {} ({} training and {} held-out characters, {} symbols; held out: {})",
+        corpus.source,
+        corpus.train.len(),
+        corpus.held_out.len(),
+        corpus.vocab(),
+        corpus.held_out_names.join(", ")
+    );
+    let started = Instant::now();
+    let first_seed = s.seeds.first().copied();
+    let mut rows: Vec<RowRuns> = Vec::new();
+    for &seed in &s.seeds {
+        let save = |variant: &Variant, ckpt: Trained| -> Result<()> {
+            if Some(seed) == first_seed {
+                ckpt.save(&weights.join(checkpoint_name(variant.label)))?;
+            }
+            Ok(())
+        };
+        for (label, run) in run_seed(&s, &corpus, seed, only.as_deref(), save)? {
+            match rows.iter_mut().find(|r| r.label == label) {
+                Some(row) => row.runs.push(run),
+                None => {
+                    let trained_with = variants(&s.train)
+                        .into_iter()
+                        .find(|v| v.label == label)
+                        .map_or_else(String::new, |v| v.train.kind().to_string());
+                    rows.push(RowRuns {
+                        label,
+                        trained_with,
+                        runs: vec![run],
+                    });
+                }
+            }
+        }
+        println!(
+            "seed {seed} done after {:.1} minutes",
+            started.elapsed().as_secs_f64() / 60.0
+        );
+    }
+    let minutes = started.elapsed().as_secs_f64() / 60.0;
+    let e = &s.eval;
+    let block = format!(
+        "Non-overlapping windows: held-out loss (nats per character), mean ± standard deviation over \
+         {} seeds, at each evaluation length:\n\n{}\nLoss per position bucket of the {}-character \
+         windows (positions past L were never trained on):\n\n{}\nSliding windows advancing by \
+         L/2 = {}, each scoring its last L/2 predictions (the control):\n\n{}\n",
+        s.seeds.len(),
+        table(View::Windows, e, &rows),
+        e.lengths().into_iter().max().unwrap_or(0),
+        table(View::Buckets, e, &rows),
+        e.stride(),
+        table(View::Sliding, e, &rows),
+    );
+    println!("\n{block}");
+    println!(
+        "({} run, {minutes:.1} minutes)",
+        if o.quick { "quick" } else { "default" }
+    );
+    let md = docs.join("extrapolation.md");
+    write_between(&md, TEXT_START, TEXT_END, &block)?;
+    let json = docs.join("extrapolation.json");
+    Record::new(&s, &corpus, &rows, minutes).write(&json)?;
+
+    // Loss against evaluation length: the seeds' mean with their range.
+    let lengths = e.lengths();
+    let mut series = Vec::new();
+    let mut bars = Vec::new();
+    for row in &rows {
+        let (mut pts, mut bar) = (Vec::new(), Vec::new());
+        for (i, &n) in lengths.iter().enumerate() {
+            let values: Vec<Option<f64>> = row.runs.iter().map(|r| r.scores.windows[i]).collect();
+            if let Some(sp) = spread(&values) {
+                pts.push((n as f64, sp.mean));
+                bar.push((sp.min, sp.max));
+            }
+        }
+        series.push((row.label.clone(), pts));
+        bars.push(bar);
+    }
+    let loss_png = img.join("extrapolation_loss.png");
+    plot::line_chart_with_bars(
+        &loss_png,
+        (760, 440),
+        &plot::Labels {
+            title: &format!(
+                "held-out loss vs evaluation length (trained at L = {}; bars: range over {} seeds)",
+                e.train_len,
+                s.seeds.len()
+            ),
+            x: "evaluation length (characters, log scale)",
+            y: "loss (nats per character)",
+        },
+        &series,
+        &bars,
+        &lengths.iter().map(|&l| l as f64).collect::<Vec<_>>(),
+        true,
+    )?;
+    // Loss per L-wide position bucket of the longest windows, mean over seeds.
+    let buckets: Vec<(String, Vec<(f64, f64)>)> = rows
+        .iter()
+        .map(|row| {
+            let n = row.runs.first().map_or(0, |r| r.scores.buckets.len());
+            let pts = (0..n)
+                .filter_map(|b| {
+                    let values: Vec<Option<f64>> =
+                        row.runs.iter().map(|r| r.scores.buckets[b]).collect();
+                    spread(&values).map(|sp| ((b + 1) as f64, sp.mean))
+                })
+                .collect();
+            (row.label.clone(), pts)
+        })
+        .collect();
+    let bucket_png = img.join("extrapolation_buckets.png");
+    let longest = lengths.iter().max().copied().unwrap_or(e.train_len) / e.train_len;
+    plot::line_chart(
+        &bucket_png,
+        (760, 440),
+        &plot::Labels {
+            title: &format!(
+                "loss per position in {}-character windows (bucket k covers positions [(k-1)L, kL))",
+                longest * e.train_len
+            ),
+            x: "position bucket k (units of L)",
+            y: "loss (nats per character)",
+        },
+        &buckets,
+        &(1..=longest).map(|k| k as f64).collect::<Vec<_>>(),
+        false,
+    )?;
+    println!(
+        "wrote {}, {}, {} and {}",
+        md.display(),
+        json.display(),
+        loss_png.display(),
+        bucket_png.display()
+    );
+    Ok(())
+}
+
+/// The synthetic copy task.
+fn copy_main(o: &Options) -> Result<()> {
+    let (weights, docs, img) = o.folders(
+        o.root.join("target/extrapolation-copy"),
+        "candle-posenc-extrapolation-copy-quick",
+    )?;
+    let mut s = if o.quick {
         Settings::quick()
     } else {
         Settings::standard()
     };
-    if let Some(i) = args.iter().position(|a| a == "--steps") {
-        s.steps = args.get(i + 1).context("--steps needs a number")?.parse()?;
+    if let Some(steps) = o.value("--steps")? {
+        s.steps = steps.parse()?;
     }
-    let only = args
-        .iter()
-        .position(|a| a == "--only")
-        .and_then(|i| args.get(i + 1))
-        .map(|list| list.split(',').map(str::to_string).collect::<Vec<_>>());
+    let only = o.list("--only")?;
     let lengths = s.eval_lengths();
     let started = Instant::now();
 
@@ -195,7 +435,7 @@ fn main() -> Result<()> {
         .collect();
     let mut rows = vec![("oracle".to_string(), oracle)];
 
-    let replot = args.iter().any(|a| a == "--replot");
+    let replot = o.flag("--replot");
     if replot {
         rows.extend(recorded(&s, &weights)?);
     } else {
@@ -209,13 +449,13 @@ fn main() -> Result<()> {
         s.train_len
     );
     println!("{table}");
-    match (replot, quick) {
+    match (replot, o.quick) {
         (true, _) => println!("(recorded in the checkpoints in {})", weights.display()),
         (false, true) => println!("(quick run, {minutes:.1} minutes)"),
         (false, false) => println!("(default run, {minutes:.1} minutes)"),
     }
     let md = docs.join("extrapolation.md");
-    write_table(&md, &table)?;
+    write_between(&md, COPY_START, COPY_END, &table)?;
 
     let series: Vec<(String, Vec<(f64, f64)>)> = rows
         .iter()
@@ -228,13 +468,13 @@ fn main() -> Result<()> {
             (label.clone(), pts)
         })
         .collect();
-    let png = img.join("extrapolation_loss.png");
+    let png = img.join("extrapolation_copy_loss.png");
     plot::line_chart(
         &png,
         (760, 440),
         &plot::Labels {
             title: &format!(
-                "held-out loss vs evaluation length (trained at L = {})",
+                "copy task: held-out loss vs evaluation length (trained at L = {})",
                 s.train_len
             ),
             x: "evaluation length (tokens, log scale)",

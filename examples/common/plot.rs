@@ -105,6 +105,20 @@ pub fn line_chart(
     x_ticks: &[f64],
     log2_x: bool,
 ) -> Result<()> {
+    line_chart_with_bars(path, size, labels, series, &[], x_ticks, log2_x)
+}
+
+/// [`line_chart`] with a vertical bar from `lo` to `hi` at each point: `bars[i][j] = (lo, hi)`
+/// belongs to point `j` of series `i` (series without bars may be left out at the end).
+pub fn line_chart_with_bars(
+    path: &Path,
+    size: (u32, u32),
+    labels: &Labels,
+    series: &[(String, Vec<(f64, f64)>)],
+    bars: &[Vec<(f64, f64)>],
+    x_ticks: &[f64],
+    log2_x: bool,
+) -> Result<()> {
     let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE)?;
     let (w, h) = (size.0 as i32, size.1 as i32);
@@ -122,6 +136,10 @@ pub fn line_chart(
         x1 = x1.max(fx(x));
         y0 = y0.min(y);
         y1 = y1.max(y);
+    }
+    for &(lo, hi) in bars.iter().flatten() {
+        y0 = y0.min(lo);
+        y1 = y1.max(hi);
     }
     if x0 >= x1 {
         x1 = x0 + 1.0;
@@ -173,6 +191,18 @@ pub fn line_chart(
         if line.len() <= 16 {
             for &p in &line {
                 root.draw(&Circle::new(p, 3, color.filled()))?;
+            }
+        }
+        for (&(x, _), &(lo, hi)) in pts.iter().zip(bars.get(i).into_iter().flatten()) {
+            root.draw(&PathElement::new(
+                vec![(px(x), py(lo)), (px(x), py(hi))],
+                style,
+            ))?;
+            for y in [lo, hi] {
+                root.draw(&PathElement::new(
+                    vec![(px(x) - 3, py(y)), (px(x) + 3, py(y))],
+                    style,
+                ))?;
             }
         }
         let ly = top + 4 + i as i32 * 14;

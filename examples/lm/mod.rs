@@ -5,4 +5,7 @@
 
 pub mod data;
 pub mod model;
+pub mod text;
+pub mod text_eval;
+pub mod text_report;
 pub mod train;

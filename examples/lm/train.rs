@@ -135,7 +135,8 @@ impl Settings {
         self.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
     }
 
-    fn bar(&self, len: usize, message: String) -> ProgressBar {
+    /// A progress bar of `len` steps (hidden unless `progress`).
+    pub fn bar(&self, len: usize, message: String) -> ProgressBar {
         if !self.progress {
             return ProgressBar::hidden();
         }
@@ -237,25 +238,46 @@ fn batch_tensor(seqs: &[Vec<u32>]) -> candle_core::Result<Tensor> {
 /// Mean next-token loss on the scored targets of `(B, T + 1)` tokens: the model reads tokens
 /// `0..T` and predicts `1..=T`; targets before `copy_distance` are not scored.
 pub fn batch_loss(lm: &Lm, task: &Task, tokens: &Tensor) -> candle_posenc::Result<Tensor> {
+    scored_loss(lm, task.copy_distance.saturating_sub(1), tokens)
+}
+
+/// Mean next-token loss of `(B, T + 1)` tokens over the predictions `first..T` (the model reads
+/// tokens `0..T` and predicts `1..=T`).
+pub fn scored_loss(lm: &Lm, first: usize, tokens: &Tensor) -> candle_posenc::Result<Tensor> {
     let (b, n) = tokens.dims2()?;
-    let (t, first) = (n.saturating_sub(1), task.copy_distance.saturating_sub(1));
+    let t = n.saturating_sub(1);
     let Some(scored) = t.checked_sub(first).filter(|&s| s > 0) else {
         return Err(candle_core::Error::Msg(format!(
-            "{n} tokens leave no target at or past copy_distance {}",
-            task.copy_distance
+            "{n} tokens leave no target past the first {first} predictions"
         ))
         .into());
     };
     let logits = lm.forward(&tokens.narrow(1, 0, t)?, true)?;
     let logits = logits
         .narrow(1, first, scored)?
-        .reshape((b * scored, task.vocab))?;
+        .reshape((b * scored, lm.config().vocab))?;
     let targets = tokens.narrow(1, first + 1, scored)?.flatten_all()?;
     Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
 }
 
-/// Trains a model with `encoding` and returns its variables and the loss of every step.
+/// Trains a model with `encoding` on the copy task and returns its variables and the loss of
+/// every step.
 pub fn train(s: &Settings, encoding: &EncodingConfig) -> anyhow::Result<(VarMap, Vec<f32>)> {
+    let batches = |step: usize| {
+        s.task
+            .sequences(TRAIN_STREAM, step * s.batch, s.batch, s.train_len + 1)
+    };
+    train_on(s, encoding, batches, s.task.copy_distance.saturating_sub(1))
+}
+
+/// Trains a model with `encoding` on the sequences `batches(step)` gives (each `L + 1` tokens),
+/// scoring the predictions from `first` on, and returns its variables and every step's loss.
+pub fn train_on(
+    s: &Settings,
+    encoding: &EncodingConfig,
+    batches: impl Fn(usize) -> Vec<Vec<u32>>,
+    first: usize,
+) -> anyhow::Result<(VarMap, Vec<f32>)> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let lm = Lm::new(&s.model, encoding, vb)?;
@@ -270,10 +292,7 @@ pub fn train(s: &Settings, encoding: &EncodingConfig) -> anyhow::Result<(VarMap,
     let mut losses = Vec::with_capacity(s.steps);
     for step in 0..s.steps {
         opt.set_learning_rate(s.lr_at(step));
-        let seqs = s
-            .task
-            .sequences(TRAIN_STREAM, step * s.batch, s.batch, s.train_len + 1);
-        let loss = batch_loss(&lm, &s.task, &batch_tensor(&seqs)?)?;
+        let loss = scored_loss(&lm, first, &batch_tensor(&batches(step))?)?;
         opt.backward_step(&loss)?;
         let value = loss.to_scalar::<f32>()?;
         losses.push(value);
@@ -372,20 +391,39 @@ pub struct Trained {
 }
 
 impl Trained {
-    /// Rounds `varmap` to f16 and describes it.
+    /// Rounds `varmap` to f16 and describes it, with the copy task's parameters.
     pub fn new(s: &Settings, variant: &Variant, varmap: &VarMap) -> anyhow::Result<Self> {
-        let data = varmap
+        let task = &s.task;
+        let data = [
+            ("lm.task.vocab", task.vocab.to_string()),
+            ("lm.task.copy_distance", task.copy_distance.to_string()),
+            ("lm.task.p_copy", task.p_copy.to_string()),
+            ("lm.task.p_successor", task.p_successor.to_string()),
+            ("lm.task.seed", task.seed.to_string()),
+            ("lm.eval.sequences", s.eval_seqs.to_string()),
+        ];
+        Self::describe(s, variant, varmap, data.map(|(k, v)| (k.to_string(), v)))
+    }
+
+    /// Rounds `varmap` to f16 and describes it, with `data` describing what it was trained on.
+    pub fn describe(
+        s: &Settings,
+        variant: &Variant,
+        varmap: &VarMap,
+        data: impl IntoIterator<Item = (String, String)>,
+    ) -> anyhow::Result<Self> {
+        let vars = varmap
             .data()
             .lock()
             .map_err(|_| anyhow::anyhow!("VarMap lock poisoned"))?;
         let mut tensors = HashMap::new();
-        for (name, var) in data.iter() {
+        for (name, var) in vars.iter() {
             tensors.insert(name.clone(), var.as_tensor().detach().to_dtype(DType::F16)?);
         }
         let mut metadata = s.model.to_metadata();
         metadata.extend(s.model.attention().to_metadata());
         metadata.extend(variant.eval.to_metadata());
-        let task = &s.task;
+        metadata.extend(data);
         for (k, v) in [
             ("lm.label", variant.label.to_string()),
             ("lm.train_len", s.train_len.to_string()),
@@ -394,12 +432,6 @@ impl Trained {
             ("lm.train_lr", s.lr.to_string()),
             ("lm.train_encoding", variant.train.kind().to_string()),
             ("lm.seed", s.seed.to_string()),
-            ("lm.eval.sequences", s.eval_seqs.to_string()),
-            ("lm.task.vocab", task.vocab.to_string()),
-            ("lm.task.copy_distance", task.copy_distance.to_string()),
-            ("lm.task.p_copy", task.p_copy.to_string()),
-            ("lm.task.p_successor", task.p_successor.to_string()),
-            ("lm.task.seed", task.seed.to_string()),
         ] {
             metadata.insert(k.to_string(), v);
         }
