@@ -282,7 +282,7 @@ fn pretrained_table() -> Result<()> {
     use lm::text::Corpus;
     use lm::text_eval::{evaluate_text, TextEval};
     use lm::text_report::load_text;
-    use lm::train::{checkpoint_name, variants, Settings};
+    use lm::train::{checkpoint_name, text_variants, Settings};
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let corpus_dir = root.join("data/shakespeare");
     let corpus = if corpus_dir.is_dir() {
@@ -292,7 +292,7 @@ fn pretrained_table() -> Result<()> {
     };
     let started = std::time::Instant::now();
     let mut table = String::new();
-    for variant in variants(&Settings::standard()) {
+    for variant in text_variants(&Settings::standard()) {
         if variant.train != variant.eval {
             continue; // evaluated from another row's weights; no checkpoint of its own
         }

@@ -25,7 +25,8 @@
 //! input length at evaluation), rope, rope+yarn (the same weights, YaRN applied at evaluation
 //! with the factor of the longest length), rope+dynamic (the same weights, dynamic NTK with
 //! factor 2 at evaluation), alibi, t5 (causal buckets), clipped_bias (k = 32) and shaw (relative
-//! keys and values, k = 32).
+//! keys and values, k = 32); the text task adds rope+sinks (RoPE with learned per-head sink
+//! logits in every attention layer, as gpt-oss has).
 //!
 //! Outputs of the text run: the tables between the text markers of `docs/extrapolation.md`
 //! (the page's prose is kept), every number with the run's settings in
@@ -61,8 +62,8 @@ use candle_posenc::{Checkpoint, EncodingConfig};
 use lm::text::Corpus;
 use lm::text_report::{run_seed, spread, table, Record, RowRuns, TextSettings, View};
 use lm::train::{
-    checkpoint_name, evaluate_lengths, markdown_table, train, variants, Score, Settings, Trained,
-    Variant, EVAL_STREAM,
+    checkpoint_name, evaluate_lengths, markdown_table, text_variants, train, variants, Score,
+    Settings, Trained, Variant, EVAL_STREAM,
 };
 
 /// Trains and evaluates every variant (or those in `only`), writing their checkpoints.
@@ -290,7 +291,7 @@ fn text_main(o: &Options) -> Result<()> {
             match rows.iter_mut().find(|r| r.label == label) {
                 Some(row) => row.runs.push(run),
                 None => {
-                    let trained_with = variants(&s.train)
+                    let trained_with = text_variants(&s.train)
                         .into_iter()
                         .find(|v| v.label == label)
                         .map_or_else(String::new, |v| v.train.kind().to_string());

@@ -18,8 +18,8 @@ use lm::text::{Corpus, Document};
 use lm::text_eval::{evaluate_text, TextEval, TextScores};
 use lm::text_report::{load_text, run_seed, spread, table, RowRuns, SeedRun, TextSettings, View};
 use lm::train::{
-    checkpoint_name, evaluate, evaluate_lengths, load, train, variants, Settings, Trained, Variant,
-    EVAL_STREAM,
+    checkpoint_name, evaluate, evaluate_lengths, load, text_variants, train, variants, Settings,
+    Trained, Variant, EVAL_STREAM,
 };
 
 fn rope(s: &Settings) -> EncodingConfig {
@@ -255,7 +255,7 @@ fn weights() -> PathBuf {
 
 /// The rows that have a checkpoint of their own (the others reuse a trained row's weights).
 fn trained_labels() -> Vec<&'static str> {
-    variants(&Settings::standard())
+    text_variants(&Settings::standard())
         .into_iter()
         .filter(|v| v.train == v.eval)
         .map(|v| v.label)
@@ -475,7 +475,7 @@ fn text_evaluation_of_uniform_logits_is_ln_vocab() -> anyhow::Result<()> {
 fn text_pipeline_is_deterministic_and_round_trips() -> anyhow::Result<()> {
     let c = Corpus::generated(5, 12, 2000)?;
     let s = TextSettings::tiny(c.vocab());
-    let only: Vec<String> = ["learned", "learned+interp", "alibi"]
+    let only: Vec<String> = ["learned", "learned+interp", "rope", "rope+sinks", "alibi"]
         .map(String::from)
         .to_vec();
     let dir = std::env::temp_dir().join(format!("posenc-text-{}", std::process::id()));
@@ -490,7 +490,12 @@ fn text_pipeline_is_deterministic_and_round_trips() -> anyhow::Result<()> {
     let again = run_seed(&s, &c, 1, Some(&only), |_: &Variant, _: Trained| Ok(()))?;
     let other = run_seed(&s, &c, 2, Some(&only), |_: &Variant, _: Trained| Ok(()))?;
     let labels: Vec<&str> = first.iter().map(|(l, _)| l.as_str()).collect();
-    assert_eq!(labels, ["learned", "learned+interp", "alibi"]);
+    assert_eq!(
+        labels,
+        ["learned", "learned+interp", "rope", "rope+sinks", "alibi"]
+    );
+    // Sinks are a model of their own, not the rope model's weights again.
+    assert_ne!(first[2].1.scores, first[3].1.scores);
     for ((a, b), o) in first.iter().zip(&again).zip(&other) {
         assert_eq!(
             a.1.scores, b.1.scores,
@@ -514,10 +519,11 @@ fn text_pipeline_is_deterministic_and_round_trips() -> anyhow::Result<()> {
         "interpolation is the identity at L"
     );
     // Only trained rows are saved, and a saved model scores what it recorded.
-    assert_eq!(saved.len(), 2);
+    assert_eq!(saved.len(), 4);
     for path in &saved {
         let loaded = load_text(path)?;
         assert_eq!(loaded.alphabet, c.alphabet);
+        assert_eq!(loaded.lm.config().sinks, loaded.label == "rope+sinks");
         let got = evaluate_text(&loaded.lm, &c.held_out, &s.eval, &ProgressBar::hidden())?;
         let want = &first
             .iter()

@@ -35,12 +35,16 @@ pub struct ModelConfig {
     pub num_layers: usize,
     /// Hidden width of the MLP.
     pub mlp: usize,
+    /// Whether every attention layer has learned per-head sink logits (gpt-oss's sinks).
+    pub sinks: bool,
 }
 
 impl ModelConfig {
     /// The attention block's configuration (causal, no dropout).
     pub fn attention(&self) -> AttentionConfig {
-        AttentionConfig::new(self.d_model, self.num_heads).with_causal(true)
+        AttentionConfig::new(self.d_model, self.num_heads)
+            .with_causal(true)
+            .with_sinks(self.sinks)
     }
 
     /// As `lm.*` checkpoint metadata.
@@ -54,6 +58,7 @@ impl ModelConfig {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
+        .chain([("lm.sinks".to_string(), self.sinks.to_string())])
         .collect()
     }
 
@@ -71,6 +76,8 @@ impl ModelConfig {
             num_heads: get("lm.num_heads")?,
             num_layers: get("lm.num_layers")?,
             mlp: get("lm.mlp")?,
+            // Checkpoints from before sinks joined the model have none.
+            sinks: m.get("lm.sinks").map_or(Ok(false), |v| v.parse())?,
         })
     }
 }
@@ -200,7 +207,7 @@ impl Lm {
 /// point on every run (candle's own initialisers draw from an unseeded generator). Variables are
 /// visited in name order; each gets its own stream of `seed`.
 ///
-/// Norm gains stay at one; linear weights are N(0, 1/fan_in); token embeddings N(0, 1); the
+/// Norm gains stay at one and sink logits at zero; linear weights are N(0, 1/fan_in); token embeddings N(0, 1); the
 /// encodings' tables use the crate's documented initial scales (learned table and Shaw N(0,
 /// 0.02), T5 and clipped bias tables N(0, 1)).
 pub fn seeded_init(varmap: &VarMap, seed: u64) -> anyhow::Result<()> {
@@ -213,8 +220,8 @@ pub fn seeded_init(varmap: &VarMap, seed: u64) -> anyhow::Result<()> {
     for (i, name) in names.into_iter().enumerate() {
         let var = &data[name];
         let dims = var.dims().to_vec();
-        let std = if name.contains("norm") {
-            continue;
+        let std = if name.contains("norm") || name.ends_with(".sinks") {
+            continue; // norm gains at one, sink logits at zero
         } else if name.starts_with("embed.")
             || name.starts_with("pos.relative_attention_bias")
             || name.starts_with("pos.bias_table")

@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::model::ModelConfig;
 use super::text::Corpus;
 use super::text_eval::{evaluate_text, work, TextEval, TextScores};
-use super::train::{train_on, variants, Settings, Trained, Variant};
+use super::train::{text_variants, train_on, Settings, Trained, Variant};
 
 /// Everything that decides a run of the text experiment. The same settings give the same
 /// numbers.
@@ -37,6 +37,7 @@ impl TextSettings {
                 num_heads: 4,
                 num_layers: 2,
                 mlp: 256,
+                sinks: false,
             },
             train_len: 64,
             steps: 200,
@@ -127,7 +128,7 @@ pub struct RowRuns {
     pub runs: Vec<SeedRun>,
 }
 
-/// Trains every variant's model for `seed` (once per training encoding) and scores every
+/// Trains every variant's model for `seed` (once per training encoding and sinks) and scores every
 /// variant on the held-out text. `save` receives each trained variant's checkpoint.
 pub fn run_seed(
     s: &TextSettings,
@@ -136,14 +137,16 @@ pub fn run_seed(
     only: Option<&[String]>,
     mut save: impl FnMut(&Variant, Trained) -> Result<()>,
 ) -> Result<Vec<(String, SeedRun)>> {
-    let settings = s.for_seed(seed);
-    let mut trained: Vec<(EncodingConfig, VarMap, f64)> = Vec::new();
+    let base = s.for_seed(seed);
+    let mut trained: Vec<((EncodingConfig, bool), VarMap, f64)> = Vec::new();
     let mut out = Vec::new();
-    for variant in variants(&settings) {
+    for variant in text_variants(&base) {
         if only.is_some_and(|o| !o.iter().any(|l| l == variant.label)) {
             continue;
         }
-        let index = match trained.iter().position(|(c, _, _)| *c == variant.train) {
+        let settings = variant.settings(&base);
+        let key = (variant.train.clone(), variant.sinks);
+        let index = match trained.iter().position(|(k, _, _)| *k == key) {
             Some(i) => i,
             None => {
                 let l = settings.train_len;
@@ -162,7 +165,7 @@ pub fn run_seed(
                     .map(|&x| f64::from(x))
                     .sum::<f64>()
                     / n.max(1) as f64;
-                trained.push((variant.train.clone(), varmap, last));
+                trained.push((key, varmap, last));
                 trained.len() - 1
             }
         };

@@ -64,6 +64,7 @@ impl Settings {
                 num_heads: 4,
                 num_layers: 2,
                 mlp: 128,
+                sinks: false,
             },
             train_len: 64,
             steps: 400,
@@ -104,6 +105,7 @@ impl Settings {
                 num_heads: 2,
                 num_layers: 1,
                 mlp: 32,
+                sinks: false,
             },
             train_len: 12,
             steps: 12,
@@ -160,6 +162,17 @@ pub struct Variant {
     pub train: EncodingConfig,
     /// Encoding at evaluation (differs only for the variants applied at evaluation).
     pub eval: EncodingConfig,
+    /// Whether the model's attention has learned sink logits.
+    pub sinks: bool,
+}
+
+impl Variant {
+    /// The settings this variant's model is trained with: `s` with its sinks.
+    pub fn settings(&self, s: &Settings) -> Settings {
+        let mut s = s.clone();
+        s.model.sinks = self.sinks;
+        s
+    }
 }
 
 /// Every encoding of the experiment. `learned+interp`, `rope+yarn` and `rope+dynamic` change
@@ -177,6 +190,7 @@ pub fn variants(s: &Settings) -> Vec<Variant> {
         label,
         train: c.clone(),
         eval: c,
+        sinks: false,
     };
     vec![
         same("none", EncodingConfig::None),
@@ -191,12 +205,14 @@ pub fn variants(s: &Settings) -> Vec<Variant> {
             eval: EncodingConfig::Learned(
                 learned.with_interpolation(Interpolation::ToSequenceLength),
             ),
+            sinks: false,
         },
         same("rope", EncodingConfig::Rotary(rope.clone())),
         Variant {
             label: "rope+yarn",
             train: EncodingConfig::Rotary(rope.clone()),
             eval: EncodingConfig::Rotary(rope.clone().with_scaling(RopeScaling::Yarn(yarn))),
+            sinks: false,
         },
         Variant {
             label: "rope+dynamic",
@@ -205,6 +221,7 @@ pub fn variants(s: &Settings) -> Vec<Variant> {
                 factor: 2.0,
                 original_max_position_embeddings: l,
             })),
+            sinks: false,
         },
         same(
             "alibi",
@@ -221,6 +238,27 @@ pub fn variants(s: &Settings) -> Vec<Variant> {
         // Relative keys and values (Shaw et al.'s full form).
         same("shaw", EncodingConfig::Shaw(ShawConfig::new(head_dim, 32))),
     ]
+}
+
+/// The text experiment's rows: [`variants`] and `rope+sinks`, RoPE with learned per-head sink
+/// logits in every attention layer (gpt-oss's form), after `rope+dynamic`.
+pub fn text_variants(s: &Settings) -> Vec<Variant> {
+    let mut rows = variants(s);
+    let at = rows
+        .iter()
+        .position(|v| v.label == "rope+dynamic")
+        .map_or(rows.len(), |i| i + 1);
+    let rope = EncodingConfig::Rotary(RopeConfig::new(s.model.d_model / s.model.num_heads));
+    rows.insert(
+        at,
+        Variant {
+            label: "rope+sinks",
+            train: rope.clone(),
+            eval: rope,
+            sinks: true,
+        },
+    );
+    rows
 }
 
 /// The file name of row `label`'s checkpoint in `weights/`.
