@@ -209,7 +209,9 @@ impl MultiHeadAttention {
     /// [`Error::Rank`] / [`Error::Shape`] for a malformed input, positions, mask or cache
     /// chunk, or for an encoding's answer that does not fit the block; [`Error::DType`] for an
     /// input whose dtype is not the weights'; [`Error::InvalidConfig`] if the logits (batch ×
-    /// heads × queries × keys) would pass [`crate::limits::max_elements`]; [`Error::Device`]
+    /// heads × queries × keys), the projections of the chunk (batch × queries × the widest
+    /// per-token width) or the keys with the cache (batch × KV heads × keys × head_dim) would
+    /// pass [`crate::limits::max_elements`]; [`Error::Device`]
     /// for an input, mask or position ids on another device than the block's weights; the
     /// encoding's own errors (e.g. [`Error::PositionOutOfRange`]).
     pub fn forward_with(
