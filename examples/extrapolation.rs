@@ -9,7 +9,7 @@
 //! ```
 //!
 //! **Text** (the default): character-level language models of Shakespeare's plays
-//! (`examples/lm/text.rs`; whole plays held out), d 128, 4 heads, 2 layers
+//! (`examples/lm/text.rs`; whole plays held out), d 64, 4 heads, 2 layers
 //! (`examples/lm/model.rs`), trained with candle-nn's AdamW at L = 64 with the same number of
 //! characters for every encoding, one model per encoding and seed. Each is scored on the
 //! held-out plays at 1, 2, 4, 8 and 16 L three ways (`examples/lm/text_eval.rs`):

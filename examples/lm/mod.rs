@@ -1,7 +1,8 @@
 //! The extrapolation experiment's pieces, shared by `examples/extrapolation.rs`,
 //! `examples/attention_demo.rs`, `examples/visualize.rs` and `tests/extrapolation.rs`: the
-//! synthetic task ([`data`]), the tiny language model ([`model`]), and training, evaluation and
-//! checkpoints ([`train`]).
+//! synthetic copy task ([`data`]), character-level text ([`text`]), the small language model
+//! ([`model`]), training, copy-task evaluation and checkpoints ([`train`]), the text views
+//! ([`text_eval`]), and the text experiment's runs, tables and record ([`text_report`]).
 
 pub mod data;
 pub mod model;

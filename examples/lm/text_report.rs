@@ -27,7 +27,7 @@ pub struct TextSettings {
 }
 
 impl TextSettings {
-    /// The default experiment for a corpus of `vocab` characters: d 128, 4 heads, 2 layers,
+    /// The default experiment for a corpus of `vocab` characters: d 64, 4 heads, 2 layers,
     /// trained at L = 64, evaluated at 1, 2, 4, 8 and 16 L, three seeds.
     pub fn standard(vocab: usize) -> Self {
         let train = Settings {
