@@ -23,10 +23,22 @@ pub(crate) trait GraftBackward: Send + Sync + 'static {
 /// `y`, with gradients flowing to `x` through `backward`. `y` must be a fresh contiguous tensor
 /// computed from `x` outside the graph.
 pub(crate) fn graft<B: GraftBackward>(x: &Tensor, y: &Tensor, backward: B) -> Result<Tensor> {
-    Ok(x.apply_op2(y, Graft(backward))?)
+    Ok(x.apply_op2(y, Graft(backward, false))?)
 }
 
-struct Graft<B>(B);
+/// `y`, with gradients flowing to `x` through `backward` and to `y` as they are (`y` may be in
+/// a graph of its own: the links of one op's several inputs, [`crate::attention`]'s fused
+/// training core).
+pub(crate) fn graft_through<B: GraftBackward>(
+    x: &Tensor,
+    y: &Tensor,
+    backward: B,
+) -> Result<Tensor> {
+    Ok(x.apply_op2(y, Graft(backward, true))?)
+}
+
+/// The backward, and whether `y`'s gradient passes through.
+struct Graft<B>(B, bool);
 
 /// The grafted result as a fresh storage.
 fn copy_output<S: BackendStorage>(y: &S, layout: &Layout) -> candle_core::Result<(S, Shape)> {
@@ -80,6 +92,7 @@ impl<B: GraftBackward> CustomOp2 for Graft<B> {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(self.0.grad(grad_res)?), None))
+        let through = self.1.then(|| grad_res.clone());
+        Ok((Some(self.0.grad(grad_res)?), through))
     }
 }

@@ -510,7 +510,9 @@ fn padding_hides_keys(dev: &Device) -> anyhow::Result<()> {
             },
             None,
         )?;
-        assert_close(&a.output, &c.output, 1e-6, "additive mask")?;
+        // (The two calls take different paths, ops and the fused core: they differ by
+        // rounding.)
+        assert_close(&a.output, &c.output, 1e-5, "additive mask")?;
     }
     Ok(())
 }

@@ -946,10 +946,60 @@ fn fields_changed_after_parsing_are_checked(dev: &Device) -> anyhow::Result<()> 
     Ok(())
 }
 
+/// Every family's layer trains as HF's does: the gradient of `Σ probe · layer(x)` with
+/// respect to x, from the fused backward (training mode) and from candle's ops (the weights
+/// returned), equals torch autograd's through HF's module (`generate.py hf_layers`) within
+/// 1e-5 of its largest entry. The probe is 0 on padded queries.
+fn every_family_trains_as_hf(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    for tag in FAMILIES {
+        let (_, block) = layer(&ckpt, tag)?;
+        let x = candle_core::Var::from_tensor(get(ckpt.tensors(), &format!("{tag}.x")))?;
+        let probe = get(ckpt.tensors(), &format!("{tag}.grad.probe"));
+        let want = get(ckpt.tensors(), &format!("{tag}.grad.x"));
+        let axes = ckpt.tensors().get(&format!("{tag}.positions"));
+        let ids = ckpt.tensors().get(&format!("{tag}.position_ids"));
+        let all = match (axes, ids) {
+            (Some(a), _) => Positions::Ids(PositionIds::multimodal(a)?),
+            (None, Some(i)) => Positions::Ids(PositionIds::new(i)?),
+            (None, None) => Positions::Offset(0),
+        };
+        let padding = ckpt.tensors().get(&format!("{tag}.padding"));
+        let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
+        for (path, return_weights) in [("fused", false), ("ops", true)] {
+            let out = block
+                .forward_with(
+                    x.as_tensor(),
+                    &AttentionOptions {
+                        positions: Some(&all),
+                        padding_mask: padding,
+                        return_weights,
+                        train: true,
+                        ..Default::default()
+                    },
+                    None,
+                )?
+                .output;
+            let grads = (out * probe)?.sum_all()?.backward()?;
+            let got = grads
+                .get(x.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("{tag}: x gets no gradient"))?;
+            assert_close(
+                got,
+                want,
+                1e-5 * f64::from(top.max(1.0)),
+                &format!("{tag} {path} gradient"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
     layer_indices_past_the_model,
     fields_changed_after_parsing_are_checked,
     every_family_matches_hf,
+    every_family_trains_as_hf,
     configs_read_as_hf_does,
     t5_later_layers_share_the_first_table,
     errors_name_the_hf_tensor,

@@ -34,15 +34,23 @@ struct Shifted {
 }
 
 impl Shifted {
+    /// The columns of `ctx`'s block: `shift` counts from the chunk's first query and key, so
+    /// that every split of the queries into blocks reads the same columns, as a real
+    /// encoding's positions make it.
     fn columns(&self, ctx: &AttentionContext) -> Result<Columns> {
+        let (Positions::Offset(qs), Positions::Offset(ks)) = (ctx.queries, ctx.keys) else {
+            panic!("the test runs on offsets");
+        };
+        let shift = self.shift as i128 - *qs as i128 + *ks as i128;
         if !self.by_index {
-            return Ok(Columns::Shift(self.shift));
+            let shift = shift.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
+            return Ok(Columns::Shift(shift));
         }
         let (tq, tk) = (ctx.q_len, ctx.k_len);
         let map: Vec<u32> = (0..tq)
             .flat_map(|i| {
                 (0..tk).map(move |j| {
-                    (j as i128 - i as i128 + self.shift as i128).clamp(0, WIDTH as i128 - 1) as u32
+                    (j as i128 - i as i128 + shift).clamp(0, WIDTH as i128 - 1) as u32
                 })
             })
             .collect();

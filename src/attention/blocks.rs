@@ -17,6 +17,7 @@ use candle_core::{DType, Tensor};
 
 use super::fused_attention;
 use super::fused_softmax::RowRule;
+use super::fused_training;
 use super::mask::{cast_mask, widened_mask};
 use super::unfused;
 use crate::error::{check_device, check_float, Error, Result};
@@ -33,6 +34,9 @@ pub(crate) enum Path {
     /// Products as candle ops, bias, masks and softmax in one in-place pass: f32 CPU
     /// inference returning the weights.
     RowPass,
+    /// The fused CPU core with its fused backward: f32 training without returned weights
+    /// (and without attention dropout).
+    FusedTrain,
     /// Candle ops throughout (training, other dtypes and devices): differentiable.
     Ops,
 }
@@ -50,13 +54,14 @@ impl Path {
         let cpu_f32 = [q, k, v].iter().all(|t| {
             t.device().is_cpu()
                 && t.dtype() == DType::F32
-                && !t.track_op()
                 && t.rank() == 4
                 && t.layout().stride()[3] == 1
         });
-        match (differentiable, cpu_f32, weights) {
+        let tracked = [q, k, v].iter().any(|t| t.track_op());
+        match (differentiable || tracked, cpu_f32, weights) {
             (false, true, false) => Path::Fused,
             (false, true, true) => Path::RowPass,
+            (true, true, false) => Path::FusedTrain,
             _ => Path::Ops,
         }
     }
@@ -156,18 +161,29 @@ impl Chunk<'_> {
             };
             bias || values.as_ref().is_some_and(|v| v.table().track_op())
         });
-        let path = if tracked { Path::Ops } else { path };
+        let path = match (path, tracked) {
+            // Attention dropout runs on candle's ops.
+            (Path::FusedTrain, _) if self.train && self.dropout > 0.0 => Path::Ops,
+            (Path::Fused | Path::FusedTrain, true) => match first.as_ref().is_some_and(fused_grads)
+            {
+                true => Path::FusedTrain,
+                false => Path::Ops,
+            },
+            (path, false) => path,
+            (_, true) => Path::Ops,
+        };
         // The fused core allocates no logits, so the budget's query blocks only bound the
         // encoding's answers: when they do not grow with the queries (none, or one row shared
         // by every query), the whole chunk is one block, and the core's tiles reuse each key
         // tile across all its queries.
-        if path == Path::Fused && spans.len() > 1 && first.as_ref().is_some_and(shared_answers) {
+        let fused = matches!(path, Path::Fused | Path::FusedTrain);
+        if fused && spans.len() > 1 && first.as_ref().is_some_and(shared_answers) {
             spans = vec![(0, t, tk)];
             first = Some(self.answers(spans[0])?);
         }
         let differentiable = self.differentiable || tracked;
-        let (k, v) = match path {
-            Path::Fused => (self.k.clone(), self.v.clone()), // grouped heads read in place
+        let (k, v) = match fused {
+            true => (self.k.clone(), self.v.clone()), // grouped heads read in place
             _ => (repeat_kv(&self.k, h / hkv)?, repeat_kv(&self.v, h / hkv)?),
         };
         let merged = match path {
@@ -177,7 +193,7 @@ impl Chunk<'_> {
         let (mut outs, mut weights) = (Vec::new(), Vec::new());
         // The sinks as values, read once, for the paths that run on the CPU.
         let host_sinks = match (path, self.sinks) {
-            (Path::Fused | Path::RowPass, Some(s)) => {
+            (Path::Fused | Path::FusedTrain | Path::RowPass, Some(s)) => {
                 Some(s.to_dtype(DType::F32)?.to_vec1::<f32>()?)
             }
             _ => None,
@@ -208,21 +224,30 @@ impl Chunk<'_> {
                 .map(|m| narrowed(m, 2, start, n, t))
                 .transpose()?;
             let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q, self.dtype)?;
+            let core = || fused_attention::Core {
+                q: &part.q,
+                k: &part.k,
+                v: &part.v,
+                dense: terms.dense.iter().collect(),
+                dense_masks: self.attn_mask.is_some(),
+                relative: terms.rows.iter().collect(),
+                padding: part.padding,
+                rule: &part.rule,
+                values: values.as_ref(),
+                tile: fused_attention::tile_rows(kv),
+                key_tile: fused_attention::KEY_TILE,
+            };
             if let Some(merged) = &merged {
-                fused_attention::Core {
-                    q: &part.q,
-                    k: &part.k,
-                    v: &part.v,
-                    dense: terms.dense.iter().collect(),
-                    dense_masks: self.attn_mask.is_some(),
-                    relative: terms.rows.iter().collect(),
-                    padding: part.padding,
-                    rule: &part.rule,
-                    values: values.as_ref(),
-                    tile: fused_attention::tile_rows(kv),
-                    key_tile: fused_attention::KEY_TILE,
-                }
-                .write_into(merged, start)?;
+                core().write_into(merged, start)?;
+            } else if path == Path::FusedTrain {
+                outs.push(
+                    fused_training::TrainCore {
+                        core: core(),
+                        sinks: self.sinks,
+                        tiles: fused_training::Tiles::default(),
+                    }
+                    .attend()?,
+                );
             } else {
                 let row_pass = path == Path::RowPass;
                 let dropout = if self.train { self.dropout } else { 0.0 };
@@ -240,9 +265,10 @@ impl Chunk<'_> {
                 }
             }
         }
-        let out = match merged {
-            Some(merged) => merged,
-            None => cat(outs, 2)?.transpose(1, 2)?,
+        let out = match (merged, path) {
+            (Some(merged), _) => merged,
+            (None, Path::FusedTrain) => cat(outs, 1)?,
+            (None, _) => cat(outs, 2)?.transpose(1, 2)?,
         };
         let weights = match weights.is_empty() {
             true => None,
@@ -327,9 +353,12 @@ impl LogitTerms {
                 check_device("relative logits bias", r.values(), device)?;
                 r.check_block(dims)?;
                 match (path, r.columns()) {
-                    (Path::Fused | Path::RowPass, Columns::Shift(_)) => terms.rows.push(
-                        RelativeBias::new(r.values().to_dtype(DType::F32)?, r.columns().clone())?,
-                    ),
+                    (Path::Fused | Path::FusedTrain | Path::RowPass, Columns::Shift(_)) => {
+                        terms.rows.push(RelativeBias::new(
+                            r.values().to_dtype(DType::F32)?,
+                            r.columns().clone(),
+                        )?)
+                    }
                     _ => terms
                         .dense
                         .push(r.to_dense(dims.2, dims.3)?.to_dtype(dtype)?),
@@ -340,7 +369,23 @@ impl LogitTerms {
     }
 }
 
-/// Repeats each KV head `n_rep` times: `(B, Hkv, T, D)` → `(B, Hkv·n_rep, T, D)`.
+/// Whether the fused backward gives every gradient an encoding's answers want: a tracked
+/// dense bias must not vary per query (its gradient is summed per task, and a `(B, H, Tq, Tk)`
+/// one would cost the logits the fused path avoids), nor a tracked relative bias read through
+/// an index map (expanded to such a dense bias).
+fn fused_grads((bias, _): &Answers) -> bool {
+    match bias {
+        Some(LogitsBias::Dense(t)) if t.track_op() => {
+            let d = t.dims();
+            d.len() < 2 || d[d.len() - 2] == 1
+        }
+        Some(LogitsBias::Relative(r)) if r.values().track_op() => {
+            matches!(r.columns(), Columns::Shift(_))
+        }
+        _ => true,
+    }
+}
+
 /// Whether an encoding's answers for a query block take the same memory for any number of
 /// queries: no bias, or a bias with one row for every query (dense or shifted), and no values
 /// or values read through a shift (not an index map per query).
@@ -358,6 +403,7 @@ fn shared_answers((bias, values): &Answers) -> bool {
         .is_none_or(|v| matches!(v.columns(), Columns::Shift(_)))
 }
 
+/// Repeats each KV head `n_rep` times: `(B, Hkv, T, D)` → `(B, Hkv·n_rep, T, D)`.
 fn repeat_kv(t: &Tensor, n_rep: usize) -> Result<Tensor> {
     if n_rep == 1 {
         return Ok(t.clone());

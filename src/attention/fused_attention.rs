@@ -34,9 +34,7 @@ use std::cell::RefCell;
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::fused_softmax::{
-    read_storage, strided_terms, RowRule, Running, StorageGuard, TermGuards,
-};
+use super::fused_softmax::{read_storage, strided_terms, RowRule, Running, TermGuards};
 use crate::error::{Error, Result};
 use crate::plug::relative::{add_indexed_sums, add_shifted_sums_from};
 use crate::plug::{Columns, RelativeBias, RelativeValues};
@@ -85,15 +83,11 @@ pub(crate) struct Core<'a> {
 }
 
 impl Core<'_> {
-    /// Writes `softmax(q kᵀ + terms, masked) v` into `out` `(B, T, H, D)` (contiguous f32, not
-    /// part of a graph) at rows `first_row..first_row + Tq`.
-    pub(crate) fn write_into(&self, out: &Tensor, first_row: usize) -> Result<()> {
+    /// Everything the core's pass reads besides q, k and v, for output rows from `first_row`.
+    pub(crate) fn spec(&self, first_row: usize) -> Result<CoreSpec> {
         let (b, h, tq, d) = self.q.dims4()?;
         let (_, _, tk, _) = self.k.dims4()?;
-        let op = CoreOp {
-            q: self.q.clone(),
-            k: self.k.clone(),
-            v: self.v.clone(),
+        Ok(CoreSpec {
             terms: strided_terms((b, h, tq, tk), &self.dense, &self.relative)?,
             padding: self.padding.map(|p| p.contiguous()).transpose()?,
             // Keys no row of a tile sees may be left out only when no row can be masked whole
@@ -108,35 +102,52 @@ impl Core<'_> {
                 Some(v) => Some(ValueOperands::new(v, (b, tq, tk, d))?),
                 None => None,
             },
+        })
+    }
+
+    /// Writes `softmax(q kᵀ + terms, masked) v` into `out` `(B, T, H, D)` (contiguous f32, not
+    /// part of a graph) at rows `first_row..first_row + Tq`.
+    pub(crate) fn write_into(&self, out: &Tensor, first_row: usize) -> Result<()> {
+        let op = CoreOp {
+            q: self.q.clone(),
+            k: self.k.clone(),
+            v: self.v.clone(),
+            spec: self.spec(first_row)?,
         };
         out.inplace_op1(&op)?;
         Ok(())
     }
 }
 
+/// The core as an in-place op on the merged output (inference).
 struct CoreOp {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    terms: Vec<super::fused_softmax::Strided>,
-    padding: Option<Tensor>,
+    spec: CoreSpec,
+}
+
+/// What the core reads besides q, k and v, checked against them when built.
+pub(crate) struct CoreSpec {
+    pub(crate) terms: Vec<super::fused_softmax::Strided>,
+    pub(crate) padding: Option<Tensor>,
     /// Whether a tile visits only the keys its rows can see ([`RowRule::keys_seen`]).
-    skip: bool,
-    rule: RowRule,
-    first_row: usize,
+    pub(crate) skip: bool,
+    pub(crate) rule: RowRule,
+    pub(crate) first_row: usize,
     /// `(B, H, Tq, Tk, D)`.
-    dims: (usize, usize, usize, usize, usize),
+    pub(crate) dims: (usize, usize, usize, usize, usize),
     /// The relative value term, ready for the tiles.
-    values: Option<ValueOperands>,
-    tile: usize,
-    key_tile: usize,
+    pub(crate) values: Option<ValueOperands>,
+    pub(crate) tile: usize,
+    pub(crate) key_tile: usize,
 }
 
 /// A relative value term as the tiles read it: a contiguous f32 `(W, D)` table and its
 /// columns, an index map made contiguous `(1|B, Tq, Tk)` u32.
-struct ValueOperands {
-    table: Tensor,
-    columns: Columns,
+pub(crate) struct ValueOperands {
+    pub(crate) table: Tensor,
+    pub(crate) columns: Columns,
 }
 
 impl ValueOperands {
@@ -164,20 +175,20 @@ impl ValueOperands {
 
 /// A strided f32 view `(B, H, T, D)` with unit stride on `D`.
 #[derive(Clone, Copy)]
-struct View {
+pub(crate) struct View {
     ptr: *const f32,
-    strides: [usize; 3],
+    pub(crate) strides: [usize; 3],
 }
 
 impl View {
-    /// A view of `layout` over the guarded storage, which must be f32 of exactly the `dims`
-    /// the core reads (`(B, H, T, D)`), with unit stride on `D` and every element in storage.
-    fn new<'a>(
-        guard: &'a StorageGuard<'a>,
+    /// A view of `layout` over `storage`, which must be f32 of exactly the `dims` the core
+    /// reads (`(B, H, T, D)`), with unit stride on `D` and every element in storage.
+    pub(crate) fn new(
+        storage: &CpuStorage,
         layout: &Layout,
         dims: [usize; 4],
     ) -> candle_core::Result<Self> {
-        let Storage::Cpu(CpuStorage::F32(data)) = &***guard else {
+        let CpuStorage::F32(data) = storage else {
             candle_core::bail!("fused attention: q, k and v must be f32 CPU tensors");
         };
         if layout.dims() != dims || layout.stride()[3] != 1 {
@@ -210,7 +221,7 @@ impl View {
     /// # Safety
     /// `b`, `h` and `i` must lie inside the view's dimensions (checked against its storage in
     /// [`View::new`]).
-    unsafe fn at(&self, b: usize, h: usize, i: usize) -> *const f32 {
+    pub(crate) unsafe fn at(&self, b: usize, h: usize, i: usize) -> *const f32 {
         let [s0, s1, s2] = self.strides;
         // SAFETY: the caller stays inside the view's dimensions, which lie in the storage.
         unsafe { self.ptr.add(b * s0 + h * s1 + i * s2) }
@@ -219,14 +230,14 @@ impl View {
 
 /// The output rows, written by disjoint tiles from several threads.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 
 impl OutPtr {
     /// The element `offset` past the start (a method, so closures capture the whole `OutPtr`).
     ///
     /// # Safety
     /// `offset` must lie inside the output.
-    unsafe fn add(self, offset: usize) -> *mut f32 {
+    pub(crate) unsafe fn add(self, offset: usize) -> *mut f32 {
         // SAFETY: the caller keeps `offset` in bounds.
         unsafe { self.0.add(offset) }
     }
@@ -279,27 +290,50 @@ impl InplaceOp1 for CoreOp {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (b, h, tq, tk, d) = self.dims;
+        let (b, h, tq, _, d) = self.spec.dims;
         let (ob, t, oh, od) = layout.shape().dims4()?;
         let (CpuStorage::F32(out), Some((start, end))) = (storage, layout.contiguous_offsets())
         else {
             candle_core::bail!("fused attention: the output must be contiguous f32");
         };
-        if (ob, oh, od) != (b, h, d) || self.first_row + tq > t || end - start != b * t * h * d {
+        if (ob, oh, od) != (b, h, d) || self.spec.first_row + tq > t || end - start != b * t * h * d
+        {
             candle_core::bail!("fused attention: output shape does not match q");
         }
-        let hkv = self.k.dim(1)?;
-        if hkv == 0 || !h.is_multiple_of(hkv) || self.v.dims4()? != (b, hkv, tk, d) {
+        let guards = [&self.q, &self.k, &self.v].map(read_storage);
+        let [q, k, v] = guards.each_ref().map(|(g, l)| match &***g {
+            Storage::Cpu(s) => Ok((s, *l)),
+            _ => candle_core::bail!("fused attention: q, k and v must be f32 CPU tensors"),
+        });
+        self.spec
+            .run([q?, k?, v?], OutPtr(out[start..].as_mut_ptr()), t, None)
+    }
+}
+
+impl CoreSpec {
+    /// The core over `q` `(B, H, Tq, D)`, `k` and `v` `(B, Hkv, Tk, D)` as stored, writing
+    /// rows `first_row..first_row + Tq` of `out` (contiguous `(B, T, H, D)`, checked by the
+    /// caller) and, when asked, each row's softmax maximum and inverse sum into `stats`
+    /// (`(B, H, Tq, 2)`, contiguous).
+    pub(crate) fn run(
+        &self,
+        [(qs, ql), (ks, kl), (vs, vl)]: [(&CpuStorage, &Layout); 3],
+        out: OutPtr,
+        t: usize,
+        stats: Option<OutPtr>,
+    ) -> candle_core::Result<()> {
+        let (b, h, tq, tk, d) = self.dims;
+        let hkv = kl.dims().get(1).copied().unwrap_or(0);
+        if hkv == 0 || !h.is_multiple_of(hkv) || vl.dims() != [b, hkv, tk, d] {
             candle_core::bail!("fused attention: k and v must be (B, Hkv, Tk, D) with Hkv | H");
         }
         let group = h / hkv;
         if b * h * tq == 0 {
-            return Ok(()); // nothing to write (an empty batch)
+            return Ok(());
         }
-        let guards = [&self.q, &self.k, &self.v].map(read_storage);
-        let q = View::new(&guards[0].0, guards[0].1, [b, h, tq, d])?;
-        let k = View::new(&guards[1].0, guards[1].1, [b, hkv, tk, d])?;
-        let v = View::new(&guards[2].0, guards[2].1, [b, hkv, tk, d])?;
+        let q = View::new(qs, ql, [b, h, tq, d])?;
+        let k = View::new(ks, kl, [b, hkv, tk, d])?;
+        let v = View::new(vs, vl, [b, hkv, tk, d])?;
         let terms = TermGuards::new(&self.terms, self.padding.as_ref());
         let pass = terms.pass((b, h, tq, tk), &self.rule)?;
         let values_guard = self.values.as_ref().map(|v| {
@@ -342,7 +376,6 @@ impl InplaceOp1 for CoreOp {
                 Some((table, width, rule))
             }
         };
-        let out = OutPtr(out[start..].as_mut_ptr());
         let (mut tile, key_tile) = (self.tile, self.key_tile);
         if let Some((_, width, _)) = &values {
             tile = value_tile_rows(tile, *width, d);
@@ -451,6 +484,14 @@ impl InplaceOp1 for CoreOp {
                 let row0 = (bi * t + self.first_row + i0) * h + hi;
                 for (li, state) in running.iter().enumerate() {
                     let inv = 1.0 / state.sum;
+                    if let Some(stats) = stats {
+                        // SAFETY: stats is (B, H, Tq, 2) contiguous (the caller's contract);
+                        // row r0 + li is this tile's own.
+                        unsafe {
+                            *stats.add(2 * (r0 + li)) = state.max;
+                            *stats.add(2 * (r0 + li) + 1) = inv;
+                        }
+                    }
                     // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements (checked
                     // above); this tile writes rows first_row + i0 .. + rows of head hi only.
                     let dst =
@@ -535,7 +576,7 @@ fn transposed_keys(
 
 /// How a tile's rows pick the value table's rows: a shift, or a `(1|B, Tq, Tk)` index map
 /// (with its batch size).
-enum TileColumns<'a> {
+pub(crate) enum TileColumns<'a> {
     Shift(i64),
     Index(&'a [u32], usize),
 }
@@ -547,7 +588,7 @@ enum TileColumns<'a> {
 /// # Safety
 /// Every element the dimensions and strides reach must be valid (and `dst`'s writable by this
 /// thread alone).
-unsafe fn product(
+pub(crate) unsafe fn product(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs, accumulate): (*mut f32, usize, bool),
     (lhs, lhs_cs, lhs_rs): (*const f32, usize, usize),

@@ -28,7 +28,7 @@ pub(crate) struct Strided {
     offset: usize,
     strides: [usize; 4],
     /// `Some((shift, width))` for a relative term.
-    relative: Option<(i64, usize)>,
+    pub(crate) relative: Option<(i64, usize)>,
 }
 
 impl Strided {
@@ -64,20 +64,25 @@ impl Strided {
                     *x += src[base + (j0 + j) * s3];
                 }
             }
-            Some((shift, width)) => {
-                // Contiguous values (checked when built): one row of `width` columns.
-                let values = &src[base..base + width];
-                let s = row_segments_from(i, shift, width, j0, row.len());
-                let (left, rest) = row.split_at_mut(s.lo);
-                let (middle, right) = rest.split_at_mut(s.hi - s.lo);
-                left.iter_mut().for_each(|x| *x += values[0]);
-                for (x, y) in middle.iter_mut().zip(&values[s.first_col..]) {
-                    *x += y;
-                }
-                right.iter_mut().for_each(|x| *x += values[width - 1]);
-            }
+            // Contiguous values (checked when built): one row of `width` columns.
+            Some((shift, width)) => add_shifted_row(&src[base..base + width], i, shift, j0, row),
         }
     }
+}
+
+/// `row[j] += values[c(i, j0 + j)]` with `c(i, j) = clamp(j − i + shift, 0, W − 1)` over the
+/// `W = values.len()` columns: query row `i`'s keys `j0..j0 + row.len()`.
+#[inline(always)]
+pub(crate) fn add_shifted_row(values: &[f32], i: usize, shift: i64, j0: usize, row: &mut [f32]) {
+    let width = values.len();
+    let s = row_segments_from(i, shift, width, j0, row.len());
+    let (left, rest) = row.split_at_mut(s.lo);
+    let (middle, right) = rest.split_at_mut(s.hi - s.lo);
+    left.iter_mut().for_each(|x| *x += values[0]);
+    for (x, y) in middle.iter_mut().zip(&values[s.first_col..]) {
+        *x += y;
+    }
+    right.iter_mut().for_each(|x| *x += values[width - 1]);
 }
 
 /// Lanes of the reductions below: independent accumulators, which the compiler keeps in two to
@@ -594,6 +599,48 @@ impl RowPass<'_> {
         state.sum = state.sum * alpha + exp_shifted_in_place(row, m);
         state.max = m;
         alpha
+    }
+
+    /// The weights of keys `j0..j0 + row.len()` of row `r` again, from their logits and the
+    /// row's final softmax maximum `max` and inverse sum `inv` (as the online pass kept them):
+    /// `e^(s − max) · inv` after the row's terms and masks, flushed as the pass flushes, so a
+    /// row masked whole is uniform again. With the fastest build this CPU runs.
+    #[inline(always)]
+    pub(crate) fn recompute_best(&self, r: usize, row: &mut [f32], j0: usize, max: f32, inv: f32) {
+        match self.isa {
+            // SAFETY: `Isa::detect` found the instructions on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { self.recompute_avx512(r, row, j0, max, inv) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { self.recompute_avx2(r, row, j0, max, inv) },
+            Isa::Baseline => self.recompute(r, row, j0, max, inv),
+        }
+    }
+
+    #[inline(always)]
+    fn recompute(&self, r: usize, row: &mut [f32], j0: usize, max: f32, inv: f32) {
+        let visible = self.mask_keys(r, row, j0);
+        row[visible..].iter_mut().for_each(|x| *x = f32::MIN);
+        for x in row.iter_mut() {
+            let d = *x - max;
+            // Comparisons, not f32::max: a NaN must stay NaN.
+            let below = d < FLUSH_BELOW;
+            let e = exp(if below { FLUSH_BELOW } else { d });
+            *x = if below { 0.0 } else { e * inv };
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn recompute_avx2(&self, r: usize, row: &mut [f32], j0: usize, max: f32, inv: f32) {
+        self.recompute(r, row, j0, max, inv)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn recompute_avx512(&self, r: usize, row: &mut [f32], j0: usize, max: f32, inv: f32) {
+        self.recompute(r, row, j0, max, inv)
     }
 
     /// [`Self::online`] compiled for AVX2 (the same operations per lane as the baseline).

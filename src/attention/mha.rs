@@ -15,8 +15,8 @@
 //! # Shapes
 //! - `x`: `(B, T, d_model)`; output `(B, T, d_model)`; weights `(B, H, T, T_keys)`.
 //!
-//! The forward is a pipeline; the query blocks and the three execution paths (fused core, row
-//! pass, plain ops) live in `blocks.rs`, chosen once per call.
+//! The forward is a pipeline; the query blocks and the four execution paths (fused core, row
+//! pass, fused training core, plain ops) live in `blocks.rs`, chosen once per call.
 //!
 //! Weights are named like HF Llama (`q_proj`, `k_proj`, `v_proj`, `o_proj`, each with `weight`
 //! and optional `bias`; `q_norm` and `k_norm` with `weight` when the queries and keys are

@@ -1,4 +1,4 @@
-//! The multi-head attention block: configuration, the pipeline, its three execution paths,
+//! The multi-head attention block: configuration, the pipeline, its four execution paths,
 //! masks and the KV cache.
 //!
 //! The block consumes every positional encoding through the plug ([`crate::plug`]) and never
@@ -12,13 +12,18 @@
 //!   block's range first, so its lowest value hides a key as it does in that format);
 //! - the row pass (`fused_softmax.rs`): f32 CPU inference returning the weights, bias, masks and
 //!   softmax in one in-place pass over the logits;
-//! - plain candle ops (`unfused.rs`): training, returned weights in other dtypes, other
-//!   devices; differentiable.
+//! - the fused training core (`fused_training.rs`): f32 CPU with gradients, without returned
+//!   weights or attention dropout; the core's forward keeps one maximum and inverse sum per
+//!   row, and a FlashAttention-2 backward recomputes each tile's weights, giving q, k, v and
+//!   every tracked term, table and sink their gradients without a `(B, H, T, T)` tensor;
+//! - plain candle ops (`unfused.rs`): returned weights in other dtypes, attention dropout,
+//!   other devices and dtypes; differentiable.
 
 mod blocks;
 mod config;
 mod fused_attention;
 mod fused_softmax;
+mod fused_training;
 mod kv_cache;
 mod latent;
 mod mask;

@@ -1,0 +1,1043 @@
+//! The fused CPU core for training: the inference core's forward keeping one maximum and one
+//! inverse sum per row, and a FlashAttention-2 backward that recomputes each tile's weights
+//! from q, k and the terms instead of storing them (Dao 2023, "FlashAttention-2", Algorithm 2).
+//!
+//! ```text
+//! forward:   O = the core's output (fused_attention),  m_i, 1/l_i kept per row
+//! δ_i = dO_i · O_i
+//! for each (b, KV head, key tile J), each head h of its group, each query tile I that sees J:
+//!     P  = e^(S_IJ − m_I) / l_I                S recomputed: cap(q kᵀ) + terms, masked
+//!     dP = dO_I v_Jᵀ + G_I[c(i, j)]             G = dO_I aᵀ (relative values a, if any)
+//!     dV_J += Pᵀ dO_I;   da += (Σ_{j: c(i, j) = c} P_ij)ᵀ dO_I
+//!     dS = P ∘ (dP − δ_I)                       0 on a row masked whole (its weights are fixed)
+//!     dterm += dS                               summed over the term's broadcast axes, per
+//!                                               clamped column for rows per distance
+//!     dS ← dS ∘ (1 − tanh²(s / c))              with a soft cap c of the raw logits s
+//!     dQ_I += dS k_J;   dK_J += dSᵀ q_I
+//! dsink_h = −Σ_{b, i} e^(sink_h − m_i) / l_i · δ_i
+//! ```
+//!
+//! No `(B, H, Tq, Tk)` tensor exists on either side: the backward holds one query tile's
+//! logits and their gradient (`rows × keys`) per thread, and its memory beyond the gradients is
+//! O(T). Tasks are `(batch, KV head, share of the key tiles)`: each owns its keys' dK and dV
+//! (grouped heads sum into their shared head in place), and writes dQ directly when it owns
+//! every key tile of its heads, else into its own partial sum, added up after the pass in a
+//! fixed order. Gradients of the terms and tables are partial per task too, so every gradient
+//! is the same from run to run.
+//!
+//! The result is attached to candle's graph as one op of q, k and v, whose backward is this
+//! pass; each term, table or sink tensor that tracks gradients is grafted on top as a link
+//! that hands its own share of the same pass's results to candle (the outermost link, reached
+//! first by the backward, runs the pass once for all of them).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::fused_attention::{product, Core, CoreSpec, OutPtr, TileColumns, View};
+use super::fused_softmax::{add_shifted_row, read_storage, TermGuards};
+use crate::error::{Error, Result};
+use crate::graft::{graft_through, GraftBackward};
+use crate::limits::check_elements;
+use crate::plug::relative::{add_indexed_sums, add_shifted_sums_from};
+use crate::plug::Columns;
+
+/// How the backward cuts its work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tiles {
+    /// Query rows per tile.
+    pub(crate) rows: usize,
+    /// Keys per tile.
+    pub(crate) keys: usize,
+    /// Shares of each head's key tiles, one task each (`None`: enough tasks for twice the
+    /// threads).
+    pub(crate) shares: Option<usize>,
+}
+
+impl Default for Tiles {
+    /// 64 query rows by 256 keys: a tile's logits and their gradient, its keys, values and
+    /// their gradients stay in a core's L2.
+    fn default() -> Self {
+        Self {
+            rows: 64,
+            keys: 256,
+            shares: None,
+        }
+    }
+}
+
+/// The core with gradients: q, k and v and every term, table and sink tensor that tracks
+/// gradients get them from the fused backward.
+pub(crate) struct TrainCore<'a> {
+    /// The forward's operands, as the inference core takes them.
+    pub(crate) core: Core<'a>,
+    /// `(H)` sink logits (the rule holds their values), to receive their gradient.
+    pub(crate) sinks: Option<&'a Tensor>,
+    /// The backward's tiles.
+    pub(crate) tiles: Tiles,
+}
+
+impl TrainCore<'_> {
+    /// The attention output `(B, Tq, H, D)` (heads not yet merged), f32, in the graph of q, k,
+    /// v and the terms.
+    pub(crate) fn attend(&self) -> Result<Tensor> {
+        let core = &self.core;
+        let spec = core.spec(0)?;
+        let (b, h, tq, _, d) = spec.dims;
+        check_elements(
+            "fused training statistics",
+            format!("{b} × {h} × {tq}"),
+            "two per query row",
+            &[b, h, tq, 2],
+        )?;
+        // What receives a gradient besides q, k and v, in the order of the pass's extras: each
+        // dense term, each relative term's values, the value table, the sinks.
+        let mut wanted: Vec<Tensor> = Vec::new();
+        let mut terms = Vec::new();
+        let operands = core
+            .dense
+            .iter()
+            .map(|t| (*t, false))
+            .chain(core.relative.iter().map(|r| (r.values(), true)));
+        for (index, (tensor, relative)) in operands.enumerate() {
+            if tensor.track_op() {
+                let dims = padded_dims(tensor)?;
+                check_grad_dims(&dims, &spec, relative)?;
+                terms.push(TermGrad {
+                    index,
+                    dims,
+                    extra: wanted.len(),
+                });
+                wanted.push(tensor.clone());
+            }
+        }
+        let table = match core.values {
+            Some(v) if v.table().track_op() => {
+                wanted.push(v.table().clone());
+                Some(wanted.len() - 1)
+            }
+            _ => None,
+        };
+        let sinks = match self.sinks {
+            Some(s) if s.track_op() => {
+                wanted.push(s.clone());
+                Some(wanted.len() - 1)
+            }
+            _ => None,
+        };
+        let backward = Arc::new(Backward {
+            spec,
+            stats: Mutex::new(Vec::new()),
+            terms,
+            table,
+            sinks,
+            tiles: Tiles {
+                rows: self.tiles.rows.max(1),
+                keys: self.tiles.keys.max(1),
+                shares: self.tiles.shares.map(|s| s.max(1)),
+            },
+            extras: wanted
+                .iter()
+                .map(|t| (t.dims().to_vec(), t.dtype()))
+                .collect(),
+        });
+        let cache = Arc::new(Mutex::new(None));
+        let op = TrainOp {
+            backward: backward.clone(),
+            cache: cache.clone(),
+        };
+        let out = core.q.apply_op3(core.k, core.v, op)?;
+        debug_assert_eq!(out.dims(), [b, tq, h, d]);
+        let shared = Arc::new(Shared {
+            backward,
+            cache,
+            q: core.q.clone(),
+            k: core.k.clone(),
+            v: core.v.clone(),
+            o: out.clone(),
+        });
+        let last = wanted.len().saturating_sub(1);
+        let mut linked = out;
+        for (extra, tensor) in wanted.iter().enumerate() {
+            linked = graft_through(
+                tensor,
+                &linked,
+                Link {
+                    shared: shared.clone(),
+                    extra,
+                    outermost: extra == last,
+                },
+            )?;
+        }
+        Ok(linked)
+    }
+}
+
+/// A term's dims left-padded to four axes.
+fn padded_dims(t: &Tensor) -> Result<[usize; 4]> {
+    let dims = t.dims();
+    if dims.len() > 4 {
+        return Err(Error::shape(
+            "additive logits term",
+            "at most four axes (batch, heads, queries, keys)",
+            t.shape(),
+        ));
+    }
+    let mut out = [1; 4];
+    out[4 - dims.len()..].copy_from_slice(dims);
+    Ok(out)
+}
+
+/// Checks that a term's gradient fits the pass: its batch, head and query axes are 1 or the
+/// block's (dense terms broadcast to it, relative ones were checked against it), and its
+/// per-task partial sums fit the element budget.
+fn check_grad_dims(dims: &[usize; 4], spec: &CoreSpec, relative: bool) -> Result<()> {
+    let (b, h, tq, tk, _) = spec.dims;
+    let full = [b, h, tq, tk];
+    let fits = dims
+        .iter()
+        .zip(full)
+        .take(if relative { 3 } else { 4 })
+        .all(|(&n, f)| n == 1 || n == f);
+    if !fits {
+        return Err(Error::shape(
+            "additive logits term with gradients",
+            format!("axes of 1 or {full:?} = (batch, heads, queries, keys)"),
+            &Shape::from(dims.to_vec()),
+        ));
+    }
+    check_elements(
+        "additive logits term with gradients",
+        format!("{dims:?}"),
+        "its partial sums per head and task",
+        &[b, h, dims[2], dims[3], 2],
+    )?;
+    Ok(())
+}
+
+/// A term that receives a gradient: its index among the spec's terms, its padded dims, and
+/// its place among the pass's extras.
+struct TermGrad {
+    index: usize,
+    dims: [usize; 4],
+    extra: usize,
+}
+
+/// What the backward pass needs besides q, k, v, O and dO.
+struct Backward {
+    spec: CoreSpec,
+    /// `(B, H, Tq, 2)`: each row's softmax maximum and inverse sum, from the forward.
+    stats: Mutex<Vec<f32>>,
+    terms: Vec<TermGrad>,
+    /// The value table's place among the extras, if it gets a gradient.
+    table: Option<usize>,
+    /// The sinks' place among the extras, if they get a gradient.
+    sinks: Option<usize>,
+    tiles: Tiles,
+    /// Shape and dtype of each extra.
+    extras: Vec<(Vec<usize>, DType)>,
+}
+
+/// The pass's results: q, k and v's gradients, and one per extra.
+struct Grads {
+    qkv: [Option<Tensor>; 3],
+    extras: Vec<Option<Tensor>>,
+}
+
+/// The fused forward as candle's op of q, k and v.
+struct TrainOp {
+    backward: Arc<Backward>,
+    cache: Arc<Mutex<Option<Grads>>>,
+}
+
+/// What the links share: the pass, its results, and its tensors.
+struct Shared {
+    backward: Arc<Backward>,
+    cache: Arc<Mutex<Option<Grads>>>,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+}
+
+/// One extra's link: hands its gradient from the pass to candle.
+struct Link {
+    shared: Arc<Shared>,
+    extra: usize,
+    outermost: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> candle_core::Result<std::sync::MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| candle_core::Error::Msg("fused training: a lock was poisoned".into()))
+}
+
+impl GraftBackward for Link {
+    const NAME: &'static str = "posenc-fused-attention-term-grad";
+
+    fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
+        let s = &self.shared;
+        let mut cache = lock(&s.cache)?;
+        if self.outermost {
+            *cache = Some(s.backward.grads(&s.q, &s.k, &s.v, &s.o, grad_y)?);
+        }
+        let grad = cache
+            .as_mut()
+            .and_then(|g| g.extras.get_mut(self.extra))
+            .and_then(Option::take);
+        grad.ok_or_else(|| {
+            candle_core::Error::Msg("fused training: a term's gradient was not computed".into())
+        })
+    }
+}
+
+impl CustomOp3 for TrainOp {
+    fn name(&self) -> &'static str {
+        "posenc-fused-attention-train"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let spec = &self.backward.spec;
+        let (b, h, tq, _, d) = spec.dims;
+        let mut out = zeroed(b * tq * h * d, "output")?;
+        let mut stats = zeroed(b * h * tq * 2, "statistics")?;
+        spec.run(
+            [(s1, l1), (s2, l2), (s3, l3)],
+            OutPtr(out.as_mut_ptr()),
+            tq,
+            Some(OutPtr(stats.as_mut_ptr())),
+        )?;
+        *lock(&self.backward.stats)? = stats;
+        Ok((CpuStorage::F32(out), Shape::from((b, tq, h, d))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // Computed by the outermost link when there is one; else here.
+        let cached = lock(&self.cache)?.take();
+        let mut grads = match cached {
+            Some(g) => g,
+            None => self.backward.grads(q, k, v, res, grad_res)?,
+        };
+        let [dq, dk, dv] = std::mem::take(&mut grads.qkv);
+        let keep = |g: Option<Tensor>, t: &Tensor| g.filter(|_| t.track_op());
+        Ok((keep(dq, q), keep(dk, k), keep(dv, v)))
+    }
+}
+
+/// `n` zeros, or an error when the allocation fails.
+fn zeroed(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|e| candle_core::Error::Msg(format!("fused training: {what}: {e}")))?;
+    v.resize(n, 0.0);
+    Ok(v)
+}
+
+/// A contiguous f32 CPU tensor's values.
+fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+/// One task's share of the pass: `(batch, KV head, key-tile share)`.
+#[derive(Clone, Copy)]
+struct Task {
+    b: usize,
+    hk: usize,
+    share: usize,
+}
+
+/// One task's partial sums.
+#[derive(Default)]
+struct Partial {
+    /// `group × Tq × D`, when the task does not own its heads' dQ.
+    dq: Vec<f32>,
+    /// Per gradient term: `(group | 1) × rows × width`.
+    terms: Vec<Vec<f32>>,
+    /// `W × D`.
+    table: Vec<f32>,
+}
+
+/// Writable pointers shared by the tasks (each writes its own rows).
+#[derive(Clone, Copy)]
+struct Outs {
+    dq: OutPtr,
+    dk: OutPtr,
+    dv: OutPtr,
+}
+// SAFETY: every task writes rows no other task writes (its keys' dK and dV; its heads' dQ when
+// it owns them, else its own partial buffer).
+unsafe impl Send for Outs {}
+// SAFETY: as above.
+unsafe impl Sync for Outs {}
+
+impl Backward {
+    /// The gradients of q, k, v and every extra from `dO` = `grad_o` `(B, Tq, H, D)`.
+    fn grads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        grad_o: &Tensor,
+    ) -> candle_core::Result<Grads> {
+        let spec = &self.spec;
+        let (b, h, tq, tk, d) = spec.dims;
+        let hkv = k.dim(1)?;
+        if hkv == 0 || !h.is_multiple_of(hkv) {
+            candle_core::bail!("fused training: k must be (B, Hkv, Tk, D) with Hkv | H");
+        }
+        let group = h / hkv;
+        let grad_o = grad_o.to_dtype(DType::F32)?.contiguous()?;
+        let o = o.contiguous()?;
+        if grad_o.dims() != [b, tq, h, d] || o.dims() != [b, tq, h, d] {
+            candle_core::bail!("fused training: the output gradient must be (B, Tq, H, D)");
+        }
+        let stats = lock(&self.stats)?;
+        if stats.len() != b * h * tq * 2 {
+            candle_core::bail!("fused training: backward before forward");
+        }
+        let do_host = host_f32(&grad_o)?;
+        let o_host = host_f32(&o)?;
+        // δ_i = dO_i · O_i, per (b, h, i).
+        let mut delta = zeroed(b * h * tq, "row deltas")?;
+        delta.par_iter_mut().enumerate().for_each(|(r, x)| {
+            let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
+            let at = ((bi * tq + i) * h + hi) * d;
+            *x = do_host[at..at + d]
+                .iter()
+                .zip(&o_host[at..at + d])
+                .map(|(a, b)| a * b)
+                .sum();
+        });
+        let mut dq = zeroed(b * h * tq * d, "dq")?;
+        let mut dk = zeroed(b * hkv * tk * d, "dk")?;
+        let mut dv = zeroed(b * hkv * tk * d, "dv")?;
+        let key_tiles = tk.div_ceil(self.tiles.keys).max(1);
+        let threads = rayon::current_num_threads().max(1);
+        let shares = self
+            .tiles
+            .shares
+            .unwrap_or((2 * threads).div_ceil(b * hkv))
+            .clamp(1, key_tiles);
+        let tasks: Vec<Task> = (0..b * hkv * shares)
+            .map(|n| Task {
+                b: n / (hkv * shares),
+                hk: (n / shares) % hkv,
+                share: n % shares,
+            })
+            .collect();
+        let width = spec.values.as_ref().map(|v| v.table.dim(0)).transpose()?;
+        let outs = Outs {
+            dq: OutPtr(dq.as_mut_ptr()),
+            dk: OutPtr(dk.as_mut_ptr()),
+            dv: OutPtr(dv.as_mut_ptr()),
+        };
+        let guards = [q, k, v].map(read_storage);
+        let views = {
+            let view = |i: usize, dims: [usize; 4]| match &**guards[i].0 {
+                Storage::Cpu(s) => View::new(s, guards[i].1, dims),
+                _ => candle_core::bail!("fused training: q, k and v must be CPU tensors"),
+            };
+            [
+                view(0, [b, h, tq, d])?,
+                view(1, [b, hkv, tk, d])?,
+                view(2, [b, hkv, tk, d])?,
+            ]
+        };
+        let term_guards = TermGuards::new(&spec.terms, spec.padding.as_ref());
+        let pass = term_guards.pass((b, h, tq, tk), &spec.rule)?;
+        let values_guard = spec.values.as_ref().map(|v| {
+            let index = match &v.columns {
+                Columns::Index(index) => Some(read_storage(index)),
+                Columns::Shift(_) => None,
+            };
+            (read_storage(&v.table), index)
+        });
+        let values = match (&values_guard, &spec.values) {
+            (Some(((g, l), index)), Some(vo)) => {
+                let table = match (&***g, l.contiguous_offsets()) {
+                    (Storage::Cpu(CpuStorage::F32(data)), Some((a, z))) => &data[a..z],
+                    _ => candle_core::bail!("fused training: the value table must be f32"),
+                };
+                let columns = match (&vo.columns, index) {
+                    (Columns::Shift(s), _) => TileColumns::Shift(*s),
+                    (Columns::Index(_), Some((g, l))) => match (&***g, l.contiguous_offsets()) {
+                        (Storage::Cpu(CpuStorage::U32(ix)), Some((a, z))) => {
+                            TileColumns::Index(&ix[a..z], l.dims()[0])
+                        }
+                        _ => candle_core::bail!("fused training: value columns must be u32"),
+                    },
+                    (Columns::Index(_), None) => {
+                        candle_core::bail!("fused training: value column map missing")
+                    }
+                };
+                Some((table, columns))
+            }
+            _ => None,
+        };
+        let ctx = Ctx {
+            spec,
+            pass: &pass,
+            stats: &stats,
+            delta: &delta,
+            grad_o: &do_host,
+            views,
+            values: values.as_ref().map(|(t, c)| (*t, c, width.unwrap_or(1))),
+            terms: &self.terms,
+            want_table: self.table.is_some(),
+            group,
+            shares,
+            tiles: self.tiles,
+        };
+        let partials: Vec<Partial> = tasks
+            .par_iter()
+            .map(|task| ctx.run(*task, outs))
+            .collect::<candle_core::Result<_>>()?;
+        // Partial sums, added in task order.
+        if shares > 1 {
+            for (task, p) in tasks.iter().zip(&partials) {
+                let base = (task.b * h + task.hk * group) * tq * d;
+                for (x, y) in dq[base..base + group * tq * d].iter_mut().zip(&p.dq) {
+                    *x += y;
+                }
+            }
+        }
+        let mut extras: Vec<Option<Tensor>> = vec![None; self.extras.len()];
+        for (nth, term) in self.terms.iter().enumerate() {
+            let [tb, th, tr, tw] = term.dims;
+            let mut grad = zeroed(tb * th * tr * tw, "term gradient")?;
+            for (task, p) in tasks.iter().zip(&partials) {
+                let part = &p.terms[nth];
+                let heads = if th == 1 { 1 } else { group };
+                let bb = if tb == 1 { 0 } else { task.b };
+                let h0 = if th == 1 { 0 } else { task.hk * group };
+                let base = (bb * th + h0) * tr * tw;
+                for (x, y) in grad[base..base + heads * tr * tw].iter_mut().zip(part) {
+                    *x += y;
+                }
+            }
+            let (dims, dtype) = &self.extras[term.extra];
+            extras[term.extra] = Some(
+                Tensor::from_vec(grad, dims.as_slice(), &candle_core::Device::Cpu)?
+                    .to_dtype(*dtype)?,
+            );
+        }
+        if let (Some(extra), Some(w)) = (self.table, width) {
+            let mut grad = zeroed(w * d, "value table gradient")?;
+            for p in &partials {
+                for (x, y) in grad.iter_mut().zip(&p.table) {
+                    *x += y;
+                }
+            }
+            let (dims, dtype) = &self.extras[extra];
+            extras[extra] = Some(
+                Tensor::from_vec(grad, dims.as_slice(), &candle_core::Device::Cpu)?
+                    .to_dtype(*dtype)?,
+            );
+        }
+        if let (Some(extra), Some(sinks)) = (self.sinks, &spec.rule.sinks) {
+            // dsink_h = −Σ_{b, i} p_sink δ_i, p_sink = e^(sink − m_i) / l_i.
+            let mut grad = vec![0f64; h];
+            for (r, dl) in delta.iter().enumerate() {
+                let hi = (r / tq) % h;
+                let (m, inv) = (stats[2 * r], stats[2 * r + 1]);
+                let p = ((sinks[hi] - m) as f64).exp() * inv as f64;
+                grad[hi] -= p * *dl as f64;
+            }
+            let grad: Vec<f32> = grad.into_iter().map(|x| x as f32).collect();
+            let (dims, dtype) = &self.extras[extra];
+            extras[extra] = Some(
+                Tensor::from_vec(grad, dims.as_slice(), &candle_core::Device::Cpu)?
+                    .to_dtype(*dtype)?,
+            );
+        }
+        let dev = candle_core::Device::Cpu;
+        Ok(Grads {
+            qkv: [
+                Some(Tensor::from_vec(dq, (b, h, tq, d), &dev)?),
+                Some(Tensor::from_vec(dk, (b, hkv, tk, d), &dev)?),
+                Some(Tensor::from_vec(dv, (b, hkv, tk, d), &dev)?),
+            ],
+            extras,
+        })
+    }
+}
+
+/// Everything the tasks read.
+struct Ctx<'a> {
+    spec: &'a CoreSpec,
+    pass: &'a super::fused_softmax::RowPass<'a>,
+    stats: &'a [f32],
+    delta: &'a [f32],
+    grad_o: &'a [f32],
+    /// q `(B, H, Tq, D)`, k and v `(B, Hkv, Tk, D)`.
+    views: [View; 3],
+    /// The value table `(W, D)`, its columns and `W`.
+    values: Option<(&'a [f32], &'a TileColumns<'a>, usize)>,
+    terms: &'a [TermGrad],
+    want_table: bool,
+    group: usize,
+    shares: usize,
+    tiles: Tiles,
+}
+
+// SAFETY: the views only read storage held under read locks for the whole pass.
+unsafe impl Sync for Ctx<'_> {}
+
+impl Ctx<'_> {
+    /// One task: every key tile of its share, every head of its group, every query tile that
+    /// sees the key tile.
+    fn run(&self, task: Task, outs: Outs) -> candle_core::Result<Partial> {
+        let (_, h, tq, tk, d) = self.spec.dims;
+        let [q, k, v] = self.views;
+        let group = self.group;
+        let hd = h * d;
+        let mut partial = Partial {
+            dq: match self.shares {
+                1 => Vec::new(),
+                _ => zeroed(group * tq * d, "partial dq")?,
+            },
+            terms: Vec::new(),
+            table: match (self.want_table, self.values) {
+                (true, Some((_, _, w))) => zeroed(w * d, "partial value table gradient")?,
+                _ => Vec::new(),
+            },
+        };
+        for term in self.terms {
+            let [_, th, tr, tw] = term.dims;
+            let heads = if th == 1 { 1 } else { group };
+            partial
+                .terms
+                .push(zeroed(heads * tr * tw, "partial term gradient")?);
+        }
+        let dq_base = match self.shares {
+            1 => outs
+                .dq
+                .0
+                .wrapping_add((task.b * h + task.hk * group) * tq * d),
+            _ => partial.dq.as_mut_ptr(),
+        };
+        let width = self.values.map_or(0, |(_, _, w)| w);
+        let (tile_rows, tile_keys) = (self.tiles.rows, self.tiles.keys);
+        let softcap = self.spec.rule.softcap;
+        let mut s = vec![0f32; tile_rows * tile_keys];
+        let mut dp = vec![0f32; tile_rows * tile_keys];
+        let mut raw = vec![
+            0f32;
+            if softcap.is_some() {
+                tile_rows * tile_keys
+            } else {
+                0
+            }
+        ];
+        let mut g = vec![0f32; tile_rows * width];
+        let mut sums = vec![0f32; tile_rows * width];
+        let key_tiles = tk.div_ceil(tile_keys);
+        for jt in (task.share..key_tiles).step_by(self.shares) {
+            let j0 = jt * tile_keys;
+            let n = tile_keys.min(tk - j0);
+            // SAFETY: b < B, hk < Hkv, j0 < Tk: the rows lie in the views (checked against
+            // storage in `View::new`).
+            let (kp, vp) = unsafe { (k.at(task.b, task.hk, j0), v.at(task.b, task.hk, j0)) };
+            let kv_row = ((task.b * (h / group) + task.hk) * tk + j0) * d;
+            // SAFETY: dk and dv are (B, Hkv, Tk, D) contiguous; this task owns keys j0..j0 + n.
+            let (dkp, dvp) = unsafe { (outs.dk.add(kv_row), outs.dv.add(kv_row)) };
+            for gi in 0..group {
+                let hi = task.hk * group + gi;
+                for i0 in (0..tq).step_by(tile_rows) {
+                    let rows = tile_rows.min(tq - i0);
+                    if self.spec.skip {
+                        let (lo, hi_key) = self.spec.rule.keys_seen(i0, i0 + rows, tk);
+                        if hi_key <= j0 || lo >= j0 + n {
+                            continue;
+                        }
+                    }
+                    let r0 = (task.b * h + hi) * tq + i0;
+                    let do_at = ((task.b * tq + i0) * h + hi) * d;
+                    let dop = self.grad_o[do_at..].as_ptr();
+                    let s = &mut s[..rows * n];
+                    let dp = &mut dp[..rows * n];
+                    // SAFETY: q rows i0..i0 + rows of head hi, keys j0..j0 + n lie in their
+                    // views; s and dp are rows × n; dO rows are (B, Tq, H, D) with row stride
+                    // H·D, rows i0..i0 + rows of head hi in bounds.
+                    unsafe {
+                        let qp = q.at(task.b, hi, i0);
+                        product(
+                            (rows, n, d),
+                            (s.as_mut_ptr(), n, false),
+                            (qp, 1, q.strides[2]),
+                            (kp, k.strides[2], 1),
+                        );
+                        product(
+                            (rows, n, d),
+                            (dp.as_mut_ptr(), n, false),
+                            (dop, 1, hd),
+                            (vp, v.strides[2], 1),
+                        );
+                    }
+                    if softcap.is_some() {
+                        raw[..rows * n].copy_from_slice(s);
+                    }
+                    for (li, row) in s.chunks_exact_mut(n).enumerate() {
+                        let r = r0 + li;
+                        self.pass.recompute_best(
+                            r,
+                            row,
+                            j0,
+                            self.stats[2 * r],
+                            self.stats[2 * r + 1],
+                        );
+                    }
+                    // The relative value term: dP_ij += dO_i · a[c(i, j)]; da += Σ_j P_ij dO_i.
+                    if let Some((table, columns, w)) = self.values {
+                        let g = &mut g[..rows * w];
+                        let sums = &mut sums[..rows * w];
+                        // SAFETY: the table is W × D contiguous, g rows × W.
+                        unsafe {
+                            product(
+                                (rows, w, d),
+                                (g.as_mut_ptr(), w, false),
+                                (dop, 1, hd),
+                                (table.as_ptr(), d, 1),
+                            );
+                        }
+                        sums.iter_mut().for_each(|x| *x = 0.0);
+                        for (li, ((row, dprow), (grow, srow))) in s
+                            .chunks_exact(n)
+                            .zip(dp.chunks_exact_mut(n))
+                            .zip(g.chunks_exact(w).zip(sums.chunks_exact_mut(w)))
+                            .enumerate()
+                        {
+                            let i = i0 + li;
+                            match columns {
+                                TileColumns::Shift(shift) => {
+                                    add_shifted_row(grow, i, *shift, j0, dprow);
+                                    add_shifted_sums_from(row, i, *shift, j0, srow);
+                                }
+                                TileColumns::Index(index, ib) => {
+                                    let batch = if *ib == 1 { 0 } else { task.b };
+                                    let at = (batch * tq + i) * tk + j0;
+                                    let index = &index[at..at + n];
+                                    for (x, &c) in dprow.iter_mut().zip(index) {
+                                        *x += grow[(c as usize).min(w - 1)];
+                                    }
+                                    add_indexed_sums(row, index, srow);
+                                }
+                            }
+                        }
+                        if self.want_table {
+                            // SAFETY: sums is rows × W, the partial W × D.
+                            unsafe {
+                                product(
+                                    (w, d, rows),
+                                    (partial.table.as_mut_ptr(), d, true),
+                                    (sums.as_ptr(), w, 1),
+                                    (dop, 1, hd),
+                                );
+                            }
+                        }
+                    }
+                    // dV_J += Pᵀ dO_I.
+                    // SAFETY: dv rows j0..j0 + n are this task's; s is rows × n.
+                    unsafe {
+                        product(
+                            (n, d, rows),
+                            (dvp, d, true),
+                            (s.as_ptr(), n, 1),
+                            (dop, 1, hd),
+                        );
+                    }
+                    // dS = P ∘ (dP − δ), into dp.
+                    for (li, (prow, dprow)) in
+                        s.chunks_exact(n).zip(dp.chunks_exact_mut(n)).enumerate()
+                    {
+                        let r = r0 + li;
+                        if self.stats[2 * r] == f32::MIN {
+                            // A row masked whole: its weights are constants.
+                            dprow.iter_mut().for_each(|x| *x = 0.0);
+                            continue;
+                        }
+                        let dl = self.delta[r];
+                        for (x, p) in dprow.iter_mut().zip(prow) {
+                            *x = p * (*x - dl);
+                        }
+                    }
+                    for (term, part) in self.terms.iter().zip(partial.terms.iter_mut()) {
+                        let [_, th, tr, tw] = term.dims;
+                        let hrow = if th == 1 { 0 } else { gi };
+                        for (li, dsrow) in dp.chunks_exact(n).enumerate() {
+                            let i = i0 + li;
+                            let rrow = if tr == 1 { 0 } else { i };
+                            let at = (hrow * tr + rrow) * tw;
+                            let dst = &mut part[at..at + tw];
+                            match self.spec.terms[term.index].relative {
+                                Some((shift, _)) => add_shifted_sums_from(dsrow, i, shift, j0, dst),
+                                None if tw == 1 => dst[0] += dsrow.iter().sum::<f32>(),
+                                None => {
+                                    for (x, y) in dst[j0..j0 + n].iter_mut().zip(dsrow) {
+                                        *x += y;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    if let Some(c) = softcap {
+                        for (x, r) in dp.iter_mut().zip(&raw[..rows * n]) {
+                            let t = (r / c).tanh();
+                            *x *= 1.0 - t * t;
+                        }
+                    }
+                    // SAFETY: this task's dQ rows (its own heads, or its partial buffer), dK
+                    // rows j0..j0 + n; dp is rows × n.
+                    unsafe {
+                        let dqp = dq_base.add((gi * tq + i0) * d);
+                        product(
+                            (rows, d, n),
+                            (dqp, d, true),
+                            (dp.as_ptr(), 1, n),
+                            (kp, 1, k.strides[2]),
+                        );
+                        product(
+                            (n, d, rows),
+                            (dkp, d, true),
+                            (dp.as_ptr(), n, 1),
+                            (q.at(task.b, hi, i0), 1, q.strides[2]),
+                        );
+                    }
+                }
+            }
+        }
+        Ok(partial)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var, D};
+
+    use super::*;
+    use crate::attention::fused_softmax::RowRule;
+    use crate::attention::mask::{apply_keep_mask, keep_mask};
+    use crate::plug::{RelativeBias, RelativeValues};
+
+    /// The operands of one check: every tensor a gradient can reach is a `Var`.
+    struct Case {
+        q: Var,
+        k: Var,
+        v: Var,
+        dense: Var,
+        rows: Var,
+        table: Var,
+        sinks: Var,
+        probe: Tensor,
+    }
+
+    impl Case {
+        fn new(
+            (b, h, hkv, tq, tk, d, w): (usize, usize, usize, usize, usize, usize, usize),
+            dev: &Device,
+        ) -> anyhow::Result<Self> {
+            let r = |shape: &[usize], s: f64| Tensor::randn(0f32, s as f32, shape, dev);
+            Ok(Self {
+                q: Var::from_tensor(&r(&[b, h, tq, d], 1.5)?)?,
+                k: Var::from_tensor(&r(&[b, hkv, tk, d], 1.0)?)?,
+                v: Var::from_tensor(&r(&[b, hkv, tk, d], 1.0)?)?,
+                dense: Var::from_tensor(&r(&[1, h, 1, tk], 1.0)?)?,
+                rows: Var::from_tensor(&r(&[b, h, tq, w], 1.0)?)?,
+                table: Var::from_tensor(&r(&[w, d], 1.0)?)?,
+                sinks: Var::from_tensor(&r(&[h], 1.0)?)?,
+                probe: r(&[b, tq, h, d], 1.0)?,
+            })
+        }
+
+        fn vars(&self) -> [(&'static str, &Var); 7] {
+            [
+                ("q", &self.q),
+                ("k", &self.k),
+                ("v", &self.v),
+                ("dense", &self.dense),
+                ("rows", &self.rows),
+                ("table", &self.table),
+                ("sinks", &self.sinks),
+            ]
+        }
+    }
+
+    /// The same attention as candle ops (repeated heads, dense logits, candle's softmax and
+    /// autograd): `(B, Tq, H, D)`.
+    fn reference(
+        c: &Case,
+        relative: &RelativeBias,
+        values: &RelativeValues,
+        padding: Option<&Tensor>,
+        rule: &RowRule,
+    ) -> anyhow::Result<Tensor> {
+        let (b, h, tq, d) = c.q.dims4()?;
+        let (_, hkv, tk, _) = c.k.dims4()?;
+        let rep = |t: &Tensor| -> anyhow::Result<Tensor> {
+            Ok(t.unsqueeze(2)?
+                .broadcast_as((b, hkv, h / hkv, tk, d))?
+                .reshape((b, h, tk, d))?)
+        };
+        let mut s = c.q.matmul(&rep(&c.k)?.t()?)?;
+        if let Some(cap) = rule.softcap {
+            let cap = f64::from(cap);
+            s = ((s / cap)?.tanh()? * cap)?;
+        }
+        s = s.broadcast_add(c.dense.as_tensor())?;
+        s = s.broadcast_add(&relative.to_dense(tq, tk)?)?;
+        if let Some(keep) = keep_mask(rule, padding, b, tq, tk, c.q.device())? {
+            s = apply_keep_mask(&s, &keep)?;
+        }
+        if rule.sinks.is_some() {
+            let column = c.sinks.reshape((1, h, 1, 1))?.broadcast_as((b, h, tq, 1))?;
+            s = Tensor::cat(&[&s, &column], 3)?;
+        }
+        let mut p = candle_nn::ops::softmax(&s, D::Minus1)?;
+        if rule.sinks.is_some() {
+            p = p.narrow(3, 0, tk)?;
+        }
+        Ok((p.matmul(&rep(&c.v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?)
+    }
+
+    /// The gradients of `Σ out · probe` with respect to every variable, by name.
+    fn grads(c: &Case, out: &Tensor) -> anyhow::Result<Vec<(&'static str, Option<Tensor>)>> {
+        let g = (out * &c.probe)?.sum_all()?.backward()?;
+        Ok(c.vars()
+            .iter()
+            .map(|(n, v)| (*n, g.get(v.as_tensor()).cloned()))
+            .collect())
+    }
+
+    /// The fused backward against candle's autograd of the same attention, within 1e-5 of
+    /// each gradient's largest entry: grouped heads, a dense per-key term, rows per query read
+    /// at a shift (Shaw's keys), a value table read at a shift and through an index map,
+    /// padding that masks rows whole, every row rule (causal, windows, chunks, a soft cap,
+    /// sinks), and tiles and shares from one query row and one key up.
+    #[test]
+    fn backward_equals_candle_autograd() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let dims @ (b, _, _, tq, tk, _, w) = (2, 4, 2, 11, 14, 8, 5);
+        let case = Case::new(dims, &dev)?;
+        let first = tk - tq;
+        let map: Vec<u32> = (0..b * tq * tk).map(|n| (n * 7 % (w + 2)) as u32).collect();
+        let map = Tensor::from_vec(map, (b, tq, tk), &dev)?;
+        // Batch item 0: its first 6 keys padded, so its first causal rows are masked whole.
+        let mut keep = vec![1u8; b * tk];
+        keep[..6].fill(0);
+        keep[tk + 9] = 0;
+        let padding = Tensor::from_vec(keep, (b, tk), &dev)?;
+        let causal = RowRule::causal(first);
+        let rules = [
+            RowRule::default(),
+            causal.clone(),
+            RowRule {
+                window: Some(4),
+                ..causal.clone()
+            },
+            RowRule {
+                first,
+                window: Some(3),
+                ..RowRule::default()
+            },
+            RowRule {
+                chunk: Some(4),
+                ..causal.clone()
+            },
+            RowRule {
+                softcap: Some(1.5),
+                sinks: Some(vec![]),
+                ..causal.clone()
+            },
+            RowRule {
+                softcap: Some(2.0),
+                sinks: Some(vec![]),
+                window: Some(5),
+                ..RowRule::default()
+            },
+        ];
+        let sink_values = case.sinks.as_tensor().to_vec1::<f32>()?;
+        let relative =
+            RelativeBias::new(case.rows.as_tensor().clone(), Columns::Shift(w as i64 / 2))?;
+        let value_terms = [
+            RelativeValues::new(case.table.as_tensor().clone(), Columns::Shift(2))?,
+            RelativeValues::new(case.table.as_tensor().clone(), Columns::Index(map))?,
+        ];
+        for rule in &rules {
+            let rule = RowRule {
+                sinks: rule.sinks.as_ref().map(|_| sink_values.clone()),
+                ..rule.clone()
+            };
+            for pad in [None, Some(&padding)] {
+                for values in &value_terms {
+                    let want = grads(&case, &reference(&case, &relative, values, pad, &rule)?)?;
+                    let tiles = [
+                        (64, 256, None),
+                        (1, 1, Some(3)),
+                        (4, 5, Some(2)),
+                        (3, 14, None),
+                    ];
+                    for (rows, keys, shares) in tiles {
+                        let out = TrainCore {
+                            core: Core {
+                                q: case.q.as_tensor(),
+                                k: case.k.as_tensor(),
+                                v: case.v.as_tensor(),
+                                dense: vec![case.dense.as_tensor()],
+                                dense_masks: false,
+                                relative: vec![&relative],
+                                padding: pad,
+                                rule: &rule,
+                                values: Some(values),
+                                tile: 4,
+                                key_tile: 6,
+                            },
+                            sinks: rule.sinks.as_ref().map(|_| case.sinks.as_tensor()),
+                            tiles: Tiles { rows, keys, shares },
+                        }
+                        .attend()?;
+                        let got = grads(&case, &out)?;
+                        for ((name, want), (_, got)) in want.iter().zip(&got) {
+                            let what = format!(
+                                "{name}: {rule:?} padded {} {:?} tiles {rows}×{keys}/{shares:?}",
+                                pad.is_some(),
+                                values.columns()
+                            );
+                            match (want, got) {
+                                (None, None) => {}
+                                (Some(want), Some(got)) => {
+                                    let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                                    let diff =
+                                        (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                                    assert!(top > 0.0, "{what}: zero gradient");
+                                    assert!(
+                                        diff <= 1e-5 * top.max(1.0),
+                                        "{what}: {diff:e} of {top}"
+                                    );
+                                }
+                                _ => panic!("{what}: one side has no gradient"),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
