@@ -349,9 +349,15 @@ fn zeroed(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
     Ok(v)
 }
 
-/// A contiguous f32 CPU tensor's values.
-fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+/// A contiguous f32 CPU tensor's values, read in place while `guard` is held.
+fn contiguous_f32<'a>(
+    (guard, layout): &'a (super::fused_softmax::StorageGuard<'a>, &'a Layout),
+    len: usize,
+) -> candle_core::Result<&'a [f32]> {
+    match (&***guard, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(data)), Some((a, z))) if z - a == len => Ok(&data[a..z]),
+        _ => candle_core::bail!("fused training: O and dO must be contiguous f32 CPU tensors"),
+    }
 }
 
 /// One task's share of the pass: `(batch, KV head, key-tile share)`.
@@ -412,8 +418,9 @@ impl Backward {
         if stats.len() != b * h * tq * 2 {
             candle_core::bail!("fused training: backward before forward");
         }
-        let do_host = host_f32(&grad_o)?;
-        let o_host = host_f32(&o)?;
+        let (do_guard, o_guard) = (read_storage(&grad_o), read_storage(&o));
+        let do_host = contiguous_f32(&do_guard, b * tq * h * d)?;
+        let o_host = contiguous_f32(&o_guard, b * tq * h * d)?;
         // δ_i = dO_i · O_i, per (b, h, i).
         let mut delta = zeroed(b * h * tq, "row deltas")?;
         delta.par_iter_mut().enumerate().for_each(|(r, x)| {
@@ -496,7 +503,7 @@ impl Backward {
             pass: &pass,
             stats: &stats,
             delta: &delta,
-            grad_o: &do_host,
+            grad_o: do_host,
             views,
             values: values.as_ref().map(|(t, c)| (*t, c, width.unwrap_or(1))),
             terms: &self.terms,
@@ -647,6 +654,11 @@ impl Ctx<'_> {
             }
         ];
         let mut g = vec![0f32; tile_rows * width];
+        // The key tile's keys and values transposed, (D, n): both products that read them
+        // as the right-hand side for every query tile then read them in place instead of
+        // gathering them column by column.
+        let mut kt = vec![0f32; d * tile_keys];
+        let mut vt = vec![0f32; d * tile_keys];
         let mut sums = vec![0f32; tile_rows * width];
         let key_tiles = tk.div_ceil(tile_keys);
         for jt in (task.share..key_tiles).step_by(self.shares) {
@@ -658,6 +670,15 @@ impl Ctx<'_> {
             let kv_row = ((task.b * (h / group) + task.hk) * tk + j0) * d;
             // SAFETY: dk and dv are (B, Hkv, Tk, D) contiguous; this task owns keys j0..j0 + n.
             let (dkp, dvp) = unsafe { (outs.dk.add(kv_row), outs.dv.add(kv_row)) };
+            for (src, stride, dst) in [(kp, k.strides[2], &mut kt), (vp, v.strides[2], &mut vt)] {
+                for j in 0..n {
+                    // SAFETY: key j0 + j's D features lie in the view (unit stride).
+                    let row = unsafe { std::slice::from_raw_parts(src.add(j * stride), d) };
+                    for (p, x) in row.iter().enumerate() {
+                        dst[p * n + j] = *x;
+                    }
+                }
+            }
             for gi in 0..group {
                 let hi = task.hk * group + gi;
                 for i0 in (0..tq).step_by(tile_rows) {
@@ -682,13 +703,13 @@ impl Ctx<'_> {
                             (rows, n, d),
                             (s.as_mut_ptr(), n, false),
                             (qp, 1, q.strides[2]),
-                            (kp, k.strides[2], 1),
+                            (kt.as_ptr(), 1, n),
                         );
                         product(
                             (rows, n, d),
                             (dp.as_mut_ptr(), n, false),
                             (dop, 1, hd),
-                            (vp, v.strides[2], 1),
+                            (vt.as_ptr(), 1, n),
                         );
                     }
                     if softcap.is_some() {
