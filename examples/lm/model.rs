@@ -121,6 +121,9 @@ pub struct Lm {
     layers: Vec<Layer>,
     norm: RmsNorm,
     head: Linear,
+    /// Attention on candle's ops (the path that returns the weights) instead of the fused
+    /// training core: the reference for the fused path's loss curve.
+    unfused: bool,
 }
 
 /// Whether the encoding is added to the input (absolute) rather than plugged into attention.
@@ -165,7 +168,15 @@ impl Lm {
             layers,
             norm: RmsNorm::new(d, vb.pp("norm"))?,
             head: linear_no_bias(d, config.vocab, vb.pp("head"))?,
+            unfused: false,
         })
+    }
+
+    /// The model with its attention on candle's ops (`true`) or on the fused cores (`false`,
+    /// the default).
+    pub fn with_unfused_attention(mut self, unfused: bool) -> Self {
+        self.unfused = unfused;
+        self
     }
 
     /// The model's size.
@@ -187,6 +198,7 @@ impl Lm {
         let options = AttentionOptions {
             positions: Some(&positions),
             train,
+            return_weights: self.unfused,
             ..Default::default()
         };
         for layer in &self.layers {

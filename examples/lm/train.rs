@@ -128,7 +128,7 @@ impl Settings {
             .collect()
     }
 
-    fn lr_at(&self, step: usize) -> f64 {
+    pub fn lr_at(&self, step: usize) -> f64 {
         if step < self.warmup {
             return self.lr * (step + 1) as f64 / self.warmup as f64;
         }
@@ -267,7 +267,7 @@ pub fn checkpoint_name(label: &str) -> String {
 }
 
 /// `(B, len + 1)` token ids on the CPU.
-fn batch_tensor(seqs: &[Vec<u32>]) -> candle_core::Result<Tensor> {
+pub fn batch_tensor(seqs: &[Vec<u32>]) -> candle_core::Result<Tensor> {
     let len = seqs.first().map_or(0, Vec::len);
     let flat: Vec<u32> = seqs.iter().flatten().copied().collect();
     Tensor::from_vec(flat, (seqs.len(), len), &Device::Cpu)
