@@ -3,14 +3,16 @@
 //! block with no encoding against the same attention written as plain candle ops (matmul,
 //! softmax_last_dim, matmul); the block in bf16 and f16 against f32; query block sizes; one decoding step
 //! against caches of growing length; peak memory of Shaw attention against the direct formula;
-//! and long-context (T = 16384) forwards per encoding, with their peak memory.
+//! long-context (T = 16384) forwards per encoding, with their peak memory; and training steps
+//! (forward + backward) on the fused training core against candle's ops, with the peak memory
+//! of a step at T = 8192.
 //!
 //! ```text
 //! cargo bench --bench attention              # table of medians and ratios
 //! cargo bench --bench attention -- --json    # one JSON object per line as well
 //! cargo bench --bench attention -- --quick   # fewer, smaller runs (a smoke test)
 //! cargo bench --bench attention -- --only decode   # one section: encodings, half, blocks,
-//!                                                  # decode, memory or long
+//!                                                  # decode, memory, training or long
 //! ```
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
@@ -251,12 +253,17 @@ impl PlainAttention {
     }
 }
 
-/// Child mode: one forward of `name` at length `t`, then print the peak resident memory and the
-/// forward's time.
-fn peak_child(name: &str, t: usize, causal: bool) -> Result<()> {
+/// Child mode: one forward of `name` at length `t` (or, with `train`, one training step: the
+/// forward in training mode and the backward to the input, every weight and the encoding's
+/// parameters), then print the peak resident memory and the step's time.
+fn peak_child(name: &str, t: usize, causal: bool, train: bool) -> Result<()> {
     let dev = Device::Cpu;
     let (d_model, heads, head_dim) = (512, 8, 64);
-    let vb = common::inference_vb(&dev);
+    let varmap = candle_nn::VarMap::new();
+    let vb = match train {
+        true => VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dev),
+        false => common::inference_vb(&dev),
+    };
     // One learned table long enough for the decoding section too.
     let all = cases(d_model, heads, head_dim, t, &dev, &vb)?;
     let case = all
@@ -264,19 +271,32 @@ fn peak_child(name: &str, t: usize, causal: bool) -> Result<()> {
         .find(|c| c.name == name)
         .context("unknown case")?;
     let mha = block(case, causal, d_model, heads, &vb)?;
-    let x = Tensor::randn(0f32, 1.0, (1, t, d_model), &dev)?;
+    let x = candle_core::Var::randn(0f32, 1.0, (1, t, d_model), &dev)?;
     let before = peak_rss_mib()?;
     let start = std::time::Instant::now();
-    mha.forward(&x)?;
+    if train {
+        let opts = AttentionOptions {
+            train: true,
+            ..Default::default()
+        };
+        let out = mha.forward_with(x.as_tensor(), &opts, None)?.output;
+        out.sum_all()?.backward()?;
+    } else {
+        mha.forward(x.as_tensor())?;
+    }
     let ms = start.elapsed().as_secs_f64() * 1e3;
     println!("{before} {} {ms}", peak_rss_mib()?);
     Ok(())
 }
 
-/// Runs [`peak_child`] in a fresh process: (MiB before the forward, peak MiB, forward ms).
+/// Runs [`peak_child`] in a fresh process: (MiB before the step, peak MiB, step ms).
 fn run_child(name: &str, t: usize, causal: bool) -> Result<(f64, f64, f64)> {
+    run_child_as("--peak-child", name, t, causal)
+}
+
+fn run_child_as(mode: &str, name: &str, t: usize, causal: bool) -> Result<(f64, f64, f64)> {
     let out = std::process::Command::new(std::env::current_exe()?)
-        .args(["--peak-child", name, &t.to_string(), &causal.to_string()])
+        .args([mode, name, &t.to_string(), &causal.to_string()])
         .output()?;
     let text = String::from_utf8(out.stdout)?;
     let v: Vec<f64> = text
@@ -304,7 +324,12 @@ fn main() -> Result<()> {
     if let Some(i) = args.iter().position(|a| a == "--peak-child") {
         let t = args[i + 2].parse()?;
         let causal = args[i + 3].parse()?;
-        return peak_child(&args[i + 1], t, causal);
+        return peak_child(&args[i + 1], t, causal, false);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--peak-child-train") {
+        let t = args[i + 2].parse()?;
+        let causal = args[i + 3].parse()?;
+        return peak_child(&args[i + 1], t, causal, true);
     }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
@@ -592,6 +617,74 @@ fn main() -> Result<()> {
         let b0 = *base.get_or_insert(peak);
         println!("{name:<18} {before:>14.0} {peak:>14.0} {:>9.2}x", peak / b0);
         json_line(json, &format!("\"bench\":\"peak_memory\",\"encoding\":\"{name}\",\"t\":{t_mem},\"peak_mib\":{peak:.1},\"ratio\":{:.4}", peak / b0));
+    }
+
+    // Training: one step (the forward in training mode, then the backward of Σ probe · out to
+    // the input, every weight and the encoding's parameters) on the fused training core,
+    // against the same step on candle's ops (the path that returns the weights), paired.
+    if section("training") {
+        println!(
+            "\ntraining step (forward + backward), B{b} H{heads} T{t} D{head_dim}: fused core vs candle ops"
+        );
+        println!(
+            "{:<18} {:>8} {:>12} {:>12} {:>10}",
+            "encoding", "causal", "ops ms", "fused ms", "fused/ops"
+        );
+    }
+    let train_runs = if quick { 3 } else { 7 };
+    for causal in [false, true].into_iter().filter(|_| section("training")) {
+        for name in ["none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"] {
+            let varmap = candle_nn::VarMap::new();
+            let tvb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dev);
+            let trained = cases(d_model, heads, head_dim, t, &dev, &tvb)?;
+            let case = trained
+                .iter()
+                .find(|c| c.name == name)
+                .context("training case")?;
+            let mha = block(case, causal, d_model, heads, &tvb)?;
+            let xv = candle_core::Var::from_tensor(&x)?;
+            let probe = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
+            let step = |return_weights: bool| -> Result<()> {
+                let opts = AttentionOptions {
+                    train: true,
+                    return_weights,
+                    ..Default::default()
+                };
+                let out = mha.forward_with(xv.as_tensor(), &opts, None)?.output;
+                let grads = (out * &probe)?.sum_all()?.backward()?;
+                dev.synchronize()?;
+                drop(grads);
+                Ok(())
+            };
+            let p = common::paired(train_runs, || step(true), || step(false))?;
+            println!(
+                "{name:<18} {causal:>8} {:>12.1} {:>12.1} {:>9.2}x",
+                p.a_ms, p.b_ms, p.ratio
+            );
+            json_line(json, &format!(
+                "\"bench\":\"training\",\"encoding\":\"{name}\",\"causal\":{causal},\"t\":{t},\"ops_ms\":{:.3},\"fused_ms\":{:.3},\"pair_ratio\":{:.4}",
+                p.a_ms, p.b_ms, p.ratio
+            ));
+        }
+    }
+    // Training memory: one step at T = 8192 (B1), in a child process each.
+    let t_train = if quick { 2048 } else { 8192 };
+    if section("training") {
+        println!(
+            "\ntraining step memory, B1 H8 T{t_train} D64, causal (child process each; target < 2048 MiB):"
+        );
+        println!(
+            "{:<18} {:>14} {:>14} {:>12}",
+            "encoding", "before MiB", "peak MiB", "seconds"
+        );
+    }
+    for name in ["none", "rope", "alibi", "t5", "shaw_k64"]
+        .into_iter()
+        .filter(|_| section("training"))
+    {
+        let (before, peak, ms) = run_child_as("--peak-child-train", name, t_train, true)?;
+        println!("{name:<18} {before:>14.0} {peak:>14.0} {:>12.2}", ms / 1e3);
+        json_line(json, &format!("\"bench\":\"training_memory\",\"encoding\":\"{name}\",\"t\":{t_train},\"peak_mib\":{peak:.1},\"seconds\":{:.3}", ms / 1e3));
     }
 
     // Long context: one forward at T = 16384 per encoding, in a child process each.

@@ -5,6 +5,7 @@ Run by hand (CI never needs Python), on the same quiet machine as `cargo bench -
     python benches/pytorch_baseline.py            # B2 H8 T1024 D64, f32, 2 threads
     python benches/pytorch_baseline.py --json     # JSON lines as well
     python benches/pytorch_baseline.py --long     # also one block forward at B1 H8 T16384
+    python benches/pytorch_baseline.py --train    # also training steps (forward + backward)
 
 Each case is the crate's block written with torch: four bias-free projections of d_model = 512,
 `scaled_dot_product_attention` with ALiBi as a float mask (BLOOM's slopes; `-m|i - j|` for the
@@ -12,7 +13,13 @@ bidirectional case, `-m (i - j)` plus `-inf` above the diagonal for the causal o
 output projection. The attention core alone (SDPA on ready q, k, v) is timed too. Medians of 9
 runs after one warm-up. `--long` adds the block without a bias at T = 16384 (B1, SDPA's flash
 kernel; ALiBi would need an 8.6 GB float mask there), causal and bidirectional, medians of 3:
-the counterpart of `cargo bench --bench attention -- --only long`.
+the counterpart of `cargo bench --bench attention -- --only long`. `--train` times one training
+step of the block per encoding (forward, then autograd's backward of `sum(probe * out)` to the
+input and every weight and table), medians of 7: no encoding and RoPE (HF's rotate-half, θ 10000)
+through SDPA's causal flag; ALiBi, T5 (32 buckets, 128 distance) and the clipped bias (k = 64) as
+a float mask that tracks gradients; Shaw (k = 64, keys and values) as eager attention whose
+relative terms are gathered from `q aᴷᵀ` rows and scattered back per distance. The counterpart of
+`cargo bench --bench attention -- --only training`.
 """
 
 import argparse
@@ -58,6 +65,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--long", action="store_true")
+    parser.add_argument("--train", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -98,8 +106,99 @@ def main() -> None:
                 print(f"{name:<34} {ms:>10.2f}")
                 if args.json:
                     print(json.dumps({"bench": "pytorch", "case": name, "median_ms": round(ms, 3)}))
+    if args.train:
+        training(b, h, t, d, args.json)
     if args.long:
         long_context(proj, h, d, args.json)
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE with θ = 10000 on (B, H, T, D)."""
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def t5_buckets(t: int, causal: bool, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+    """T5's relative position buckets (HF's `_relative_position_bucket`) of keys j for queries i."""
+    rel = torch.arange(t)[None, :] - torch.arange(t)[:, None]
+    out = torch.zeros_like(rel)
+    if not causal:
+        buckets //= 2
+        out += (rel > 0).long() * buckets
+        rel = rel.abs()
+    else:
+        rel = -torch.clamp(rel, max=0)
+    exact = buckets // 2
+    large = exact + (
+        torch.log(rel.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (buckets - exact)
+    ).long()
+    large = torch.clamp(large, max=buckets - 1)
+    return out + torch.where(rel < exact, rel, large)
+
+
+def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
+    """One training step of the block per encoding, causal and bidirectional."""
+    dm = h * d
+    k_clip = 64
+    rel = torch.arange(t)[None, :] - torch.arange(t)[:, None]  # j - i
+    print(f"\ntraining step (forward + backward), B{b} H{h} T{t} D{d}")
+    for causal in (False, True):
+        tri = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        for name in ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"):
+            torch.manual_seed(0)
+            proj = [torch.nn.Linear(dm, dm, bias=False) for _ in range(4)]
+            x = torch.randn(b, t, dm, requires_grad=True)
+            probe = torch.randn(b, t, dm)
+            table = {
+                "t5": torch.nn.Parameter(torch.randn(32, h) * 0.1),
+                "clipped_bias": torch.nn.Parameter(torch.randn(2 * k_clip + 1, h) * 0.1),
+            }.get(name)
+            a_k = torch.nn.Parameter(torch.randn(2 * k_clip + 1, d) * 0.1)
+            a_v = torch.nn.Parameter(torch.randn(2 * k_clip + 1, d) * 0.1)
+            buckets = t5_buckets(t, causal)
+            clipped = rel.clamp(-k_clip, k_clip) + k_clip
+
+            def split(y: torch.Tensor) -> torch.Tensor:
+                return y.view(b, t, h, d).transpose(1, 2)
+
+            def step(name=name, table=table, buckets=buckets, clipped=clipped) -> None:
+                q, k, v = (split(p(x)) for p in proj[:3])
+                mask, is_causal = None, causal
+                if name == "rope":
+                    q, k = rope(q), rope(k)
+                elif name == "alibi":
+                    mask = alibi_mask(h, t, causal)
+                    is_causal = False
+                elif name in ("t5", "clipped_bias"):
+                    index = buckets if name == "t5" else clipped
+                    mask = table[index].permute(2, 0, 1)[None]
+                    if causal:
+                        mask = mask.masked_fill(tri, float("-inf"))
+                    is_causal = False
+                if name == "shaw_k64":
+                    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+                    rows = q @ a_k.T / math.sqrt(d)  # (B, H, T, 2k + 1)
+                    s = s + rows.gather(-1, clipped.expand(b, h, t, t))
+                    if causal:
+                        s = s.masked_fill(tri, float("-inf"))
+                    p = s.softmax(-1)
+                    sums = torch.zeros(b, h, t, 2 * k_clip + 1).scatter_add(
+                        -1, clipped.expand(b, h, t, t), p)
+                    out = p @ v + sums @ a_v
+                else:
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+                y = proj[3](out.transpose(1, 2).reshape(b, t, dm))
+                (y * probe).sum().backward()
+
+            ms = median_ms(step, runs=7)
+            case = f"train {name} causal={causal}"
+            print(f"{case:<34} {ms:>10.2f}")
+            if as_json:
+                print(json.dumps({"bench": "pytorch", "case": case, "median_ms": round(ms, 3)}))
 
 
 def long_context(proj, h: int, d: int, as_json: bool) -> None:
