@@ -1,5 +1,6 @@
 //! The fused attention core (CPU inference without returned weights: both products, biases,
-//! masks and softmax per head and tile of queries) against the unfused training path, for
+//! masks and softmax per head and tile of queries) and the fused training core against the
+//! unfused path (candle's ops, training with the weights returned), for
 //! every encoding configuration, with grouped KV heads, more queries than one tile, query
 //! blocks, padding (with fully masked rows), an additive mask, ids and a KV cache.
 
@@ -46,15 +47,19 @@ fn fused_core_equals_unfused(dev: &Device) -> anyhow::Result<()> {
                     (None, None, Some(&ids)),
                 ];
                 for (padding_mask, attn_mask, positions) in cases {
-                    let opts = |train| AttentionOptions {
+                    let opts = |train, return_weights| AttentionOptions {
                         padding_mask,
                         attn_mask,
                         positions,
                         train,
-                        return_weights: false,
+                        return_weights,
+                        ..Default::default()
                     };
-                    let fused = mha.forward_with(&x, &opts(false), None)?.output;
-                    let plain = mha.forward_with(&x, &opts(true), None)?.output;
+                    let fused = mha.forward_with(&x, &opts(false, false), None)?.output;
+                    // Training with the weights returned runs on candle's ops; without them,
+                    // on the fused training core.
+                    let plain = mha.forward_with(&x, &opts(true, true), None)?.output;
+                    let training = mha.forward_with(&x, &opts(true, false), None)?.output;
                     let what = format!(
                         "{} causal={causal} block={block:?} padded={} mask={} ids={}",
                         zoo::label(i, config),
@@ -63,13 +68,16 @@ fn fused_core_equals_unfused(dev: &Device) -> anyhow::Result<()> {
                         positions.is_some()
                     );
                     assert_close(&fused, &plain, tolerance(&plain)?, &what)?;
+                    let what = format!("{what} (training core)");
+                    assert_close(&training, &plain, tolerance(&plain)?, &what)?;
                 }
                 if causal {
                     // Decoding from the cache (strided views of its buffer) after a prefill,
                     // fused against unfused with the same chunks.
-                    let decode = |train| -> anyhow::Result<Tensor> {
+                    let decode = |train, return_weights| -> anyhow::Result<Tensor> {
                         let opts = AttentionOptions {
                             train,
+                            return_weights,
                             ..Default::default()
                         };
                         let mut cache = KvCache::new();
@@ -80,9 +88,12 @@ fn fused_core_equals_unfused(dev: &Device) -> anyhow::Result<()> {
                         }
                         Ok(Tensor::cat(&outs, 1)?)
                     };
-                    let (fused, plain) = (decode(false)?, decode(true)?);
+                    let (fused, plain) = (decode(false, false)?, decode(true, true)?);
+                    let training = decode(true, false)?;
                     let what = format!("{} block={block:?} cache", zoo::label(i, config));
                     assert_close(&fused, &plain, tolerance(&plain)?, &what)?;
+                    let what = format!("{what} (training core)");
+                    assert_close(&training, &plain, tolerance(&plain)?, &what)?;
                 }
             }
         }

@@ -578,6 +578,7 @@ fn query_blocks_equal_one_block(dev: &Device) -> anyhow::Result<()> {
                     positions,
                     return_weights: true,
                     train,
+                    ..Default::default()
                 };
                 let want = one.forward_with(&x, &opts, None)?;
                 for mha in &blocked {

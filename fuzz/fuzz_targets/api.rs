@@ -2362,6 +2362,7 @@ fn forward(
         attn_mask: attn_mask.as_ref(),
         return_weights: c.weights,
         train: c.train,
+        dropout_seed: None,
     };
     // Paths to compare against: a copy of the cache for each.
     let compare =

@@ -15,6 +15,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::dropout::Dropout;
 use super::fused_attention;
 use super::fused_softmax::RowRule;
 use super::fused_training;
@@ -34,8 +35,7 @@ pub(crate) enum Path {
     /// Products as candle ops, bias, masks and softmax in one in-place pass: f32 CPU
     /// inference returning the weights.
     RowPass,
-    /// The fused CPU core with its fused backward: f32 training without returned weights
-    /// (and without attention dropout).
+    /// The fused CPU core with its fused backward: f32 training without returned weights.
     FusedTrain,
     /// Candle ops throughout (training, other dtypes and devices): differentiable.
     Ops,
@@ -96,6 +96,8 @@ pub(crate) struct Chunk<'a> {
     pub(crate) differentiable: bool,
     /// Dropout on the weights in training.
     pub(crate) dropout: f32,
+    /// The seed of the fused training core's dropout.
+    pub(crate) dropout_seed: u64,
     /// Queries per block.
     pub(crate) block: usize,
     pub(crate) return_weights: bool,
@@ -162,8 +164,6 @@ impl Chunk<'_> {
             bias || values.as_ref().is_some_and(|v| v.table().track_op())
         });
         let path = match (path, tracked) {
-            // Attention dropout runs on candle's ops.
-            (Path::FusedTrain, _) if self.train && self.dropout > 0.0 => Path::Ops,
             (Path::Fused | Path::FusedTrain, true) => match first.as_ref().is_some_and(fused_grads)
             {
                 true => Path::FusedTrain,
@@ -245,6 +245,10 @@ impl Chunk<'_> {
                         core: core(),
                         sinks: self.sinks,
                         tiles: fused_training::Tiles::default(),
+                        dropout: (self.train && self.dropout > 0.0).then_some(Dropout {
+                            p: self.dropout,
+                            seed: self.dropout_seed,
+                        }),
                     }
                     .attend()?,
                 );

@@ -534,6 +534,10 @@ pub struct AttentionOptions<'a> {
     /// takes its differentiable path, whatever this flag says; when nothing does (a model
     /// loaded from a checkpoint), inference takes the fast paths, rotating q and k in place.
     pub train: bool,
+    /// Seed of this call's attention dropout (training, dropout above 0) on the fused
+    /// training core (f32 on the CPU, weights not returned): the same seed draws the same
+    /// mask. Default: a fresh seed per call. The other paths draw from candle's generator.
+    pub dropout_seed: Option<u64>,
 }
 
 /// Output of [`MultiHeadAttention::forward_with`](super::MultiHeadAttention::forward_with).

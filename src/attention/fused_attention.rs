@@ -102,6 +102,7 @@ impl Core<'_> {
                 Some(v) => Some(ValueOperands::new(v, (b, tq, tk, d))?),
                 None => None,
             },
+            dropout: None,
         })
     }
 
@@ -141,6 +142,8 @@ pub(crate) struct CoreSpec {
     pub(crate) values: Option<ValueOperands>,
     pub(crate) tile: usize,
     pub(crate) key_tile: usize,
+    /// Attention dropout (training only).
+    pub(crate) dropout: Option<super::dropout::Dropout>,
 }
 
 /// A relative value term as the tiles read it: a contiguous f32 `(W, D)` table and its
@@ -444,6 +447,11 @@ impl CoreSpec {
                     };
                     for (li, row) in s.chunks_exact_mut(n).enumerate() {
                         let alpha = pass.online_best(r0 + li, row, j0, &mut running[li]);
+                        if let Some(dropout) = &self.dropout {
+                            // After the row's sum took every weight: only the products see
+                            // the dropped ones.
+                            dropout.apply((bi, hi, self.rule.first + i0 + li), j0, row);
+                        }
                         if alpha != 1.0 && j0 > lo {
                             acc[li * d..(li + 1) * d]
                                 .iter_mut()

@@ -76,6 +76,8 @@ pub(crate) struct TrainCore<'a> {
     pub(crate) sinks: Option<&'a Tensor>,
     /// The backward's tiles.
     pub(crate) tiles: Tiles,
+    /// Attention dropout, drawn from its seed in the forward and again in the backward.
+    pub(crate) dropout: Option<super::dropout::Dropout>,
 }
 
 impl TrainCore<'_> {
@@ -83,7 +85,8 @@ impl TrainCore<'_> {
     /// v and the terms.
     pub(crate) fn attend(&self) -> Result<Tensor> {
         let core = &self.core;
-        let spec = core.spec(0)?;
+        let mut spec = core.spec(0)?;
+        spec.dropout = self.dropout;
         let (b, h, tq, _, d) = spec.dims;
         check_elements(
             "fused training statistics",
@@ -645,14 +648,10 @@ impl Ctx<'_> {
         let softcap = self.spec.rule.softcap;
         let mut s = vec![0f32; tile_rows * tile_keys];
         let mut dp = vec![0f32; tile_rows * tile_keys];
-        let mut raw = vec![
-            0f32;
-            if softcap.is_some() {
-                tile_rows * tile_keys
-            } else {
-                0
-            }
-        ];
+        let tile = tile_rows * tile_keys;
+        // The raw logits (soft cap) and the weights after dropout, when used.
+        let mut raw = vec![0f32; if softcap.is_some() { tile } else { 0 }];
+        let mut pd = vec![0f32; if self.spec.dropout.is_some() { tile } else { 0 }];
         let mut g = vec![0f32; tile_rows * width];
         // The key tile's keys and values transposed, (D, n): both products that read them
         // as the right-hand side for every query tile then read them in place instead of
@@ -725,10 +724,9 @@ impl Ctx<'_> {
                             self.stats[2 * r + 1],
                         );
                     }
-                    // The relative value term: dP_ij += dO_i · a[c(i, j)]; da += Σ_j P_ij dO_i.
+                    // The relative value term's share of dP: dP_ij += dO_i · a[c(i, j)].
                     if let Some((table, columns, w)) = self.values {
                         let g = &mut g[..rows * w];
-                        let sums = &mut sums[..rows * w];
                         // SAFETY: the table is W × D contiguous, g rows × W.
                         unsafe {
                             product(
@@ -738,49 +736,85 @@ impl Ctx<'_> {
                                 (table.as_ptr(), d, 1),
                             );
                         }
+                        for (li, (dprow, grow)) in
+                            dp.chunks_exact_mut(n).zip(g.chunks_exact(w)).enumerate()
+                        {
+                            let i = i0 + li;
+                            match columns {
+                                TileColumns::Shift(shift) => {
+                                    add_shifted_row(grow, i, *shift, j0, dprow)
+                                }
+                                TileColumns::Index(index, ib) => {
+                                    let batch = if *ib == 1 { 0 } else { task.b };
+                                    let at = (batch * tq + i) * tk + j0;
+                                    for (x, &c) in dprow.iter_mut().zip(&index[at..at + n]) {
+                                        *x += grow[(c as usize).min(w - 1)];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    // With dropout the products read α' = α ∘ f (f = 0 or 1 / (1 − ρ), drawn
+                    // again from the seed), so dα = dα' ∘ f.
+                    let weights: &[f32] = match &self.spec.dropout {
+                        Some(dropout) => {
+                            let pd = &mut pd[..rows * n];
+                            for (li, ((prow, dprow), drow)) in s
+                                .chunks_exact(n)
+                                .zip(dp.chunks_exact_mut(n))
+                                .zip(pd.chunks_exact_mut(n))
+                                .enumerate()
+                            {
+                                drow.fill(1.0);
+                                let pos = self.spec.rule.first + i0 + li;
+                                dropout.apply((task.b, hi, pos), j0, drow);
+                                for ((x, f), p) in dprow.iter_mut().zip(drow.iter_mut()).zip(prow) {
+                                    *x *= *f;
+                                    *f *= p;
+                                }
+                            }
+                            pd
+                        }
+                        None => s,
+                    };
+                    // da += Σ_i (Σ_{j: c(i, j) = c} α'_ij) dO_i.
+                    if let (Some((_, columns, w)), true) = (self.values, self.want_table) {
+                        let sums = &mut sums[..rows * w];
                         sums.iter_mut().for_each(|x| *x = 0.0);
-                        for (li, ((row, dprow), (grow, srow))) in s
+                        for (li, (row, srow)) in weights
                             .chunks_exact(n)
-                            .zip(dp.chunks_exact_mut(n))
-                            .zip(g.chunks_exact(w).zip(sums.chunks_exact_mut(w)))
+                            .zip(sums.chunks_exact_mut(w))
                             .enumerate()
                         {
                             let i = i0 + li;
                             match columns {
                                 TileColumns::Shift(shift) => {
-                                    add_shifted_row(grow, i, *shift, j0, dprow);
-                                    add_shifted_sums_from(row, i, *shift, j0, srow);
+                                    add_shifted_sums_from(row, i, *shift, j0, srow)
                                 }
                                 TileColumns::Index(index, ib) => {
                                     let batch = if *ib == 1 { 0 } else { task.b };
                                     let at = (batch * tq + i) * tk + j0;
-                                    let index = &index[at..at + n];
-                                    for (x, &c) in dprow.iter_mut().zip(index) {
-                                        *x += grow[(c as usize).min(w - 1)];
-                                    }
-                                    add_indexed_sums(row, index, srow);
+                                    add_indexed_sums(row, &index[at..at + n], srow);
                                 }
                             }
                         }
-                        if self.want_table {
-                            // SAFETY: sums is rows × W, the partial W × D.
-                            unsafe {
-                                product(
-                                    (w, d, rows),
-                                    (partial.table.as_mut_ptr(), d, true),
-                                    (sums.as_ptr(), w, 1),
-                                    (dop, 1, hd),
-                                );
-                            }
+                        // SAFETY: sums is rows × W, the partial W × D.
+                        unsafe {
+                            product(
+                                (w, d, rows),
+                                (partial.table.as_mut_ptr(), d, true),
+                                (sums.as_ptr(), w, 1),
+                                (dop, 1, hd),
+                            );
                         }
                     }
-                    // dV_J += Pᵀ dO_I.
-                    // SAFETY: dv rows j0..j0 + n are this task's; s is rows × n.
+                    // dV_J += α'ᵀ dO_I.
+                    // SAFETY: dv rows j0..j0 + n are this task's; weights is rows × n.
                     unsafe {
                         product(
                             (n, d, rows),
                             (dvp, d, true),
-                            (s.as_ptr(), n, 1),
+                            (weights.as_ptr(), n, 1),
                             (dop, 1, hd),
                         );
                     }
@@ -853,6 +887,7 @@ mod tests {
     use candle_core::{Device, Var, D};
 
     use super::*;
+    use crate::attention::dropout::Dropout;
     use crate::attention::fused_softmax::RowRule;
     use crate::attention::mask::{apply_keep_mask, keep_mask};
     use crate::plug::{RelativeBias, RelativeValues};
@@ -908,6 +943,7 @@ mod tests {
         values: &RelativeValues,
         padding: Option<&Tensor>,
         rule: &RowRule,
+        dropout: Option<&Dropout>,
     ) -> anyhow::Result<Tensor> {
         let (b, h, tq, d) = c.q.dims4()?;
         let (_, hkv, tk, _) = c.k.dims4()?;
@@ -934,6 +970,16 @@ mod tests {
         if rule.sinks.is_some() {
             p = p.narrow(3, 0, tk)?;
         }
+        if let Some(dropout) = dropout {
+            // The same draws as a dense mask of factors.
+            let mut factors = Vec::with_capacity(b * h * tq * tk);
+            for (bi, hi, i) in
+                (0..b).flat_map(|bi| (0..h).flat_map(move |hi| (0..tq).map(move |i| (bi, hi, i))))
+            {
+                factors.extend(dropout.factors((bi, hi, rule.first + i), tk));
+            }
+            p = (p * Tensor::from_vec(factors, (b, h, tq, tk), c.q.device())?)?;
+        }
         Ok((p.matmul(&rep(&c.v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?)
     }
 
@@ -950,7 +996,8 @@ mod tests {
     /// each gradient's largest entry: grouped heads, a dense per-key term, rows per query read
     /// at a shift (Shaw's keys), a value table read at a shift and through an index map,
     /// padding that masks rows whole, every row rule (causal, windows, chunks, a soft cap,
-    /// sinks), and tiles and shares from one query row and one key up.
+    /// sinks), attention dropout (the reference multiplies by the same draws), and tiles and
+    /// shares from one query row and one key up. The outputs agree too.
     #[test]
     fn backward_equals_candle_autograd() -> anyhow::Result<()> {
         let dev = Device::Cpu;
@@ -1005,9 +1052,15 @@ mod tests {
                 sinks: rule.sinks.as_ref().map(|_| sink_values.clone()),
                 ..rule.clone()
             };
-            for pad in [None, Some(&padding)] {
+            let dropouts = [None, Some(Dropout { p: 0.3, seed: 9 })];
+            for (pad, dropout) in [None, Some(&padding)]
+                .into_iter()
+                .flat_map(|p| dropouts.map(|d| (p, d)))
+            {
                 for values in &value_terms {
-                    let want = grads(&case, &reference(&case, &relative, values, pad, &rule)?)?;
+                    let reference =
+                        reference(&case, &relative, values, pad, &rule, dropout.as_ref())?;
+                    let want = grads(&case, &reference)?;
                     let tiles = [
                         (64, 256, None),
                         (1, 1, Some(3)),
@@ -1031,12 +1084,15 @@ mod tests {
                             },
                             sinks: rule.sinks.as_ref().map(|_| case.sinks.as_tensor()),
                             tiles: Tiles { rows, keys, shares },
+                            dropout,
                         }
                         .attend()?;
+                        let diff = (&out - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                        assert!(diff < 1e-5, "output: {rule:?} {dropout:?}: {diff:e}");
                         let got = grads(&case, &out)?;
                         for ((name, want), (_, got)) in want.iter().zip(&got) {
                             let what = format!(
-                                "{name}: {rule:?} padded {} {:?} tiles {rows}×{keys}/{shares:?}",
+                                "{name}: {rule:?} padded {} {:?} {dropout:?} tiles {rows}×{keys}/{shares:?}",
                                 pad.is_some(),
                                 values.columns()
                             );

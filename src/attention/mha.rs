@@ -356,6 +356,9 @@ impl MultiHeadAttention {
             train: options.train,
             differentiable,
             dropout: cfg.dropout,
+            dropout_seed: options
+                .dropout_seed
+                .unwrap_or_else(super::dropout::fresh_seed),
             block,
             return_weights: options.return_weights,
             encoding: enc,

@@ -13,14 +13,16 @@
 //! - the row pass (`fused_softmax.rs`): f32 CPU inference returning the weights, bias, masks and
 //!   softmax in one in-place pass over the logits;
 //! - the fused training core (`fused_training.rs`): f32 CPU with gradients, without returned
-//!   weights or attention dropout; the core's forward keeps one maximum and inverse sum per
-//!   row, and a FlashAttention-2 backward recomputes each tile's weights, giving q, k, v and
-//!   every tracked term, table and sink their gradients without a `(B, H, T, T)` tensor;
-//! - plain candle ops (`unfused.rs`): returned weights in other dtypes, attention dropout,
-//!   other devices and dtypes; differentiable.
+//!   weights; the core's forward keeps one maximum and inverse sum per row, and a
+//!   FlashAttention-2 backward recomputes each tile's weights, giving q, k, v and every
+//!   tracked term, table and sink their gradients without a `(B, H, T, T)` tensor; attention
+//!   dropout is drawn from a seed (`dropout.rs`), again in the backward;
+//! - plain candle ops (`unfused.rs`): training with returned weights, other devices and
+//!   dtypes; differentiable.
 
 mod blocks;
 mod config;
+mod dropout;
 mod fused_attention;
 mod fused_softmax;
 mod fused_training;
