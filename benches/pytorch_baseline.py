@@ -6,6 +6,7 @@ Run by hand (CI never needs Python), on the same quiet machine as `cargo bench -
     python benches/pytorch_baseline.py --json     # JSON lines as well
     python benches/pytorch_baseline.py --long     # also one block forward at B1 H8 T16384
     python benches/pytorch_baseline.py --train    # also training steps (forward + backward)
+    python benches/pytorch_baseline.py --decode   # also one decoding step against a cache
 
 Each case is the crate's block written with torch: four bias-free projections of d_model = 512,
 `scaled_dot_product_attention` with ALiBi as a float mask (BLOOM's slopes; `-m|i - j|` for the
@@ -19,7 +20,10 @@ input and every weight and table), medians of 7: no encoding and RoPE (HF's rota
 through SDPA's causal flag; ALiBi, T5 (32 buckets, 128 distance) and the clipped bias (k = 64) as
 a float mask that tracks gradients; Shaw (k = 64, keys and values) as eager attention whose
 relative terms are gathered from `q aᴷᵀ` rows and scattered back per distance. The counterpart of
-`cargo bench --bench attention -- --only training`.
+`cargo bench --bench attention -- --only training`. `--decode` times one decoding step of the
+block (B1, one token) against a preallocated cache of L = 1024, 4096 and 16384 keys, the new
+key and value written in place: RoPE at the token's position (cos and sin of one row), or ALiBi
+as a float mask of one row; medians of 200 steps. The counterpart of `--only decode`.
 """
 
 import argparse
@@ -66,6 +70,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--long", action="store_true")
     parser.add_argument("--train", action="store_true")
+    parser.add_argument("--decode", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -108,8 +113,48 @@ def main() -> None:
                     print(json.dumps({"bench": "pytorch", "case": name, "median_ms": round(ms, 3)}))
     if args.train:
         training(b, h, t, d, args.json)
+    if args.decode:
+        decode(proj, h, d, args.json)
     if args.long:
         long_context(proj, h, d, args.json)
+
+
+def decode(proj, h: int, d: int, as_json: bool) -> None:
+    """One decoding step (B1) against a preallocated cache of L keys, RoPE or ALiBi."""
+    dm = h * d
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    slopes = alibi_slopes(h)[None, :, None, None]
+    print(f"\ndecoding step, B1 H{h} D{d}, preallocated cache")
+    with torch.inference_mode():
+        for name in ("rope", "alibi"):
+            for n in (1024, 4096, 16384):
+                cache_k = torch.randn(1, h, n + 1, d)
+                cache_v = torch.randn(1, h, n + 1, d)
+                x = torch.randn(1, 1, dm)
+                dist = torch.arange(n + 1, dtype=torch.float32) - n  # j - i, i = n
+                row = (slopes * dist)[:, :, None, :].reshape(1, h, 1, n + 1)
+
+                def step(n=n, row=row, cache_k=cache_k, cache_v=cache_v, x=x, name=name):
+                    q, k, v = (p(x).view(1, 1, h, d).transpose(1, 2) for p in proj[:3])
+                    mask = None
+                    if name == "rope":
+                        ang = n * inv
+                        cos = torch.cat([ang, ang]).cos()
+                        sin = torch.cat([ang, ang]).sin()
+                        rot = lambda y: y * cos + torch.cat([-y[..., d // 2 :], y[..., : d // 2]], -1) * sin
+                        q, k = rot(q), rot(k)
+                    else:
+                        mask = row
+                    cache_k[:, :, n : n + 1] = k
+                    cache_v[:, :, n : n + 1] = v
+                    out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)
+                    return proj[3](out.transpose(1, 2).reshape(1, 1, dm))
+
+                ms = median_ms(step, runs=200)
+                case = f"decode {name} cache={n}"
+                print(f"{case:<34} {ms:>10.3f}")
+                if as_json:
+                    print(json.dumps({"bench": "pytorch", "case": case, "median_ms": round(ms, 4)}))
 
 
 def rope(x: torch.Tensor) -> torch.Tensor:

@@ -597,6 +597,42 @@ pub(crate) enum TileColumns<'a> {
 /// Every element the dimensions and strides reach must be valid (and `dst`'s writable by this
 /// thread alone).
 pub(crate) unsafe fn product(
+    dims: (usize, usize, usize),
+    dst: (*mut f32, usize, bool),
+    lhs: (*const f32, usize, usize),
+    rhs: (*const f32, usize, usize),
+) {
+    // SAFETY: the caller's contract.
+    unsafe { product_on(gemm::Parallelism::None, dims, dst, lhs, rhs) }
+}
+
+/// [`product`] on rayon's threads when it is large enough to share (2^17 multiply-adds or more;
+/// a decoding step's projection of one token is 2^18), else on this thread. Not for use inside
+/// a rayon task that holds the per-thread buffers.
+///
+/// # Safety
+/// As [`product`].
+pub(crate) unsafe fn product_parallel(
+    dims: (usize, usize, usize),
+    dst: (*mut f32, usize, bool),
+    lhs: (*const f32, usize, usize),
+    rhs: (*const f32, usize, usize),
+) {
+    let (m, n, k) = dims;
+    let parallelism = match m.saturating_mul(n).saturating_mul(k) >= 1 << 17 {
+        true => gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        false => gemm::Parallelism::None,
+    };
+    // SAFETY: the caller's contract.
+    unsafe { product_on(parallelism, dims, dst, lhs, rhs) }
+}
+
+/// [`product`] with the given parallelism.
+///
+/// # Safety
+/// As [`product`].
+unsafe fn product_on(
+    #[cfg_attr(miri, allow(unused_variables))] parallelism: gemm::Parallelism,
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs, accumulate): (*mut f32, usize, bool),
     (lhs, lhs_cs, lhs_rs): (*const f32, usize, usize),
@@ -647,7 +683,7 @@ pub(crate) unsafe fn product(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         )
     }
 }

@@ -34,6 +34,7 @@ use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::KvCache;
 use super::latent::LatentProjections;
 use super::mask::check_padding;
+use super::projection;
 use super::qk_norm::{rms_normalized, QkNorm};
 use crate::error::{check_device, check_float, is_float, Error, Result};
 use crate::limits::check_elements;
@@ -373,7 +374,7 @@ impl MultiHeadAttention {
                     out.reshape((b, t, cfg.num_heads * cfg.head_dim))?
                 }
             };
-            let output = self.o_proj.forward(&merged)?;
+            let output = projection::project(&self.o_proj, &merged)?;
             // A streaming cache forgets what falls between its sinks and its window.
             if let Some(cache) = cache.as_deref_mut() {
                 cache.evict()?;
@@ -532,9 +533,9 @@ impl MultiHeadAttention {
             let y = y.transpose(1, 2)?.contiguous()?;
             Ok(if differentiable { y } else { y.detach() })
         };
-        let keys = k.forward(x)?;
+        let keys = projection::project(k, x)?;
         let values = match v {
-            Some(v) => v.forward(x)?,
+            Some(v) => projection::project(v, x)?,
             None => keys.clone(),
         };
         let (keys, values) = (
@@ -549,7 +550,7 @@ impl MultiHeadAttention {
             false => values,
         };
         Ok((
-            split(q.forward(x)?, cfg.num_heads, Some(false))?,
+            split(projection::project(q, x)?, cfg.num_heads, Some(false))?,
             keys,
             values,
         ))

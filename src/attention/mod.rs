@@ -30,6 +30,7 @@ mod kv_cache;
 mod latent;
 mod mask;
 mod mha;
+mod projection;
 mod qk_norm;
 mod temperature;
 mod unfused;
