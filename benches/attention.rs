@@ -346,7 +346,7 @@ fn main() -> Result<()> {
     let vb = common::inference_vb(&dev);
     let x = Tensor::randn(0f32, 1.0, (b, t, d_model), &dev)?;
     // One learned table long enough for the decoding section too.
-    let all = cases(d_model, heads, head_dim, 8192, &dev, &vb)?;
+    let all = cases(d_model, heads, head_dim, 16385, &dev, &vb)?;
 
     println!(
         "attention block B{b} H{heads} T{t} D{head_dim} f32 on {dev:?}: median of {runs} runs"
@@ -561,7 +561,7 @@ fn main() -> Result<()> {
     let lens: &[usize] = if quick {
         &[256, 512]
     } else {
-        &[1024, 2048, 4096]
+        &[1024, 2048, 4096, 16384]
     };
     println!(
         "\none decoding step, B1 H{heads} D{head_dim}, cache of L keys (ratio: vs the previous L):"
