@@ -100,6 +100,9 @@ pub(crate) struct Chunk<'a> {
     pub(crate) dropout_seed: u64,
     /// Queries per block.
     pub(crate) block: usize,
+    /// Bytes per query block of logits ([`super::AttentionConfig::logits_budget`]); on the
+    /// fused paths, of answers per query.
+    pub(crate) logits_budget: usize,
     pub(crate) return_weights: bool,
     pub(crate) encoding: Option<&'a dyn PositionalEncoding>,
     /// The block's own dtype (q, k and v may be widened to f32 for the fused core): an
@@ -139,18 +142,7 @@ impl Chunk<'_> {
         // With a plain causal mask, block [s, s + n) sees keys 0..s + n + tk − t only (no row is
         // fully masked, so dropping the hidden keys changes nothing); otherwise every key.
         let trim_keys = self.causal && self.padding.is_none() && self.attn_mask.is_none();
-        let mut spans = Vec::new();
-        let mut start = 0;
-        while start < t {
-            let n = self.block.min(t - start);
-            let kv = if trim_keys {
-                (start + n + tk - t).min(tk)
-            } else {
-                tk
-            };
-            spans.push((start, n, kv));
-            start += n;
-        }
+        let mut spans = blocks_of(t, tk, self.block, trim_keys);
         let mut first = match spans.first() {
             Some(&span) => Some(self.answers(span)?),
             None => None,
@@ -180,6 +172,19 @@ impl Chunk<'_> {
         if fused && spans.len() > 1 && first.as_ref().is_some_and(shared_answers) {
             spans = vec![(0, t, tk)];
             first = Some(self.answers(spans[0])?);
+        } else if let (true, Some(width)) = (
+            fused && spans.len() > 1,
+            first.as_ref().and_then(per_query_width),
+        ) {
+            // Answers of a fixed width per query (Shaw's rows): blocks as large as the budget
+            // holds of them, not of logits the fused cores never allocate (every block
+            // repacks every key).
+            let row = (b * h * width * 4).max(1);
+            let block = (self.logits_budget / row).clamp(self.block, t);
+            if block > self.block {
+                spans = blocks_of(t, tk, block, trim_keys);
+                first = Some(self.answers(spans[0])?);
+            }
         }
         let differentiable = self.differentiable || tracked;
         let (k, v) = match fused {
@@ -371,6 +376,39 @@ impl LogitTerms {
         }
         Ok(terms)
     }
+}
+
+/// The query blocks `(start, queries, keys)` of `t` queries against `tk` keys, `block` queries
+/// each; with `trim_keys` (a plain causal mask) each block sees only keys up to its last
+/// query's.
+fn blocks_of(t: usize, tk: usize, block: usize, trim_keys: bool) -> Vec<(usize, usize, usize)> {
+    let mut spans = Vec::new();
+    let mut start = 0;
+    while start < t {
+        let n = block.max(1).min(t - start);
+        let kv = if trim_keys {
+            (start + n + tk - t).min(tk)
+        } else {
+            tk
+        };
+        spans.push((start, n, kv));
+        start += n;
+    }
+    spans
+}
+
+/// The width per query of an encoding's answers when it does not grow with the keys: a
+/// relative bias with a row of `W` columns per query read through a shift (Shaw's keys), and
+/// no values or values through a shift.
+fn per_query_width((bias, values): &Answers) -> Option<usize> {
+    let width = match bias {
+        Some(LogitsBias::Relative(r)) if matches!(r.columns(), Columns::Shift(_)) => r.width(),
+        _ => return None,
+    };
+    values
+        .as_ref()
+        .is_none_or(|v| matches!(v.columns(), Columns::Shift(_)))
+        .then_some(width)
 }
 
 /// Whether the fused backward gives every gradient an encoding's answers want: a tracked

@@ -361,6 +361,7 @@ impl MultiHeadAttention {
                 .dropout_seed
                 .unwrap_or_else(super::dropout::fresh_seed),
             block,
+            logits_budget: cfg.logits_budget,
             return_weights: options.return_weights,
             encoding: enc,
             dtype,

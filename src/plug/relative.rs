@@ -472,14 +472,30 @@ pub(crate) fn add_shifted_sums_from(
 ) {
     let width = sums.len();
     let s = row_segments_from(i, shift, width, j0, row.len());
-    sums[0] += row[..s.lo].iter().sum::<f32>();
+    sums[0] += lane_sum(&row[..s.lo]);
     for (c, p) in sums[s.first_col..s.first_col + (s.hi - s.lo)]
         .iter_mut()
         .zip(&row[s.lo..s.hi])
     {
         *c += p;
     }
-    sums[width - 1] += row[s.hi..].iter().sum::<f32>();
+    sums[width - 1] += lane_sum(&row[s.hi..]);
+}
+
+/// The sum of `x` over 16 independent accumulators, which the compiler keeps in vector
+/// registers: a long row's clamped keys are summed at the loads' speed instead of one
+/// dependent addition at a time (a sixth of a long Shaw forward before).
+#[inline(always)]
+fn lane_sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().chain(tail).sum()
 }
 
 /// Adds a row's weights into `sums` at the columns `index` gives (clamped to the last one);
