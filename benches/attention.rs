@@ -12,13 +12,18 @@
 //! cargo bench --bench attention -- --json    # one JSON object per line as well
 //! cargo bench --bench attention -- --quick   # fewer, smaller runs (a smoke test)
 //! cargo bench --bench attention -- --only decode   # one section: encodings, half, blocks,
-//!                                                  # decode, memory, training or long
+//!                                                  # decode, memory, training, long or lengths
+//! cargo bench --bench attention -- --only lengths --pytorch pytorch.jsonl --plot docs/img/lengths.png
+//!     # forwards from T = 1k to 32k, drawn beside `pytorch_baseline.py --lengths --json`'s
 //! ```
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
 //! Peak memory is read from `VmHWM` in `/proc/self/status` of a child process per case (Linux).
 
 mod common;
+#[path = "../examples/common/plot.rs"]
+#[allow(dead_code)] // the benchmark draws one kind of chart
+mod plot;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Module, Tensor};
@@ -685,6 +690,95 @@ fn main() -> Result<()> {
         let (before, peak, ms) = run_child_as("--peak-child-train", name, t_train, true)?;
         println!("{name:<18} {before:>14.0} {peak:>14.0} {:>12.2}", ms / 1e3);
         json_line(json, &format!("\"bench\":\"training_memory\",\"encoding\":\"{name}\",\"t\":{t_train},\"peak_mib\":{peak:.1},\"seconds\":{:.3}", ms / 1e3));
+    }
+
+    // Time against length: one block forward without an encoding, B1, T = 1k .. 32k (medians
+    // of 3 in this process up to 8k, then one run in a child process each), optionally drawn
+    // beside PyTorch's figures.
+    if section("lengths") && only.is_some() {
+        let none = &all[0];
+        let lengths: &[usize] = if quick {
+            &[1024, 2048]
+        } else {
+            &[1024, 2048, 4096, 8192, 16384, 32768]
+        };
+        println!("\nblock forward without an encoding, B1 H8 D64, by length:");
+        println!("{:<10} {:>8} {:>12}", "T", "causal", "seconds");
+        let mut ours: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for causal in [true, false] {
+            let mut points = Vec::new();
+            for &t in lengths {
+                let secs = if t <= 8192 {
+                    let mha = block(none, causal, d_model, heads, &vb)?;
+                    let x = Tensor::randn(0f32, 1.0, (1, t, d_model), &dev)?;
+                    common::median_ms(3, || {
+                        let y = mha.forward(&x)?;
+                        dev.synchronize()?;
+                        drop(y);
+                        Ok(())
+                    })? / 1e3
+                } else {
+                    run_child("none", t, causal)?.2 / 1e3
+                };
+                println!("{t:<10} {causal:>8} {secs:>12.3}");
+                json_line(
+                    json,
+                    &format!(
+                        "\"bench\":\"length\",\"t\":{t},\"causal\":{causal},\"seconds\":{secs:.4}"
+                    ),
+                );
+                points.push((t as f64, secs));
+            }
+            let mode = if causal { "causal" } else { "bidirectional" };
+            ours.push((format!("ours, {mode}"), points));
+        }
+        let pytorch = args
+            .iter()
+            .position(|a| a == "--pytorch")
+            .and_then(|i| args.get(i + 1));
+        let plot_path = args
+            .iter()
+            .position(|a| a == "--plot")
+            .and_then(|i| args.get(i + 1));
+        if let (Some(file), Some(path)) = (pytorch, plot_path) {
+            let mut series = ours;
+            for causal in [true, false] {
+                let mut points = Vec::new();
+                for line in std::fs::read_to_string(file)?.lines() {
+                    let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                        continue;
+                    };
+                    let case = v["case"].as_str().unwrap_or_default();
+                    for &t in lengths {
+                        if case
+                            == format!(
+                                "length T{t} causal={}",
+                                if causal { "True" } else { "False" }
+                            )
+                        {
+                            let ms = v["median_ms"].as_f64().context("median_ms")?;
+                            points.push((t as f64, ms / 1e3));
+                        }
+                    }
+                }
+                let mode = if causal { "causal" } else { "bidirectional" };
+                series.push((format!("PyTorch SDPA, {mode}"), points));
+            }
+            let ticks: Vec<f64> = lengths.iter().map(|&t| t as f64).collect();
+            plot::line_chart(
+                std::path::Path::new(path),
+                (760, 420),
+                &plot::Labels {
+                    title: "one block forward, no bias, B1 H8 D64 (2-core EPYC, f32)",
+                    x: "sequence length T",
+                    y: "seconds",
+                },
+                &series,
+                &ticks,
+                true,
+            )?;
+            println!("wrote {path}");
+        }
     }
 
     // Long context: one forward at T = 16384 per encoding, in a child process each.

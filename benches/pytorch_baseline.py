@@ -7,6 +7,7 @@ Run by hand (CI never needs Python), on the same quiet machine as `cargo bench -
     python benches/pytorch_baseline.py --long     # also one block forward at B1 H8 T16384
     python benches/pytorch_baseline.py --train    # also training steps (forward + backward)
     python benches/pytorch_baseline.py --decode   # also one decoding step against a cache
+    python benches/pytorch_baseline.py --lengths --json > pytorch.jsonl   # T = 1k..32k, for the plot
 
 Each case is the crate's block written with torch: four bias-free projections of d_model = 512,
 `scaled_dot_product_attention` with ALiBi as a float mask (BLOOM's slopes; `-m|i - j|` for the
@@ -24,6 +25,9 @@ relative terms are gathered from `q aᴷᵀ` rows and scattered back per distanc
 block (B1, one token) against a preallocated cache of L = 1024, 4096 and 16384 keys, the new
 key and value written in place: RoPE at the token's position (cos and sin of one row), or ALiBi
 as a float mask of one row; medians of 200 steps. The counterpart of `--only decode`.
+`--lengths` times one block forward without a bias (B1, SDPA's flash kernel) at T = 1024 to
+32768, causal and bidirectional (medians of 3 up to T = 8192, then one run after a warm-up):
+the PyTorch side of `cargo bench --bench attention -- --only lengths --pytorch FILE`.
 """
 
 import argparse
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--long", action="store_true")
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--decode", action="store_true")
+    parser.add_argument("--lengths", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -115,8 +120,35 @@ def main() -> None:
         training(b, h, t, d, args.json)
     if args.decode:
         decode(proj, h, d, args.json)
+    if args.lengths:
+        lengths(proj, h, d, args.json)
     if args.long:
         long_context(proj, h, d, args.json)
+
+
+def lengths(proj, h: int, d: int, as_json: bool) -> None:
+    """One block forward without a bias at B1 and T = 1024 .. 32768, causal and bidirectional."""
+    dm = h * d
+    print(f"\nblock forward without a bias, B1 H{h} D{d}, by length")
+    with torch.inference_mode():
+        for t in (1024, 2048, 4096, 8192, 16384, 32768):
+            x = torch.randn(1, t, dm)
+
+            def split(y: torch.Tensor, t=t) -> torch.Tensor:
+                return y.view(1, t, h, d).transpose(1, 2)
+
+            for causal in (True, False):
+
+                def block(c=causal, x=x, t=t):
+                    qq, kk, vv = (split(p(x)) for p in proj[:3])
+                    out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=c)
+                    return proj[3](out.transpose(1, 2).reshape(1, t, dm))
+
+                ms = median_ms(block, runs=3 if t <= 8192 else 1)
+                case = f"length T{t} causal={causal}"
+                print(f"{case:<34} {ms:>10.2f}")
+                if as_json:
+                    print(json.dumps({"bench": "pytorch", "case": case, "median_ms": round(ms, 3)}))
 
 
 def decode(proj, h: int, d: int, as_json: bool) -> None:

@@ -1047,6 +1047,10 @@ mod tests {
             RelativeValues::new(case.table.as_tensor().clone(), Columns::Shift(2))?,
             RelativeValues::new(case.table.as_tensor().clone(), Columns::Index(map))?,
         ];
+        // Under Miri (which interprets every pointer the tiles form), one rule with every term,
+        // padding and dropout, on small tiles in shares.
+        #[cfg(miri)]
+        let rules = [rules[5].clone()];
         for rule in &rules {
             let rule = RowRule {
                 sinks: rule.sinks.as_ref().map(|_| sink_values.clone()),
@@ -1056,6 +1060,7 @@ mod tests {
             for (pad, dropout) in [None, Some(&padding)]
                 .into_iter()
                 .flat_map(|p| dropouts.map(|d| (p, d)))
+                .filter(|(p, d)| !cfg!(miri) || (p.is_some() && d.is_some()))
             {
                 for values in &value_terms {
                     let reference =
@@ -1067,6 +1072,8 @@ mod tests {
                         (4, 5, Some(2)),
                         (3, 14, None),
                     ];
+                    #[cfg(miri)]
+                    let tiles = [tiles[2]];
                     for (rows, keys, shares) in tiles {
                         let out = TrainCore {
                             core: Core {
