@@ -2395,6 +2395,8 @@ fn forward(
         xb.saturating_mul(xt)
             .saturating_mul(cfg.num_heads)
             .saturating_mul(cfg.head_dim),
+        // The block's activation check takes the widest per-token width, d_model included.
+        xb.saturating_mul(xt).saturating_mul(cfg.d_model),
     ]
     .iter()
     .any(|&n| n > BUDGET / 4);
