@@ -1936,6 +1936,8 @@ struct Model {
     /// RoPE-Mixed, which reads multimodal positions only.
     mixed: bool,
     custom_moderate: bool,
+    /// The encoding is the fuzzer's own, whose answers are made for the block it is asked about.
+    custom: bool,
 }
 
 impl Case {
@@ -2123,6 +2125,7 @@ impl Case {
             xpos,
             mixed: matches!(self.enc, EncSpec::Mixed { .. }),
             custom_moderate,
+            custom: matches!(self.enc, EncSpec::Custom(_)),
         })
     }
 }
@@ -2365,8 +2368,18 @@ fn forward(
         dropout_seed: None,
     };
     // Paths to compare against: a copy of the cache for each.
-    let compare =
-        c.compare && model.dtype == DType::F32 && x_dtype == DType::F32 && !c.train && f.moderate;
+    // A custom encoding's answers fill the shape of the block they are asked for, so paths are
+    // compared for it only when the chunk is one query block: the fused paths run one block
+    // where candle's ops run the budget's (the crate's own encodings answer from positions, the
+    // same for any blocks).
+    let elem = model.dtype.size_in_bytes();
+    let one_block = cfg.query_block_for(xb, xt, tk, elem) >= xt;
+    let compare = c.compare
+        && model.dtype == DType::F32
+        && x_dtype == DType::F32
+        && !c.train
+        && f.moderate
+        && (!model.custom || one_block);
     let spare = match (&cache, compare) {
         (Some(cache), true) => vec![(*cache).clone(), (*cache).clone(), (*cache).clone()],
         _ => Vec::new(),

@@ -11,7 +11,11 @@
 //! | [`value_term`](PositionalEncoding::value_term) | `out_i += Σ_j α_ij table[c(i, j)]` | Shaw values |
 //!
 //! Each hook receives an [`AttentionContext`]: the positions of the queries and keys, how many
-//! keys there are, whether attention is causal and whether it trains. Encodings answer with
+//! keys there are, whether attention is causal and whether it trains. An answer must be a
+//! function of those positions, not of how the block cut its queries: the block asks for query
+//! blocks of the sizes each execution path runs (the fused cores one block where candle's ops
+//! run the logits budget's), and expects the same bias for a pair of positions in any of them.
+//! Encodings answer with
 //! data, not with code the block must call back: a bias is a dense tensor or rows per clamped
 //! distance ([`LogitsBias`], [`RelativeBias`]); a value term is a table row per clamped distance
 //! ([`RelativeValues`]). The block decides how each form is consumed on each of its execution
