@@ -482,16 +482,26 @@ impl Backward {
         let values = match (&values_guard, &spec.values) {
             (Some(((g, l), index)), Some(vo)) => {
                 let table = match (&***g, l.contiguous_offsets()) {
-                    (Storage::Cpu(CpuStorage::F32(data)), Some((a, z))) => &data[a..z],
-                    _ => candle_core::bail!("fused training: the value table must be f32"),
+                    (Storage::Cpu(CpuStorage::F32(data)), Some((a, z)))
+                        if Some(z - a) == width.map(|w| w * d) =>
+                    {
+                        &data[a..z]
+                    }
+                    _ => candle_core::bail!("fused training: the value table must be (W, D) f32"),
                 };
                 let columns = match (&vo.columns, index) {
                     (Columns::Shift(s), _) => TileColumns::Shift(*s),
                     (Columns::Index(_), Some((g, l))) => match (&***g, l.contiguous_offsets()) {
-                        (Storage::Cpu(CpuStorage::U32(ix)), Some((a, z))) => {
+                        (Storage::Cpu(CpuStorage::U32(ix)), Some((a, z)))
+                            if l.dims().len() == 3
+                                && l.dims()[1..] == [tq, tk]
+                                && (l.dims()[0] == 1 || l.dims()[0] == b) =>
+                        {
                             TileColumns::Index(&ix[a..z], l.dims()[0])
                         }
-                        _ => candle_core::bail!("fused training: value columns must be u32"),
+                        _ => candle_core::bail!(
+                            "fused training: the value columns must be a contiguous (1|B, Tq, Tk) u32 map"
+                        ),
                     },
                     (Columns::Index(_), None) => {
                         candle_core::bail!("fused training: value column map missing")
