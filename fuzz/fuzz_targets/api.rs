@@ -2090,7 +2090,7 @@ impl Case {
         // the shape it is given), so other query blocks are compared for the crate's own only.
         let alt = match self.enc {
             EncSpec::Custom(_) => None,
-            _ => MultiHeadAttention::new(&alt_cfg, encoding, vb.pp("attn")).ok(),
+            _ => MultiHeadAttention::new(&alt_cfg, encoding.clone(), vb.pp("attn")).ok(),
         };
         // Pseudo-random weights in [-1/√fan_in, 1/√fan_in] (learned tables in [-1, 1]); the
         // learnable ALiBi slopes keep the paper's values.
@@ -2115,6 +2115,27 @@ impl Case {
                 var.set(&t).expect("set weights");
             }
         }
+        // Half the models (by the weights' seed) are loaded for inference: the same weights as
+        // plain tensors, so that nothing tracks gradients and the block takes its fused
+        // inference core and row pass (a `VarMap`'s block takes the differentiable paths).
+        let mha = match hash(self.seed as u64, 7) % 2 {
+            0 => {
+                let frozen: std::collections::HashMap<String, Tensor> = varmap
+                    .data()
+                    .lock()
+                    .expect("varmap")
+                    .iter()
+                    .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+                    .collect();
+                let vb = VarBuilder::from_tensors(frozen, dtype, &dev);
+                let encoding = match &enc_config {
+                    Some((c, _)) => c.build(vb.pp("enc")).expect("the encoding built before"),
+                    None => encoding,
+                };
+                MultiHeadAttention::new(&cfg, encoding, vb.pp("attn")).expect("built before")
+            }
+            _ => mha,
+        };
         Some(Model {
             mha,
             config: enc_config.map(|(c, _)| c),
