@@ -179,7 +179,11 @@ impl Chunk<'_> {
             // Answers of a fixed width per query (Shaw's rows): blocks as large as the budget
             // holds of them, not of logits the fused cores never allocate (every block
             // repacks every key).
-            let row = (b * h * width * 4).max(1);
+            let row = b
+                .saturating_mul(h)
+                .saturating_mul(width)
+                .saturating_mul(4)
+                .max(1);
             let block = (self.logits_budget / row).clamp(self.block, t);
             if block > self.block {
                 spans = blocks_of(t, tk, block, trim_keys);

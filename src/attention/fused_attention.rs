@@ -176,6 +176,66 @@ impl ValueOperands {
     }
 }
 
+/// Read locks on a value term's table and column map, held while the tiles read them.
+pub(crate) struct ValueGuards<'a> {
+    table: (super::fused_softmax::StorageGuard<'a>, &'a Layout),
+    index: Option<(super::fused_softmax::StorageGuard<'a>, &'a Layout)>,
+    columns: &'a Columns,
+}
+
+impl ValueOperands {
+    /// Read-locks the table and the column map.
+    pub(crate) fn lock(&self) -> ValueGuards<'_> {
+        ValueGuards {
+            table: read_storage(&self.table),
+            index: match &self.columns {
+                Columns::Index(index) => Some(read_storage(index)),
+                Columns::Shift(_) => None,
+            },
+            columns: &self.columns,
+        }
+    }
+}
+
+impl ValueGuards<'_> {
+    /// The table's `W × D` values, `W`, and the columns, checked against a block of
+    /// `(B, Tq, Tk, D)`: a contiguous f32 table of whole rows of `D`, a contiguous
+    /// `(1|B, Tq, Tk)` u32 map.
+    pub(crate) fn view(
+        &self,
+        (b, tq, tk, d): (usize, usize, usize, usize),
+    ) -> candle_core::Result<(&[f32], usize, TileColumns<'_>)> {
+        let (g, l) = &self.table;
+        let table = match (&***g, l.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(data)), Some((a, z)))
+                if z > a && d > 0 && (z - a) % d == 0 =>
+            {
+                &data[a..z]
+            }
+            _ => candle_core::bail!("fused attention: the value table must be (W, D) f32"),
+        };
+        let columns = match (self.columns, &self.index) {
+            (Columns::Shift(shift), _) => TileColumns::Shift(*shift),
+            (Columns::Index(_), Some((g, l))) => match (&***g, l.contiguous_offsets()) {
+                (Storage::Cpu(CpuStorage::U32(ix)), Some((a, z)))
+                    if l.dims().len() == 3
+                        && l.dims()[1..] == [tq, tk]
+                        && (l.dims()[0] == 1 || l.dims()[0] == b) =>
+                {
+                    TileColumns::Index(&ix[a..z], l.dims()[0])
+                }
+                _ => candle_core::bail!(
+                    "fused attention: the value columns must be a contiguous (1|B, Tq, Tk) u32 map"
+                ),
+            },
+            (Columns::Index(_), None) => {
+                candle_core::bail!("fused attention: value column map missing")
+            }
+        };
+        Ok((table, table.len() / d, columns))
+    }
+}
+
 /// A strided f32 view `(B, H, T, D)` with unit stride on `D`.
 #[derive(Clone, Copy)]
 pub(crate) struct View {
@@ -339,46 +399,11 @@ impl CoreSpec {
         let v = View::new(vs, vl, [b, hkv, tk, d])?;
         let terms = TermGuards::new(&self.terms, self.padding.as_ref());
         let pass = terms.pass((b, h, tq, tk), &self.rule)?;
-        let values_guard = self.values.as_ref().map(|v| {
-            let index = match &v.columns {
-                Columns::Index(index) => Some(read_storage(index)),
-                Columns::Shift(_) => None,
-            };
-            (read_storage(&v.table), index, &v.columns)
-        });
-        let values = match &values_guard {
-            None => None,
-            Some(((g, l), index, columns)) => {
-                let table = match (&***g, l.contiguous_offsets()) {
-                    (Storage::Cpu(CpuStorage::F32(data)), Some((a, z)))
-                        if z > a && (z - a) % d == 0 =>
-                    {
-                        &data[a..z]
-                    }
-                    _ => candle_core::bail!("fused attention: the value table must be (W, D) f32"),
-                };
-                let width = table.len() / d;
-                let rule = match (columns, index) {
-                    (Columns::Shift(shift), _) => TileColumns::Shift(*shift),
-                    (Columns::Index(_), Some((g, l))) => match (&***g, l.contiguous_offsets()) {
-                        (Storage::Cpu(CpuStorage::U32(ix)), Some((a, z)))
-                            if l.dims().len() == 3
-                                && l.dims()[1..] == [tq, tk]
-                                && (l.dims()[0] == 1 || l.dims()[0] == b) =>
-                        {
-                            TileColumns::Index(&ix[a..z], l.dims()[0])
-                        }
-                        _ => candle_core::bail!(
-                            "fused attention: the value columns must be a contiguous (1|B, Tq, Tk) u32 map"
-                        ),
-                    },
-                    (Columns::Index(_), None) => {
-                        candle_core::bail!("fused attention: value column map missing")
-                    }
-                };
-                Some((table, width, rule))
-            }
-        };
+        let values_guard = self.values.as_ref().map(ValueOperands::lock);
+        let values = values_guard
+            .as_ref()
+            .map(|g| g.view((b, tq, tk, d)))
+            .transpose()?;
         let (mut tile, key_tile) = (self.tile, self.key_tile);
         if let Some((_, width, _)) = &values {
             tile = value_tile_rows(tile, *width, d);

@@ -41,7 +41,6 @@ use crate::error::{Error, Result};
 use crate::graft::{graft_through, GraftBackward};
 use crate::limits::check_elements;
 use crate::plug::relative::{add_indexed_sums, add_shifted_sums_from};
-use crate::plug::Columns;
 
 /// How the backward cuts its work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -443,7 +442,7 @@ impl Backward {
         let shares = self
             .tiles
             .shares
-            .unwrap_or((2 * threads).div_ceil(b * hkv))
+            .unwrap_or((2 * threads).div_ceil((b * hkv).max(1)))
             .clamp(1, key_tiles);
         let tasks: Vec<Task> = (0..b * hkv * shares)
             .map(|n| Task {
@@ -452,7 +451,6 @@ impl Backward {
                 share: n % shares,
             })
             .collect();
-        let width = spec.values.as_ref().map(|v| v.table.dim(0)).transpose()?;
         let outs = Outs {
             dq: OutPtr(dq.as_mut_ptr()),
             dk: OutPtr(dk.as_mut_ptr()),
@@ -472,45 +470,32 @@ impl Backward {
         };
         let term_guards = TermGuards::new(&spec.terms, spec.padding.as_ref());
         let pass = term_guards.pass((b, h, tq, tk), &spec.rule)?;
-        let values_guard = spec.values.as_ref().map(|v| {
-            let index = match &v.columns {
-                Columns::Index(index) => Some(read_storage(index)),
-                Columns::Shift(_) => None,
-            };
-            (read_storage(&v.table), index)
-        });
-        let values = match (&values_guard, &spec.values) {
-            (Some(((g, l), index)), Some(vo)) => {
-                let table = match (&***g, l.contiguous_offsets()) {
-                    (Storage::Cpu(CpuStorage::F32(data)), Some((a, z)))
-                        if Some(z - a) == width.map(|w| w * d) =>
-                    {
-                        &data[a..z]
-                    }
-                    _ => candle_core::bail!("fused training: the value table must be (W, D) f32"),
-                };
-                let columns = match (&vo.columns, index) {
-                    (Columns::Shift(s), _) => TileColumns::Shift(*s),
-                    (Columns::Index(_), Some((g, l))) => match (&***g, l.contiguous_offsets()) {
-                        (Storage::Cpu(CpuStorage::U32(ix)), Some((a, z)))
-                            if l.dims().len() == 3
-                                && l.dims()[1..] == [tq, tk]
-                                && (l.dims()[0] == 1 || l.dims()[0] == b) =>
-                        {
-                            TileColumns::Index(&ix[a..z], l.dims()[0])
-                        }
-                        _ => candle_core::bail!(
-                            "fused training: the value columns must be a contiguous (1|B, Tq, Tk) u32 map"
-                        ),
-                    },
-                    (Columns::Index(_), None) => {
-                        candle_core::bail!("fused training: value column map missing")
-                    }
-                };
-                Some((table, columns))
-            }
-            _ => None,
-        };
+        let values_guard = spec.values.as_ref().map(|v| v.lock());
+        let values = values_guard
+            .as_ref()
+            .map(|g| g.view((b, tq, tk, d)))
+            .transpose()?;
+        let width = values.as_ref().map(|(_, w, _)| *w);
+        // Every task's partial sums at once, budgeted before any is allocated.
+        let per_task = self
+            .terms
+            .iter()
+            .map(|t| (if t.dims[1] == 1 { 1 } else { group }) * t.dims[2] * t.dims[3])
+            .chain([
+                if shares > 1 { group * tq * d } else { 0 },
+                match (self.table, width) {
+                    (Some(_), Some(w)) => w * d,
+                    _ => 0,
+                },
+            ])
+            .fold(0usize, usize::saturating_add);
+        check_elements(
+            "fused training partial sums",
+            format!("{} tasks × {per_task}", tasks.len()),
+            "the partial gradients of every task",
+            &[tasks.len(), per_task],
+        )
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let ctx = Ctx {
             spec,
             pass: &pass,
@@ -518,7 +503,7 @@ impl Backward {
             delta: &delta,
             grad_o: do_host,
             views,
-            values: values.as_ref().map(|(t, c)| (*t, c, width.unwrap_or(1))),
+            values: values.as_ref().map(|(t, w, c)| (*t, c, *w)),
             terms: &self.terms,
             want_table: self.table.is_some(),
             group,
@@ -900,7 +885,7 @@ mod tests {
     use crate::attention::dropout::Dropout;
     use crate::attention::fused_softmax::RowRule;
     use crate::attention::mask::{apply_keep_mask, keep_mask};
-    use crate::plug::{RelativeBias, RelativeValues};
+    use crate::plug::{Columns, RelativeBias, RelativeValues};
 
     /// The operands of one check: every tensor a gradient can reach is a `Var`.
     struct Case {
