@@ -66,11 +66,20 @@ pub(crate) fn attend(
                 .broadcast_as((b, h, n, 1))?;
             scores = Tensor::cat(&[&scores, &column], 3)?;
         }
-        let probs = if differentiable {
-            candle_nn::ops::softmax(&scores, D::Minus1)?
-        } else {
-            candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?
+        // In f32 for half formats: a row's sum of exponentials accumulated in bf16 (8 bits of
+        // mantissa) drifts by whole percents over a few hundred keys, so its weights no longer
+        // sum to one; the weights return to the block's dtype after.
+        let dtype = scores.dtype();
+        let wide = match dtype {
+            DType::F16 | DType::BF16 => scores.to_dtype(DType::F32)?,
+            _ => scores,
         };
+        let probs = if differentiable {
+            candle_nn::ops::softmax(&wide, D::Minus1)?
+        } else {
+            candle_nn::ops::softmax_last_dim(&wide.contiguous()?)?
+        }
+        .to_dtype(dtype)?;
         match part.sinks {
             Some(_) => probs.narrow(3, 0, kv)?,
             None => probs,
