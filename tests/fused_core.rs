@@ -101,4 +101,55 @@ fn fused_core_equals_unfused(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-device_tests!(fused_core_equals_unfused);
+/// A user's mask may hold −∞: on a row whose every key is masked (here by padding, the causal
+/// limit, a window or a chunk), every path weighs the keys that hold the lowest value
+/// uniformly and gives the −∞ ones none: the fused core, the row pass (weights returned; it
+/// had spread the row over every key, found by the api fuzz target), candle's ops and the
+/// fused training core.
+fn minus_infinity_in_a_mask_on_every_path(dev: &Device) -> anyhow::Result<()> {
+    let t = 6;
+    let x = Tensor::randn(0f32, 1.0, (2, t, 8), dev)?;
+    let pad = Tensor::new(&[[0f32, 0., 1., 1., 1., 1.], [1., 1., 1., 1., 1., 1.]], dev)?;
+    let mut m = vec![0f32; t * t];
+    m[2 * t + 2] = f32::NEG_INFINITY; // row 2 of sequence 0 sees only key 2, masked by −∞
+    m[3 * t + 3] = f32::NEG_INFINITY;
+    let mask = Tensor::from_vec(m, (1, 1, t, t), dev)?;
+    for (window, chunk) in [
+        (None, None),
+        (Some(1), None),
+        (None, Some(1)),
+        (Some(1), Some(1)),
+    ] {
+        let attn = AttentionConfig::new(8, 1)
+            .with_causal(true)
+            .with_sliding_window(window)
+            .with_attention_chunk(chunk);
+        let (mha, _vars) =
+            zoo::attention(&candle_posenc::EncodingConfig::None, &attn, DType::F32, dev)?;
+        let run = |train, return_weights| -> anyhow::Result<Tensor> {
+            let opts = AttentionOptions {
+                padding_mask: Some(&pad),
+                attn_mask: Some(&mask),
+                train,
+                return_weights,
+                ..Default::default()
+            };
+            Ok(mha.forward_with(&x, &opts, None)?.output)
+        };
+        let ops = run(true, true)?;
+        for (label, (train, weights)) in [
+            ("fused core", (false, false)),
+            ("row pass", (false, true)),
+            ("training core", (true, false)),
+        ] {
+            let what = format!("{label}, window {window:?} chunk {chunk:?}");
+            assert_close(&run(train, weights)?, &ops, tolerance(&ops)?, &what)?;
+        }
+    }
+    Ok(())
+}
+
+device_tests!(
+    fused_core_equals_unfused,
+    minus_infinity_in_a_mask_on_every_path
+);

@@ -498,17 +498,21 @@ impl RowPass<'_> {
     fn run(&self, r: usize, row: &mut [f32]) {
         let (h, tq, _) = self.dims;
         let hi = (r / tq) % h;
-        let len = row.len();
         let visible = self.mask_keys(r, row, 0);
         let (row, hidden) = row.split_at_mut(visible);
         let rule = self.rule;
         let sink = rule.sinks.as_ref().map(|s| s[hi]);
         let max = row_max(row);
         if max == f32::MIN && sink.is_none() && !hidden.is_empty() {
-            // Every key masked: uniform over the whole row, as the unfused path (which fills
-            // the hidden keys with the same lowest value) gives.
-            let u = 1.0 / len as f32;
-            row.iter_mut().chain(hidden.iter_mut()).for_each(|x| *x = u);
+            // Every key masked: uniform over the keys that hold the lowest value, the hidden
+            // ones included, as the unfused path (which fills them with it) and the online
+            // pass give; a key a user's mask set to −∞ keeps weight 0.
+            let masked = row.iter().filter(|&&x| x == f32::MIN).count() + hidden.len();
+            let u = 1.0 / masked as f32;
+            for x in row.iter_mut() {
+                *x = if *x == f32::MIN { u } else { 0.0 };
+            }
+            hidden.iter_mut().for_each(|x| *x = u);
             return;
         }
         // A sink joins the normalisation with no value: its weight is left out of the row.
