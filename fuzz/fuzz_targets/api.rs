@@ -2446,6 +2446,10 @@ fn forward(
             if f.wellformed {
                 let allowed = matches!(e, Error::PositionOutOfRange { .. })
                     || (model.xpos && matches!(e, Error::InvalidConfig { .. }))
+                    // f16 queries and keys cannot hold a RoPE attention factor past 2^±8 (a
+                    // typed refusal since the sixth session, which this rule had missed).
+                    || (model.dtype == DType::F16
+                        && matches!(e, Error::InvalidConfig { name: "rope attention factor", .. }))
                     || matches!(e, Error::InvalidConfig { name: "fuzz hook", .. })
                     // RoPE-Mixed without multimodal positions for its queries or keys.
                     || (model.mixed && matches!(e, Error::Shape { what: "RoPE-Mixed positions", .. }))
