@@ -506,9 +506,9 @@ impl CoreSpec {
                                     add_shifted_sums_from(row, i0 + li, *shift, j0, sums)
                                 }
                                 TileColumns::Index(index, ib) => {
-                                    let batch = if *ib == 1 { 0 } else { bi };
-                                    let at = (batch * tq + i0 + li) * tk + j0;
-                                    add_indexed_sums(row, &index[at..at + n], sums);
+                                    let columns =
+                                        index_row(index, *ib, (bi, i0 + li, j0, n), tq, tk);
+                                    add_indexed_sums(row, columns, sums);
                                 }
                             }
                         }
@@ -605,6 +605,20 @@ fn transposed_keys(
             }
         });
     Ok(out)
+}
+
+/// The columns an index map `(1|B, Tq, Tk)` (`batches` items) gives row `i` of batch item `b`
+/// at keys `j0..j0 + n`.
+pub(crate) fn index_row(
+    index: &[u32],
+    batches: usize,
+    (b, i, j0, n): (usize, usize, usize, usize),
+    tq: usize,
+    tk: usize,
+) -> &[u32] {
+    let batch = if batches == 1 { 0 } else { b };
+    let at = (batch * tq + i) * tk + j0;
+    &index[at..at + n]
 }
 
 /// How a tile's rows pick the value table's rows: a shift, or a `(1|B, Tq, Tk)` index map

@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::fused_attention::{product, Core, CoreSpec, OutPtr, TileColumns, View};
+use super::fused_attention::{index_row, product, Core, CoreSpec, OutPtr, TileColumns, View};
 use super::fused_softmax::{add_shifted_row, read_storage, TermGuards};
 use crate::error::{Error, Result};
 use crate::graft::{graft_through, GraftBackward};
@@ -740,9 +740,8 @@ impl Ctx<'_> {
                                     add_shifted_row(grow, i, *shift, j0, dprow)
                                 }
                                 TileColumns::Index(index, ib) => {
-                                    let batch = if *ib == 1 { 0 } else { task.b };
-                                    let at = (batch * tq + i) * tk + j0;
-                                    for (x, &c) in dprow.iter_mut().zip(&index[at..at + n]) {
+                                    let columns = index_row(index, *ib, (task.b, i, j0, n), tq, tk);
+                                    for (x, &c) in dprow.iter_mut().zip(columns) {
                                         *x += grow[(c as usize).min(w - 1)];
                                     }
                                 }
@@ -787,9 +786,8 @@ impl Ctx<'_> {
                                     add_shifted_sums_from(row, i, *shift, j0, srow)
                                 }
                                 TileColumns::Index(index, ib) => {
-                                    let batch = if *ib == 1 { 0 } else { task.b };
-                                    let at = (batch * tq + i) * tk + j0;
-                                    add_indexed_sums(row, &index[at..at + n], srow);
+                                    let columns = index_row(index, *ib, (task.b, i, j0, n), tq, tk);
+                                    add_indexed_sums(row, columns, srow);
                                 }
                             }
                         }
