@@ -915,6 +915,41 @@ mod tests {
             })
         }
 
+        /// The fused training core over these operands, a dense per-key term and `relative`
+        /// rows, with the forward's `(query, key)` tiles and the backward's `tiles`.
+        fn attend(
+            &self,
+            (relative, values, padding, rule): (
+                &RelativeBias,
+                &RelativeValues,
+                Option<&Tensor>,
+                &RowRule,
+            ),
+            (tile, key_tile): (usize, usize),
+            tiles: Tiles,
+            dropout: Option<Dropout>,
+        ) -> Result<Tensor> {
+            TrainCore {
+                core: Core {
+                    q: self.q.as_tensor(),
+                    k: self.k.as_tensor(),
+                    v: self.v.as_tensor(),
+                    dense: vec![self.dense.as_tensor()],
+                    dense_masks: false,
+                    relative: vec![relative],
+                    padding,
+                    rule,
+                    values: Some(values),
+                    tile,
+                    key_tile,
+                },
+                sinks: rule.sinks.as_ref().map(|_| self.sinks.as_tensor()),
+                tiles,
+                dropout,
+            }
+            .attend()
+        }
+
         fn vars(&self) -> [(&'static str, &Var); 7] {
             [
                 ("q", &self.q),
@@ -1070,25 +1105,12 @@ mod tests {
                     #[cfg(miri)]
                     let tiles = [tiles[2]];
                     for (rows, keys, shares) in tiles {
-                        let out = TrainCore {
-                            core: Core {
-                                q: case.q.as_tensor(),
-                                k: case.k.as_tensor(),
-                                v: case.v.as_tensor(),
-                                dense: vec![case.dense.as_tensor()],
-                                dense_masks: false,
-                                relative: vec![&relative],
-                                padding: pad,
-                                rule: &rule,
-                                values: Some(values),
-                                tile: 4,
-                                key_tile: 6,
-                            },
-                            sinks: rule.sinks.as_ref().map(|_| case.sinks.as_tensor()),
-                            tiles: Tiles { rows, keys, shares },
+                        let out = case.attend(
+                            (&relative, values, pad, &rule),
+                            (4, 6),
+                            Tiles { rows, keys, shares },
                             dropout,
-                        }
-                        .attend()?;
+                        )?;
                         let diff = (&out - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
                         assert!(diff < 1e-5, "output: {rule:?} {dropout:?}: {diff:e}");
                         let got = grads(&case, &out)?;
@@ -1151,29 +1173,12 @@ mod tests {
         for (rule, pad, dropout) in &cases {
             let relative = RelativeBias::new(case.rows.as_tensor().clone(), Columns::Shift(1))?;
             let values = RelativeValues::new(case.table.as_tensor().clone(), Columns::Shift(0))?;
-            let out = TrainCore {
-                core: Core {
-                    q: case.q.as_tensor(),
-                    k: case.k.as_tensor(),
-                    v: case.v.as_tensor(),
-                    dense: vec![case.dense.as_tensor()],
-                    dense_masks: false,
-                    relative: vec![&relative],
-                    padding: *pad,
-                    rule,
-                    values: Some(&values),
-                    tile: 2,
-                    key_tile: 3,
-                },
-                sinks: rule.sinks.as_ref().map(|_| case.sinks.as_tensor()),
-                tiles: Tiles {
-                    rows: 3,
-                    keys: 2,
-                    shares: Some(2),
-                },
-                dropout: *dropout,
-            }
-            .attend()?;
+            let tiles = Tiles {
+                rows: 3,
+                keys: 2,
+                shares: Some(2),
+            };
+            let out = case.attend((&relative, &values, *pad, rule), (2, 3), tiles, *dropout)?;
             let got = grads(&case, &out)?;
             // The loss in f64 with one operand's entry moved.
             let vars = case.vars();
