@@ -164,6 +164,12 @@ fn span(p: &Positions, len: usize) -> (usize, usize) {
     }
 }
 
+fn poisoned() -> Error {
+    Error::Candle(candle_core::Error::Msg(
+        "relative-position cache lock poisoned by a panicking thread".into(),
+    ))
+}
+
 /// Key of a cached per-shape tensor: (query start, query length, key start, key length, and a
 /// caller-defined layout such as (batch, heads) for tensors expanded to full size).
 type ShapeKey = (usize, usize, usize, usize, (usize, usize));
@@ -174,6 +180,9 @@ type ShapeKey = (usize, usize, usize, usize, (usize, usize));
 pub(crate) struct BucketCache {
     map: Mutex<HashMap<ShapeKey, Tensor>>,
     builds: AtomicUsize,
+    /// The buckets of a span of distances `lo..lo + n`, `(lo, (n) u32)`, from which every
+    /// range inside it is read (see [`Self::distance_buckets`]).
+    span: Mutex<Option<(i64, Tensor)>>,
 }
 
 /// Entries kept before the cache is cleared (decoding makes one entry per step).
@@ -215,11 +224,54 @@ impl BucketCache {
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, HashMap<ShapeKey, Tensor>>> {
-        self.map.lock().map_err(|_| {
-            Error::Candle(candle_core::Error::Msg(
-                "relative-position cache lock poisoned by a panicking thread".into(),
-            ))
-        })
+        self.map.lock().map_err(|_| poisoned())
+    }
+
+    /// The bucket of every distance of `range` (`(width)` u32, in column order): a view of
+    /// one lookup over a span of distances, built again only when a range leaves it. The new
+    /// span covers the old one, the range, and as much again on each side the range passed,
+    /// so decoding (one more distance per step) builds it O(log L) times, not every step;
+    /// a range far from the span (no overlap) gets a span of its own. A span past the
+    /// element budget is cut back to the range.
+    pub(crate) fn distance_buckets(
+        &self,
+        range: &DistanceRange,
+        device: &candle_core::Device,
+        bucket: impl Fn(i64) -> u32,
+    ) -> Result<Tensor> {
+        let (a, w) = (range.d_min, range.width as i64);
+        let mut span = self.span.lock().map_err(|_| poisoned())?;
+        let held = span
+            .as_ref()
+            .map(|(lo, t)| (*lo, t.dim(0).unwrap_or(0) as i64));
+        if let (Some((lo, n)), Some((_, t))) = (held, span.as_ref()) {
+            if a >= lo && a + w <= lo + n {
+                return Ok(t.narrow(0, (a - lo) as usize, range.width)?);
+            }
+        }
+        let (mut lo, mut hi) = match held {
+            Some((lo, n)) if a <= lo + n && a + w >= lo => (lo.min(a), (lo + n).max(a + w)),
+            _ => (a, a + w),
+        };
+        if let Some((old_lo, n)) = held {
+            let len = hi - lo;
+            if a < old_lo {
+                lo = lo.saturating_sub(len);
+            }
+            if a + w > old_lo + n {
+                hi = hi.saturating_add(len);
+            }
+        }
+        if usize::try_from(hi - lo).map_or(true, |n| n > crate::limits::max_elements()) {
+            (lo, hi) = (a, a + w);
+        }
+        let buckets: Vec<u32> = (lo..hi).map(bucket).collect();
+        let n = buckets.len();
+        let t = Tensor::from_vec(buckets, n, device)?;
+        self.builds.fetch_add(1, Ordering::Relaxed);
+        let view = t.narrow(0, (a - lo) as usize, range.width)?;
+        *span = Some((lo, t));
+        Ok(view)
     }
 
     /// How many tensors were built (cache misses) so far.
@@ -346,14 +398,12 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
         let (k_len, cfg, device) = (ctx.k_len, &self.config, self.table.device());
         let rows = match DistanceRange::of(ctx.queries, tq, ctx.keys, k_len)? {
             Some(range) => {
-                let (qs, ks) = (&range.queries, &range.keys);
                 let lookup = self
                     .cache
-                    .get_or_build(qs, tq, ks, k_len, ROWS_LAYOUT, || {
-                        let buckets: Vec<u32> = range.distances().map(|d| cfg.bucket(d)).collect();
-                        Ok(Tensor::from_vec(buckets, range.width, device)?)
-                    })?;
-                let values = self.table.index_select(&lookup, 0)?.t()?;
+                    .distance_buckets(&range, device, |d| cfg.bucket(d))?;
+                // Gathered along the table's transpose (H × buckets, small), so that the rows
+                // come out contiguous, with no copy of the H × width answer.
+                let values = self.table.t()?.contiguous()?.index_select(&lookup, 1)?;
                 RelativeBias::new(
                     values.reshape((1, h, 1, range.width))?,
                     Columns::Shift(range.shift(tq)),
@@ -424,4 +474,42 @@ pub(crate) fn check_queries(q: &Tensor, num_heads: usize) -> Result<(usize, usiz
         ));
     }
     Ok(dims)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// The span's views equal a lookup built for each range alone, for a decoding run (one
+    /// distance more per step, built O(log L) times), a jump far away (a span of its own)
+    /// and ranges on both sides of the span.
+    #[test]
+    fn distance_buckets_are_views_of_a_growing_span() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let cache = BucketCache::default();
+        let bucket = |d: i64| (d.clamp(-50, 50) + 50) as u32;
+        let check = |qs: usize, tq: usize, tk: usize| -> anyhow::Result<()> {
+            let range = DistanceRange::of(&Positions::Offset(qs), tq, &Positions::Offset(0), tk)?
+                .ok_or_else(|| anyhow::anyhow!("offsets have a range"))?;
+            let got = cache
+                .distance_buckets(&range, &dev, bucket)?
+                .to_vec1::<u32>()?;
+            let want: Vec<u32> = range.distances().map(bucket).collect();
+            assert_eq!(got, want, "queries {qs}+{tq}, keys {tk}");
+            Ok(())
+        };
+        check(0, 16, 16)?;
+        for len in 16..1040 {
+            check(len, 1, len + 1)?;
+        }
+        let decoding = cache.builds();
+        assert!(decoding <= 8, "{decoding} builds for 1024 steps");
+        check(1_000_000, 4, 1_000_004)?;
+        check(1_000_000, 4, 10)?;
+        check(30, 40, 80)?;
+        check(5, 2, 3)?;
+        Ok(())
+    }
 }
