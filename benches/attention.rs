@@ -604,6 +604,62 @@ fn main() -> Result<()> {
         }
     }
 
+    // A decoding step in half precision against the same step in f32, paired: the cache is
+    // read in its dtype (half the bytes) and widened a key tile at a time.
+    if section("decode") {
+        println!("\none decoding step in half precision, B1 H{heads} D{head_dim}, against f32:");
+        println!(
+            "{:<18} {:>8} {:>6} {:>12} {:>12} {:>10}",
+            "encoding", "L", "dtype", "f32 ms", "half ms", "vs f32"
+        );
+    }
+    for case in all
+        .iter()
+        .filter(|c| section("decode") && matches!(c.name, "rope" | "alibi"))
+    {
+        let f32_block = block(case, true, d_model, heads, &vb)?;
+        for dtype in [candle_core::DType::BF16, candle_core::DType::F16] {
+            let half_vb = common::inference_vb_of(&dev, dtype);
+            let half = block(case, true, d_model, heads, &half_vb)?;
+            for &len in lens {
+                let prefix = Tensor::randn(0f32, 1.0, (1, len, d_model), &dev)?;
+                let token = Tensor::randn(0f32, 1.0, (1, 1, d_model), &dev)?;
+                let (prefix_h, token_h) = (prefix.to_dtype(dtype)?, token.to_dtype(dtype)?);
+                let opts = AttentionOptions::default();
+                let mut cache = KvCache::with_capacity(len + 1);
+                let mut cache_h = KvCache::with_capacity(len + 1);
+                f32_block.forward_with(&prefix, &opts, Some(&mut cache))?;
+                half.forward_with(&prefix_h, &opts, Some(&mut cache_h))?;
+                let p = common::paired(
+                    runs * 3,
+                    || {
+                        let y = f32_block.forward_with(&token, &opts, Some(&mut cache))?;
+                        dev.synchronize()?;
+                        drop(y);
+                        cache.truncate(len)?;
+                        Ok(())
+                    },
+                    || {
+                        let y = half.forward_with(&token_h, &opts, Some(&mut cache_h))?;
+                        dev.synchronize()?;
+                        drop(y);
+                        cache_h.truncate(len)?;
+                        Ok(())
+                    },
+                )?;
+                let name = format!("{dtype:?}").to_lowercase();
+                println!(
+                    "{:<18} {len:>8} {name:>6} {:>12.3} {:>12.3} {:>9.2}x",
+                    case.name, p.a_ms, p.b_ms, p.ratio
+                );
+                json_line(json, &format!(
+                    "\"bench\":\"decode_step_half\",\"encoding\":\"{}\",\"cache\":{len},\"dtype\":\"{dtype:?}\",\"median_ms\":{:.4},\"f32_ms\":{:.4},\"ratio\":{:.4}",
+                    case.name, p.b_ms, p.a_ms, p.ratio
+                ));
+            }
+        }
+    }
+
     // Peak memory at T = 2048, B1 H8 D64, k = 64: one child process per case.
     let t_mem = if quick { 512 } else { 2048 };
     println!(

@@ -13,7 +13,7 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, Positions, QkLayout, RopeConfig, RotaryEmbedding,
+    AttentionConfig, AttentionOptions, KvCache, Positions, QkLayout, RopeConfig, RotaryEmbedding,
 };
 use common::{max_abs_diff, zoo};
 
@@ -268,7 +268,62 @@ fn weights_sum_to_one(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Decoding in bf16 and f16 equals the same block's forward over the whole sequence, for
+/// every encoding: the steps read the cache in its dtype a key tile at a time and project
+/// their token by matrix–vector products, the full forward widens the cache once and projects
+/// by candle's matmul. Both round the same values to the format, their sums may run in
+/// different orders: the bound is 8·u relative to the output's scale (at this size the two
+/// agree bit for bit).
+fn half_decoding_equals_the_full_forward(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(16, 4)
+        .with_kv_heads(2)
+        .with_head_dim(4)
+        .with_causal(true);
+    let (t, steps) = (24, 4);
+    let x = Tensor::randn(0f32, 1.0, (1, t, 16), dev)?;
+    let opts = AttentionOptions::default();
+    let mut failures = Vec::new();
+    for (i, config) in zoo::configs(16, 4, 4).iter().enumerate() {
+        let (_, varmap) = zoo::attention(config, &attn, DType::F32, dev)?;
+        for dtype in [DType::BF16, DType::F16] {
+            let half = zoo::attention_from(config, &attn, &varmap, dtype, dev)?;
+            let xh = x.to_dtype(dtype)?;
+            let want = half.forward_with(&xh, &opts, None)?.output;
+            let mut cache = KvCache::new();
+            half.forward_with(&xh.narrow(1, 0, t - steps)?, &opts, Some(&mut cache))?;
+            let mut got = Vec::new();
+            for s in t - steps..t {
+                let step = half.forward_with(&xh.narrow(1, s, 1)?, &opts, Some(&mut cache))?;
+                got.push(step.output);
+            }
+            let got = Tensor::cat(&got, 1)?;
+            let want = want.narrow(1, t - steps, steps)?;
+            let scale = want
+                .to_dtype(DType::F32)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?
+                .max(1.0) as f64;
+            let err = max_abs_diff(&got, &want)?;
+            let tol = 8.0 * unit_roundoff(dtype) * scale;
+            println!(
+                "{} {dtype:?}: max |steps − full| = {err:.2e} (tolerance {tol:.2e})",
+                zoo::label(i, config)
+            );
+            if err > tol {
+                failures.push(format!(
+                    "{} {dtype:?}: {err:e} > {tol:e}",
+                    zoo::label(i, config)
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
+
 device_tests!(
+    half_decoding_equals_the_full_forward,
     half_vs_f32,
     weights_sum_to_one,
     rope_angles_at_a_million,

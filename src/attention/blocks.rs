@@ -51,17 +51,20 @@ impl Path {
         differentiable: bool,
         weights: bool,
     ) -> Path {
-        let cpu_f32 = [q, k, v].iter().all(|t| {
-            t.device().is_cpu()
-                && t.dtype() == DType::F32
-                && t.rank() == 4
-                && t.layout().stride()[3] == 1
-        });
+        let cpu = [q, k, v]
+            .iter()
+            .all(|t| t.device().is_cpu() && t.rank() == 4 && t.layout().stride()[3] == 1);
+        let f32s = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
+        // A decoding step of a half-precision block: f32 queries, and keys and values as
+        // cached, which the core widens a tile at a time.
+        let half_cache = q.dtype() == DType::F32
+            && matches!(k.dtype(), DType::BF16 | DType::F16)
+            && v.dtype() == k.dtype();
         let tracked = [q, k, v].iter().any(|t| t.track_op());
-        match (differentiable || tracked, cpu_f32, weights) {
-            (false, true, false) => Path::Fused,
-            (false, true, true) => Path::RowPass,
-            (true, true, false) => Path::FusedTrain,
+        match (differentiable || tracked, cpu, weights) {
+            (false, true, false) if f32s || half_cache => Path::Fused,
+            (false, true, true) if f32s => Path::RowPass,
+            (true, true, false) if f32s => Path::FusedTrain,
             _ => Path::Ops,
         }
     }
@@ -191,9 +194,18 @@ impl Chunk<'_> {
             }
         }
         let differentiable = self.differentiable || tracked;
+        // Half-precision keys and values next to f32 queries are read by the inference core
+        // only; any other path gets them widened.
+        let (k, v) = match (path, self.k.dtype() == self.q.dtype()) {
+            (Path::Fused, _) | (_, true) => (self.k.clone(), self.v.clone()),
+            _ => (
+                self.k.to_dtype(self.q.dtype())?,
+                self.v.to_dtype(self.q.dtype())?,
+            ),
+        };
         let (k, v) = match fused {
-            true => (self.k.clone(), self.v.clone()), // grouped heads read in place
-            _ => (repeat_kv(&self.k, h / hkv)?, repeat_kv(&self.v, h / hkv)?),
+            true => (k, v), // grouped heads read in place
+            _ => (repeat_kv(&k, h / hkv)?, repeat_kv(&v, h / hkv)?),
         };
         let merged = match path {
             Path::Fused => Some(Tensor::zeros((b, t, h, d), DType::F32, self.q.device())?),

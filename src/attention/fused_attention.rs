@@ -24,6 +24,11 @@
 //! the softmax, to the product that reads them, at any length; no `(B, H, Tq, Tk)` tensor is
 //! allocated, and the heads come out already merged for the output projection.
 //!
+//! Keys and values may also be bf16 or f16 (a half-precision block's decoding step, which
+//! leaves its cache in the block's dtype): each key tile is then widened into the thread's
+//! buffers as it is read, in tiles of 256 keys, so a step reads the cache once, in half the
+//! bytes, and allocates nothing that grows with it.
+//!
 //! Both products run `gemm` (the crate candle's CPU matmul uses, with its AVX-512 kernels when
 //! the `avx512` feature is on) on raw strided views, one thread per tile. The terms and masks
 //! are the row pass's of [`super::fused_softmax`]; its weights differ from the row pass's by
@@ -32,9 +37,11 @@
 use std::cell::RefCell;
 
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::fused_softmax::{read_storage, strided_terms, RowRule, Running, TermGuards};
+use super::widen::Widen;
 use crate::error::{Error, Result};
 use crate::plug::relative::{add_indexed_sums, add_shifted_sums_from};
 use crate::plug::{Columns, RelativeBias, RelativeValues};
@@ -47,6 +54,10 @@ const TILE_BYTES: usize = 1 << 20;
 /// carries each row's maximum and sum from one to the next), so its logits stay in cache at
 /// any length.
 pub(crate) const KEY_TILE: usize = 1024;
+
+/// Keys per tile when keys and values are half precision: both tiles, widened to f32
+/// (`2 × 256 × D` floats, 128 KiB at D = 64), stay in L2 with the logits.
+const HALF_KEY_TILE: usize = 256;
 
 /// Query rows per tile for `tk` keys: [`TILE_BYTES`] of logits of at most [`KEY_TILE`] keys,
 /// 16 to 256 rows (fewer rows would repack the keys too often; more would leave too few tiles
@@ -238,8 +249,8 @@ impl ValueGuards<'_> {
 
 /// A strided f32 view `(B, H, T, D)` with unit stride on `D`.
 #[derive(Clone, Copy)]
-pub(crate) struct View {
-    ptr: *const f32,
+pub(crate) struct View<T = f32> {
+    ptr: *const T,
     pub(crate) strides: [usize; 3],
 }
 
@@ -254,6 +265,14 @@ impl View {
         let CpuStorage::F32(data) = storage else {
             candle_core::bail!("fused attention: q, k and v must be f32 CPU tensors");
         };
+        Self::over(data, layout, dims)
+    }
+}
+
+impl<T> View<T> {
+    /// A view of `layout` over `data`, of exactly `dims`, with unit stride on the last axis
+    /// and every element in `data`.
+    fn over(data: &[T], layout: &Layout, dims: [usize; 4]) -> candle_core::Result<Self> {
         if layout.dims() != dims || layout.stride()[3] != 1 {
             candle_core::bail!(
                 "fused attention: a view of {:?} with strides {:?} where {dims:?} with unit stride on the last axis was expected",
@@ -284,12 +303,73 @@ impl View {
     /// # Safety
     /// `b`, `h` and `i` must lie inside the view's dimensions (checked against its storage in
     /// [`View::new`]).
-    pub(crate) unsafe fn at(&self, b: usize, h: usize, i: usize) -> *const f32 {
+    pub(crate) unsafe fn at(&self, b: usize, h: usize, i: usize) -> *const T {
         let [s0, s1, s2] = self.strides;
         // SAFETY: the caller stays inside the view's dimensions, which lie in the storage.
         unsafe { self.ptr.add(b * s0 + h * s1 + i * s2) }
     }
 }
+
+/// Keys or values as stored: f32, read in place, or half precision (a decoding step's cache,
+/// kept in the block's dtype), widened a key tile at a time into a thread's buffer.
+#[derive(Clone, Copy)]
+enum Operand {
+    F32(View),
+    Bf16(View<bf16>),
+    F16(View<f16>),
+}
+
+impl Operand {
+    /// A view of `layout` over `storage` (f32, bf16 or f16) of exactly `dims`.
+    fn new(storage: &CpuStorage, layout: &Layout, dims: [usize; 4]) -> candle_core::Result<Self> {
+        Ok(match storage {
+            CpuStorage::F32(data) => Operand::F32(View::over(data, layout, dims)?),
+            CpuStorage::BF16(data) => Operand::Bf16(View::over(data, layout, dims)?),
+            CpuStorage::F16(data) => Operand::F16(View::over(data, layout, dims)?),
+            _ => candle_core::bail!("fused attention: k and v must be f32, bf16 or f16"),
+        })
+    }
+
+    fn is_f32(&self) -> bool {
+        matches!(self, Operand::F32(_))
+    }
+
+    /// Rows `j0..j0 + n` of head `(b, h)` as f32: a pointer and a row stride, in place for
+    /// f32, else widened into `buf` (`n × d`).
+    ///
+    /// # Safety
+    /// `b`, `h` and `j0 + n` must lie inside the view's dimensions, and `d` must be its last
+    /// one; the pointer is valid until `buf` changes.
+    unsafe fn rows(
+        &self,
+        (b, h, j0, n, d): (usize, usize, usize, usize, usize),
+        buf: &mut Vec<f32>,
+    ) -> (*const f32, usize) {
+        #[inline(always)]
+        fn widen<T: Widen>(view: &View<T>, (b, h, j0, n, d): Dims5, buf: &mut Vec<f32>) {
+            buf.resize(n * d, 0.0);
+            for (jj, dst) in buf.chunks_exact_mut(d).enumerate() {
+                // SAFETY: the caller's contract: row j0 + jj of head (b, h) holds d values.
+                let src = unsafe { std::slice::from_raw_parts(view.at(b, h, j0 + jj), d) };
+                T::widen_fast(src, dst);
+            }
+        }
+        match self {
+            // SAFETY: the caller's contract.
+            Operand::F32(view) => (unsafe { view.at(b, h, j0) }, view.strides[2]),
+            Operand::Bf16(view) => {
+                widen(view, (b, h, j0, n, d), buf);
+                (buf.as_ptr(), d)
+            }
+            Operand::F16(view) => {
+                widen(view, (b, h, j0, n, d), buf);
+                (buf.as_ptr(), d)
+            }
+        }
+    }
+}
+
+type Dims5 = (usize, usize, usize, usize, usize);
 
 /// The output rows, written by disjoint tiles from several threads.
 #[derive(Clone, Copy)]
@@ -311,9 +391,9 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 // SAFETY: the views only read storage that the op holds read locks on for the whole pass.
-unsafe impl Send for View {}
+unsafe impl<T> Send for View<T> {}
 // SAFETY: as above.
-unsafe impl Sync for View {}
+unsafe impl<T> Sync for View<T> {}
 
 // The per-thread buffers below are borrowed mutably for the whole of one tile's work
 // (`with_borrow_mut`); that is sound only because nothing inside that closure re-enters rayon
@@ -334,6 +414,9 @@ struct Scratch {
     sums: Vec<f32>,
     /// The online softmax state per row.
     running: Vec<Running>,
+    /// A key tile and a value tile widened from half precision, `n × D` each.
+    keys: Vec<f32>,
+    values: Vec<f32>,
 }
 
 impl Scratch {
@@ -343,6 +426,8 @@ impl Scratch {
             acc: Vec::new(),
             sums: Vec::new(),
             running: Vec::new(),
+            keys: Vec::new(),
+            values: Vec::new(),
         }
     }
 }
@@ -395,8 +480,8 @@ impl CoreSpec {
             return Ok(());
         }
         let q = View::new(qs, ql, [b, h, tq, d])?;
-        let k = View::new(ks, kl, [b, hkv, tk, d])?;
-        let v = View::new(vs, vl, [b, hkv, tk, d])?;
+        let k = Operand::new(ks, kl, [b, hkv, tk, d])?;
+        let v = Operand::new(vs, vl, [b, hkv, tk, d])?;
         let terms = TermGuards::new(&self.terms, self.padding.as_ref());
         let pass = terms.pass((b, h, tq, tk), &self.rule)?;
         let values_guard = self.values.as_ref().map(ValueOperands::lock);
@@ -404,7 +489,12 @@ impl CoreSpec {
             .as_ref()
             .map(|g| g.view((b, tq, tk, d)))
             .transpose()?;
-        let (mut tile, key_tile) = (self.tile, self.key_tile);
+        let (mut tile, mut key_tile) = (self.tile, self.key_tile);
+        if !k.is_f32() || !v.is_f32() {
+            // Half-precision keys and values are widened a tile at a time: tiles small enough
+            // that both widened tiles stay in L2 next to the logits.
+            key_tile = key_tile.min(HALF_KEY_TILE);
+        }
         if let Some((_, width, _)) = &values {
             tile = value_tile_rows(tile, *width, d);
             if tile.saturating_mul(*width) > crate::limits::max_elements() {
@@ -418,9 +508,9 @@ impl CoreSpec {
         // the core's time when every query tile does it again: when key tiles are read by more
         // than one query tile, the keys are transposed once, (B, Hkv, D, Tk). Not for a few
         // queries (decoding), where that would read and write the whole cache again per step.
-        let keys_t = match tiles * group > 1 && tq >= 16 {
-            true => Some(transposed_keys(&k, (b, hkv, tk, d))?),
-            false => None,
+        let keys_t = match (&k, tiles * group > 1 && tq >= 16) {
+            (Operand::F32(k), true) => Some(transposed_keys(k, (b, hkv, tk, d))?),
+            _ => None,
         };
         (0..b * h * tiles).into_par_iter().for_each(|task| {
             let (bh, i0) = (task / tiles, (task % tiles) * tile);
@@ -438,6 +528,8 @@ impl CoreSpec {
                     acc,
                     sums,
                     running,
+                    keys: key_buf,
+                    values: value_buf,
                 } = scratch;
                 acc.resize(rows * d, 0.0);
                 sums.clear();
@@ -450,8 +542,11 @@ impl CoreSpec {
                     // SAFETY: bi < B, hi / group < Hkv, j0 < Tk; S is rows × n (resized
                     // above), acc rows × D; the q rows, the k and v rows and the transposed keys
                     // read lie in their views (i0 + rows ≤ Tq, j0 + n ≤ Tk), checked against
-                    // storage in `View::new` and by `transposed_keys`.
-                    let (kp, vp) = unsafe { (k.at(bi, hi / group, j0), v.at(bi, hi / group, j0)) };
+                    // storage in `View::over` and by `transposed_keys`; the widened tiles are
+                    // not touched again until the next key tile.
+                    let at = (bi, hi / group, j0, n, d);
+                    let ((kp, k_rs), (vp, v_rs)) =
+                        unsafe { (k.rows(at, key_buf), v.rows(at, value_buf)) };
                     let keys = match &keys_t {
                         // The key tile (D, n) as a view of (D, Tk): read in place.
                         Some(kt) => (
@@ -460,7 +555,7 @@ impl CoreSpec {
                             tk,
                         ),
                         // (n, D) as stored: gemm gathers it column by column.
-                        None => (kp, k.strides[2], 1),
+                        None => (kp, k_rs, 1),
                     };
                     unsafe {
                         product(
@@ -492,7 +587,7 @@ impl CoreSpec {
                             (rows, d, n),
                             (acc.as_mut_ptr(), d, j0 > lo),
                             (s.as_ptr(), 1, n),
-                            (vp, 1, v.strides[2]),
+                            (vp, 1, v_rs),
                         )
                     };
                     if let Some((_, _, rule)) = &values {
@@ -856,6 +951,70 @@ mod tests {
     /// bidirectional windows, chunks, sinks, a soft cap), with and without padding (rows
     /// masked whole included), with a relative bias and relative values, for key tiles of one
     /// key to all of them.
+    /// Keys and values in bf16 and f16 (a half-precision block's cache, read a key tile at a
+    /// time and widened) give what the same values widened to f32 beforehand give, over
+    /// several half-precision key tiles, with grouped heads, padding, a relative bias and
+    /// relative values, causal and not.
+    #[test]
+    fn half_keys_and_values_equal_widened_ones() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, hkv, tk, d, w) = (2, 4, 2, 600, 8, 4);
+        for tq in [1, 3, 19] {
+            let first = tk - tq;
+            let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
+            let relative = RelativeBias::new(
+                Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
+                Columns::Shift(w as i64 - first as i64),
+            )?;
+            let values = RelativeValues::new(
+                Tensor::randn(0f32, 1.0, (2 * w + 1, d), &dev)?,
+                Columns::Shift(w as i64 - first as i64),
+            )?;
+            let mut keep = vec![1u8; b * tk];
+            keep[300..320].fill(0);
+            let padding = Tensor::from_vec(keep, (b, tk), &dev)?;
+            for dtype in [DType::BF16, DType::F16] {
+                let k = Tensor::randn(0f32, 1.0, (b, hkv, tk, d), &dev)?.to_dtype(dtype)?;
+                let v = Tensor::randn(0f32, 1.0, (b, hkv, tk, d), &dev)?.to_dtype(dtype)?;
+                let (k32, v32) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+                for causal in [false, true] {
+                    let rule = RowRule {
+                        first,
+                        causal,
+                        ..RowRule::default()
+                    };
+                    let run = |k: &Tensor, v: &Tensor| -> anyhow::Result<Tensor> {
+                        let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
+                        Core {
+                            q: &q,
+                            k,
+                            v,
+                            dense: vec![],
+                            dense_masks: false,
+                            relative: vec![&relative],
+                            padding: Some(&padding),
+                            rule: &rule,
+                            values: Some(&values),
+                            tile: tile_rows(tk),
+                            // The half tiles' size, so that both sum in the same order.
+                            key_tile: HALF_KEY_TILE,
+                        }
+                        .write_into(&out, 0)?;
+                        Ok(out)
+                    };
+                    let (got, want) = (run(&k, &v)?, run(&k32, &v32)?);
+                    let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                    let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(
+                        diff <= 1e-6 * top,
+                        "{dtype:?} tq {tq} causal {causal}: {diff:e} of {top}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn key_tiles_equal_whole_rows() -> anyhow::Result<()> {
         use crate::attention::fused_softmax::bias_mask_softmax_in_place;

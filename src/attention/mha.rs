@@ -315,19 +315,23 @@ impl MultiHeadAttention {
                 None => q,
             };
             // Half precision on the CPU runs the fused core in f32 when neither gradients nor
-            // weights are wanted: q, k and v are widened once (T × D values, never the
-            // logits), and the heads return to the block's dtype before the output projection.
+            // weights are wanted: the queries are widened, and the heads return to the block's
+            // dtype before the output projection. Keys and values (the whole cache) are widened
+            // once when many queries read them; a few queries (a decoding step) leave them as
+            // cached, and the core widens each key tile as it reads it, so that a step reads
+            // the cache once and allocates nothing that grows with it.
             let widen = !differentiable
                 && !options.return_weights
                 && q.device().is_cpu()
                 && matches!(dtype, DType::BF16 | DType::F16);
-            Ok(match widen {
-                true => (
+            Ok(match (widen, t <= DECODE_QUERIES) {
+                (true, false) => (
                     (q.to_dtype(DType::F32)? * cfg.softmax_scale)?,
                     k.to_dtype(DType::F32)?,
                     v.to_dtype(DType::F32)?,
                 ),
-                false => ((q * cfg.softmax_scale)?, k, v),
+                (true, true) => ((q.to_dtype(DType::F32)? * cfg.softmax_scale)?, k, v),
+                (false, _) => ((q * cfg.softmax_scale)?, k, v),
             })
         })();
         let (q, k, v) = match prepared {
@@ -534,11 +538,20 @@ impl MultiHeadAttention {
             let y = y.transpose(1, 2)?.contiguous()?;
             Ok(if differentiable { y } else { y.detach() })
         };
-        let keys = projection::project(k, x)?;
-        let values = match v {
-            Some(v) => projection::project(v, x)?,
-            None => keys.clone(),
+        // One pass over the three weights when the chunk is a few tokens (a decoding step).
+        let linears: Vec<&Linear> = [Some(q), Some(k), v.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut ys = projection::project_all(&linears, x)?.into_iter();
+        let (Some(queries), Some(keys)) = (ys.next(), ys.next()) else {
+            return Err(Error::config(
+                "projections",
+                "missing",
+                "one output per projection",
+            ));
         };
+        let values = ys.next().unwrap_or_else(|| keys.clone());
         let (keys, values) = (
             split(keys, cfg.num_kv_heads, Some(true))?,
             split(values, cfg.num_kv_heads, None)?,
@@ -550,11 +563,7 @@ impl MultiHeadAttention {
             true => values.copy()?,
             false => values,
         };
-        Ok((
-            split(projection::project(q, x)?, cfg.num_heads, Some(false))?,
-            keys,
-            values,
-        ))
+        Ok((split(queries, cfg.num_heads, Some(false))?, keys, values))
     }
 
     /// Checks what the input hook returned: the shape, dtype and device of the input it was
@@ -648,6 +657,11 @@ impl MultiHeadAttention {
 /// views with its own error.
 /// Largest `softmax_scale × head_dim` of an f16 block ([`MultiHeadAttention::new`]).
 const F16_MAX_LOGIT_REACH: f64 = 256.0;
+
+/// Queries per call up to which a half-precision block's fused core reads the cached keys and
+/// values in their dtype, widening a tile at a time (each query tile widens every key tile
+/// again, so past a few queries widening the whole cache once is cheaper).
+const DECODE_QUERIES: usize = 16;
 
 fn packed(t: Tensor) -> Result<Tensor> {
     Ok(match t.stride().last().is_none_or(|&s| s == 1) {

@@ -7,9 +7,11 @@
 //! Each call runs one execution path, chosen once:
 //! - the fused CPU core (`fused_attention.rs`): f32 inference without returned weights, per
 //!   head and tile of queries, reading relative biases and values as rows; bf16 and f16
-//!   blocks run it too, on q, k and v widened to f32 once per call (the heads return to the
-//!   block's dtype before the output projection, and an additive mask saturates to the
-//!   block's range first, so its lowest value hides a key as it does in that format);
+//!   blocks run it too, in f32: the queries widened, the keys and values widened once per
+//!   call, or, for a few queries (decoding), read from the cache in their dtype and widened a
+//!   key tile at a time (`widen.rs`); the heads return to the block's dtype before the output
+//!   projection, and an additive mask saturates to the block's range first, so its lowest
+//!   value hides a key as it does in that format;
 //! - the row pass (`fused_softmax.rs`): f32 CPU inference returning the weights, bias, masks and
 //!   softmax in one in-place pass over the logits;
 //! - the fused training core (`fused_training.rs`): f32 CPU with gradients, without returned
@@ -34,6 +36,7 @@ mod projection;
 mod qk_norm;
 mod temperature;
 mod unfused;
+mod widen;
 
 pub use config::{AttentionConfig, AttentionOptions, AttentionOutput, DEFAULT_LOGITS_BUDGET};
 pub use kv_cache::KvCache;

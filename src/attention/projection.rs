@@ -7,18 +7,37 @@
 //! candle 0.11's CPU matmul asks for the number of threads on every call, and without
 //! `RAYON_NUM_THREADS` set that reads `/proc/cpuinfo`: 30–40 µs per call, three projections and
 //! the output one per decoding step, where the whole step is 0.2–0.4 ms. When nothing tracks
-//! gradients and everything is f32 on the CPU, the product runs on `gemm` directly (the crate
-//! candle's matmul calls); otherwise through candle's `Linear`, unchanged.
+//! gradients and everything is on the CPU, the products run here instead:
+//! - a few rows (a decoding step's tokens, up to [`FEW_ROWS`]): matrix–vector products, every
+//!   output feature a dot product of `x` with a row of `W` read once, in f32 whatever the
+//!   weights' dtype (half-precision rows are widened 64 values at a time, never the whole
+//!   matrix, which candle's half matmul widens on every call), the queries', keys' and values'
+//!   projections as one parallel pass over their rows, rounded once to the weights' dtype;
+//! - more rows in f32: `gemm` directly (the crate candle's matmul calls);
+//! - otherwise candle's `Linear`, unchanged.
 
-use candle_core::{DType, Module, Tensor};
+use std::cell::RefCell;
+
+use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
 use candle_nn::Linear;
+use half::{bf16, f16};
+use rayon::prelude::*;
 
-use super::fused_attention::product_parallel;
+use super::fused_attention::{product, product_parallel};
+use super::widen::Widen;
 use crate::error::Result;
+
+/// Rows (tokens) up to which a projection runs as matrix–vector products.
+pub(crate) const FEW_ROWS: usize = 4;
 
 /// `linear(x)`: by `gemm` directly for f32 CPU tensors that track no gradients, else by
 /// candle's `Linear`.
 pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    if let Some(mut ys) = few_rows(&[linear], x)? {
+        if let Some(y) = ys.pop() {
+            return Ok(y);
+        }
+    }
     let w = linear.weight();
     let direct = x.device().is_cpu()
         && x.dtype() == DType::F32
@@ -83,6 +102,187 @@ pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(y, dims, x.device())?)
 }
 
+/// `[linear(x) for linear in linears]`: a few rows of CPU tensors that track nothing in one
+/// parallel pass over all the weights ([`FEW_ROWS`]), else one [`project`] each.
+pub(crate) fn project_all(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+    match few_rows(linears, x)? {
+        Some(ys) => Ok(ys),
+        None => linears.iter().map(|l| project(l, x)).collect(),
+    }
+}
+
+/// One weight matrix's rows as stored.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// The few-row products of [`project_all`], or `None` when they do not apply (too many rows,
+/// a tracked tensor, another device, dtypes that differ, a weight that does not fit `x`).
+fn few_rows(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    let dtype = x.dtype();
+    let inner = match x.dims().last() {
+        Some(&n) if x.rank() >= 2 && n > 0 => n,
+        _ => return Ok(None),
+    };
+    let rows = x.elem_count() / inner;
+    let plain = |t: &Tensor| t.device().is_cpu() && t.dtype() == dtype && !t.track_op();
+    let fits = linears.iter().all(|l| {
+        let w = l.weight();
+        plain(w)
+            && w.dims2().is_ok_and(|(out, i)| i == inner && out > 0)
+            && l.bias()
+                .is_none_or(|b| plain(b) && b.dims() == [w.dims()[0]])
+    });
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        || rows == 0
+        || rows > FEW_ROWS
+        || linears.is_empty()
+        || !plain(x)
+        || !fits
+    {
+        return Ok(None);
+    }
+    let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let weights = linears
+        .iter()
+        .map(|l| l.weight().contiguous())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let outs: Vec<usize> = weights.iter().map(|w| w.dims()[0]).collect();
+    let biases = linears
+        .iter()
+        .map(|l| {
+            l.bias()
+                .map(|b| b.to_dtype(DType::F32)?.to_vec1::<f32>())
+                .transpose()
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let guards: Vec<_> = weights.iter().map(|w| w.storage_and_layout()).collect();
+    let mut matrices = Vec::with_capacity(guards.len());
+    for (w, (storage, layout)) in weights.iter().zip(&guards) {
+        let (start, len) = (layout.start_offset(), w.elem_count());
+        let Storage::Cpu(storage) = &**storage else {
+            return Ok(None);
+        };
+        let slice = |n: usize| (start + len <= n).then_some(start..start + len);
+        matrices.push(match storage {
+            CpuStorage::F32(d) => slice(d.len()).map(|r| Rows::F32(&d[r])),
+            CpuStorage::BF16(d) => slice(d.len()).map(|r| Rows::Bf16(&d[r])),
+            CpuStorage::F16(d) => slice(d.len()).map(|r| Rows::F16(&d[r])),
+            _ => None,
+        });
+    }
+    let Some(matrices) = matrices.into_iter().collect::<Option<Vec<_>>>() else {
+        return Ok(None);
+    };
+    // Output feature `o` of the concatenation, for every row: y[o · rows + r].
+    let total: usize = outs.iter().sum();
+    let mut y = Vec::new();
+    y.try_reserve_exact(total * rows).map_err(|e| {
+        crate::error::Error::from(candle_core::Error::Msg(format!("projection output: {e}")))
+    })?;
+    y.resize(total * rows, 0f32);
+    let fill = |(c, ys): (usize, &mut [f32])| {
+        fill(
+            (&matrices, &biases, &outs),
+            &xs,
+            (inner, rows, c * CHUNK),
+            ys,
+        )
+    };
+    match total * inner * rows >= 1 << 16 {
+        true => y.par_chunks_mut(CHUNK * rows).enumerate().for_each(fill),
+        false => y.chunks_mut(CHUNK * rows).enumerate().for_each(fill),
+    }
+    if rows > 1 {
+        // To (rows, features).
+        y = (0..rows * total)
+            .map(|i| y[(i % total) * rows + i / total])
+            .collect();
+    }
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = total;
+    }
+    let all = Tensor::from_vec(y, dims.as_slice(), x.device())?.to_dtype(dtype)?;
+    let last = dims.len() - 1;
+    let mut first = 0;
+    let mut ys = Vec::with_capacity(outs.len());
+    for &out in &outs {
+        ys.push(all.narrow(last, first, out)?);
+        first += out;
+    }
+    Ok(Some(ys))
+}
+
+/// Output features per parallel task of the few-row products.
+const CHUNK: usize = 64;
+
+thread_local! {
+    /// Half-precision weight rows widened to f32 (at most [`CHUNK`] rows at a time).
+    static WIDENED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The matrices of one pass, their biases (f32) and their numbers of rows (output features).
+type Weights<'a> = (&'a [Rows<'a>], &'a [Option<Vec<f32>>], &'a [usize]);
+
+/// Output features `first..first + ys.len() / rows` of the concatenated matrices (with their
+/// biases) for each of `rows` rows of `xs` (`rows × inner`), into `ys` (`[feature][row]`):
+/// each run of features within one matrix as one `gemm` product `W_run · xᵀ`, f32 rows read
+/// in place, half-precision ones widened into this thread's buffer first.
+fn fill(
+    (matrices, biases, outs): Weights,
+    xs: &[f32],
+    (inner, rows, first): (usize, usize, usize),
+    ys: &mut [f32],
+) {
+    let (mut f, end) = (first, first + ys.len() / rows);
+    let (mut m, mut base) = (0, 0);
+    while f < end {
+        // The matrix that holds feature f, and the run of its features in this chunk.
+        while f >= base + outs[m] {
+            base += outs[m];
+            m += 1;
+        }
+        let (o, n) = (f - base, (base + outs[m]).min(end) - f);
+        let dst = &mut ys[(f - first) * rows..(f - first + n) * rows];
+        let span = o * inner..(o + n) * inner;
+        let run = |w: &[f32], dst: &mut [f32]| {
+            // SAFETY: w holds n rows of `inner` values, xs `rows` rows, dst n × rows.
+            unsafe {
+                product(
+                    (n, rows, inner),
+                    (dst.as_mut_ptr(), rows, false),
+                    (w.as_ptr(), 1, inner),
+                    (xs.as_ptr(), inner, 1),
+                )
+            }
+        };
+        match matrices[m] {
+            Rows::F32(w) => run(&w[span], dst),
+            Rows::Bf16(w) => widened(&w[span], |w| run(w, dst)),
+            Rows::F16(w) => widened(&w[span], |w| run(w, dst)),
+        }
+        if let Some(b) = &biases[m] {
+            for (y, b) in dst.chunks_exact_mut(rows).zip(&b[o..o + n]) {
+                y.iter_mut().for_each(|y| *y += b);
+            }
+        }
+        f += n;
+    }
+}
+
+/// `then(w as f32)`, through this thread's buffer.
+fn widened<T: Widen>(w: &[T], then: impl FnOnce(&[f32])) {
+    WIDENED.with_borrow_mut(|buf| {
+        buf.resize(w.len(), 0.0);
+        T::widen_fast(w, buf);
+        then(buf);
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::Device;
@@ -90,27 +290,39 @@ mod tests {
 
     use super::*;
 
-    /// The direct product equals candle's `Linear`, with and without a bias, for a decoding
-    /// step, a batch of sequences and a strided input.
+    /// A linear layer `inner → out` with random weights (and bias) in `dtype`.
+    fn random_linear(
+        (inner, out): (usize, usize),
+        bias: bool,
+        dtype: DType,
+        dev: &Device,
+    ) -> anyhow::Result<Linear> {
+        let vb = VarBuilder::from_tensors(
+            [
+                (
+                    "weight".to_string(),
+                    Tensor::randn(0f32, 1.0, (out, inner), dev)?,
+                ),
+                ("bias".to_string(), Tensor::randn(0f32, 1.0, out, dev)?),
+            ]
+            .into(),
+            dtype,
+            dev,
+        );
+        Ok(linear_b(inner, out, bias, vb)?)
+    }
+
+    /// The direct products equal candle's `Linear` in f32, with and without a bias, for a
+    /// decoding step, a few tokens (the few-row products), a batch of sequences and a
+    /// strided input (`gemm`).
     #[test]
     fn equals_candle_linear() -> anyhow::Result<()> {
         let dev = Device::Cpu;
         for bias in [false, true] {
-            let vb = VarBuilder::from_tensors(
-                [
-                    (
-                        "weight".to_string(),
-                        Tensor::randn(0f32, 1.0, (24, 40), &dev)?,
-                    ),
-                    ("bias".to_string(), Tensor::randn(0f32, 1.0, 24, &dev)?),
-                ]
-                .into(),
-                DType::F32,
-                &dev,
-            );
-            let linear = linear_b(40, 24, bias, vb)?;
+            let linear = random_linear((40, 24), bias, DType::F32, &dev)?;
             for x in [
                 Tensor::randn(0f32, 1.0, (1, 1, 40), &dev)?,
+                Tensor::randn(0f32, 1.0, (2, 2, 40), &dev)?,
                 Tensor::randn(0f32, 1.0, (3, 7, 40), &dev)?,
                 Tensor::randn(0f32, 1.0, (7, 3, 40), &dev)?.transpose(0, 1)?,
             ] {
@@ -119,6 +331,63 @@ mod tests {
                 assert_eq!(got.dims(), want.dims());
                 let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 assert!(diff < 1e-5, "bias {bias} {:?}: {diff:e}", x.dims());
+            }
+        }
+        Ok(())
+    }
+
+    /// The queries', keys' and values' projections of one pass (widths 96, 32, 32; 300
+    /// inputs) equal each layer in f64, for 1 to 4 tokens (and 5 in f32, past the few rows:
+    /// `gemm`), in f32 within 1e-5 of the output's scale and in bf16 and f16 within one
+    /// rounding of the exact value (the products are summed in f32 and rounded once to the
+    /// weights' dtype).
+    #[test]
+    fn one_pass_equals_each_layer() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let inner = 300;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let layers = [
+                random_linear((inner, 96), true, dtype, &dev)?,
+                random_linear((inner, 32), false, dtype, &dev)?,
+                random_linear((inner, 32), true, dtype, &dev)?,
+            ];
+            let refs: Vec<&Linear> = layers.iter().collect();
+            // Past the few rows, half precision is candle's own matmul (not tested here).
+            let most = if dtype == DType::F32 {
+                FEW_ROWS + 1
+            } else {
+                FEW_ROWS
+            };
+            for rows in 1..=most {
+                let x = Tensor::randn(0f32, 1.0, (1, rows, inner), &dev)?.to_dtype(dtype)?;
+                let ys = project_all(&refs, &x)?;
+                assert_eq!(ys.len(), 3);
+                for (layer, y) in layers.iter().zip(&ys) {
+                    let exact = {
+                        let w = layer.weight().to_dtype(DType::F64)?;
+                        let y = x.to_dtype(DType::F64)?.broadcast_matmul(&w.t()?)?;
+                        match layer.bias() {
+                            Some(b) => y.broadcast_add(&b.to_dtype(DType::F64)?)?,
+                            None => y,
+                        }
+                    };
+                    assert_eq!(y.dims(), exact.dims());
+                    assert_eq!(y.dtype(), dtype);
+                    let scale = exact.abs()?.max_all()?.to_scalar::<f64>()?;
+                    // Relative to each value: one rounding in half precision.
+                    let u = match dtype {
+                        DType::BF16 => 2f64.powi(-8),
+                        DType::F16 => 2f64.powi(-11),
+                        _ => 0.0,
+                    };
+                    let err = (y.to_dtype(DType::F64)? - &exact)?.abs()?;
+                    let bound = ((exact.abs()? * u)? + 1e-5 * scale)?;
+                    let over = (err - bound)?.max_all()?.to_scalar::<f64>()?;
+                    assert!(
+                        over <= 0.0,
+                        "{dtype:?} {rows} rows: {over:e} past the bound"
+                    );
+                }
             }
         }
         Ok(())
