@@ -348,6 +348,14 @@ impl Operand {
         #[inline(always)]
         fn widen<T: Widen>(view: &View<T>, (b, h, j0, n, d): Dims5, buf: &mut Vec<f32>) {
             buf.resize(n * d, 0.0);
+            if view.strides[2] == d {
+                // The tile's rows lie end to end (a cache's head): one run of n·d values.
+                // SAFETY: the caller's contract: rows j0..j0 + n of head (b, h) hold d values
+                // each, d apart.
+                let src = unsafe { std::slice::from_raw_parts(view.at(b, h, j0), n * d) };
+                T::widen_fast(src, buf);
+                return;
+            }
             for (jj, dst) in buf.chunks_exact_mut(d).enumerate() {
                 // SAFETY: the caller's contract: row j0 + jj of head (b, h) holds d values.
                 let src = unsafe { std::slice::from_raw_parts(view.at(b, h, j0 + jj), d) };
@@ -952,9 +960,9 @@ mod tests {
     /// masked whole included), with a relative bias and relative values, for key tiles of one
     /// key to all of them.
     /// Keys and values in bf16 and f16 (a half-precision block's cache, read a key tile at a
-    /// time and widened) give what the same values widened to f32 beforehand give, over
-    /// several half-precision key tiles, with grouped heads, padding, a relative bias and
-    /// relative values, causal and not.
+    /// time and widened, whole tiles at once or row by row) give what the same values widened
+    /// to f32 beforehand give, over several half-precision key tiles, with grouped heads,
+    /// padding, a relative bias and relative values, causal and not.
     #[test]
     fn half_keys_and_values_equal_widened_ones() -> anyhow::Result<()> {
         let dev = Device::Cpu;
@@ -974,8 +982,11 @@ mod tests {
             keep[300..320].fill(0);
             let padding = Tensor::from_vec(keep, (b, tk), &dev)?;
             for dtype in [DType::BF16, DType::F16] {
+                // Keys as a cache holds them (a head's rows end to end), values strided.
                 let k = Tensor::randn(0f32, 1.0, (b, hkv, tk, d), &dev)?.to_dtype(dtype)?;
-                let v = Tensor::randn(0f32, 1.0, (b, hkv, tk, d), &dev)?.to_dtype(dtype)?;
+                let v = Tensor::randn(0f32, 1.0, (b, tk, hkv, d), &dev)?
+                    .to_dtype(dtype)?
+                    .transpose(1, 2)?;
                 let (k32, v32) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
                 for causal in [false, true] {
                     let rule = RowRule {
