@@ -15,11 +15,12 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
     alibi_slopes, Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionContext,
-    AttentionOptions, Checkpoint, ClippedBiasConfig, ClippedRelativeBias, EncodingConfig, Error,
-    Interpolation, KvCache, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling,
-    MultiHeadAttention, PositionIds, PositionalEncoding, Positions, QkLayout, RopeConfig,
-    RopeMixed, RopeMixedConfig, RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition,
-    SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias, YarnScaling,
+    AttentionOptions, Checkpoint, ClippedBiasConfig, ClippedRelativeBias, Columns, EncodingConfig,
+    Error, Interpolation, KvCache, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling,
+    MultiHeadAttention, PositionIds, PositionalEncoding, Positions, QkLayout, RelativeValues,
+    RopeConfig, RopeMixed, RopeMixedConfig, RopeScaling, RotaryEmbedding, ShawConfig,
+    ShawRelativePosition, SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
+    YarnScaling,
 };
 use serde_json::json;
 
@@ -568,6 +569,22 @@ fn relative() {
         || {
             let term = shaw.value_term(&AttentionContext::new(&o, 3, &o, 3))?;
             term.expect("a value term").weighted_sum(&x(&[2, 3, 3]))
+        },
+    );
+    // The weighted sum's output (batch × heads × queries × features) is budgeted before the
+    // product: weights as a broadcast view and a wide table made it 2^32 floats, an
+    // allocation abort (found by the fuzzer).
+    s.case(
+        "relative values weighted sum past the budget",
+        Kind::Config,
+        &["65536", "weighted sum", "at most"],
+        || {
+            let table = Tensor::zeros((3, 1 << 16), DType::F32, &cpu()).expect("small");
+            let values = RelativeValues::new(table, Columns::Shift(1))?;
+            let probs = Tensor::zeros((), DType::F32, &cpu())
+                .and_then(|z| z.broadcast_as((1, 64, 1024, 3)))
+                .expect("a view");
+            values.weighted_sum(&probs)
         },
     );
     s.case(

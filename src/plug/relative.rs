@@ -372,7 +372,26 @@ impl RelativeValues {
             shape: probs.dims().to_vec(),
         })?;
         check_float("attention weights", probs)?;
-        self.check_block(b, tq, tk, self.table.dims()[1])?;
+        let d = self.table.dims()[1];
+        self.check_block(b, tq, tk, d)?;
+        let h = probs.dim(1)?;
+        // The output, and the table as the product reads it (a broadcast view becomes real),
+        // budgeted before they exist.
+        check_elements(
+            "relative value table features",
+            d,
+            format!(
+                "batch ({b}) × heads ({h}) × queries ({tq}) × features ({d}) of the weighted sum"
+            )
+            .as_str(),
+            &[b, h, tq, d],
+        )?;
+        check_elements(
+            "relative value table features",
+            d,
+            format!("table rows ({}) × features ({d})", self.width()).as_str(),
+            &[self.width(), d],
+        )?;
         let sums = column_sums(probs, &self.columns, self.width())?;
         Ok(sums.broadcast_matmul(&self.table.to_dtype(probs.dtype())?)?)
     }
