@@ -8,13 +8,14 @@
 //! `RAYON_NUM_THREADS` set that reads `/proc/cpuinfo`: 30–40 µs per call, three projections and
 //! the output one per decoding step, where the whole step is 0.2–0.4 ms. When nothing tracks
 //! gradients and everything is on the CPU, the products run here instead:
-//! - a few rows (a decoding step's tokens, up to [`FEW_ROWS`]): matrix–vector products, every
-//!   output feature a dot product of `x` with a row of `W` read once, in f32 whatever the
-//!   weights' dtype (half-precision rows are widened 64 values at a time, never the whole
-//!   matrix, which candle's half matmul widens on every call), the queries', keys' and values'
-//!   projections as one parallel pass over their rows, rounded once to the weights' dtype;
+//! - a few rows (a decoding step's tokens, up to [`FEW_ROWS`]): the queries', keys' and
+//!   values' projections as one parallel pass over the rows of their weights, each task a run
+//!   of up to 64 output features of one matrix multiplied by `gemm` in f32 whatever the
+//!   weights' dtype (half-precision runs widened into the thread's buffer first, never the
+//!   whole matrix, which candle's half matmul widens on every call), rounded once to the
+//!   weights' dtype;
 //! - more rows in f32: `gemm` directly (the crate candle's matmul calls);
-//! - otherwise candle's `Linear`, unchanged.
+//! - otherwise (gradients, other dtypes and devices) candle's `Linear`, unchanged.
 
 use std::cell::RefCell;
 
@@ -27,11 +28,11 @@ use super::fused_attention::{product, product_parallel};
 use super::widen::Widen;
 use crate::error::Result;
 
-/// Rows (tokens) up to which a projection runs as matrix–vector products.
+/// Rows (tokens) up to which the projections run as one pass over all their weights.
 pub(crate) const FEW_ROWS: usize = 4;
 
-/// `linear(x)`: by `gemm` directly for f32 CPU tensors that track no gradients, else by
-/// candle's `Linear`.
+/// `linear(x)`: a few rows by [`few_rows`], more by `gemm` directly for f32 CPU tensors that
+/// track no gradients, else by candle's `Linear`.
 pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
     if let Some(mut ys) = few_rows(&[linear], x)? {
         if let Some(y) = ys.pop() {
