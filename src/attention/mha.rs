@@ -37,6 +37,7 @@ use super::mask::check_padding;
 use super::projection;
 use super::qk_norm::{rms_normalized, QkNorm};
 use crate::error::{check_device, check_float, is_float, Error, Result};
+use crate::graft::{graft, GraftBackward};
 use crate::limits::check_elements;
 use crate::plug::{shares_storage, AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
@@ -524,6 +525,22 @@ impl MultiHeadAttention {
         // `norm`: Some(false) queries, Some(true) keys (their norms), None values.
         let split = |y: Tensor, heads: usize, norm: Option<bool>| -> Result<Tensor> {
             let (b, len, _) = y.dims3()?;
+            let normed = match norm {
+                Some(_) => self.qk_norm.is_some(),
+                None => cfg.value_norm.is_some(),
+            };
+            if differentiable && !normed {
+                // One node in the graph instead of a reshape, a transpose and a copy, each of
+                // whose backward passes would zero-fill and add a gradient of the whole chunk.
+                let heads_first = y
+                    .detach()
+                    .reshape((b, len, heads, cfg.head_dim))?
+                    .transpose(1, 2)?
+                    // Fresh storage whatever the view (a chunk of one token or one head is
+                    // laid out as the projection already): the graft reads it from its start.
+                    .force_contiguous()?;
+                return graft(&y, &heads_first, MergeHeads);
+            }
             let y = match (&self.qk_norm, norm) {
                 (Some(qk_norm), Some(keys)) => qk_norm.apply(&y, keys, heads)?,
                 _ => y.reshape((b, len, heads, cfg.head_dim))?,
@@ -657,6 +674,18 @@ impl MultiHeadAttention {
 /// views with its own error.
 /// Largest `softmax_scale × head_dim` of an f16 block ([`MultiHeadAttention::new`]).
 const F16_MAX_LOGIT_REACH: f64 = 256.0;
+
+/// The adjoint of splitting `(B, T, H·D)` into heads `(B, H, T, D)`: merging them back.
+struct MergeHeads;
+
+impl GraftBackward for MergeHeads {
+    const NAME: &'static str = "posenc-split-heads";
+
+    fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, h, t, d) = grad_y.dims4()?;
+        grad_y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))
+    }
+}
 
 /// Queries per call up to which a half-precision block's fused core reads the cached keys and
 /// values in their dtype, widening a tile at a time (each query tile widens every key tile
