@@ -5,6 +5,7 @@
 //! ([`text_eval`]), and the text experiment's runs, tables and record ([`text_report`]).
 
 pub mod data;
+pub mod gelu;
 pub mod model;
 pub mod text;
 pub mod text_eval;

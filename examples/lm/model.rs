@@ -21,6 +21,7 @@ use candle_posenc::{
 };
 
 use super::data::Rng;
+use super::gelu::gelu;
 
 /// The model's size.
 #[derive(Debug, Clone, PartialEq)]
@@ -208,7 +209,7 @@ impl Lm {
                 .output;
             h = (h + a)?;
             let m = layer.norm2.forward(&h)?;
-            let m = layer.down.forward(&layer.up.forward(&m)?.gelu()?)?;
+            let m = layer.down.forward(&gelu(&layer.up.forward(&m)?)?)?;
             h = (h + m)?;
         }
         Ok(self.head.forward(&self.norm.forward(&h)?)?)
