@@ -39,8 +39,13 @@
 //! output in DIR. `--only a,b`, `--steps N` and `--seeds 1,2` run a subset, another length of
 //! training or other seeds; `--replot` (copy task) redraws from the checkpoints.
 //!
+//! The text run's models train side by side, one per core (`--jobs N` to choose), each on one
+//! thread (`RAYON_NUM_THREADS=1` unless set): the model is small enough that one run cannot use
+//! a second core, and candle's thread pools would spin on it.
+//!
 //! Every weight is initialised from a seeded generator and every batch drawn from a seeded
-//! stream: the same command gives the same numbers, bit for bit, on the same machine.
+//! stream: the same command gives the same numbers, bit for bit, on the same machine, whatever
+//! `--jobs` (the runs share nothing).
 
 #[allow(dead_code)]
 #[path = "common/plot.rs"]
@@ -217,7 +222,15 @@ fn main() -> Result<()> {
         root: PathBuf::from(env!("CARGO_MANIFEST_DIR")),
     };
     match o.value("--task")?.map(String::as_str) {
-        None | Some("text") => text_main(&o),
+        None | Some("text") => {
+            // One thread per run (the runs themselves run side by side, see `text_main`):
+            // candle's and rayon's pools would otherwise spin on the cores the other runs
+            // need. Set before any thread exists; a value the user set is kept.
+            if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+                std::env::set_var("RAYON_NUM_THREADS", "1");
+            }
+            text_main(&o)
+        }
         Some("copy") => copy_main(&o),
         Some(other) => anyhow::bail!("--task {other}: expected `text` or `copy`"),
     }
@@ -279,20 +292,85 @@ fn text_main(o: &Options) -> Result<()> {
     );
     let started = Instant::now();
     let first_seed = s.seeds.first().copied();
-    let mut rows: Vec<RowRuns> = Vec::new();
-    for &seed in &s.seeds {
-        let save = |variant: &Variant, ckpt: Trained| -> Result<()> {
-            if Some(seed) == first_seed {
-                ckpt.save(&weights.join(checkpoint_name(variant.label)))?;
+    // The runs are independent: one job per seed and trained model (the variants that share a
+    // trained model stay together), shared out over `--jobs` threads (default: one per core),
+    // each run single-threaded (see `main`). The model is small enough that one run leaves a
+    // second core idle; two runs side by side use both.
+    let variants = text_variants(&s.train);
+    let mut groups: Vec<Vec<String>> = Vec::new();
+    let mut keys = Vec::new();
+    for v in &variants {
+        if only
+            .as_ref()
+            .is_some_and(|o| !o.iter().any(|l| l == v.label))
+        {
+            continue;
+        }
+        let key = (v.train.clone(), v.sinks);
+        match keys.iter().position(|k| *k == key) {
+            Some(i) => groups[i].push(v.label.to_string()),
+            None => {
+                keys.push(key);
+                groups.push(vec![v.label.to_string()]);
             }
-            Ok(())
-        };
-        for (label, run) in run_seed(&s, &corpus, seed, only.as_deref(), save)? {
+        }
+    }
+    let jobs: Vec<(u64, &[String])> = s
+        .seeds
+        .iter()
+        .flat_map(|&seed| groups.iter().map(move |g| (seed, g.as_slice())))
+        .collect();
+    let workers = match o.value("--jobs")? {
+        Some(n) => n.parse::<usize>()?.max(1),
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results = std::sync::Mutex::new(vec![None; jobs.len()]);
+    std::thread::scope(|scope| -> Result<()> {
+        let handles: Vec<_> = (0..workers.min(jobs.len()))
+            .map(|_| {
+                scope.spawn(|| -> Result<()> {
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(seed, group)) = jobs.get(i) else {
+                            return Ok(());
+                        };
+                        let save = |variant: &Variant, ckpt: Trained| -> Result<()> {
+                            if Some(seed) == first_seed {
+                                ckpt.save(&weights.join(checkpoint_name(variant.label)))?;
+                            }
+                            Ok(())
+                        };
+                        let runs = run_seed(&s, &corpus, seed, Some(group), save)?;
+                        println!(
+                            "{} seed {seed} done after {:.1} minutes",
+                            group.join(", "),
+                            started.elapsed().as_secs_f64() / 60.0
+                        );
+                        results
+                            .lock()
+                            .map_err(|_| anyhow::anyhow!("a run panicked"))?[i] = Some(runs);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| anyhow::anyhow!("a run panicked"))??;
+        }
+        Ok(())
+    })?;
+    // Rows in the variants' order, runs in seed order, as one run after another gives them.
+    let mut rows: Vec<RowRuns> = Vec::new();
+    let results = results
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a run panicked"))?;
+    for runs in results.into_iter().flatten() {
+        for (label, run) in runs {
             match rows.iter_mut().find(|r| r.label == label) {
                 Some(row) => row.runs.push(run),
                 None => {
-                    let trained_with = text_variants(&s.train)
-                        .into_iter()
+                    let trained_with = variants
+                        .iter()
                         .find(|v| v.label == label)
                         .map_or_else(String::new, |v| v.train.kind().to_string());
                     rows.push(RowRuns {
@@ -303,11 +381,8 @@ fn text_main(o: &Options) -> Result<()> {
                 }
             }
         }
-        println!(
-            "seed {seed} done after {:.1} minutes",
-            started.elapsed().as_secs_f64() / 60.0
-        );
     }
+    rows.sort_by_key(|r| variants.iter().position(|v| v.label == r.label));
     let minutes = started.elapsed().as_secs_f64() / 60.0;
     let e = &s.eval;
     let block = format!(
