@@ -7,6 +7,7 @@
 pub mod data;
 pub mod gelu;
 pub mod model;
+pub mod rms_norm;
 pub mod text;
 pub mod text_eval;
 pub mod text_report;

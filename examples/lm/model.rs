@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear_no_bias, Embedding, Init, Linear, VarBuilder, VarMap};
 use candle_posenc::{
     AttentionConfig, AttentionContext, AttentionOptions, EncodingConfig, MultiHeadAttention,
@@ -22,6 +22,7 @@ use candle_posenc::{
 
 use super::data::Rng;
 use super::gelu::gelu;
+use super::rms_norm::rms_norm;
 
 /// The model's size.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,7 +84,7 @@ impl ModelConfig {
     }
 }
 
-/// Root-mean-square normalisation with a learned gain, from differentiable ops.
+/// Root-mean-square normalisation with a learned gain ([`rms_norm`]).
 #[derive(Debug, Clone)]
 struct RmsNorm {
     weight: Tensor,
@@ -97,9 +98,7 @@ impl RmsNorm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-        Ok(x.broadcast_div(&(ms + 1e-5)?.sqrt()?)?
-            .broadcast_mul(&self.weight)?)
+        Ok(rms_norm(x, &self.weight)?)
     }
 }
 
