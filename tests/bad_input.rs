@@ -587,6 +587,21 @@ fn relative() {
             values.weighted_sum(&probs)
         },
     );
+    // So are the weights made contiguous for the column sums: a broadcast view of 2^38
+    // weights with a narrow table passed both checks above (a second look at the same class).
+    s.case(
+        "relative values weighted sum over broadcast weights past the budget",
+        Kind::Config,
+        &["attention weights", "[1, 64, 65536, 65536]", "at most"],
+        || {
+            let table = Tensor::zeros((3, 4), DType::F32, &cpu()).expect("small");
+            let values = RelativeValues::new(table, Columns::Shift(1))?;
+            let probs = Tensor::zeros((), DType::F32, &cpu())
+                .and_then(|z| z.broadcast_as((1, 64, 65536, 65536)))
+                .expect("a view");
+            values.weighted_sum(&probs)
+        },
+    );
     s.case(
         "alibi causal ids of another batch",
         Kind::Shape,

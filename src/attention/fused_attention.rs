@@ -399,9 +399,9 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 // SAFETY: the views only read storage that the op holds read locks on for the whole pass.
-unsafe impl<T> Send for View<T> {}
+unsafe impl<T: Sync> Send for View<T> {}
 // SAFETY: as above.
-unsafe impl<T> Sync for View<T> {}
+unsafe impl<T: Sync> Sync for View<T> {}
 
 // The per-thread buffers below are borrowed mutably for the whole of one tile's work
 // (`with_borrow_mut`); that is sound only because nothing inside that closure re-enters rayon

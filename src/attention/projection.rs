@@ -197,23 +197,22 @@ fn few_rows(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         true => y.par_chunks_mut(CHUNK * rows).enumerate().for_each(fill),
         false => y.chunks_mut(CHUNK * rows).enumerate().for_each(fill),
     }
-    if rows > 1 {
-        // To (rows, features).
-        y = (0..rows * total)
-            .map(|i| y[(i % total) * rows + i / total])
-            .collect();
-    }
-    let mut dims = x.dims().to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = total;
-    }
-    let all = Tensor::from_vec(y, dims.as_slice(), x.device())?.to_dtype(dtype)?;
-    let last = dims.len() - 1;
-    let mut first = 0;
+    // Each matrix's own (…, out) tensor: the projections never share storage (the rotation
+    // hook may turn q and k in place).
     let mut ys = Vec::with_capacity(outs.len());
+    let mut first = 0;
     for &out in &outs {
-        ys.push(all.narrow(last, first, out)?);
+        let mut part = Vec::new();
+        part.try_reserve_exact(rows * out).map_err(|e| {
+            crate::error::Error::from(candle_core::Error::Msg(format!("projection output: {e}")))
+        })?;
+        part.extend((0..rows * out).map(|i| y[(first + i % out) * rows + i / out]));
         first += out;
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = out;
+        }
+        ys.push(Tensor::from_vec(part, dims, x.device())?.to_dtype(dtype)?);
     }
     Ok(Some(ys))
 }

@@ -418,7 +418,18 @@ fn column_sums(probs: &Tensor, columns: &Columns, width: usize) -> Result<Tensor
         &[b, h, tq, width],
     )?;
     let plain = probs.detach();
-    let sums = if plain.device().is_cpu() && plain.dtype() == DType::F32 {
+    let cpu = plain.device().is_cpu() && plain.dtype() == DType::F32;
+    if !cpu || !plain.is_contiguous() {
+        // The weights made contiguous (a broadcast view becomes real), and elsewhere the
+        // column map expanded to them: budgeted before they exist.
+        check_elements(
+            "attention weights",
+            format!("{:?}", plain.dims()),
+            "batch × heads × queries × keys of the weights as the column sums read them",
+            &[b, h, tq, tk],
+        )?;
+    }
+    let sums = if cpu {
         let index = match columns {
             Columns::Index(index) => Some(index.to_device(plain.device())?.contiguous()?),
             Columns::Shift(_) => None,

@@ -231,8 +231,8 @@ impl BucketCache {
     /// one lookup over a span of distances, built again only when a range leaves it. The new
     /// span covers the old one, the range, and as much again on each side the range passed,
     /// so decoding (one more distance per step) builds it O(log L) times, not every step;
-    /// a range far from the span (no overlap) gets a span of its own. A span past the
-    /// element budget is cut back to the range.
+    /// a range far from the span (no overlap) gets a span of its own. A span wider than four
+    /// times the range (plus 4096) or past the element budget is cut back to the range.
     pub(crate) fn distance_buckets(
         &self,
         range: &DistanceRange,
@@ -262,7 +262,10 @@ impl BucketCache {
                 hi = hi.saturating_add(len);
             }
         }
-        if usize::try_from(hi - lo).map_or(true, |n| n > crate::limits::max_elements()) {
+        // Never more than a few times the range asked for (a decoding step's range is the
+        // span's whole width but one), nor past the budget.
+        let cap = (4 * w + 4096).min(crate::limits::max_elements() as i64);
+        if hi - lo > cap {
             (lo, hi) = (a, a + w);
         }
         let buckets: Vec<u32> = (lo..hi).map(bucket).collect();
