@@ -355,8 +355,9 @@ impl RelativeValues {
             .check_block("relative value term", batch, tq, tk)
     }
 
-    /// The term for attention weights `probs`: `Σ_j α_ij table[c(i, j)]`. Gradients flow to
-    /// `probs` and to the table.
+    /// The term for attention weights `probs`: `Σ_j α_ij table[c(i, j)]`, computed in f32 (f64
+    /// if either is f64) and returned in the weights' dtype. Gradients flow to `probs` and to
+    /// the table.
     ///
     /// # Shapes
     /// `probs`: `(B, H, Tq, Tk)` → `(B, H, Tq, D)`.
@@ -393,7 +394,17 @@ impl RelativeValues {
             &[self.width(), d],
         )?;
         let sums = column_sums(probs, &self.columns, self.width())?;
-        Ok(sums.broadcast_matmul(&self.table.to_dtype(probs.dtype())?)?)
+        // The product in f32 at least, whatever the two dtypes (bf16 and f16 do not hold
+        // each other's range: a bf16 table read in f16 could turn a zero weight's term into
+        // 0 · ∞ = NaN), rounded once to the weights' dtype.
+        let compute = match (probs.dtype(), self.table.dtype()) {
+            (DType::F64, _) | (_, DType::F64) => DType::F64,
+            _ => DType::F32,
+        };
+        let out = sums
+            .to_dtype(compute)?
+            .broadcast_matmul(&self.table.to_dtype(compute)?)?;
+        Ok(out.to_dtype(probs.dtype())?)
     }
 }
 
@@ -607,6 +618,25 @@ mod tests {
     use super::*;
 
     /// The segments against the definition, for shifts far outside the window included.
+    /// Weights and a table in dtypes that do not hold each other's range (f16 weights, a bf16
+    /// table past f16's): a zero weight's term stays 0 (reading the table in f16 made it
+    /// 0 · ∞ = NaN; found by the fuzzer), and a real one is the product rounded once.
+    #[test]
+    fn mixed_half_dtypes_multiply_in_f32() -> crate::error::Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let table = Tensor::new(&[[1e10f32, 2.0], [3.0, 4.0]], &dev)?.to_dtype(DType::BF16)?;
+        let values = RelativeValues::new(table, Columns::Shift(0))?;
+        // One query, two keys: key 0 reads row 0 (weight 0), key 1 row 1 (weight 0.5).
+        let probs = Tensor::new(&[0f32, 0.5], &dev)?
+            .reshape((1, 1, 1, 2))?
+            .to_dtype(DType::F16)?;
+        let got = values.weighted_sum(&probs)?;
+        assert_eq!(got.dtype(), DType::F16);
+        let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(got, vec![1.5, 2.0]);
+        Ok(())
+    }
+
     #[test]
     fn segments_match_the_clamp_for_every_shift() {
         let (width, tk) = (5usize, 9usize);
