@@ -397,14 +397,20 @@ impl RelativeValues {
         // The product in f32 at least, whatever the two dtypes (bf16 and f16 do not hold
         // each other's range: a bf16 table read in f16 could turn a zero weight's term into
         // 0 · ∞ = NaN), rounded once to the weights' dtype.
-        let compute = match (probs.dtype(), self.table.dtype()) {
-            (DType::F64, _) | (_, DType::F64) => DType::F64,
-            _ => DType::F32,
-        };
+        let compute = product_dtype(probs.dtype(), self.table.dtype());
         let out = sums
             .to_dtype(compute)?
             .broadcast_matmul(&self.table.to_dtype(compute)?)?;
         Ok(out.to_dtype(probs.dtype())?)
+    }
+}
+
+/// The dtype a product of `a` and `b` values runs in: f64 if either is, else f32 (the half
+/// formats do not hold each other's range, and their products accumulate in f32).
+pub(crate) fn product_dtype(a: DType, b: DType) -> DType {
+    match (a, b) {
+        (DType::F64, _) | (_, DType::F64) => DType::F64,
+        _ => DType::F32,
     }
 }
 

@@ -30,6 +30,7 @@ use crate::positions::Positions;
 use super::{clipped_row, query_dims, relative_buckets};
 use crate::error::{check_float, Error, Result};
 use crate::limits::check_elements;
+use crate::plug::relative::product_dtype;
 use crate::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
@@ -222,7 +223,8 @@ impl ShawRelativePosition {
         (lo, hi.max(lo) - lo + 1)
     }
 
-    /// `q · a^K[lo..lo + width]ᵀ`: `(B, H, Tq, d) × (d, width)` → `(B, H, Tq, width)`.
+    /// `q · a^K[lo..lo + width]ᵀ`: `(B, H, Tq, d) × (d, width)` → `(B, H, Tq, width)`, in q's
+    /// dtype.
     fn per_bucket(&self, q: &Tensor, (lo, width): (usize, usize)) -> Result<Tensor> {
         let (b, h, tq, _) = q.dims4()?;
         check_elements(
@@ -232,7 +234,14 @@ impl ShawRelativePosition {
             &[b, h, tq, width],
         )?;
         let keys = self.keys.narrow(0, lo, width)?;
-        Ok(q.broadcast_matmul(&keys.to_dtype(q.dtype())?.t()?)?)
+        // In f32 at least (f64 if either side is), rounded once to q's dtype: bf16 and f16 do
+        // not hold each other's range, and a table read in q's dtype could turn a zero
+        // feature's term into 0 · ∞ = NaN.
+        let compute = product_dtype(q.dtype(), keys.dtype());
+        let out = q
+            .to_dtype(compute)?
+            .broadcast_matmul(&keys.to_dtype(compute)?.t()?)?;
+        Ok(out.to_dtype(q.dtype())?)
     }
 
     /// The column rule `r(i, j) − lo`: for offsets `clamp(j − i + shift, 0, 2k) − lo` with the
@@ -279,5 +288,46 @@ impl PositionalEncoding for ShawRelativePosition {
             }
             None => Ok(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+    use candle_nn::VarBuilder;
+
+    use super::*;
+    use crate::positions::Positions;
+
+    /// f16 queries against a bf16 key table past f16's range: a query feature of 0 keeps its
+    /// term 0 (reading the table in f16 made it 0 · ∞ = NaN), and the rows are q's dtype.
+    #[test]
+    fn mixed_half_dtypes_multiply_in_f32() -> Result<()> {
+        let dev = Device::Cpu;
+        // Row 1 (distance 0) holds the value past f16's range.
+        let keys = Tensor::new(&[[1.0f32, 1.0], [1e10, 2.0], [4.0, 5.0]], &dev)?;
+        let vb = VarBuilder::from_tensors(
+            [("relative_keys.weight".to_string(), keys)].into(),
+            DType::BF16,
+            &dev,
+        );
+        let shaw = ShawRelativePosition::new(&ShawConfig::new(2, 1).with_values(false), vb)?;
+        let q = Tensor::new(&[0f32, 1.0], &dev)?
+            .reshape((1, 1, 1, 2))?
+            .to_dtype(DType::F16)?;
+        let at = Positions::Offset(0);
+        let ctx = AttentionContext::new(&at, 1, &at, 2);
+        let Some(LogitsBias::Relative(rows)) = shaw.logits_bias(&q, &ctx)? else {
+            panic!("Shaw answers with rows");
+        };
+        assert_eq!(rows.values().dtype(), DType::F16);
+        let got = rows
+            .values()
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        // Key 0 at distance 0 reads row 1: 0 · 1e10 + 1 · 2; key 1 reads row 2: 0 · 4 + 1 · 5.
+        assert_eq!(got, vec![2.0, 5.0]);
+        Ok(())
     }
 }
