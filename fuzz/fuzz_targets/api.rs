@@ -2418,19 +2418,22 @@ fn forward(
     // size the block does not shrink), the cache, the projections. With sizes within 4× of the
     // budget, a budget refusal is an answer.
     let rows = cfg.query_block.unwrap_or(1).clamp(1, xt.max(1));
+    // The block checks an empty batch as one sequence (its shapes still need strides that
+    // fit), so the rule does too (a batch of 0 had been counted as 0 here).
+    let xb1 = xb.max(1);
     let near_budget = [
         cfg.head_dim.saturating_mul(pos_end.max(tk)),
-        xb.saturating_mul(cfg.num_heads)
+        xb1.saturating_mul(cfg.num_heads)
             .saturating_mul(rows)
             .saturating_mul(tk),
-        xb.saturating_mul(cfg.num_kv_heads)
+        xb1.saturating_mul(cfg.num_kv_heads)
             .saturating_mul(cfg.head_dim)
             .saturating_mul(tk),
-        xb.saturating_mul(xt)
+        xb1.saturating_mul(xt)
             .saturating_mul(cfg.num_heads)
             .saturating_mul(cfg.head_dim),
         // The block's activation check takes the widest per-token width, d_model included.
-        xb.saturating_mul(xt).saturating_mul(cfg.d_model),
+        xb1.saturating_mul(xt).saturating_mul(cfg.d_model),
     ]
     .iter()
     .any(|&n| n > BUDGET / 4);

@@ -213,7 +213,8 @@ impl MultiHeadAttention {
     /// input whose dtype is not the weights'; [`Error::InvalidConfig`] if the logits (batch ×
     /// heads × queries × keys), the projections of the chunk (batch × queries × the widest
     /// per-token width) or the keys with the cache (batch × KV heads × keys × head_dim) would
-    /// pass [`crate::limits::max_elements`]; [`Error::Device`]
+    /// pass [`crate::limits::max_elements`] (an empty batch counted as one sequence);
+    /// [`Error::Device`]
     /// for an input, mask or position ids on another device than the block's weights; the
     /// encoding's own errors (e.g. [`Error::PositionOutOfRange`]).
     pub fn forward_with(
