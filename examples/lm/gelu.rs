@@ -96,11 +96,11 @@ struct Gelu;
 /// `gelu'(x)`, not differentiated further.
 struct GeluDerivative;
 
-/// The contiguous f32 values of a CPU tensor.
-fn values<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+/// The contiguous f32 values of a CPU tensor (the example's fused ops all read them so).
+pub(super) fn values<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => candle_core::bail!("gelu: a contiguous f32 CPU tensor was expected"),
+        _ => candle_core::bail!("a contiguous f32 CPU tensor was expected"),
     }
 }
 

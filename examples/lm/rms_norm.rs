@@ -15,6 +15,8 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
 
+use super::gelu::values;
+
 /// The ε under the square root.
 pub const EPS: f32 = 1e-5;
 
@@ -34,14 +36,6 @@ struct RmsNorm;
 
 /// `(dx, dw)` from `(x, w, dy)`, packed as `rows + 1` rows of `d` (the last one `dw`).
 struct RmsNormGrad;
-
-/// The contiguous f32 values of a CPU tensor.
-fn values<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => candle_core::bail!("rms_norm: contiguous f32 CPU tensors were expected"),
-    }
-}
 
 /// `1 / s` of a row.
 #[inline(always)]
