@@ -138,8 +138,9 @@ impl Embeddings {
     ///
     /// # Errors
     /// [`Error::Rank`] unless `tokens` is 2-D; [`Error::DType`] for float ids;
-    /// [`Error::InvalidConfig`] for an id past the vocabulary (checked on the CPU, where it
-    /// costs no device round trip); the encoding's errors for the positions.
+    /// [`Error::InvalidConfig`] for an id past the vocabulary, on every device (on a GPU the
+    /// check reads back one byte: its gather would read outside the table); the encoding's
+    /// errors for the positions.
     pub fn forward_with(
         &self,
         tokens: &Tensor,
@@ -159,7 +160,18 @@ impl Embeddings {
                 got: tokens.dtype(),
             });
         }
-        if tokens.device().is_cpu() && tokens.elem_count() > 0 {
+        // Checked on every device: a GPU's gather does not check its ids, so one past the
+        // table would read outside it. There the check reads back one byte.
+        if !tokens.device().is_cpu() && tokens.elem_count() > 0 {
+            let ids = tokens.flatten_all()?.to_dtype(DType::I64)?;
+            let past = ids.ge(self.config.vocab_size as i64)?;
+            let bad = (past + ids.lt(0i64)?)?.max_all()?.to_scalar::<u8>()?;
+            if bad == 0 {
+                let x = self.tokens.forward(tokens)?;
+                return self.with_positions(x, positions, t, train);
+            }
+        }
+        if tokens.elem_count() > 0 {
             let ids = tokens
                 .flatten_all()?
                 .to_dtype(DType::I64)?
@@ -176,6 +188,17 @@ impl Embeddings {
             }
         }
         let x = self.tokens.forward(tokens)?;
+        self.with_positions(x, positions, t, train)
+    }
+
+    /// `x` with the encoding's input term at `positions` (`t` tokens), if there is one.
+    fn with_positions(
+        &self,
+        x: Tensor,
+        positions: &Positions,
+        t: usize,
+        train: bool,
+    ) -> Result<Tensor> {
         match &self.positions {
             Some(p) => p.add_to_input(&x, &AttentionContext::chunk(positions, t).with_train(train)),
             None => Ok(x),

@@ -28,6 +28,18 @@ pub(crate) fn check_padding(padding: &Tensor, batch: usize, tk: usize) -> Result
             padding.shape(),
         ));
     }
+    // The dtypes every backend compares (candle's CUDA kernels have no i16/i32 comparison
+    // and no cast from them).
+    if !matches!(
+        padding.dtype(),
+        DType::U8 | DType::U32 | DType::I64 | DType::BF16 | DType::F16 | DType::F32 | DType::F64
+    ) {
+        return Err(Error::DType {
+            what: "padding mask",
+            expected: "u8, u32, i64, bf16, f16, f32 or f64 (non-zero = a real token)",
+            got: padding.dtype(),
+        });
+    }
     Ok(padding.ne(&padding.zeros_like()?)?)
 }
 
