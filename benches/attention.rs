@@ -15,6 +15,9 @@
 //!                                                  # decode, memory, training, long or lengths
 //! cargo bench --bench attention -- --only lengths --pytorch pytorch.jsonl --plot docs/img/lengths.png
 //!     # forwards from T = 1k to 32k, drawn beside `pytorch_baseline.py --lengths --json`'s
+//! cargo bench --features cuda --bench attention -- --only cuda
+//!     # on GPU 0: the fused CUDA kernel against candle's ops (bf16), beside
+//!     # `pytorch_baseline.py --device cuda`
 //! ```
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
@@ -190,6 +193,70 @@ fn block_with(case: &Case, cfg: AttentionConfig, vb: &VarBuilder) -> Result<Mult
         case.encoding.clone(),
         vb.pp("attn"),
     )?)
+}
+
+/// The fused CUDA kernel against candle's ops on the same GPU: bf16, B4 d_model 1024 H16 D64
+/// (B1 at T = 16384), one block forward per encoding with the kernel on and off, timed in
+/// alternation (medians and the median per-pair ratio), and the attention's rate with the
+/// kernel: 4·B·H·T²·D FLOP (half of it causal) over the whole block's time, a lower bound.
+#[cfg(feature = "cuda")]
+fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
+    use candle_core::DType;
+    use candle_posenc::attention::cuda::set_fused_kernel;
+    let (heads, head_dim) = (16, 64);
+    let d_model = heads * head_dim;
+    let vb = common::inference_vb_of(dev, DType::BF16);
+    let all = cases(d_model, heads, head_dim, 16385, dev, &vb)?;
+    let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096, 16384] };
+    println!("\nfused CUDA kernel against candle's ops, bf16, H{heads} D{head_dim}");
+    println!(
+        "{:<18} {:>6} {:>8} {:>10} {:>10} {:>9} {:>9}",
+        "encoding", "T", "causal", "ops ms", "kernel ms", "per pair", "TFLOP/s"
+    );
+    for &t in lengths {
+        let b = if t >= 16384 { 1 } else { 4 };
+        let runs = if quick || t >= 16384 { 5 } else { 15 };
+        let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
+        for causal in [true, false] {
+            let names = [
+                "none",
+                "rope",
+                "alibi",
+                "alibi_symmetric",
+                "t5",
+                "clipped_bias",
+                "shaw_k64",
+            ];
+            for case in all.iter().filter(|c| names.contains(&c.name)) {
+                let mha = block(case, causal, d_model, heads, &vb)?;
+                let opts = AttentionOptions::default();
+                let run = |on: bool| {
+                    let (mha, x, opts) = (&mha, &x, &opts);
+                    move || -> Result<()> {
+                        set_fused_kernel(on);
+                        let y = mha.forward_with(x, opts, None)?.output;
+                        dev.synchronize()?;
+                        drop(y);
+                        Ok(())
+                    }
+                };
+                let p = common::paired(runs, run(false), run(true))?;
+                let flop =
+                    4.0 * (b * heads * t * t * head_dim) as f64 / if causal { 2.0 } else { 1.0 };
+                let rate = flop / (p.b_ms * 1e-3) / 1e12;
+                println!(
+                    "{:<18} {t:>6} {causal:>8} {:>10.3} {:>10.3} {:>8.2}x {rate:>9.1}",
+                    case.name, p.a_ms, p.b_ms, p.ratio
+                );
+                json_line(json, &format!(
+                    "\"bench\":\"cuda_kernel\",\"encoding\":\"{}\",\"t\":{t},\"causal\":{causal},\"ops_ms\":{:.4},\"kernel_ms\":{:.4},\"pair_ratio\":{:.4},\"tflops\":{rate:.2}",
+                    case.name, p.a_ms, p.b_ms, p.ratio
+                ));
+            }
+        }
+    }
+    set_fused_kernel(false);
+    Ok(())
 }
 
 fn peak_rss_mib() -> Result<f64> {
@@ -746,6 +813,11 @@ fn main() -> Result<()> {
         let (before, peak, ms) = run_child_as("--peak-child-train", name, t_train, true)?;
         println!("{name:<18} {before:>14.0} {peak:>14.0} {:>12.2}", ms / 1e3);
         json_line(json, &format!("\"bench\":\"training_memory\",\"encoding\":\"{name}\",\"t\":{t_train},\"peak_mib\":{peak:.1},\"seconds\":{:.3}", ms / 1e3));
+    }
+
+    #[cfg(feature = "cuda")]
+    if section("cuda") && only.is_some() && dev.is_cuda() {
+        cuda_kernel(&dev, quick, json)?;
     }
 
     // Time against length: one block forward without an encoding, B1, T = 1k .. 32k (medians

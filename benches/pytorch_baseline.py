@@ -28,6 +28,17 @@ as a float mask of one row; medians of 200 steps. The counterpart of `--only dec
 `--lengths` times one block forward without a bias (B1, SDPA's flash kernel) at T = 1024 to
 32768, causal and bidirectional (medians of 3 up to T = 8192, then one run after a warm-up):
 the PyTorch side of `cargo bench --bench attention -- --only lengths --pytorch FILE`.
+
+`--device cuda` runs the GPU table instead (bf16, B4 d_model 1024 H16 D64; B1 at T = 16384),
+the counterpart of `cargo bench --features cuda --bench attention -- --only cuda`: per scheme
+(none, RoPE, ALiBi, T5, the clipped bias, Shaw's keys), causal and bidirectional, inference at
+T = 1024, 4096 and 16384 and training (forward + backward) at 1024 and 4096, each through SDPA
+(biases as a float mask) and through FlexAttention (a compiled `score_mod`, with a causal block
+mask), reporting both and the best; then one decoding step against a preallocated cache of
+4096 and 16384 keys. The device is synchronised before every clock reading; medians of 9 runs
+(3 at T = 16384) after a warm-up. Shaw's value term has no FlexAttention form: its rows are
+timed with the key term only (say so next to the figure). `--tiny` shrinks every shape, to check
+the script on a CPU (`--device cpu --tiny`, f32).
 """
 
 import argparse
@@ -76,7 +87,12 @@ def main() -> None:
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--decode", action="store_true")
     parser.add_argument("--lengths", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
+    if args.device != "cpu" or args.tiny:
+        gpu_table(torch.device(args.device), args.tiny, args.json)
+        return
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     b, h, t, d = 2, 8, 1024, 64
@@ -199,22 +215,9 @@ def rope(x: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def t5_buckets(t: int, causal: bool, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+def t5_buckets(t: int, causal: bool) -> torch.Tensor:
     """T5's relative position buckets (HF's `_relative_position_bucket`) of keys j for queries i."""
-    rel = torch.arange(t)[None, :] - torch.arange(t)[:, None]
-    out = torch.zeros_like(rel)
-    if not causal:
-        buckets //= 2
-        out += (rel > 0).long() * buckets
-        rel = rel.abs()
-    else:
-        rel = -torch.clamp(rel, max=0)
-    exact = buckets // 2
-    large = exact + (
-        torch.log(rel.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (buckets - exact)
-    ).long()
-    large = torch.clamp(large, max=buckets - 1)
-    return out + torch.where(rel < exact, rel, large)
+    return t5_buckets_of(torch.arange(t)[None, :] - torch.arange(t)[:, None], causal)
 
 
 def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
@@ -300,6 +303,170 @@ def long_context(proj, h: int, d: int, as_json: bool) -> None:
             print(f"{name:<34} {ms:>10.2f}")
             if as_json:
                 print(json.dumps({"bench": "pytorch", "case": name, "median_ms": round(ms, 3)}))
+
+
+def gpu_table(dev: torch.device, tiny: bool, as_json: bool) -> None:
+    """The GPU table of `--device cuda` (see the module docs)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    b, h, d = (2, 2, 16) if tiny else (4, 16, 64)
+    dm, k_clip = h * d, 64
+    infer_lengths = (64, 128) if tiny else (1024, 4096, 16384)
+    train_lengths = (64,) if tiny else (1024, 4096)
+    flex = torch.compile(flex_attention, dynamic=False)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name() if gpu else dev}, "
+          f"{dtype}, H{h} D{d} d_model {dm}")
+
+    def timed(fn, runs):
+        def run():
+            fn()
+            sync()
+        return median_ms(run, runs)
+
+    def report(case: str, ms, why: str = "oom") -> None:
+        text = why if ms is None else f"{ms:.3f}"
+        print(f"{case:<52} {text:>10}")
+        if as_json and ms is not None:
+            print(json.dumps({"bench": "pytorch-gpu", "case": case, "median_ms": round(ms, 4)}))
+
+    for train, lengths in ((False, infer_lengths), (True, train_lengths)):
+        for t in lengths:
+            bt = 1 if t >= 16384 else b
+            runs = 3 if t >= 16384 else 9
+            proj = [torch.nn.Linear(dm, dm, bias=False, device=dev, dtype=dtype) for _ in range(4)]
+            x = torch.randn(bt, t, dm, device=dev, dtype=dtype, requires_grad=train)
+            probe = torch.randn(bt, t, dm, device=dev, dtype=dtype)
+            slopes = alibi_slopes(h).to(dev)
+            rel = torch.arange(t, device=dev)[None, :] - torch.arange(t, device=dev)[:, None]
+            t5_table = (torch.randn(32, h, device=dev) * 0.1).requires_grad_(train)
+            clip_table = (torch.randn(2 * k_clip + 1, h, device=dev) * 0.1).requires_grad_(train)
+            a_k = (torch.randn(2 * k_clip + 1, d, device=dev, dtype=dtype) * 0.1).requires_grad_(train)
+            dist = torch.arange(-(t - 1), t, device=dev)  # j − i, per diagonal
+            for causal in (True, False):
+                # One row per head over the 2T − 1 distances (FlexAttention reads it by
+                # kv_idx − q_idx), and the same as a dense float mask for SDPA.
+                t5_cols = t5_buckets_of(dist, causal)
+                clip_cols = dist.clamp(-k_clip, k_clip) + k_clip
+                tri = rel > 0
+                block_mask = (
+                    create_block_mask(lambda b_, h_, q, kv: q >= kv, None, None, t, t, device=dev)
+                    if causal else None
+                )
+                for name in ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"):
+                    def qkv():
+                        q, k, v = (p(x).view(bt, t, h, d).transpose(1, 2) for p in proj[:3])
+                        if name == "rope":
+                            q, k = rope(q.float()).to(dtype), rope(k.float()).to(dtype)
+                        return q, k, v
+
+                    def rows_of():
+                        if name == "alibi":
+                            r = slopes[:, None] * (dist if causal else -dist.abs())[None, :]
+                        elif name == "t5":
+                            r = t5_table[t5_cols].T
+                        else:
+                            r = clip_table[clip_cols].T
+                        return r  # (H, 2T − 1), f32
+
+                    def finish(out):
+                        y = proj[3](out.transpose(1, 2).reshape(bt, t, dm))
+                        if train:
+                            (y.float() * probe).sum().backward()
+                        return y
+
+                    def sdpa():
+                        q, k, v = qkv()
+                        mask = None
+                        if name in ("alibi", "t5", "clipped_bias"):
+                            r = rows_of()
+                            mask = r[:, rel + t - 1][None].to(dtype)
+                        elif name == "shaw_k64":
+                            rows = (q @ a_k.T) / math.sqrt(d)  # (B, H, T, 2k + 1)
+                            mask = rows.gather(-1, (rel.clamp(-k_clip, k_clip) + k_clip).expand(bt, h, t, t))
+                        if mask is not None and causal:
+                            mask = mask.masked_fill(tri, float("-inf"))
+                        out = F.scaled_dot_product_attention(
+                            q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+                        return finish(out)
+
+                    def flex_block():
+                        q, k, v = qkv()
+                        score_mod = None
+                        if name in ("alibi", "t5", "clipped_bias"):
+                            r = rows_of()
+
+                            def score_mod(score, b_, h_, qi, kj, r=r):
+                                return score + r[h_, kj - qi + t - 1]
+                        elif name == "shaw_k64":
+                            rows = (q @ a_k.T).float() / math.sqrt(d)
+
+                            def score_mod(score, b_, h_, qi, kj, rows=rows):
+                                return score + rows[b_, h_, qi, (kj - qi).clamp(-k_clip, k_clip) + k_clip]
+                        out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+                        return finish(out)
+
+                    kind = "train" if train else "infer"
+                    best = None
+                    for how, fn in (("sdpa", sdpa), ("flex", flex_block)):
+                        why = "oom"
+                        try:
+                            with torch.inference_mode(not train):
+                                ms = timed(fn, runs)
+                        except torch.OutOfMemoryError:
+                            ms = None
+                            torch.cuda.empty_cache() if gpu else None
+                        except NotImplementedError:  # FlexAttention's backward on a CPU
+                            ms, why = None, "n/a"
+                        report(f"{kind} {name} T{t} causal={causal} {how}", ms, why)
+                        if ms is not None:
+                            best = ms if best is None else min(best, ms)
+                    report(f"{kind} {name} T{t} causal={causal} best", best)
+    gpu_decode(dev, dtype, (128,) if tiny else (4096, 16384), h, d, report, timed)
+
+
+def t5_buckets_of(dist: torch.Tensor, causal: bool, buckets: int = 32, max_distance: int = 128):
+    """T5's bucket of each distance j − i (HF's `_relative_position_bucket`), elementwise."""
+    rel, out = dist.clone(), torch.zeros_like(dist)
+    if not causal:
+        buckets //= 2
+        out += (rel > 0).long() * buckets
+        rel = rel.abs()
+    else:
+        rel = -torch.clamp(rel, max=0)
+    exact = buckets // 2
+    large = exact + (
+        torch.log(rel.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (buckets - exact)
+    ).long()
+    return out + torch.where(rel < exact, rel, torch.clamp(large, max=buckets - 1))
+
+
+def gpu_decode(dev, dtype, lengths, h: int, d: int, report, timed) -> None:
+    """One decoding step (B1) with RoPE against a preallocated cache, on `dev`."""
+    dm = h * d
+    proj = [torch.nn.Linear(dm, dm, bias=False, device=dev, dtype=dtype) for _ in range(4)]
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=dev) / d)
+    with torch.inference_mode():
+        for n in lengths:
+            cache_k = torch.randn(1, h, n + 1, d, device=dev, dtype=dtype)
+            cache_v = torch.randn(1, h, n + 1, d, device=dev, dtype=dtype)
+            x = torch.randn(1, 1, dm, device=dev, dtype=dtype)
+            ang = n * inv
+            cos, sin = torch.cat([ang, ang]).cos().to(dtype), torch.cat([ang, ang]).sin().to(dtype)
+
+            def step(n=n, cache_k=cache_k, cache_v=cache_v, x=x, cos=cos, sin=sin):
+                q, k, v = (p(x).view(1, 1, h, d).transpose(1, 2) for p in proj[:3])
+                rot = lambda y: y * cos + torch.cat([-y[..., d // 2 :], y[..., : d // 2]], -1) * sin
+                q, k = rot(q), rot(k)
+                cache_k[:, :, n : n + 1] = k
+                cache_v[:, :, n : n + 1] = v
+                out = F.scaled_dot_product_attention(q, cache_k, cache_v)
+                return proj[3](out.transpose(1, 2).reshape(1, 1, dm))
+
+            report(f"decode rope cache={n}", timed(step, 200))
 
 
 if __name__ == "__main__":

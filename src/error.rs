@@ -132,6 +132,16 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// One of the crate's own GPU kernels failed to compile, load or launch (the `cuda`
+    /// feature's fused attention).
+    #[error("kernel {kernel}: {reason}")]
+    Kernel {
+        /// The kernel and its specialisation (e.g. `posenc_flash_forward d64 bf16`).
+        kernel: String,
+        /// What failed: the compiler's log, or the driver's error.
+        reason: String,
+    },
+
     /// An error raised by candle itself (kernels, devices, dtype conversions).
     #[error(transparent)]
     Candle(candle_core::Error),

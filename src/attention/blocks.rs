@@ -39,9 +39,24 @@ pub(crate) enum Path {
     FusedTrain,
     /// Candle ops throughout (training, other dtypes and devices): differentiable.
     Ops,
+    /// The fused CUDA kernel: bf16/f16 inference on a CUDA device without returned weights,
+    /// when switched on ([`super::cuda::set_fused_kernel`]).
+    #[cfg(feature = "cuda")]
+    CudaFused,
 }
 
 impl Path {
+    /// Whether the path reads relative rows with shifted columns as they are (the fused
+    /// paths), rather than expanded to a dense bias.
+    fn reads_rows(self) -> bool {
+        match self {
+            Path::Fused | Path::FusedTrain | Path::RowPass => true,
+            #[cfg(feature = "cuda")]
+            Path::CudaFused => true,
+            Path::Ops => false,
+        }
+    }
+
     /// The path for scaled, rotated `q`, `k` and `v`: plain ops whenever gradients are needed
     /// (`differentiable`, or any of them tracked by an encoding's parameters).
     pub(crate) fn choose(
@@ -61,6 +76,14 @@ impl Path {
             && matches!(k.dtype(), DType::BF16 | DType::F16)
             && v.dtype() == k.dtype();
         let tracked = [q, k, v].iter().any(|t| t.track_op());
+        #[cfg(feature = "cuda")]
+        if !(differentiable || tracked || weights)
+            && q.device().is_cuda()
+            && super::cuda::fused_kernel()
+            && super::cuda::takes(q, k, v)
+        {
+            return Path::CudaFused;
+        }
         match (differentiable || tracked, cpu, weights) {
             (false, true, false) if f32s || half_cache => Path::Fused,
             (false, true, true) if f32s => Path::RowPass,
@@ -167,11 +190,23 @@ impl Chunk<'_> {
             (path, false) => path,
             (_, true) => Path::Ops,
         };
+        // The CUDA kernel has no value term and no chunked attention yet.
+        #[cfg(feature = "cuda")]
+        let path = match path {
+            Path::CudaFused
+                if self.chunk.is_some() || first.as_ref().is_some_and(|(_, v)| v.is_some()) =>
+            {
+                Path::Ops
+            }
+            path => path,
+        };
         // The fused core allocates no logits, so the budget's query blocks only bound the
         // encoding's answers: when they do not grow with the queries (none, or one row shared
         // by every query), the whole chunk is one block, and the core's tiles reuse each key
         // tile across all its queries.
         let fused = matches!(path, Path::Fused | Path::FusedTrain);
+        #[cfg(feature = "cuda")]
+        let fused = fused || path == Path::CudaFused;
         if fused && spans.len() > 1 && first.as_ref().is_some_and(shared_answers) {
             spans = vec![(0, t, tk)];
             first = Some(self.answers(spans[0])?);
@@ -209,6 +244,12 @@ impl Chunk<'_> {
         };
         let merged = match path {
             Path::Fused => Some(Tensor::zeros((b, t, h, d), DType::F32, self.q.device())?),
+            #[cfg(feature = "cuda")]
+            Path::CudaFused => Some(Tensor::zeros(
+                (b, t, h, d),
+                self.q.dtype(),
+                self.q.device(),
+            )?),
             _ => None,
         };
         let (mut outs, mut weights) = (Vec::new(), Vec::new());
@@ -258,6 +299,24 @@ impl Chunk<'_> {
                 tile: fused_attention::tile_rows(kv),
                 key_tile: fused_attention::KEY_TILE,
             };
+            #[cfg(feature = "cuda")]
+            if path == Path::CudaFused {
+                if let Some(merged) = &merged {
+                    super::cuda::CudaCore {
+                        q: &part.q,
+                        k: &part.k,
+                        v: &part.v,
+                        dense: &terms.dense,
+                        dense_masks: self.attn_mask.is_some(),
+                        relative: &terms.rows,
+                        padding: part.padding,
+                        rule: &part.rule,
+                        sinks: self.sinks,
+                    }
+                    .write_into(merged, start)?;
+                }
+                continue;
+            }
             if let Some(merged) = &merged {
                 core().write_into(merged, start)?;
             } else if path == Path::FusedTrain {
@@ -377,13 +436,11 @@ impl LogitTerms {
             Some(LogitsBias::Relative(r)) => {
                 check_device("relative logits bias", r.values(), device)?;
                 r.check_block(dims)?;
-                match (path, r.columns()) {
-                    (Path::Fused | Path::FusedTrain | Path::RowPass, Columns::Shift(_)) => {
-                        terms.rows.push(RelativeBias::new(
-                            r.values().to_dtype(DType::F32)?,
-                            r.columns().clone(),
-                        )?)
-                    }
+                match (path.reads_rows(), r.columns()) {
+                    (true, Columns::Shift(_)) => terms.rows.push(RelativeBias::new(
+                        r.values().to_dtype(DType::F32)?,
+                        r.columns().clone(),
+                    )?),
                     _ => terms
                         .dense
                         .push(r.to_dense(dims.2, dims.3)?.to_dtype(dtype)?),

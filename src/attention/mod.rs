@@ -24,6 +24,8 @@
 
 mod blocks;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dropout;
 mod fused_attention;
 mod fused_softmax;

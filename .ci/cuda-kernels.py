@@ -1,0 +1,77 @@
+"""Compiles every specialisation of the crate's CUDA kernels with NVRTC, as the crate does at
+first use, then assembles each with ptxas for sm_90 (H100/H200) and prints its resource report
+(registers, spills, shared memory). Needs no GPU: NVRTC and ptxas come from PyPI's CUDA 13
+wheels (see .ci/cuda-kernels, which installs them).
+
+The specialisations are read from `src/attention/cuda/mod.rs` itself (its `ARCH` and
+`HEAD_DIMS`, with bf16 and f16 each), and the -D options are the ones its `compile_options`
+passes, so the script compiles what the crate compiles at run time.
+"""
+import ctypes
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "src" / "attention" / "cuda"
+
+
+def specialisations():
+    """(kernel file, entry, [options]) read from mod.rs's SPECIALISATIONS and ARCH."""
+    src = (KERNELS / "mod.rs").read_text()
+    arch = re.search(r'const ARCH: &str = "([^"]+)";', src).group(1)
+    dims = [int(d) for d in re.search(r"const HEAD_DIMS: \[usize; \d+\] = \[([^\]]+)\];", src).group(1).split(",")]
+    out = []
+    for d in dims:
+        for bf16 in (1, 0):
+            opts = [f"--gpu-architecture={arch}", f"-DPOSENC_HEAD_DIM={d}", f"-DPOSENC_BF16={bf16}"]
+            out.append(("flash_forward.cu", "posenc_flash_forward", opts, f"d{d} {'bf16' if bf16 else 'f16'}"))
+    return arch, out
+
+
+def nvrtc(lib, source, name, options):
+    prog = ctypes.c_void_p()
+    check = lambda rc, what: rc == 0 or sys.exit(f"{what} failed: {rc}")
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None), "nvrtcCreateProgram")
+    opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if rc != 0:
+        sys.exit(f"NVRTC failed for {name} {options}:\n{log.value.decode()}")
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    return ptx.value.decode(), log.value.decode().strip()
+
+
+def main():
+    cuda = pathlib.Path(sys.argv[1])
+    lib = ctypes.CDLL(str(next((cuda / "lib").glob("libnvrtc.so*"))))
+    arch, specs = specialisations()
+    failed = False
+    for file, entry, opts, label in specs:
+        ptx, log = nvrtc(lib, (KERNELS / file).read_text(), file, opts)
+        if log:
+            print(f"{label}: NVRTC says:\n{log}")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp) / "k.ptx"
+            path.write_text(ptx)
+            res = subprocess.run([str(cuda / "bin" / "ptxas"), "-v", "-arch=sm_90", str(path), "-o", str(pathlib.Path(tmp) / "k.cubin")],
+                                 capture_output=True, text=True)
+        report = " ".join(l.split("info    : ")[-1] for l in res.stderr.splitlines() if "Used" in l or "spill" in l or "bytes stack" in l)
+        print(f"{entry} {label}: {report}")
+        if res.returncode != 0:
+            print(res.stderr)
+            failed = True
+        if re.search(r"[1-9]\d* bytes spill", res.stderr):
+            print(f"  {label} spills registers")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

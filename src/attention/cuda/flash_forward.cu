@@ -1,0 +1,343 @@
+// The fused attention forward on CUDA (FlashAttention-2's schedule, Dao 2023), bf16 or f16
+// operands on tensor cores, f32 accumulation; inference.
+//
+//   for each (b, h) and each tile of BM = 64 queries i (one thread block, 4 warps × 16 rows):
+//       m_i = sink_h or −∞,  l_i = 1 or 0,  acc_i = 0
+//       for each tile of BN = 64 keys J the rows can see:
+//           S = q[b, h, i] · k[b, h / r, J]ᵀ                    (mma.m16n8k16, f32)
+//           S ← cap · tanh(S / cap) + Σ terms, hidden keys → −FLT_MAX
+//           m_i' = max(m_i, max_j S_ij);  α_i = e^(m_i − m_i')
+//           P = e^(S − m_i') (rounded to the operand type);  l_i ← α_i l_i + Σ_j P_ij
+//           acc_i ← α_i acc_i + P v[b, h / r, J]                (mma.m16n8k16, f32)
+//       out[b, first_row + i, h, :] = acc_i / l_i;  lse[b, h, first_row + i] = m_i + ln l_i
+//
+// A term is an f32 tensor read through four strides (batch, head, query row, key or column):
+// dense (a key's column is j) or relative (column clamp(j − i + shift, 0, W − 1)), the plug's
+// two forms. A key hidden by the row's rule or the padding has the logit −FLT_MAX, not −∞,
+// so a row whose every key is hidden comes out uniform over the keys visited, as on the
+// crate's other paths (the host visits every key whenever a row can be hidden whole). Keys
+// past the end, or outside the range a tile's rows can see, are −∞ and weigh 0; so does a
+// key a user's mask sets to −∞ (a row −∞ everywhere comes out NaN, as on the other paths).
+//
+// Specialised by the host through -D options: POSENC_HEAD_DIM (a multiple of 16, at most 128)
+// and POSENC_BF16 (1: bf16, 0: f16). No header is included: everything is inline PTX (sm_80+).
+
+#ifndef POSENC_HEAD_DIM
+#error "POSENC_HEAD_DIM must be defined"
+#endif
+#ifndef POSENC_BF16
+#error "POSENC_BF16 must be defined"
+#endif
+
+#define HEAD_DIM POSENC_HEAD_DIM
+#define BM 64
+#define BN 64
+#define THREADS 128
+// Shared rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in different banks.
+#define STRIDE (HEAD_DIM + 8)
+#define MAX_TERMS 4
+#define NEG_MAX (-3.402823466e38f)
+#define LOG2E 1.4426950408889634f
+
+#if POSENC_BF16
+#define MMA_TYPE "bf16"
+#define CVT_X2 "cvt.rn.bf16x2.f32"
+#else
+#define MMA_TYPE "f16"
+#define CVT_X2 "cvt.rn.f16x2.f32"
+#endif
+
+typedef unsigned short elem_t;  // a bf16 or f16, as bits: only the tensor cores read them
+typedef unsigned long long u64;
+typedef long long i64;
+
+struct alignas(16) Chunk {
+  unsigned int a, b, c, d;
+};
+
+// One additive term; must match `Term` in cuda/mod.rs field for field.
+struct Term {
+  u64 values;     // const float*
+  i64 strides[4]; // batch, head, query row, key (dense) or column (relative)
+  i64 shift;      // relative: the column of (i, j) is clamp(j − i + shift, 0, width − 1)
+  i64 width;      // 0: dense
+};
+
+// Everything a launch reads; must match `Params` in cuda/mod.rs field for field.
+struct Params {
+  u64 q, k, v;       // const elem_t*: (B, H, Tq, D), (B, Hkv, Tk, D), (B, Hkv, Tk, D)
+  u64 out;           // elem_t*: (B, out_rows, H, D), contiguous
+  u64 lse;           // float*: (B, H, out_rows), contiguous; 0 for none
+  u64 padding;       // const unsigned char*: (B|1, Tk) rows of padding_stride; 0 for none
+  u64 sinks;         // const float*: (H); 0 for none
+  i64 q_strides[3];  // batch, head, row (the last axis is contiguous)
+  i64 k_strides[3];
+  i64 v_strides[3];
+  i64 out_rows;      // rows of the merged output
+  i64 first_row;     // its row of query 0
+  i64 padding_stride;// elements between the padding mask's rows (0: shared)
+  i64 first;         // the causal position of query 0 (query i is key first + i)
+  i64 window;        // < 0: none
+  int batch, heads, kv_group, tq, tk;
+  int causal;
+  int skip;          // visit only the keys some row of the tile can see
+  int n_terms;
+  float softcap;     // 0: none
+  int pad0;
+  Term terms[MAX_TERMS];
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const elem_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const elem_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+// d += a · b for a 16 × 16 A (row-major fragment), a 16 × 8 B (column-major fragment).
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to the operand type, `lo` in the low half.
+__device__ __forceinline__ unsigned pack(float lo, float hi) {
+  unsigned r;
+  asm(CVT_X2 " %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Rows row0.. of a (rows, HEAD_DIM) matrix with `row_stride` into a BM-row shared tile, rows
+// past `rows` zero.
+__device__ __forceinline__ void load_tile(elem_t* s, const elem_t* g, i64 row_stride, int row0,
+                                          int rows) {
+  const int chunks = HEAD_DIM / 8;
+  for (int c = threadIdx.x; c < BM * chunks; c += THREADS) {
+    const int r = c / chunks, cc = c % chunks;
+    Chunk val = {0u, 0u, 0u, 0u};
+    if (row0 + r < rows) {
+      val = *reinterpret_cast<const Chunk*>(g + (i64)(row0 + r) * row_stride + cc * 8);
+    }
+    *reinterpret_cast<Chunk*>(s + r * STRIDE + cc * 8) = val;
+  }
+}
+
+// The keys lo..hi that rows i0..i1 − 1 can see through the causal limit and the window, or
+// every key when none is left (as RowRule::keys_seen).
+__device__ __forceinline__ void keys_seen(const Params& p, i64 i0, i64 i1, i64* lo, i64* hi) {
+  const i64 tk = p.tk, last = i1 - 1;
+  const i64 p0 = p.first + i0, pl = p.first + last;
+  i64 start = 0, end = tk;
+  if (p.window >= 0) {
+    if (p.causal) {
+      start = p0 + 1 - p.window;
+    } else {
+      start = p0 - p.window;
+      end = pl + p.window + 1;
+    }
+    if (start < 0) start = 0;
+  }
+  if (p.causal && pl + 1 < end) end = pl + 1;
+  if (end > tk) end = tk;
+  if (start > tk) start = tk;
+  if (start < end) {
+    *lo = start;
+    *hi = end;
+  } else {
+    *lo = 0;
+    *hi = tk;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const Params p) {
+  __shared__ alignas(16) elem_t s_qk[BM * STRIDE];  // the query tile, then each key tile
+  __shared__ alignas(16) elem_t s_v[BN * STRIDE];
+
+  const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  const int hk = h / p.kv_group;
+  const elem_t* qb = reinterpret_cast<const elem_t*>(p.q) + b * p.q_strides[0] + h * p.q_strides[1];
+  const elem_t* kb = reinterpret_cast<const elem_t*>(p.k) + b * p.k_strides[0] + hk * p.k_strides[1];
+  const elem_t* vb = reinterpret_cast<const elem_t*>(p.v) + b * p.v_strides[0] + hk * p.v_strides[1];
+
+  load_tile(s_qk, qb, p.q_strides[2], q0, p.tq);
+  __syncthreads();
+  unsigned qf[HEAD_DIM / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
+    ldsm_x4(qf[kc], s_qk + (warp * 16 + lane % 16) * STRIDE + kc * 16 + (lane / 16) * 8);
+  }
+
+  // This thread's two rows (block-local query indices).
+  const int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  const float sink = p.sinks ? reinterpret_cast<const float*>(p.sinks)[h] : 0.0f;
+  float m[2], l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = p.sinks ? sink : -__int_as_float(0x7f800000);
+    l[r] = (p.sinks && t4 == 0) ? 1.0f : 0.0f;  // the sink's e^0, counted once per row
+  }
+  float o[HEAD_DIM / 8][4];
+#pragma unroll
+  for (int n = 0; n < HEAD_DIM / 8; ++n) {
+    o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  }
+
+  i64 lo = 0, hi = p.tk;
+  if (p.skip) {
+    const i64 i1 = (q0 + BM < p.tq) ? q0 + BM : p.tq;
+    keys_seen(p, q0, i1, &lo, &hi);
+  }
+  const unsigned char* pad =
+      p.padding ? reinterpret_cast<const unsigned char*>(p.padding) + b * p.padding_stride : 0;
+
+  for (i64 k0 = (lo / BN) * BN; k0 < hi; k0 += BN) {
+    __syncthreads();  // every warp is done with the last tile (and with the query tile)
+    load_tile(s_qk, kb, p.k_strides[2], (int)k0, p.tk);
+    load_tile(s_v, vb, p.v_strides[2], (int)k0, p.tk);
+    __syncthreads();
+
+    float s[BN / 8][4];
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        unsigned bk[4];
+        ldsm_x4(bk, s_qk + (np * 16 + lane % 8 + (lane / 16) * 8) * STRIDE + kc * 16 +
+                        ((lane / 8) % 2) * 8);
+        mma(s[2 * np], qf[kc], bk[0], bk[1]);
+        mma(s[2 * np + 1], qf[kc], bk[2], bk[3]);
+      }
+    }
+
+    // Soft cap, terms and masks, then the running maximum of each row.
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const i64 i = rows[e / 2];
+        const i64 j = k0 + n * 8 + 2 * t4 + (e & 1);
+        float x = s[n][e];
+        if (j >= p.tk || (p.skip && (j < lo || j >= hi))) {
+          x = -__int_as_float(0x7f800000);
+        } else {
+          const i64 pos = p.first + i;
+          bool seen = true;
+          if (p.causal && j > pos) seen = false;
+          if (p.window >= 0) {
+            if (p.causal) {
+              if (j + p.window <= pos) seen = false;
+            } else if (j + p.window < pos || j > pos + p.window) {
+              seen = false;
+            }
+          }
+          if (pad && pad[j] == 0) seen = false;
+          if (!seen) {
+            x = NEG_MAX;
+          } else {
+            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+            if (i < p.tq) {
+              for (int t = 0; t < p.n_terms; ++t) {
+                const Term& term = p.terms[t];
+                i64 c = j;
+                if (term.width > 0) {
+                  c = j - i + term.shift;
+                  c = c < 0 ? 0 : (c >= term.width ? term.width - 1 : c);
+                }
+                const float* vals = reinterpret_cast<const float*>(term.values);
+                x += vals[b * term.strides[0] + h * term.strides[1] + i * term.strides[2] +
+                          c * term.strides[3]];
+              }
+            }
+          }
+        }
+        s[n][e] = x;
+        mx[e / 2] = fmaxf(mx[e / 2], x);
+      }
+    }
+    // The maximum the exponents subtract: 0 while a row has seen only −∞ (no NaN from −∞ − −∞;
+    // its weights are then 0, and a later tile's finite maximum scales them away).
+    float ms[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      ms[r] = mx[r] == -__int_as_float(0x7f800000) ? 0.0f : mx[r];
+      const float alpha = exp2f((m[r] - ms[r]) * LOG2E);
+      m[r] = mx[r];
+      l[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f((s[n][e] - ms[e / 2]) * LOG2E);
+        l[e / 2] += pe;
+        s[n][e] = pe;
+      }
+    }
+
+    // acc += P v: two key tiles of S make one 16 × 16 operand.
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      const unsigned a[4] = {pack(s[2 * kc][0], s[2 * kc][1]), pack(s[2 * kc][2], s[2 * kc][3]),
+                             pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                             pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+        unsigned bv[4];
+        ldsm_x4_trans(bv, s_v + (kc * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + dp * 16 +
+                              (lane / 16) * 8);
+        mma(o[2 * dp], a, bv[0], bv[1]);
+        mma(o[2 * dp + 1], a, bv[2], bv[3]);
+      }
+    }
+  }
+
+  elem_t* out = reinterpret_cast<elem_t*>(p.out);
+  float* lse = reinterpret_cast<float*>(p.lse);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const i64 i = rows[r];
+    if (i >= p.tq) continue;
+    const float inv = 1.0f / l[r];
+    const i64 row = (i64)b * p.out_rows + p.first_row + i;
+    elem_t* dst = out + (row * p.heads + h) * HEAD_DIM + 2 * t4;
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+      *reinterpret_cast<unsigned*>(dst + n * 8) = pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    }
+    if (lse && t4 == 0) {
+      lse[((i64)b * p.heads + h) * p.out_rows + p.first_row + i] = m[r] + logf(l[r]);
+    }
+  }
+}

@@ -1,0 +1,622 @@
+//! The fused attention core on CUDA devices (the `cuda` feature): `flash_forward.cu`, a
+//! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks, reading the plug's terms as
+//! data (dense terms through broadcast strides, relative rows through a shift), causal limits,
+//! windows, padding, soft caps, sinks and grouped KV heads; inference only.
+//!
+//! **Off by default, and not yet validated on a GPU.** The kernel is compiled (NVRTC, every
+//! specialisation, `.ci/cuda-kernels`) and its host side is built and checked here, but no GPU
+//! has run it yet. [`set_fused_kernel`] (or `CANDLE_POSENC_CUDA_KERNEL=1` in the environment)
+//! turns it on; until then a CUDA block runs on candle's ops, as before.
+//!
+//! Compiled with NVRTC at first use, one module per head dimension and dtype, cached per
+//! process (the PTX) and per device (the module, by candle's `get_or_load_custom_func`).
+//! NVRTC rather than nvcc in `build.rs`: the crate's build stays free of a CUDA toolchain
+//! beyond what candle's kernels already need, and the PTX targets the GPU at hand.
+//!
+//! ```text
+//! out[b, first_row + i, h, :] = softmax_j(cap·tanh(q_i·k_j / cap) + Σ terms, hidden → −max) v
+//! grid (⌈Tq / 64⌉, H, B), 128 threads; see flash_forward.cu for the schedule
+//! ```
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
+use half::{bf16, f16};
+
+use super::fused_softmax::RowRule;
+use crate::error::{Error, Result};
+use crate::plug::{Columns, RelativeBias};
+
+/// The virtual architecture the kernels are compiled for: `mma.m16n8k16` with bf16 operands,
+/// `ldmatrix` and `cvt.rn.bf16x2` need sm_80 (A100, H100, H200 and later).
+pub(crate) const ARCH: &str = "compute_80";
+
+/// Head dimensions with a specialisation (multiples of 16; 128 keeps the accumulators in
+/// registers).
+pub(crate) const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+
+/// Additive terms one launch reads.
+const MAX_TERMS: usize = 4;
+
+const FORWARD: &str = include_str!("flash_forward.cu");
+const FORWARD_ENTRY: &str = "posenc_flash_forward";
+
+/// 0: not yet read from the environment; 1: off; 2: on.
+static ENABLED: AtomicU8 = AtomicU8::new(0);
+
+/// Query blocks the kernel has run, process-wide.
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many query blocks the fused CUDA kernel has run in this process: a test or a user can
+/// tell that a block took it.
+pub fn kernel_launches() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// Turns the fused CUDA kernel on or off for every block in this process (default: off, or
+/// on when `CANDLE_POSENC_CUDA_KERNEL=1` is set). It is experimental: compiled, but not yet
+/// run on a GPU by this crate's tests.
+pub fn set_fused_kernel(on: bool) {
+    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether the fused CUDA kernel is on ([`set_fused_kernel`]).
+pub fn fused_kernel() -> bool {
+    match ENABLED.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("CANDLE_POSENC_CUDA_KERNEL").is_ok_and(|v| v == "1");
+            set_fused_kernel(on);
+            on
+        }
+        state => state == 2,
+    }
+}
+
+/// Whether the kernel can take a block of `q` (`(B, H, Tq, D)`) as the block is given: a bf16
+/// or f16 block on a CUDA device of compute capability 8.0 or more, a specialised head
+/// dimension, at most 65,535 sequences and heads.
+pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let half = matches!(q.dtype(), DType::BF16 | DType::F16);
+    let same = [k, v]
+        .iter()
+        .all(|t| t.dtype() == q.dtype() && t.device().same_device(q.device()));
+    let Ok((b, h, _, d)) = q.dims4() else {
+        return false;
+    };
+    half && same && HEAD_DIMS.contains(&d) && b <= 65_535 && h <= 65_535 && capable(q)
+}
+
+/// Compute capability 8.0 or more.
+fn capable(q: &Tensor) -> bool {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let candle_core::Device::Cuda(dev) = q.device() else {
+        return false;
+    };
+    let major = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+    major.is_ok_and(|m| m >= 8)
+}
+
+/// One additive term as the kernel reads it; field for field `Term` in flash_forward.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Term {
+    values: u64,
+    strides: [i64; 4],
+    shift: i64,
+    width: i64,
+}
+
+/// Everything a launch reads; field for field `Params` in flash_forward.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Params {
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    padding: u64,
+    sinks: u64,
+    q_strides: [i64; 3],
+    k_strides: [i64; 3],
+    v_strides: [i64; 3],
+    out_rows: i64,
+    first_row: i64,
+    padding_stride: i64,
+    first: i64,
+    window: i64,
+    batch: i32,
+    heads: i32,
+    kv_group: i32,
+    tq: i32,
+    tk: i32,
+    causal: i32,
+    skip: i32,
+    n_terms: i32,
+    softcap: f32,
+    pad0: i32,
+    terms: [Term; MAX_TERMS],
+}
+
+// SAFETY: plain data (integers, floats and device addresses), laid out as the kernel's struct.
+unsafe impl DeviceRepr for Params {}
+
+/// One query block of the fused CUDA core, written into rows `first_row..first_row + Tq` of the
+/// merged `(B, T, H, D)` output.
+pub(crate) struct CudaCore<'a> {
+    /// `(B, H, Tq, D)`, rotated and scaled, bf16 or f16.
+    pub q: &'a Tensor,
+    /// `(B, Hkv, Tk, D)`, same dtype.
+    pub k: &'a Tensor,
+    /// `(B, Hkv, Tk, D)`, same dtype.
+    pub v: &'a Tensor,
+    /// Additive terms broadcastable to `(B, H, Tq, Tk)`.
+    pub dense: &'a [Tensor],
+    /// Whether a dense term may hide keys (a user's mask): then every key is visited.
+    pub dense_masks: bool,
+    /// Relative rows with shifted columns.
+    pub relative: &'a [RelativeBias],
+    /// `(B|1, Tk)`, non-zero = keep.
+    pub padding: Option<&'a Tensor>,
+    /// Causal limit, window and soft cap (no chunks: the caller takes another path).
+    pub rule: &'a RowRule,
+    /// `(H)` sink logits.
+    pub sinks: Option<&'a Tensor>,
+}
+
+/// A tensor's last axis contiguous and its other strides and offset multiples of 8 elements
+/// (the kernel reads rows in 16-byte pieces); otherwise a contiguous copy.
+fn rows_aligned(t: &Tensor) -> Result<Tensor> {
+    let l = t.layout();
+    let s = l.stride();
+    let ok = s[3] == 1
+        && s[..3].iter().all(|x| x.is_multiple_of(8))
+        && l.start_offset().is_multiple_of(8);
+    // force_contiguous: `contiguous` keeps a contiguous view whose offset is not aligned.
+    Ok(if ok { t.clone() } else { t.force_contiguous()? })
+}
+
+impl CudaCore<'_> {
+    /// Writes the block's attention into `out` (`(B, T, H, D)`, contiguous, the block's dtype)
+    /// at rows `first_row..`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`], [`Error::DType`] or [`Error::Device`] for operands the kernel does not
+    /// take (each names the operand and what was expected); [`Error::Kernel`] when the kernel
+    /// fails to compile, load or launch.
+    pub(crate) fn write_into(&self, out: &Tensor, first_row: usize) -> Result<()> {
+        let (b, h, tq, d) = self.q.dims4()?;
+        let (kb, hkv, tk, kd) = self.k.dims4()?;
+        if kb != b || kd != d || hkv == 0 || h % hkv != 0 || self.v.dims() != self.k.dims() {
+            return Err(Error::shape(
+                "keys and values of the CUDA attention kernel",
+                format!("({b}, a divisor of {h}, keys, {d}) for both"),
+                self.k.shape(),
+            ));
+        }
+        if !HEAD_DIMS.contains(&d) || b > 65_535 || h > 65_535 {
+            return Err(Error::shape(
+                "queries of the CUDA attention kernel",
+                format!("(≤ 65535, ≤ 65535, queries, one of {HEAD_DIMS:?})"),
+                self.q.shape(),
+            ));
+        }
+        for (what, t) in [("keys", self.k), ("values", self.v)] {
+            if t.dtype() != self.q.dtype() {
+                return Err(Error::DType {
+                    what: if what == "keys" {
+                        "keys of the CUDA attention kernel"
+                    } else {
+                        "values of the CUDA attention kernel"
+                    },
+                    expected: "the queries' dtype",
+                    got: t.dtype(),
+                });
+            }
+        }
+        if !matches!(self.q.dtype(), DType::BF16 | DType::F16) {
+            return Err(Error::DType {
+                what: "queries of the CUDA attention kernel",
+                expected: "bf16 or f16",
+                got: self.q.dtype(),
+            });
+        }
+        let (ob, rows, oh, od) = out.dims4()?;
+        if (ob, oh, od) != (b, h, d) || rows < first_row + tq || !out.is_contiguous() {
+            return Err(Error::shape(
+                "output of the CUDA attention kernel",
+                format!("contiguous ({b}, ≥ {}, {h}, {d})", first_row + tq),
+                out.shape(),
+            ));
+        }
+        if out.dtype() != self.q.dtype() {
+            return Err(Error::DType {
+                what: "output of the CUDA attention kernel",
+                expected: "the queries' dtype",
+                got: out.dtype(),
+            });
+        }
+        let fits = |n: usize| i32::try_from(n).is_ok();
+        if !fits(tq) || !fits(tk) || !fits(h / hkv) {
+            return Err(Error::shape(
+                "queries and keys of the CUDA attention kernel",
+                "fewer than 2^31 of each",
+                self.k.shape(),
+            ));
+        }
+        if self.rule.chunk.is_some() {
+            return Err(Error::config(
+                "chunk",
+                format!("{:?}", self.rule.chunk),
+                "none: the CUDA kernel has no chunked attention yet",
+            ));
+        }
+        if tk == 0 {
+            return Err(Error::shape(
+                "keys of the CUDA attention kernel",
+                "at least one key",
+                self.k.shape(),
+            ));
+        }
+        let terms = self.terms((b, h, tq, tk))?;
+        let padding = match self.padding {
+            None => None,
+            Some(p) => {
+                crate::error::check_device(
+                    "padding mask of the CUDA attention kernel",
+                    p,
+                    self.q.device(),
+                )?;
+                if p.dtype() != DType::U8 {
+                    return Err(Error::DType {
+                        what: "padding mask of the CUDA attention kernel",
+                        expected: "u8 (non-zero = keep)",
+                        got: p.dtype(),
+                    });
+                }
+                let p = p.contiguous()?;
+                let (pb, ptk) = p.dims2()?;
+                if (pb != 1 && pb != b) || ptk != tk {
+                    return Err(Error::shape(
+                        "padding mask of the CUDA attention kernel",
+                        format!("(1 or {b}, {tk})"),
+                        p.shape(),
+                    ));
+                }
+                Some(p)
+            }
+        };
+        let sinks = match self.sinks {
+            None => None,
+            Some(s) => {
+                crate::error::check_device(
+                    "sinks of the CUDA attention kernel",
+                    s,
+                    self.q.device(),
+                )?;
+                let s = s.to_dtype(DType::F32)?.contiguous()?;
+                if s.dims() != [h] {
+                    return Err(Error::shape(
+                        "sinks of the CUDA attention kernel",
+                        format!("({h})"),
+                        s.shape(),
+                    ));
+                }
+                Some(s)
+            }
+        };
+        for (what, t) in [
+            ("keys of the CUDA attention kernel", self.k),
+            ("values of the CUDA attention kernel", self.v),
+            ("output of the CUDA attention kernel", out),
+        ] {
+            crate::error::check_device(what, t, self.q.device())?;
+        }
+        let op = LaunchOp {
+            q: rows_aligned(self.q)?,
+            k: rows_aligned(self.k)?,
+            v: rows_aligned(self.v)?,
+            terms,
+            padding,
+            sinks,
+            skip: self.padding.is_none() && !self.dense_masks,
+            rule: self.rule.clone(),
+            first_row,
+        };
+        out.inplace_op1(&op)?;
+        Ok(())
+    }
+
+    /// The terms as f32 tensors on the block's device, with their broadcast strides.
+    fn terms(&self, (b, h, tq, tk): (usize, usize, usize, usize)) -> Result<Vec<KernelTerm>> {
+        let mut terms = Vec::new();
+        for t in self.dense {
+            crate::error::check_device(
+                "dense term of the CUDA attention kernel",
+                t,
+                self.q.device(),
+            )?;
+            let t = unbroadcast(t)?.to_dtype(DType::F32)?;
+            let t = t.broadcast_as((b, h, tq, tk)).map_err(|_| {
+                Error::shape(
+                    "dense term of the CUDA attention kernel",
+                    format!("a shape broadcastable to ({b}, {h}, {tq}, {tk})"),
+                    t.shape(),
+                )
+            })?;
+            terms.push((t, None));
+        }
+        for r in self.relative {
+            let Columns::Shift(shift) = r.columns() else {
+                return Err(Error::shape(
+                    "relative term of the CUDA attention kernel",
+                    "rows with shifted columns (index maps are expanded first)",
+                    r.values().shape(),
+                ));
+            };
+            crate::error::check_device(
+                "relative term of the CUDA attention kernel",
+                r.values(),
+                self.q.device(),
+            )?;
+            r.check_block((b, h, tq, tk))?;
+            let width = r.width();
+            let values = r.values().to_dtype(DType::F32)?.contiguous()?;
+            let values = values.broadcast_as((b, h, tq, width))?;
+            // Any shift beyond ±(Tq + Tk + W) reads the same clamped columns; the kernel's
+            // `j − i + shift` then cannot overflow.
+            let reach = (tq + tk + width) as i64;
+            terms.push((values, Some(((*shift).clamp(-reach, reach), width))));
+        }
+        if terms.len() > MAX_TERMS {
+            return Err(Error::config(
+                "additive terms",
+                terms.len(),
+                format!("at most {MAX_TERMS} for the CUDA attention kernel"),
+            ));
+        }
+        Ok(terms)
+    }
+}
+
+/// `t` without its broadcast axes (stride 0, size above 1) narrowed to one, so that a cast
+/// copies only the values it holds: a user's `(1, 1, T, Tk)` mask seen as `(B, H, T, Tk)`
+/// stays `T × Tk` values, not the logits' size.
+fn unbroadcast(t: &Tensor) -> Result<Tensor> {
+    let mut t = t.clone();
+    for axis in 0..t.rank() {
+        if t.layout().stride()[axis] == 0 && t.dim(axis)? > 1 {
+            t = t.narrow(axis, 0, 1)?;
+        }
+    }
+    Ok(t)
+}
+
+/// An additive term on the device in f32, broadcast to the block, with `(shift, width)` when
+/// it is relative.
+type KernelTerm = (Tensor, Option<(i64, usize)>);
+
+/// The PTX of each specialisation by head dimension and dtype.
+type PtxCache = HashMap<(usize, DType), Arc<str>>;
+
+/// The launch, as an in-place op on the merged output.
+struct LaunchOp {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    terms: Vec<KernelTerm>,
+    padding: Option<Tensor>,
+    sinks: Option<Tensor>,
+    skip: bool,
+    rule: RowRule,
+    first_row: usize,
+}
+
+/// The PTX of each specialisation, compiled once per process.
+static PTX: Mutex<Option<PtxCache>> = Mutex::new(None);
+
+/// A specialisation's name, as errors and module names give it.
+fn label(d: usize, dtype: DType) -> String {
+    format!("{FORWARD_ENTRY} d{d} {}", dtype.as_str())
+}
+
+/// The NVRTC options of a specialisation (`.ci/cuda-kernels.py` passes the same).
+pub(crate) fn compile_options(d: usize, dtype: DType) -> CompileOptions {
+    CompileOptions {
+        arch: Some(ARCH),
+        options: vec![
+            format!("-DPOSENC_HEAD_DIM={d}"),
+            format!("-DPOSENC_BF16={}", u8::from(dtype == DType::BF16)),
+        ],
+        ..Default::default()
+    }
+}
+
+/// The PTX of the forward kernel for head dimension `d` and `dtype`.
+fn ptx(d: usize, dtype: DType) -> Result<Arc<str>> {
+    let mut cache = PTX.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = cache.get_or_insert_with(HashMap::new);
+    if let Some(ptx) = cache.get(&(d, dtype)) {
+        return Ok(ptx.clone());
+    }
+    let ptx =
+        compile_ptx_with_opts(FORWARD, compile_options(d, dtype)).map_err(|e| Error::Kernel {
+            kernel: label(d, dtype),
+            reason: format!("NVRTC: {e}"),
+        })?;
+    let ptx: Arc<str> = ptx.to_src().into();
+    cache.insert((d, dtype), ptx.clone());
+    Ok(ptx)
+}
+
+/// The device address of a tensor's first element.
+macro_rules! address {
+    ($storage:expr, $layout:expr, $ty:ty, $stream:expr, $guards:expr) => {{
+        let slice = $storage.as_cuda_slice::<$ty>()?;
+        let (ptr, guard) = slice.device_ptr($stream);
+        $guards.push(guard);
+        ptr + ($layout.start_offset() * std::mem::size_of::<$ty>()) as u64
+    }};
+}
+
+impl InplaceOp1 for LaunchOp {
+    fn name(&self) -> &'static str {
+        "posenc-flash-forward"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("the CUDA attention kernel runs on CUDA devices only")
+    }
+
+    fn cuda_fwd(&self, out: &mut CudaStorage, out_layout: &Layout) -> candle_core::Result<()> {
+        let dev = out.device().clone();
+        let stream = dev.cuda_stream();
+        let (b, h, tq, d) = self.q.dims4()?;
+        let (_, hkv, tk, _) = self.k.dims4()?;
+        let dtype = self.q.dtype();
+        let wrap = |e: Error| candle_core::Error::wrap(e);
+        let ptx = ptx(d, dtype).map_err(wrap)?;
+        let module = format!("posenc_flash_forward_d{d}_{}", dtype.as_str());
+        let func = dev
+            .get_or_load_custom_func(FORWARD_ENTRY, &module, &ptx)
+            .map_err(|e| {
+                wrap(Error::Kernel {
+                    kernel: label(d, dtype),
+                    reason: format!("loading the module: {e}"),
+                })
+            })?;
+
+        let guards_q = self.q.storage_and_layout();
+        let guards_k = self.k.storage_and_layout();
+        let guards_v = self.v.storage_and_layout();
+        let term_guards: Vec<_> = self
+            .terms
+            .iter()
+            .map(|(t, _)| t.storage_and_layout())
+            .collect();
+        let pad_guard = self.padding.as_ref().map(|p| p.storage_and_layout());
+        let sink_guard = self.sinks.as_ref().map(|s| s.storage_and_layout());
+        let mut guards = Vec::new();
+        let mut p = Params::default();
+        macro_rules! cuda_of {
+            ($s:expr) => {
+                match &*$s {
+                    Storage::Cuda(c) => c,
+                    _ => candle_core::bail!(
+                        "an operand of the CUDA attention kernel is not on a CUDA device"
+                    ),
+                }
+            };
+        }
+        let (qs, ql) = (cuda_of!(guards_q.0), guards_q.1);
+        let (ks, kl) = (cuda_of!(guards_k.0), guards_k.1);
+        let (vs, vl) = (cuda_of!(guards_v.0), guards_v.1);
+        let strides3 = |l: &Layout| {
+            let s = l.stride();
+            [s[0] as i64, s[1] as i64, s[2] as i64]
+        };
+        match dtype {
+            DType::BF16 => {
+                p.q = address!(qs, ql, bf16, &stream, guards);
+                p.k = address!(ks, kl, bf16, &stream, guards);
+                p.v = address!(vs, vl, bf16, &stream, guards);
+            }
+            _ => {
+                p.q = address!(qs, ql, f16, &stream, guards);
+                p.k = address!(ks, kl, f16, &stream, guards);
+                p.v = address!(vs, vl, f16, &stream, guards);
+            }
+        }
+        (p.q_strides, p.k_strides, p.v_strides) = (strides3(ql), strides3(kl), strides3(vl));
+        for (n, ((_, relative), guard)) in self.terms.iter().zip(&term_guards).enumerate() {
+            let (s, l) = (cuda_of!(guard.0), guard.1);
+            let st = l.stride();
+            p.terms[n] = Term {
+                values: address!(s, l, f32, &stream, guards),
+                strides: [st[0] as i64, st[1] as i64, st[2] as i64, st[3] as i64],
+                shift: relative.map_or(0, |r| r.0),
+                width: relative.map_or(0, |r| r.1 as i64),
+            };
+        }
+        p.n_terms = self.terms.len() as i32;
+        if let (Some(guard), Some(pad)) = (&pad_guard, &self.padding) {
+            let (s, l) = (cuda_of!(guard.0), guard.1);
+            p.padding = address!(s, l, u8, &stream, guards);
+            p.padding_stride = if pad.dim(0)? == 1 { 0 } else { tk as i64 };
+        }
+        if let Some(guard) = &sink_guard {
+            let (s, l) = (cuda_of!(guard.0), guard.1);
+            p.sinks = address!(s, l, f32, &stream, guards);
+        }
+        p.out_rows = out_layout.dims()[1] as i64;
+        p.first_row = self.first_row as i64;
+        p.first = self.rule.first as i64;
+        p.window = self
+            .rule
+            .window
+            .map_or(-1, |w| w.min(i64::MAX as usize / 4) as i64);
+        p.batch = b as i32;
+        p.heads = h as i32;
+        p.kv_group = (h / hkv) as i32;
+        p.tq = tq as i32;
+        p.tk = tk as i32;
+        p.causal = i32::from(self.rule.causal);
+        p.skip = i32::from(self.skip);
+        p.softcap = self.rule.softcap.unwrap_or(0.0);
+        let cfg = LaunchConfig {
+            grid_dim: (tq.div_ceil(64) as u32, h as u32, b as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // The output's guard records the launch as a write when dropped after it.
+        let (base, out_guard) = match dtype {
+            DType::BF16 => out.as_cuda_slice_mut::<bf16>()?.device_ptr_mut(&stream),
+            _ => out.as_cuda_slice_mut::<f16>()?.device_ptr_mut(&stream),
+        };
+        p.out = base + (out_layout.start_offset() * 2) as u64;
+        let mut launch = func.builder();
+        launch.arg(&p);
+        // SAFETY: every address in `p` points into a live storage of the checked shape and
+        // dtype (read-locked above, the output borrowed mutably), and the kernel reads and
+        // writes only within the shapes in `p`.
+        unsafe { launch.launch(cfg) }.map_err(|e| {
+            wrap(Error::Kernel {
+                kernel: label(d, dtype),
+                reason: format!("launch: {e}"),
+            })
+        })?;
+        drop(out_guard);
+        drop(guards);
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every specialisation compiles with NVRTC (no GPU needed for this step, but NVRTC's
+    /// library must be found: it runs with the `cuda::` tests on a GPU machine).
+    #[test]
+    fn cuda_specialisations_compile() -> Result<()> {
+        for d in HEAD_DIMS {
+            for dtype in [DType::BF16, DType::F16] {
+                let ptx = ptx(d, dtype)?;
+                assert!(ptx.contains(FORWARD_ENTRY), "{}", label(d, dtype));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,272 @@
+//! The fused CUDA attention kernel (`attention::cuda`, the `cuda` feature) against the same
+//! block computed on the CPU in f64 from the same bf16/f16 weights and input: every zoo
+//! encoding, causal and bidirectional, lengths that are not a multiple of the kernel's tile,
+//! padding (a sequence padded whole included), grouped KV heads, ids, decoding with a cache,
+//! windows, soft caps and sinks, every specialised head dimension.
+//!
+//! This binary turns the kernel on for its whole process (the switch is process-wide, so it
+//! lives in a test binary of its own). Without the `cuda` feature it holds no test.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_posenc::attention::cuda::{kernel_launches, set_fused_kernel};
+use candle_posenc::{AttentionConfig, AttentionOptions, EncodingConfig, KvCache, Positions};
+
+/// The device's output against the f64 CPU block's: within 1e-2 of the largest output (q, k,
+/// v and the weights `P` are rounded to the operand type, about 2^-8 relative, as in
+/// PyTorch's flash kernels).
+fn close(got: &Tensor, want: &Tensor, what: &str) -> anyhow::Result<()> {
+    let got = got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let finite = got
+        .flatten_all()?
+        .to_vec1::<f64>()?
+        .iter()
+        .all(|x| x.is_finite());
+    assert!(finite, "{what}: a non-finite output");
+    common::assert_close_scaled(&got, want, 1e-2, 1e-2, what)
+}
+
+struct Case<'a> {
+    config: &'a EncodingConfig,
+    attn: AttentionConfig,
+    dtype: DType,
+    batch: usize,
+    len: usize,
+    /// Leading padded keys of the second sequence (all of them: a row masked whole).
+    padded: Option<usize>,
+    ids: bool,
+}
+
+/// One case at a time: the launch counter is process-wide.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs `case` on GPU 0 with the kernel on and on the CPU in f64; returns the kernel's
+/// launches.
+fn run(case: &Case) -> anyhow::Result<u64> {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    let d_model = case.attn.d_model;
+    let (_, varmap) = common::zoo::attention(case.config, &case.attn, case.dtype, &cpu)?;
+    let on_gpu = common::zoo::attention_from(case.config, &case.attn, &varmap, case.dtype, &gpu)?;
+    let on_cpu = common::zoo::attention_from(case.config, &case.attn, &varmap, DType::F64, &cpu)?;
+    let x =
+        Tensor::randn(0f32, 1.0, (case.batch, case.len, d_model), &cpu)?.to_dtype(case.dtype)?;
+    let pad = case
+        .padded
+        .map(|n| -> anyhow::Result<Tensor> {
+            let mut rows = vec![1u8; case.batch * case.len];
+            rows[(case.batch - 1) * case.len..][..n.min(case.len)].fill(0);
+            Ok(Tensor::from_vec(rows, (case.batch, case.len), &cpu)?)
+        })
+        .transpose()?;
+    let ids: Vec<u32> = (0..case.len as u32).map(|i| 3 * i + 1).collect();
+    let ids = Tensor::from_vec(ids, (1, case.len), &cpu)?;
+    let (p_cpu, p_gpu) = (
+        Positions::ids(&ids)?,
+        Positions::ids(&ids.to_device(&gpu)?)?,
+    );
+    let pad_gpu = pad.as_ref().map(|p| p.to_device(&gpu)).transpose()?;
+    let before = kernel_launches();
+    let got = on_gpu.forward_with(
+        &x.to_device(&gpu)?,
+        &AttentionOptions {
+            positions: case.ids.then_some(&p_gpu),
+            padding_mask: pad_gpu.as_ref(),
+            ..Default::default()
+        },
+        None,
+    )?;
+    let launches = kernel_launches() - before;
+    let want = on_cpu.forward_with(
+        &x.to_dtype(DType::F64)?,
+        &AttentionOptions {
+            positions: case.ids.then_some(&p_cpu),
+            padding_mask: pad.as_ref(),
+            ..Default::default()
+        },
+        None,
+    )?;
+    let what = format!(
+        "{} {:?} B{} T{} padded {:?} ids {}",
+        case.config.kind(),
+        case.dtype,
+        case.batch,
+        case.len,
+        case.padded,
+        case.ids
+    );
+    close(&got.output, &want.output, &what)?;
+    Ok(launches)
+}
+
+/// Every zoo encoding, causal and not, bf16 and f16, T = 100 (one full and one partial tile),
+/// with and without padding; every encoding but Shaw (a value term) takes the kernel.
+fn every_encoding_equals_f64() -> anyhow::Result<()> {
+    let (d_model, heads) = (256, 4);
+    for config in common::zoo::configs(d_model, heads, 64) {
+        for causal in [true, false] {
+            for dtype in [DType::BF16, DType::F16] {
+                for padded in [None, Some(7)] {
+                    let attn = AttentionConfig::new(d_model, heads)
+                        .with_kv_heads(2)
+                        .with_causal(causal);
+                    let case = Case {
+                        config: &config,
+                        attn,
+                        dtype,
+                        batch: 2,
+                        len: 100,
+                        padded,
+                        ids: false,
+                    };
+                    let launches = run(&case)?;
+                    let fused = !matches!(config, EncodingConfig::Shaw(_));
+                    assert_eq!(launches > 0, fused, "{} launches {launches}", config.kind());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A sequence whose every key is padded comes out finite (uniform over its keys, as on the
+/// other paths), bidirectional and causal.
+fn rows_masked_whole() -> anyhow::Result<()> {
+    let configs = common::zoo::configs(128, 2, 64);
+    for causal in [false, true] {
+        let case = Case {
+            config: &configs[0],
+            attn: AttentionConfig::new(128, 2).with_causal(causal),
+            dtype: DType::BF16,
+            batch: 2,
+            len: 70,
+            padded: Some(70),
+            ids: false,
+        };
+        assert!(run(&case)? > 0);
+    }
+    Ok(())
+}
+
+/// Positions as ids, every grouping of KV heads, and every specialised head dimension.
+fn ids_groups_and_head_dims() -> anyhow::Result<()> {
+    for head_dim in [32, 64, 96, 128] {
+        for kv_heads in [1, 2, 4] {
+            let (heads, d_model) = (4, 4 * head_dim);
+            let configs = common::zoo::configs(d_model, heads, head_dim);
+            for config in [&configs[3], &configs[7], &configs[11], &configs[13]] {
+                let case = Case {
+                    config,
+                    attn: AttentionConfig::new(d_model, heads)
+                        .with_kv_heads(kv_heads)
+                        .with_causal(true),
+                    dtype: DType::BF16,
+                    batch: 1,
+                    len: 65,
+                    padded: None,
+                    ids: true,
+                };
+                assert!(run(&case)? > 0, "{} d{head_dim}", config.kind());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sliding windows (causal and not), soft caps and sinks.
+fn windows_softcaps_and_sinks() -> anyhow::Result<()> {
+    let (d_model, heads) = (256, 4);
+    let configs = common::zoo::configs(d_model, heads, 64);
+    let shapes = [
+        AttentionConfig::new(d_model, heads)
+            .with_causal(true)
+            .with_sliding_window(Some(16)),
+        AttentionConfig::new(d_model, heads).with_sliding_window(Some(40)),
+        AttentionConfig::new(d_model, heads)
+            .with_causal(true)
+            .with_logit_softcap(Some(5.0)),
+        AttentionConfig::new(d_model, heads)
+            .with_causal(true)
+            .with_sinks(true),
+    ];
+    for attn in shapes {
+        for config in [&configs[0], &configs[3], &configs[8], &configs[11]] {
+            for padded in [None, Some(5)] {
+                let case = Case {
+                    config,
+                    attn: attn.clone(),
+                    dtype: DType::BF16,
+                    batch: 2,
+                    len: 150,
+                    padded,
+                    ids: false,
+                };
+                assert!(run(&case)? > 0, "{} {attn:?}", config.kind());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decoding: a prefill of 70 tokens then three single tokens through a KV cache (queries not
+/// at the keys' start, Tq ≠ Tk) equals the f64 block's whole forward.
+fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    let (d_model, heads) = (256, 4);
+    let attn = AttentionConfig::new(d_model, heads)
+        .with_kv_heads(2)
+        .with_causal(true);
+    for config in common::zoo::configs(d_model, heads, 64) {
+        let (_, varmap) = common::zoo::attention(&config, &attn, DType::BF16, &cpu)?;
+        let on_gpu = common::zoo::attention_from(&config, &attn, &varmap, DType::BF16, &gpu)?;
+        let on_cpu = common::zoo::attention_from(&config, &attn, &varmap, DType::F64, &cpu)?;
+        let x = Tensor::randn(0f32, 1.0, (1, 73, d_model), &cpu)?.to_dtype(DType::BF16)?;
+        let want = on_cpu.forward(&x.to_dtype(DType::F64)?)?;
+        let xg = x.to_device(&gpu)?;
+        let mut cache = KvCache::new();
+        let opts = AttentionOptions::default();
+        let mut outs = vec![
+            on_gpu
+                .forward_with(&xg.narrow(1, 0, 70)?, &opts, Some(&mut cache))?
+                .output,
+        ];
+        for t in 70..73 {
+            outs.push(
+                on_gpu
+                    .forward_with(&xg.narrow(1, t, 1)?, &opts, Some(&mut cache))?
+                    .output,
+            );
+        }
+        let got = Tensor::cat(&outs, 1)?;
+        close(&got, &want, &format!("decoding {}", config.kind()))?;
+    }
+    Ok(())
+}
+
+/// The tests, named `cuda::…` so that the GPU runner's filter finds them.
+mod cuda {
+    #[test]
+    fn every_encoding_equals_f64() -> anyhow::Result<()> {
+        super::every_encoding_equals_f64()
+    }
+    #[test]
+    fn rows_masked_whole() -> anyhow::Result<()> {
+        super::rows_masked_whole()
+    }
+    #[test]
+    fn ids_groups_and_head_dims() -> anyhow::Result<()> {
+        super::ids_groups_and_head_dims()
+    }
+    #[test]
+    fn windows_softcaps_and_sinks() -> anyhow::Result<()> {
+        super::windows_softcaps_and_sinks()
+    }
+    #[test]
+    fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
+        super::decoding_equals_the_whole_forward()
+    }
+}
