@@ -55,7 +55,9 @@ pub struct AttentionContext<'a> {
     pub keys: &'a Positions,
     /// Number of keys.
     pub k_len: usize,
-    /// Whether each query sees only keys at or before it.
+    /// Whether each query sees only keys at or before it (in key order; with offsets, keys at
+    /// positions up to its own). A bias may then answer anything for the keys it does not see:
+    /// they are masked.
     pub causal: bool,
     /// Training mode (dropout on, gradients expected).
     pub train: bool,

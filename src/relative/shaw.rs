@@ -200,7 +200,8 @@ impl ShawRelativePosition {
     /// The rows of the tables the context's pairs can reach: `(lo, width)`, the clamped
     /// columns `r(i, j)` of every pair lying in `lo..lo + width` (at most `Tq + Tk − 1` of the
     /// `2k + 1`, so a large `k` costs nothing when queries and keys are few). For offsets the
-    /// span is exact; for explicit ids it is bounded by the ids' ends (ids are ≥ 0).
+    /// span is exact (causal: up to distance 0, the keys a query sees); for explicit ids it is
+    /// bounded by the ids' ends (ids are ≥ 0).
     fn span(&self, ctx: &AttentionContext) -> (usize, usize) {
         let k = self.config.max_distance as i128;
         let (tq, tk) = (ctx.q_len as i128, ctx.k_len as i128);
@@ -217,6 +218,14 @@ impl ShawRelativePosition {
                 -(queries.end(ctx.q_len) as i128 - 1),
                 keys.end(ctx.k_len) as i128 - 1,
             ),
+        };
+        // A causal query sees no key past its own position: with offsets (positions in key
+        // order) the distances it reaches stop at 0, and the rows need only the k + 1 columns
+        // of distances ≤ 0 (half the products q · a^K, and of a^V's rows). A key past it is
+        // masked, whatever column it reads.
+        let high = match (ctx.causal, ctx.queries, ctx.keys) {
+            (true, Positions::Offset(_), Positions::Offset(_)) => high.min(0),
+            _ => high,
         };
         let lo = (low.clamp(-k, k) + k) as usize;
         let hi = (high.clamp(-k, k) + k) as usize;
