@@ -373,6 +373,7 @@ impl Chunk<'_> {
         let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
         let ctx = AttentionContext::new(&q_positions, n, &k_positions, kv)
             .with_causal(self.causal)
+            .with_masks_unseen(true)
             .with_train(self.train)
             .with_sinks(self.sinks.is_some());
         let q = narrowed(&self.q, 2, start, n, t)?;

@@ -55,10 +55,13 @@ pub struct AttentionContext<'a> {
     pub keys: &'a Positions,
     /// Number of keys.
     pub k_len: usize,
-    /// Whether each query sees only keys at or before it (in key order; with offsets, keys at
-    /// positions up to its own). A bias may then answer anything for the keys it does not see:
-    /// they are masked.
+    /// Whether each query sees only keys at or before it.
     pub causal: bool,
+    /// Whether the caller masks every key a causal query does not see (keys past its own
+    /// position), as the crate's attention block does: a bias may then answer anything for
+    /// those pairs, and Shaw's products stop at distance 0. Default `false`: a hook answers
+    /// every pair exactly.
+    pub masks_unseen: bool,
     /// Training mode (dropout on, gradients expected).
     pub train: bool,
     /// Whether the softmax has sink logits (gpt-oss). Without them the weights ignore a
@@ -76,6 +79,7 @@ impl<'a> AttentionContext<'a> {
             keys,
             k_len,
             causal: false,
+            masks_unseen: false,
             train: false,
             sinks: false,
         }
@@ -101,6 +105,12 @@ impl<'a> AttentionContext<'a> {
     /// Sets causality.
     pub fn with_causal(mut self, causal: bool) -> Self {
         self.causal = causal;
+        self
+    }
+
+    /// Sets whether the caller masks the keys a causal query does not see.
+    pub fn with_masks_unseen(mut self, masks_unseen: bool) -> Self {
+        self.masks_unseen = masks_unseen;
         self
     }
 

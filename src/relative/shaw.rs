@@ -200,8 +200,8 @@ impl ShawRelativePosition {
     /// The rows of the tables the context's pairs can reach: `(lo, width)`, the clamped
     /// columns `r(i, j)` of every pair lying in `lo..lo + width` (at most `Tq + Tk − 1` of the
     /// `2k + 1`, so a large `k` costs nothing when queries and keys are few). For offsets the
-    /// span is exact (causal: up to distance 0, the keys a query sees); for explicit ids it is
-    /// bounded by the ids' ends (ids are ≥ 0).
+    /// span is exact (up to distance 0 when the caller masks the keys a causal query does not
+    /// see); for explicit ids it is bounded by the ids' ends (ids are ≥ 0).
     fn span(&self, ctx: &AttentionContext) -> (usize, usize) {
         let k = self.config.max_distance as i128;
         let (tq, tk) = (ctx.q_len as i128, ctx.k_len as i128);
@@ -219,11 +219,11 @@ impl ShawRelativePosition {
                 keys.end(ctx.k_len) as i128 - 1,
             ),
         };
-        // A causal query sees no key past its own position: with offsets (positions in key
-        // order) the distances it reaches stop at 0, and the rows need only the k + 1 columns
-        // of distances ≤ 0 (half the products q · a^K, and of a^V's rows). A key past it is
-        // masked, whatever column it reads.
-        let high = match (ctx.causal, ctx.queries, ctx.keys) {
+        // A causal query sees no key past its own position: when the caller masks those keys,
+        // with offsets (positions in key order) the distances it reaches stop at 0, and the
+        // rows need only the k + 1 columns of distances ≤ 0 (half the products q · a^K, and of
+        // a^V's rows). A key past it reads the last column, and is masked.
+        let high = match (ctx.causal && ctx.masks_unseen, ctx.queries, ctx.keys) {
             (true, Positions::Offset(_), Positions::Offset(_)) => high.min(0),
             _ => high,
         };
@@ -337,6 +337,66 @@ mod tests {
             .to_vec1::<f32>()?;
         // Key 0 at distance 0 reads row 1: 0 · 1e10 + 1 · 2; key 1 reads row 2: 0 · 4 + 1 · 5.
         assert_eq!(got, vec![2.0, 5.0]);
+        Ok(())
+    }
+
+    /// A causal block that masks the keys its queries do not see gets k + 1 columns (distances
+    /// ≤ 0) where a hook asked for every pair gets 2k + 1: both give the same bias and value
+    /// sums at every pair a query sees, for queries at and after their keys' start.
+    #[test]
+    fn masked_causal_rows_stop_at_distance_zero() -> Result<()> {
+        let dev = Device::Cpu;
+        let vb = VarBuilder::from_tensors(
+            [
+                (
+                    "relative_keys.weight".to_string(),
+                    Tensor::randn(0f32, 1.0, (9, 4), &dev)?,
+                ),
+                (
+                    "relative_values.weight".to_string(),
+                    Tensor::randn(0f32, 1.0, (9, 4), &dev)?,
+                ),
+            ]
+            .into(),
+            DType::F32,
+            &dev,
+        );
+        let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 4).with_values(true), vb)?;
+        let q = Tensor::randn(0f32, 1.0, (1, 2, 3, 4), &dev)?;
+        for (qs, ks, tk) in [(0usize, 0usize, 3usize), (7, 0, 10), (2, 0, 5)] {
+            let (qp, kp) = (Positions::Offset(qs), Positions::Offset(ks));
+            let all = AttentionContext::new(&qp, 3, &kp, tk).with_causal(true);
+            let masked = all.clone().with_masks_unseen(true);
+            let rows = |ctx: &AttentionContext| -> Result<RelativeBias> {
+                match shaw.logits_bias(&q, ctx)? {
+                    Some(LogitsBias::Relative(r)) => Ok(r),
+                    _ => panic!("Shaw answers with rows"),
+                }
+            };
+            let (full, half) = (rows(&all)?, rows(&masked)?);
+            assert!(
+                half.width() <= 5 && half.width() < full.width(),
+                "{qs} {ks} {tk}"
+            );
+            // 1 where query i (at qs + i) sees key j (at ks + j).
+            let seen: Vec<f32> = (0..3)
+                .flat_map(|i| (0..tk).map(move |j| f32::from(u8::from(ks + j <= qs + i))))
+                .collect();
+            let seen = Tensor::from_vec(seen, (1, 1, 3, tk), &dev)?.broadcast_as((1, 2, 3, tk))?;
+            let a = (full.to_dense(3, tk)?.broadcast_as((1, 2, 3, tk))? * &seen)?;
+            let b = (half.to_dense(3, tk)?.broadcast_as((1, 2, 3, tk))? * &seen)?;
+            let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff <= 1e-6, "{qs} {ks} {tk}: bias differs by {diff}");
+            let probs = (Tensor::rand(0f32, 1.0, (1, 2, 3, tk), &dev)? * &seen)?;
+            let value = |ctx: &AttentionContext| -> Result<Tensor> {
+                shaw.value_term(ctx)?.expect("values").weighted_sum(&probs)
+            };
+            let diff = (value(&all)? - value(&masked)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert!(diff <= 1e-6, "{qs} {ks} {tk}: value sums differ by {diff}");
+        }
         Ok(())
     }
 }
