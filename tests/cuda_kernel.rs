@@ -211,38 +211,56 @@ fn windows_softcaps_and_sinks() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Decoding: a prefill of 70 tokens then three single tokens through a KV cache (queries not
-/// at the keys' start, Tq ≠ Tk) equals the f64 block's whole forward.
+/// Decoding: a prefill of 70 or 600 tokens then three single tokens through a KV cache
+/// (queries not at the keys' start, Tq ≠ Tk; at 600 the keys are split across thread blocks
+/// and merged by the combining kernel) equals the f64 block's whole forward, plain, with sinks
+/// and with a sliding window.
 fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     set_fused_kernel(true);
     let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
     let (d_model, heads) = (256, 4);
-    let attn = AttentionConfig::new(d_model, heads)
+    let causal = AttentionConfig::new(d_model, heads)
         .with_kv_heads(2)
         .with_causal(true);
-    for config in common::zoo::configs(d_model, heads, 64) {
-        let (_, varmap) = common::zoo::attention(&config, &attn, DType::BF16, &cpu)?;
-        let on_gpu = common::zoo::attention_from(&config, &attn, &varmap, DType::BF16, &gpu)?;
-        let on_cpu = common::zoo::attention_from(&config, &attn, &varmap, DType::F64, &cpu)?;
-        let x = Tensor::randn(0f32, 1.0, (1, 73, d_model), &cpu)?.to_dtype(DType::BF16)?;
-        let want = on_cpu.forward(&x.to_dtype(DType::F64)?)?;
-        let xg = x.to_device(&gpu)?;
-        let mut cache = KvCache::new();
-        let opts = AttentionOptions::default();
-        let mut outs = vec![
-            on_gpu
-                .forward_with(&xg.narrow(1, 0, 70)?, &opts, Some(&mut cache))?
-                .output,
-        ];
-        for t in 70..73 {
-            outs.push(
-                on_gpu
-                    .forward_with(&xg.narrow(1, t, 1)?, &opts, Some(&mut cache))?
-                    .output,
-            );
+    let shapes = [
+        causal.clone(),
+        causal.clone().with_sinks(true),
+        causal.with_sliding_window(Some(100)),
+    ];
+    for attn in &shapes {
+        for config in common::zoo::configs(d_model, heads, 64) {
+            for prefill in [70, 600] {
+                let (_, varmap) = common::zoo::attention(&config, attn, DType::BF16, &cpu)?;
+                let on_gpu =
+                    common::zoo::attention_from(&config, attn, &varmap, DType::BF16, &gpu)?;
+                let on_cpu = common::zoo::attention_from(&config, attn, &varmap, DType::F64, &cpu)?;
+                let len = prefill + 3;
+                let x = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+                let want = on_cpu.forward(&x.to_dtype(DType::F64)?)?;
+                let xg = x.to_device(&gpu)?;
+                let mut cache = KvCache::new();
+                let opts = AttentionOptions::default();
+                let mut outs = vec![
+                    on_gpu
+                        .forward_with(&xg.narrow(1, 0, prefill)?, &opts, Some(&mut cache))?
+                        .output,
+                ];
+                let before = kernel_launches();
+                for t in prefill..len {
+                    outs.push(
+                        on_gpu
+                            .forward_with(&xg.narrow(1, t, 1)?, &opts, Some(&mut cache))?
+                            .output,
+                    );
+                }
+                let fused = !matches!(config, EncodingConfig::Shaw(_));
+                assert_eq!(kernel_launches() > before, fused, "{}", config.kind());
+                let got = Tensor::cat(&outs, 1)?;
+                let what = format!("decoding {} after {prefill}, {attn:?}", config.kind());
+                close(&got, &want, &what)?;
+            }
         }
-        let got = Tensor::cat(&outs, 1)?;
-        close(&got, &want, &format!("decoding {}", config.kind()))?;
     }
     Ok(())
 }

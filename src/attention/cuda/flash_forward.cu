@@ -11,6 +11,11 @@
 //           acc_i ← α_i acc_i + P v[b, h / r, J]                (mma.m16n8k16, f32)
 //       out[b, first_row + i, h, :] = acc_i / l_i;  lse[b, h, first_row + i] = m_i + ln l_i
 //
+// Few queries against many keys (decoding) split the keys instead (flash-decoding): with
+// key_split > 0, block x takes keys [x·key_split, (x + 1)·key_split) of the one query tile and
+// writes its unnormalised acc_i, m_i and l_i to `partial`; posenc_flash_combine then merges the
+// splits (M = max(sink, max_s m_s), out = Σ_s e^(m_s − M) acc_s / (e^(sink − M) + Σ_s e^(m_s − M) l_s)).
+//
 // A term is an f32 tensor read through four strides (batch, head, query row, key or column):
 // dense (a key's column is j) or relative (column clamp(j − i + shift, 0, W − 1)), the plug's
 // two forms. A key hidden by the row's rule or the padding has the logit −FLT_MAX, not −∞,
@@ -42,9 +47,11 @@
 #if POSENC_BF16
 #define MMA_TYPE "bf16"
 #define CVT_X2 "cvt.rn.bf16x2.f32"
+#define CVT_1 "cvt.rn.bf16.f32"
 #else
 #define MMA_TYPE "f16"
 #define CVT_X2 "cvt.rn.f16x2.f32"
+#define CVT_1 "cvt.rn.f16.f32"
 #endif
 
 typedef unsigned short elem_t;  // a bf16 or f16, as bits: only the tensor cores read them
@@ -70,6 +77,7 @@ struct Params {
   u64 lse;           // float*: (B, H, out_rows), contiguous; 0 for none
   u64 padding;       // const unsigned char*: (B|1, Tk) rows of padding_stride; 0 for none
   u64 sinks;         // const float*: (H); 0 for none
+  u64 partial;       // float*: (B, H, splits, Tq, D + 2) = acc, m, l per split (key_split > 0)
   i64 q_strides[3];  // batch, head, row (the last axis is contiguous)
   i64 k_strides[3];
   i64 v_strides[3];
@@ -83,7 +91,7 @@ struct Params {
   int skip;          // visit only the keys some row of the tile can see
   int n_terms;
   float softcap;     // 0: none
-  int pad0;
+  int key_split;     // > 0: keys per block (a multiple of BN), one query tile, partial results
   Term terms[MAX_TERMS];
 };
 
@@ -114,6 +122,13 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
                ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A float rounded to the operand type.
+__device__ __forceinline__ elem_t to_elem(float x) {
+  elem_t r;
+  asm(CVT_1 " %0, %1;" : "=h"(r) : "f"(x));
+  return r;
 }
 
 // Two floats rounded to the operand type, `lo` in the low half.
@@ -169,7 +184,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
   __shared__ alignas(16) elem_t s_qk[BM * STRIDE];  // the query tile, then each key tile
   __shared__ alignas(16) elem_t s_v[BN * STRIDE];
 
-  const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BM;
+  const bool split = p.key_split > 0;
+  const int b = blockIdx.z, h = blockIdx.y, q0 = split ? 0 : blockIdx.x * BM;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int hk = h / p.kv_group;
@@ -188,11 +204,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
   // This thread's two rows (block-local query indices).
   const int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   const float sink = p.sinks ? reinterpret_cast<const float*>(p.sinks)[h] : 0.0f;
+  // With split keys the combining kernel counts the sink, once.
+  const bool sinks = p.sinks && !split;
   float m[2], l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    m[r] = p.sinks ? sink : -__int_as_float(0x7f800000);
-    l[r] = (p.sinks && t4 == 0) ? 1.0f : 0.0f;  // the sink's e^0, counted once per row
+    m[r] = sinks ? sink : -__int_as_float(0x7f800000);
+    l[r] = (sinks && t4 == 0) ? 1.0f : 0.0f;  // the sink's e^0, counted once per row
   }
   float o[HEAD_DIM / 8][4];
 #pragma unroll
@@ -200,10 +218,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
     o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   }
 
-  i64 lo = 0, hi = p.tk;
+  // The keys the tile's rows can see (every key unless `skip`), and the ones this block visits:
+  // with split keys, its own split's (whole tiles: key_split is a multiple of BN).
+  i64 seen_lo = 0, seen_hi = p.tk;
   if (p.skip) {
     const i64 i1 = (q0 + BM < p.tq) ? q0 + BM : p.tq;
-    keys_seen(p, q0, i1, &lo, &hi);
+    keys_seen(p, q0, i1, &seen_lo, &seen_hi);
+  }
+  i64 lo = seen_lo, hi = seen_hi;
+  if (split) {
+    const i64 s0 = (i64)blockIdx.x * p.key_split;
+    lo = lo > s0 ? lo : s0;
+    hi = hi < s0 + p.key_split ? hi : s0 + p.key_split;
   }
   const unsigned char* pad =
       p.padding ? reinterpret_cast<const unsigned char*>(p.padding) + b * p.padding_stride : 0;
@@ -240,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
         const i64 i = rows[e / 2];
         const i64 j = k0 + n * 8 + 2 * t4 + (e & 1);
         float x = s[n][e];
-        if (j >= p.tk || (p.skip && (j < lo || j >= hi))) {
+        if (j >= p.tk || (p.skip && (j < seen_lo || j >= seen_hi))) {
           x = -__int_as_float(0x7f800000);
         } else {
           const i64 pos = p.first + i;
@@ -329,6 +355,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     const i64 i = rows[r];
     if (i >= p.tq) continue;
+    if (split) {
+      float* dst = reinterpret_cast<float*>(p.partial) +
+                   ((((i64)b * p.heads + h) * gridDim.x + blockIdx.x) * p.tq + i) * (HEAD_DIM + 2);
+#pragma unroll
+      for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        dst[n * 8 + 2 * t4] = o[n][2 * r];
+        dst[n * 8 + 2 * t4 + 1] = o[n][2 * r + 1];
+      }
+      if (t4 == 0) {
+        dst[HEAD_DIM] = m[r];
+        dst[HEAD_DIM + 1] = l[r];
+      }
+      continue;
+    }
     const float inv = 1.0f / l[r];
     const i64 row = (i64)b * p.out_rows + p.first_row + i;
     elem_t* dst = out + (row * p.heads + h) * HEAD_DIM + 2 * t4;
@@ -339,5 +379,34 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
     if (lse && t4 == 0) {
       lse[((i64)b * p.heads + h) * p.out_rows + p.first_row + i] = m[r] + logf(l[r]);
     }
+  }
+}
+
+// Merges the splits of posenc_flash_forward's split keys: one thread block per (query, head,
+// sequence), one thread per feature.
+extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(const Params p,
+                                                                          int splits) {
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
+  const float neg_inf = -__int_as_float(0x7f800000);
+  const i64 stride = (i64)p.tq * (HEAD_DIM + 2);
+  const float* part = reinterpret_cast<const float*>(p.partial) +
+                      (((i64)b * p.heads + h) * splits * p.tq + i) * (HEAD_DIM + 2);
+  const float* sinks = reinterpret_cast<const float*>(p.sinks);
+  float mx = sinks ? sinks[h] : neg_inf;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * stride + HEAD_DIM]);
+  const float ms = mx == neg_inf ? 0.0f : mx;  // every split −∞: weights 0, the output NaN
+  float l = sinks ? exp2f((sinks[h] - ms) * LOG2E) : 0.0f;
+  float acc = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float* q = part + s * stride;
+    const float w = exp2f((q[HEAD_DIM] - ms) * LOG2E);
+    l += w * q[HEAD_DIM + 1];
+    acc += w * q[d];
+  }
+  const i64 row = (i64)b * p.out_rows + p.first_row + i;
+  reinterpret_cast<elem_t*>(p.out)[(row * p.heads + h) * HEAD_DIM + d] = to_elem(acc / l);
+  if (p.lse && d == 0) {
+    reinterpret_cast<float*>(p.lse)[((i64)b * p.heads + h) * p.out_rows + p.first_row + i] =
+        mx + logf(l);
   }
 }

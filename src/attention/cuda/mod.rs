@@ -48,6 +48,10 @@ const MAX_TERMS: usize = 4;
 
 const FORWARD: &str = include_str!("flash_forward.cu");
 const FORWARD_ENTRY: &str = "posenc_flash_forward";
+const COMBINE_ENTRY: &str = "posenc_flash_combine";
+
+/// Queries per thread block of the forward kernel (`BM`), and keys per tile (`BN`).
+const TILE: usize = 64;
 
 /// 0: not yet read from the environment; 1: off; 2: on.
 static ENABLED: AtomicU8 = AtomicU8::new(0);
@@ -97,14 +101,38 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 /// Compute capability 8.0 or more.
 fn capable(q: &Tensor) -> bool {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let candle_core::Device::Cuda(dev) = q.device() else {
-        return false;
+    attribute(
+        q,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+    )
+    .is_some_and(|m| m >= 8)
+}
+
+/// An attribute of the CUDA device `t` is on.
+fn attribute(
+    t: &Tensor,
+    which: candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute,
+) -> Option<i32> {
+    let candle_core::Device::Cuda(dev) = t.device() else {
+        return None;
     };
-    let major = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
-    major.is_ok_and(|m| m >= 8)
+    dev.cuda_stream().context().attribute(which).ok()
+}
+
+/// How a launch shares out the keys: `(splits, keys per split)`. A few queries (one tile)
+/// against many keys on fewer thread blocks than the GPU has multiprocessors split the keys
+/// (flash-decoding), about two blocks per multiprocessor in all, each at least one tile of
+/// keys; otherwise `(1, 0)`, one block per query tile with every key.
+fn key_splits(blocks: usize, tq: usize, tk: usize, multiprocessors: usize) -> (usize, usize) {
+    if tq > TILE || blocks >= multiprocessors || tk < 2 * TILE {
+        return (1, 0);
+    }
+    let want = (2 * multiprocessors).div_ceil(blocks.max(1));
+    let per = tk.div_ceil(want).next_multiple_of(TILE).max(TILE);
+    match tk.div_ceil(per) {
+        1 => (1, 0),
+        splits => (splits, per),
+    }
 }
 
 /// One additive term as the kernel reads it; field for field `Term` in flash_forward.cu.
@@ -128,6 +156,7 @@ struct Params {
     lse: u64,
     padding: u64,
     sinks: u64,
+    partial: u64,
     q_strides: [i64; 3],
     k_strides: [i64; 3],
     v_strides: [i64; 3],
@@ -145,7 +174,7 @@ struct Params {
     skip: i32,
     n_terms: i32,
     softcap: f32,
-    pad0: i32,
+    key_split: i32,
     terms: [Term; MAX_TERMS],
 }
 
@@ -323,7 +352,25 @@ impl CudaCore<'_> {
         ] {
             crate::error::check_device(what, t, self.q.device())?;
         }
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+        let multiprocessors = attribute(
+            self.q,
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .map_or(1, |n| n.max(1) as usize);
+        let (splits, key_split) = key_splits(b * h, tq, tk, multiprocessors);
+        let partial = match splits {
+            1 => None,
+            _ => Some(Tensor::zeros(
+                (b, h, splits, tq, d + 2),
+                DType::F32,
+                self.q.device(),
+            )?),
+        };
         let op = LaunchOp {
+            splits,
+            key_split,
+            partial,
             q: rows_aligned(self.q)?,
             k: rows_aligned(self.k)?,
             v: rows_aligned(self.v)?,
@@ -412,6 +459,11 @@ type PtxCache = HashMap<(usize, DType), Arc<str>>;
 
 /// The launch, as an in-place op on the merged output.
 struct LaunchOp {
+    /// Key splits (1: none) and keys per split.
+    splits: usize,
+    key_split: usize,
+    /// `(B, H, splits, Tq, D + 2)` f32: each split's unnormalised output, maximum and sum.
+    partial: Option<Tensor>,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -507,6 +559,7 @@ impl InplaceOp1 for LaunchOp {
             .collect();
         let pad_guard = self.padding.as_ref().map(|p| p.storage_and_layout());
         let sink_guard = self.sinks.as_ref().map(|s| s.storage_and_layout());
+        let partial_guard = self.partial.as_ref().map(|s| s.storage_and_layout());
         let mut guards = Vec::new();
         let mut p = Params::default();
         macro_rules! cuda_of {
@@ -559,6 +612,11 @@ impl InplaceOp1 for LaunchOp {
             let (s, l) = (cuda_of!(guard.0), guard.1);
             p.sinks = address!(s, l, f32, &stream, guards);
         }
+        if let Some(guard) = &partial_guard {
+            let (s, l) = (cuda_of!(guard.0), guard.1);
+            p.partial = address!(s, l, f32, &stream, guards);
+            p.key_split = self.key_split as i32;
+        }
         p.out_rows = out_layout.dims()[1] as i64;
         p.first_row = self.first_row as i64;
         p.first = self.rule.first as i64;
@@ -574,8 +632,12 @@ impl InplaceOp1 for LaunchOp {
         p.causal = i32::from(self.rule.causal);
         p.skip = i32::from(self.skip);
         p.softcap = self.rule.softcap.unwrap_or(0.0);
+        let tiles = match self.splits {
+            1 => tq.div_ceil(TILE),
+            splits => splits,
+        };
         let cfg = LaunchConfig {
-            grid_dim: (tq.div_ceil(64) as u32, h as u32, b as u32),
+            grid_dim: (tiles as u32, h as u32, b as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -596,6 +658,33 @@ impl InplaceOp1 for LaunchOp {
                 reason: format!("launch: {e}"),
             })
         })?;
+        if self.splits > 1 {
+            let combine = dev
+                .get_or_load_custom_func(COMBINE_ENTRY, &module, &ptx)
+                .map_err(|e| {
+                    wrap(Error::Kernel {
+                        kernel: label(d, dtype),
+                        reason: format!("loading {COMBINE_ENTRY}: {e}"),
+                    })
+                })?;
+            let splits = self.splits as i32;
+            let cfg = LaunchConfig {
+                grid_dim: (tq as u32, h as u32, b as u32),
+                block_dim: (d as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = combine.builder();
+            launch.arg(&p);
+            launch.arg(&splits);
+            // SAFETY: as above; the combining kernel reads `partial`, which the forward wrote
+            // on the same stream before it, and writes the output rows the forward did not.
+            unsafe { launch.launch(cfg) }.map_err(|e| {
+                wrap(Error::Kernel {
+                    kernel: format!("{COMBINE_ENTRY} d{d} {}", dtype.as_str()),
+                    reason: format!("launch: {e}"),
+                })
+            })?;
+        }
         drop(out_guard);
         drop(guards);
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
@@ -606,6 +695,23 @@ impl InplaceOp1 for LaunchOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Decoding splits its keys into whole tiles, about two thread blocks per multiprocessor;
+    /// many blocks, many queries or few keys do not split.
+    #[test]
+    fn cuda_key_splits() {
+        // One query, 16 heads, 16384 keys on 132 multiprocessors: 16 splits of 1024 keys.
+        let (splits, per) = key_splits(16, 1, 16384, 132);
+        assert_eq!((splits, per), (16, 1024));
+        assert!(per % TILE == 0 && splits * per >= 16384 && (splits - 1) * per < 16384);
+        assert_eq!(key_splits(16 * 132, 1, 16384, 132), (1, 0));
+        assert_eq!(key_splits(16, 65, 16384, 132), (1, 0));
+        assert_eq!(key_splits(16, 1, 100, 132), (1, 0));
+        // Every split holds at least one tile.
+        let (splits, per) = key_splits(1, 1, 200, 132);
+        assert_eq!(per, TILE);
+        assert_eq!(splits, 4);
+    }
 
     /// Every specialisation compiles with NVRTC (no GPU needed for this step, but NVRTC's
     /// library must be found: it runs with the `cuda::` tests on a GPU machine).
