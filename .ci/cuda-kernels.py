@@ -4,8 +4,9 @@ first use, then assembles each with ptxas for sm_90 (H100/H200) and prints its r
 wheels (see .ci/cuda-kernels, which installs them).
 
 The specialisations are read from `src/attention/cuda/mod.rs` itself (its `ARCH` and
-`HEAD_DIMS`, with bf16 and f16 each), and the -D options are the ones its `compile_options`
-passes, so the script compiles what the crate compiles at run time.
+`HEAD_DIMS`, with bf16 and f16 each; `forward_defines` passes the same -D options), plus the
+rotation in place of `src/rotary/cuda.rs` per dtype, so the script compiles what the crate
+compiles at run time.
 """
 import ctypes
 import pathlib
@@ -27,7 +28,11 @@ def specialisations():
     for d in dims:
         for bf16 in (1, 0):
             opts = [f"--gpu-architecture={arch}", f"-DPOSENC_HEAD_DIM={d}", f"-DPOSENC_BF16={bf16}"]
-            out.append(("flash_forward.cu", opts, f"d{d} {'bf16' if bf16 else 'f16'}"))
+            out.append((KERNELS / "flash_forward.cu", opts, f"d{d} {'bf16' if bf16 else 'f16'}"))
+    # The rotation in place (src/rotary/cuda.rs): one specialisation per dtype.
+    for code, name in enumerate(("f32", "bf16", "f16", "f64")):
+        opts = [f"--gpu-architecture={arch}", f"-DPOSENC_ROPE_DTYPE={code}"]
+        out.append((ROOT / "src" / "rotary" / "rope_in_place.cu", opts, name))
     return arch, out
 
 
@@ -55,7 +60,7 @@ def main():
     arch, specs = specialisations()
     failed = False
     for file, opts, label in specs:
-        ptx, log = nvrtc(lib, (KERNELS / file).read_text(), file, opts)
+        ptx, log = nvrtc(lib, file.read_text(), file.name, opts)
         if log:
             print(f"{label}: NVRTC says:\n{log}")
         with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,10 @@ mod common;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_posenc::attention::cuda::{kernel_launches, set_fused_kernel};
-use candle_posenc::{AttentionConfig, AttentionOptions, EncodingConfig, KvCache, Positions};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, EncodingConfig, KvCache, Positions, QkLayout, RopeConfig,
+    RopeLayout, RotaryEmbedding,
+};
 
 /// The device's output against the f64 CPU block's: within 1e-2 of the largest output (q, k,
 /// v and the weights `P` are rounded to the operand type, about 2^-8 relative, as in
@@ -265,6 +268,99 @@ fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The rotation in place on CUDA (`rope_in_place.cu`) equals the CPU's for every pair layout,
+/// axis order, partial rotary, xPos, per-sequence ids and dtype, within the type's rounding
+/// (the GPU may fuse a product and a sum), leaving the pass-through features alone.
+fn rotation_in_place_equals_the_cpu() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    let ids = Tensor::new(&[[3u32, 0, 9, 1, 4], [7, 7, 2, 100, 5]], &cpu)?;
+    let (ids_cpu, ids_gpu) = (
+        Positions::ids(&ids)?,
+        Positions::ids(&ids.to_device(&gpu)?)?,
+    );
+    let configs = common::zoo::rope_variants();
+    for cfg in configs {
+        let (on_cpu, on_gpu) = (
+            RotaryEmbedding::new(&cfg, &cpu)?,
+            RotaryEmbedding::new(&cfg, &gpu)?,
+        );
+        for layout in [QkLayout::Bhtd, QkLayout::Bthd] {
+            let shape = match layout {
+                QkLayout::Bhtd => (2, 3, 5, 16),
+                QkLayout::Bthd => (2, 5, 3, 16),
+            };
+            for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                let offsets = (Positions::Offset(4), Positions::Offset(0));
+                for (cpu_pos, gpu_pos) in [
+                    (&offsets, &offsets),
+                    (
+                        &(ids_cpu.clone(), ids_cpu.clone()),
+                        &(ids_gpu.clone(), ids_gpu.clone()),
+                    ),
+                ] {
+                    let q = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let k = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let (qc, kc) = on_cpu.rotate_queries_keys_owned(
+                        q.copy()?,
+                        k.copy()?,
+                        &cpu_pos.0,
+                        &cpu_pos.1,
+                        layout,
+                    )?;
+                    let (qg, kg) = on_gpu.rotate_queries_keys_owned(
+                        q.to_device(&gpu)?,
+                        k.to_device(&gpu)?,
+                        &gpu_pos.0,
+                        &gpu_pos.1,
+                        layout,
+                    )?;
+                    let what = format!("{cfg:?} {layout:?} {dtype:?}");
+                    assert_eq!(qg.dtype(), dtype, "{what}");
+                    let tol = match dtype {
+                        DType::F32 | DType::F64 => 1e-6,
+                        _ => 1e-2,
+                    };
+                    common::assert_close(&qg.to_device(&cpu)?, &qc, tol, &what)?;
+                    common::assert_close(&kg.to_device(&cpu)?, &kc, tol, &what)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The gradient of a rotation on CUDA (the in-place kernel by −θ) equals the CPU's.
+fn rotation_gradient_equals_the_cpu() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    for cfg in [
+        RopeConfig::new(16),
+        RopeConfig::new(16).with_layout(RopeLayout::Interleaved),
+    ] {
+        for layout in [QkLayout::Bhtd, QkLayout::Bthd] {
+            let x = Tensor::randn(0f32, 1.0, (2, 5, 3, 16), &cpu)?;
+            let probe = Tensor::randn(0f32, 1.0, (2, 5, 3, 16), &cpu)?;
+            let grad_on = |dev: &Device| -> anyhow::Result<Tensor> {
+                let rope = RotaryEmbedding::new(&cfg, dev)?;
+                let var = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
+                let y = rope.rotate_queries(var.as_tensor(), &Positions::Offset(3), layout)?;
+                let loss = (y * probe.to_device(dev)?)?.sum_all()?;
+                let grads = loss.backward()?;
+                Ok(grads
+                    .get(var.as_tensor())
+                    .expect("a gradient")
+                    .to_device(&Device::Cpu)?)
+            };
+            let what = format!("{cfg:?} {layout:?}");
+            common::assert_close(&grad_on(&gpu)?, &grad_on(&cpu)?, 1e-6, &what)?;
+        }
+    }
+    Ok(())
+}
+
 /// The tests, named `cuda::…` so that the GPU runner's filter finds them.
 mod cuda {
     #[test]
@@ -286,5 +382,13 @@ mod cuda {
     #[test]
     fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
         super::decoding_equals_the_whole_forward()
+    }
+    #[test]
+    fn rotation_in_place_equals_the_cpu() -> anyhow::Result<()> {
+        super::rotation_in_place_equals_the_cpu()
+    }
+    #[test]
+    fn rotation_gradient_equals_the_cpu() -> anyhow::Result<()> {
+        super::rotation_gradient_equals_the_cpu()
     }
 }

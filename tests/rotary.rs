@@ -1101,15 +1101,7 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
 /// and it falls back (keeping gradients) for tensors in a graph or not contiguous.
 fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
     let ids = Positions::ids(&Tensor::new(&[[3u32, 0, 9, 1, 4], [7, 7, 2, 100, 5]], dev)?)?;
-    let configs = [
-        RopeConfig::new(16),
-        RopeConfig::new(16).with_layout(RopeLayout::Interleaved),
-        RopeConfig::new(16).with_rotary_dim(6),
-        RopeConfig::new(16)
-            .with_rotary_dim(10)
-            .with_layout(RopeLayout::Interleaved),
-        RopeConfig::new(16).with_xpos(32.0),
-    ];
+    let configs = common::zoo::rope_variants();
     for cfg in configs {
         let rope = RotaryEmbedding::new(&cfg, dev)?;
         for layout in [QkLayout::Bhtd, QkLayout::Bthd] {

@@ -14,11 +14,16 @@ use rayon::prelude::*;
 use super::{QkLayout, RopeLayout};
 
 /// Rotates the first `2 · half` features of every head of a contiguous `(B, H, T, D)` or
-/// `(B, T, H, D)` tensor by f32 cos/sin tables of shape `(T, half)` or `(B, T, half)`.
+/// `(B, T, H, D)` tensor by f32 cos/sin tables of shape `(T, half)` or `(B, T, half)`; on a
+/// CUDA device (the `cuda` feature) by `rope_in_place.cu`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RotateInPlace {
     pub(crate) pairs: RopeLayout,
     pub(crate) axes: QkLayout,
+    /// Rotate by −θ (the backward of a rotation): the CUDA kernel's `sin_sign` of −1. The CPU
+    /// path rotates forwards only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) inverse: bool,
 }
 
 /// A stored value and the type it is rotated in: f32 for f32/bf16/f16, f64 for f64.
@@ -81,19 +86,19 @@ fn rotate_row<T: Lane>(x: &mut [T], cos: &[f32], sin: &[f32], pairs: RopeLayout)
 const ROWS_PER_TASK: usize = 64;
 
 /// Shapes of one call, read from the layouts.
-struct Dims {
+pub(crate) struct Dims {
     /// Rows per batch item: `H·T` (heads first) or `T·H`.
-    rows: usize,
-    h: usize,
-    t: usize,
-    d: usize,
-    half: usize,
+    pub(crate) rows: usize,
+    pub(crate) h: usize,
+    pub(crate) t: usize,
+    pub(crate) d: usize,
+    pub(crate) half: usize,
     /// Whether the tables hold a separate `(T, half)` block per batch item.
-    batched: bool,
+    pub(crate) batched: bool,
 }
 
 impl RotateInPlace {
-    fn dims(&self, l: &Layout, lc: &Layout) -> candle_core::Result<Dims> {
+    pub(crate) fn dims(&self, l: &Layout, lc: &Layout) -> candle_core::Result<Dims> {
         let (b, a1, a2, d) = l.shape().dims4()?;
         let (h, t) = match self.axes {
             QkLayout::Bhtd => (a1, a2),
@@ -173,6 +178,9 @@ impl InplaceOp3 for RotateInPlace {
         sin: &CpuStorage,
         ls: &Layout,
     ) -> candle_core::Result<()> {
+        if self.inverse {
+            candle_core::bail!("rope in place: the CPU path rotates forwards only");
+        }
         let dims = self.dims(lx, lc)?;
         if ls.shape() != lc.shape() {
             candle_core::bail!(
@@ -213,5 +221,18 @@ impl InplaceOp3 for RotateInPlace {
             other => candle_core::bail!("rope in place: unsupported dtype {:?}", other.dtype()),
         }
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &mut candle_core::CudaStorage,
+        lx: &Layout,
+        cos: &candle_core::CudaStorage,
+        lc: &Layout,
+        sin: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<()> {
+        super::cuda::rotate(self, x, lx, (cos, lc), (sin, ls))
     }
 }

@@ -109,6 +109,18 @@ impl GraftBackward for RotationGrad {
     const NAME: &'static str = "posenc-rope-grad";
 
     fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
+        // On CUDA with the crate's kernels on: a copy of the gradient rotated by −θ in place.
+        #[cfg(feature = "cuda")]
+        if grad_y.device().is_cuda() && crate::attention::cuda::fused_kernel() {
+            let g = grad_y.force_contiguous()?;
+            let op = super::inplace::RotateInPlace {
+                pairs: self.pairs,
+                axes: self.axes,
+                inverse: true,
+            };
+            g.inplace_op3(&self.cos.contiguous()?, &self.sin.contiguous()?, &op)?;
+            return Ok(g);
+        }
         let neg_sin = self.sin.neg()?;
         Ok(rotate_fused(
             grad_y, &self.cos, &neg_sin, self.pairs, self.axes,

@@ -19,6 +19,8 @@
 //! - [`mrope`]: multimodal RoPE's frequency bands ([`MropeSection`]) and positions
 //!   ([`mrope::mrope_positions`]).
 
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod hf_config;
 mod inplace;
 mod kernels;

@@ -566,8 +566,8 @@ impl RotaryEmbedding {
         Ok((q, k))
     }
 
-    /// Rotates `x` in place when it is a contiguous CPU tensor outside any graph, else out of
-    /// place.
+    /// Rotates `x` in place when it is a contiguous CPU tensor outside any graph (or a CUDA
+    /// one, with the crate's CUDA kernels switched on), else out of place.
     fn apply_owned(
         &self,
         x: Tensor,
@@ -577,7 +577,7 @@ impl RotaryEmbedding {
         layout: QkLayout,
     ) -> Result<Tensor> {
         // Split halves rotate through a copy with the middle quarters exchanged.
-        let in_place = x.device().is_cpu()
+        let in_place = (x.device().is_cpu() || cuda_in_place(&x))
             && self.config.axial != Some(AxialRope::SplitHalves)
             && x.elem_count() > 0
             && x.is_contiguous()
@@ -594,6 +594,7 @@ impl RotaryEmbedding {
         let op = RotateInPlace {
             pairs: self.config.layout,
             axes: layout,
+            inverse: false,
         };
         x.inplace_op3(&cos, &sin, &op)?;
         Ok(x)
@@ -1027,5 +1028,19 @@ impl PositionalEncoding for RotaryEmbedding {
     /// Rotates the block's freshly projected q and k in place (they are owned).
     fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
         self.rotate_queries_keys_owned(q, k, ctx.queries, ctx.keys, QkLayout::Bhtd)
+    }
+}
+
+/// Whether `x` is on a CUDA device and the crate's CUDA kernels are on
+/// ([`crate::attention::cuda::set_fused_kernel`]): rotation in place there too.
+fn cuda_in_place(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        x.device().is_cuda() && crate::attention::cuda::fused_kernel()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        false
     }
 }

@@ -52,6 +52,21 @@ pub fn configs(d_model: usize, num_heads: usize, head_dim: usize) -> Vec<Encodin
     ]
 }
 
+/// RoPE at head dimension 16 in the forms a rotation kernel must handle: both pair layouts,
+/// partial rotary with each, and xPos.
+#[allow(dead_code)] // not every test binary rotates
+pub fn rope_variants() -> [RopeConfig; 5] {
+    [
+        RopeConfig::new(16),
+        RopeConfig::new(16).with_layout(RopeLayout::Interleaved),
+        RopeConfig::new(16).with_rotary_dim(6),
+        RopeConfig::new(16)
+            .with_rotary_dim(10)
+            .with_layout(RopeLayout::Interleaved),
+        RopeConfig::new(16).with_xpos(32.0),
+    ]
+}
+
 /// A short label for a configuration (its kind and index in [`configs`]).
 pub fn label(i: usize, c: &EncodingConfig) -> String {
     format!("#{i} {}", c.kind())

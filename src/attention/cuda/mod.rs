@@ -454,8 +454,8 @@ fn unbroadcast(t: &Tensor) -> Result<Tensor> {
 /// it is relative.
 type KernelTerm = (Tensor, Option<(i64, usize)>);
 
-/// The PTX of each specialisation by head dimension and dtype.
-type PtxCache = HashMap<(usize, DType), Arc<str>>;
+/// The PTX of each program by its name and NVRTC options.
+type PtxCache = HashMap<(&'static str, Vec<String>), Arc<str>>;
 
 /// The launch, as an in-place op on the merged output.
 struct LaunchOp {
@@ -483,32 +483,52 @@ fn label(d: usize, dtype: DType) -> String {
     format!("{FORWARD_ENTRY} d{d} {}", dtype.as_str())
 }
 
-/// The NVRTC options of a specialisation (`.ci/cuda-kernels.py` passes the same).
-pub(crate) fn compile_options(d: usize, dtype: DType) -> CompileOptions {
-    CompileOptions {
-        arch: Some(ARCH),
-        options: vec![
-            format!("-DPOSENC_HEAD_DIM={d}"),
-            format!("-DPOSENC_BF16={}", u8::from(dtype == DType::BF16)),
-        ],
-        ..Default::default()
-    }
+/// The -D options of a forward specialisation (`.ci/cuda-kernels.py` passes the same).
+fn forward_defines(d: usize, dtype: DType) -> Vec<String> {
+    vec![
+        format!("-DPOSENC_HEAD_DIM={d}"),
+        format!("-DPOSENC_BF16={}", u8::from(dtype == DType::BF16)),
+    ]
 }
 
 /// The PTX of the forward kernel for head dimension `d` and `dtype`.
 fn ptx(d: usize, dtype: DType) -> Result<Arc<str>> {
+    nvrtc_ptx(
+        "flash_forward.cu",
+        FORWARD,
+        forward_defines(d, dtype),
+        &label(d, dtype),
+    )
+}
+
+/// The PTX of one of the crate's CUDA programs (`name`, its `source`) with the -D `defines`,
+/// compiled by NVRTC for [`ARCH`] at first use and cached for the process.
+///
+/// # Errors
+/// [`Error::Kernel`] naming `label` with NVRTC's log.
+pub(crate) fn nvrtc_ptx(
+    name: &'static str,
+    source: &str,
+    defines: Vec<String>,
+    label: &str,
+) -> Result<Arc<str>> {
     let mut cache = PTX.lock().unwrap_or_else(|e| e.into_inner());
     let cache = cache.get_or_insert_with(HashMap::new);
-    if let Some(ptx) = cache.get(&(d, dtype)) {
+    let key = (name, defines);
+    if let Some(ptx) = cache.get(&key) {
         return Ok(ptx.clone());
     }
-    let ptx =
-        compile_ptx_with_opts(FORWARD, compile_options(d, dtype)).map_err(|e| Error::Kernel {
-            kernel: label(d, dtype),
-            reason: format!("NVRTC: {e}"),
-        })?;
+    let options = CompileOptions {
+        arch: Some(ARCH),
+        options: key.1.clone(),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(source, options).map_err(|e| Error::Kernel {
+        kernel: label.to_string(),
+        reason: format!("NVRTC: {e}"),
+    })?;
     let ptx: Arc<str> = ptx.to_src().into();
-    cache.insert((d, dtype), ptx.clone());
+    cache.insert(key, ptx.clone());
     Ok(ptx)
 }
 
