@@ -13,8 +13,8 @@ mod common;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_posenc::attention::cuda::{kernel_launches, set_fused_kernel};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, EncodingConfig, KvCache, Positions, QkLayout, RopeConfig,
-    RopeLayout, RotaryEmbedding,
+    AttentionConfig, AttentionOptions, EncodingConfig, KvCache, LatentConfig, Positions, QkLayout,
+    RopeConfig, RopeLayout, RotaryEmbedding,
 };
 
 /// The device's output against the f64 CPU block's: within 1e-2 of the largest output (q, k,
@@ -361,6 +361,27 @@ fn rotation_gradient_equals_the_cpu() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A latent (MLA) block, whose values are narrower than its queries and keys, takes candle's
+/// ops with the kernel on, and still equals the f64 block.
+fn latent_blocks_fall_back() -> anyhow::Result<()> {
+    let configs = common::zoo::configs(256, 4, 64);
+    let attn = AttentionConfig::new(256, 4)
+        .with_head_dim(64)
+        .with_causal(true)
+        .with_latent(Some(LatentConfig::new(Some(96), 64, 16, 32)));
+    let case = Case {
+        config: &configs[0],
+        attn,
+        dtype: DType::BF16,
+        batch: 2,
+        len: 70,
+        padded: None,
+        ids: false,
+    };
+    assert_eq!(run(&case)?, 0, "MLA's value heads are narrower: no launch");
+    Ok(())
+}
+
 /// The tests, named `cuda::…` so that the GPU runner's filter finds them.
 mod cuda {
     #[test]
@@ -382,6 +403,10 @@ mod cuda {
     #[test]
     fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
         super::decoding_equals_the_whole_forward()
+    }
+    #[test]
+    fn latent_blocks_fall_back() -> anyhow::Result<()> {
+        super::latent_blocks_fall_back()
     }
     #[test]
     fn rotation_in_place_equals_the_cpu() -> anyhow::Result<()> {

@@ -84,18 +84,20 @@ pub fn fused_kernel() -> bool {
     }
 }
 
-/// Whether the kernel can take a block of `q` (`(B, H, Tq, D)`) as the block is given: a bf16
-/// or f16 block on a CUDA device of compute capability 8.0 or more, a specialised head
-/// dimension, at most 65,535 sequences and heads.
+/// Whether the kernel can take a block of `q` (`(B, H, Tq, D)`), `k` and `v` as the block is
+/// given: a bf16 or f16 block on a CUDA device of compute capability 8.0 or more, a
+/// specialised head dimension shared by q, k and v (not MLA's wider queries and keys), KV
+/// heads that divide the heads, at least one key, at most 65,535 sequences and heads.
 pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let half = matches!(q.dtype(), DType::BF16 | DType::F16);
     let same = [k, v]
         .iter()
         .all(|t| t.dtype() == q.dtype() && t.device().same_device(q.device()));
-    let Ok((b, h, _, d)) = q.dims4() else {
+    let (Ok((b, h, _, d)), Ok((kb, hkv, tk, kd))) = (q.dims4(), k.dims4()) else {
         return false;
     };
-    half && same && HEAD_DIMS.contains(&d) && b <= 65_535 && h <= 65_535 && capable(q)
+    let shapes = kb == b && kd == d && v.dims() == k.dims() && hkv > 0 && h % hkv == 0 && tk > 0;
+    half && same && shapes && HEAD_DIMS.contains(&d) && b <= 65_535 && h <= 65_535 && capable(q)
 }
 
 /// Compute capability 8.0 or more.
