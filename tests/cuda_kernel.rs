@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_posenc::attention::cuda::{kernel_launches, set_fused_kernel};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, EncodingConfig, KvCache, LatentConfig, Positions, QkLayout,
-    RopeConfig, RopeLayout, RotaryEmbedding,
+    RotaryEmbedding, ShawConfig,
 };
 
 /// The device's output against the f64 CPU block's: within 1e-2 of the largest output (q, k,
@@ -105,11 +105,16 @@ fn run(case: &Case) -> anyhow::Result<u64> {
     Ok(launches)
 }
 
-/// Every zoo encoding, causal and not, bf16 and f16, T = 100 (one full and one partial tile),
-/// with and without padding; every encoding but Shaw (a value term) takes the kernel.
+/// Every zoo encoding and Shaw's keys alone, causal and not, bf16 and f16, T = 100 (one full
+/// and one partial tile), with and without padding; every encoding but Shaw with values (a
+/// value term) takes the kernel.
 fn every_encoding_equals_f64() -> anyhow::Result<()> {
     let (d_model, heads) = (256, 4);
-    for config in common::zoo::configs(d_model, heads, 64) {
+    let mut configs = common::zoo::configs(d_model, heads, 64);
+    configs.push(EncodingConfig::Shaw(
+        ShawConfig::new(64, 16).with_values(false),
+    ));
+    for config in configs {
         for causal in [true, false] {
             for dtype in [DType::BF16, DType::F16] {
                 for padded in [None, Some(7)] {
@@ -126,7 +131,7 @@ fn every_encoding_equals_f64() -> anyhow::Result<()> {
                         ids: false,
                     };
                     let launches = run(&case)?;
-                    let fused = !matches!(config, EncodingConfig::Shaw(_));
+                    let fused = !matches!(&config, EncodingConfig::Shaw(c) if c.values);
                     assert_eq!(launches > 0, fused, "{} launches {launches}", config.kind());
                 }
             }
@@ -257,7 +262,7 @@ fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
                             .output,
                     );
                 }
-                let fused = !matches!(config, EncodingConfig::Shaw(_));
+                let fused = !matches!(&config, EncodingConfig::Shaw(c) if c.values);
                 assert_eq!(kernel_launches() > before, fused, "{}", config.kind());
                 let got = Tensor::cat(&outs, 1)?;
                 let what = format!("decoding {} after {prefill}, {attn:?}", config.kind());
@@ -309,6 +314,7 @@ fn rotation_in_place_equals_the_cpu() -> anyhow::Result<()> {
                         &cpu_pos.1,
                         layout,
                     )?;
+                    let before = kernel_launches();
                     let (qg, kg) = on_gpu.rotate_queries_keys_owned(
                         q.to_device(&gpu)?,
                         k.to_device(&gpu)?,
@@ -316,6 +322,7 @@ fn rotation_in_place_equals_the_cpu() -> anyhow::Result<()> {
                         &gpu_pos.1,
                         layout,
                     )?;
+                    assert!(kernel_launches() > before, "the rotation ran in place");
                     let what = format!("{cfg:?} {layout:?} {dtype:?}");
                     assert_eq!(qg.dtype(), dtype, "{what}");
                     let tol = match dtype {
@@ -331,31 +338,50 @@ fn rotation_in_place_equals_the_cpu() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The gradient of a rotation on CUDA (the in-place kernel by −θ) equals the CPU's.
+/// The gradient of a rotation on CUDA equals the CPU's: by the in-place kernel by −θ for f32
+/// tables (a launch is counted), through candle's kernels for f64 and bf16; both pair
+/// layouts, both axis orders, partial rotary, offsets and per-sequence ids.
 fn rotation_gradient_equals_the_cpu() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     set_fused_kernel(true);
     let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
-    for cfg in [
-        RopeConfig::new(16),
-        RopeConfig::new(16).with_layout(RopeLayout::Interleaved),
-    ] {
+    let ids = Tensor::new(&[[3u32, 0, 9, 1, 4], [7, 7, 2, 100, 5]], &cpu)?;
+    let positions = |dev: &Device, by_ids: bool| -> anyhow::Result<Positions> {
+        Ok(match by_ids {
+            true => Positions::ids(&ids.to_device(dev)?)?,
+            false => Positions::Offset(3),
+        })
+    };
+    for cfg in common::zoo::rope_variants().into_iter().take(4) {
         for layout in [QkLayout::Bhtd, QkLayout::Bthd] {
-            let x = Tensor::randn(0f32, 1.0, (2, 5, 3, 16), &cpu)?;
-            let probe = Tensor::randn(0f32, 1.0, (2, 5, 3, 16), &cpu)?;
-            let grad_on = |dev: &Device| -> anyhow::Result<Tensor> {
-                let rope = RotaryEmbedding::new(&cfg, dev)?;
-                let var = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
-                let y = rope.rotate_queries(var.as_tensor(), &Positions::Offset(3), layout)?;
-                let loss = (y * probe.to_device(dev)?)?.sum_all()?;
-                let grads = loss.backward()?;
-                Ok(grads
-                    .get(var.as_tensor())
-                    .expect("a gradient")
-                    .to_device(&Device::Cpu)?)
+            let shape = match layout {
+                QkLayout::Bhtd => (2, 3, 5, 16),
+                QkLayout::Bthd => (2, 5, 3, 16),
             };
-            let what = format!("{cfg:?} {layout:?}");
-            common::assert_close(&grad_on(&gpu)?, &grad_on(&cpu)?, 1e-6, &what)?;
+            for dtype in [DType::F32, DType::F64, DType::BF16] {
+                for by_ids in [false, true] {
+                    let x = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let probe = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let grad_on = |dev: &Device| -> anyhow::Result<Tensor> {
+                        let rope = RotaryEmbedding::new(&cfg, dev)?;
+                        let var = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
+                        let at = positions(dev, by_ids)?;
+                        let y = rope.rotate_queries(var.as_tensor(), &at, layout)?;
+                        let loss = (y * probe.to_device(dev)?)?.sum_all()?;
+                        let grads = loss.backward()?;
+                        let g = grads.get(var.as_tensor()).expect("a gradient");
+                        Ok(g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?)
+                    };
+                    let before = kernel_launches();
+                    let got = grad_on(&gpu)?;
+                    if dtype == DType::F32 {
+                        assert!(kernel_launches() > before, "the backward ran in place");
+                    }
+                    let what = format!("{cfg:?} {layout:?} {dtype:?} ids {by_ids}");
+                    let tol = if dtype == DType::BF16 { 2e-2 } else { 1e-6 };
+                    common::assert_close(&got, &grad_on(&cpu)?, tol, &what)?;
+                }
+            }
         }
     }
     Ok(())
@@ -365,11 +391,12 @@ fn rotation_gradient_equals_the_cpu() -> anyhow::Result<()> {
 /// ops with the kernel on, and still equals the f64 block.
 fn latent_blocks_fall_back() -> anyhow::Result<()> {
     let configs = common::zoo::configs(256, 4, 64);
-    let attn = AttentionConfig::new(256, 4)
+    let plain = AttentionConfig::new(256, 4).with_causal(true);
+    let latent = plain
+        .clone()
         .with_head_dim(64)
-        .with_causal(true)
         .with_latent(Some(LatentConfig::new(Some(96), 64, 16, 32)));
-    let case = Case {
+    let case = |attn| Case {
         config: &configs[0],
         attn,
         dtype: DType::BF16,
@@ -378,7 +405,15 @@ fn latent_blocks_fall_back() -> anyhow::Result<()> {
         padded: None,
         ids: false,
     };
-    assert_eq!(run(&case)?, 0, "MLA's value heads are narrower: no launch");
+    assert!(
+        run(&case(plain))? > 0,
+        "the same block without a latent takes the kernel"
+    );
+    assert_eq!(
+        run(&case(latent))?,
+        0,
+        "MLA's value heads are narrower: no launch"
+    );
     Ok(())
 }
 

@@ -19,9 +19,10 @@ fn ids(dtype: DType, dev: &Device) -> anyhow::Result<Tensor> {
 }
 
 /// Every zoo encoding with positions as u8, u32 and i64 ids and padding masks of every
-/// accepted dtype (under a causal mask, a sliding window and chunked attention), on `dev`
-/// and returning the weights, equals the CPU's fused path: the device's outputs go through
-/// the distances, buckets, column maps and masks built from integer tensors there.
+/// accepted dtype (under a causal mask, a sliding window and chunked attention), on `dev`,
+/// gives the CPU's output: the device's go through the distances, buckets, column maps and
+/// masks built from integer tensors there. The device's call asks for the weights, so that
+/// on the CPU too it takes another path (the row pass) than the reference (the fused core).
 fn ids_and_padding_of_every_dtype(dev: &Device) -> anyhow::Result<()> {
     let cpu = Device::Cpu;
     let (d_model, heads) = (32, 4);

@@ -1065,6 +1065,46 @@ fn alibi_falcon_rounds_as_bfloat16(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Causal Shaw with values in a block: positions as offsets (whose answers stop at distance 0
+/// when no row can be masked whole) give what the same positions as explicit ids (every pair
+/// answered) give, on the fused core, the row pass and the training path; with a padded start
+/// (its rows are masked whole, hence uniform over every key, the unseen ones included) and
+/// without.
+fn shaw_offsets_equal_ids_in_causal_blocks(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 3).with_values(true), vb.pp("shaw"))?;
+    let cfg = AttentionConfig::new(16, 4).with_causal(true);
+    let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(shaw)), vb.pp("attn"))?;
+    for var in varmap.all_vars() {
+        let noise = Tensor::randn(0f32, 0.5, var.shape(), dev)?;
+        var.set(&(var.as_tensor() + noise)?)?;
+    }
+    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let ids = Positions::ids(&Tensor::arange(0u32, 6, dev)?.unsqueeze(0)?)?;
+    let padded = Tensor::new(&[[0u8, 0, 1, 1, 1, 1], [1; 6]], dev)?;
+    for padding in [None, Some(&padded)] {
+        for (weights, train) in [(false, false), (true, false), (false, true)] {
+            let run = |positions: Option<&Positions>| -> anyhow::Result<Tensor> {
+                let opts = AttentionOptions {
+                    positions,
+                    padding_mask: padding,
+                    return_weights: weights,
+                    train,
+                    ..Default::default()
+                };
+                Ok(mha.forward_with(&x, &opts, None)?.output)
+            };
+            let what = format!(
+                "padding {} weights {weights} train {train}",
+                padding.is_some()
+            );
+            assert_close_scaled(&run(None)?, &run(Some(&ids))?, 1e-5, 1e-5, &what)?;
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
     alibi_falcon_rounds_as_bfloat16,
     alibi_slopes_match_bloom,
@@ -1087,4 +1127,5 @@ device_tests!(
     query_blocks_equal_one_block,
     bias_tables_built_once_per_shape,
     bad_input,
+    shaw_offsets_equal_ids_in_causal_blocks,
 );

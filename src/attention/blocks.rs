@@ -373,7 +373,9 @@ impl Chunk<'_> {
         let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
         let ctx = AttentionContext::new(&q_positions, n, &k_positions, kv)
             .with_causal(self.causal)
-            .with_masks_unseen(true)
+            // A row masked whole (padding, a user's mask) is uniform over every key, the unseen
+            // ones included: only without those are unseen keys' answers never read.
+            .with_masks_unseen(self.padding.is_none() && self.attn_mask.is_none())
             .with_train(self.train)
             .with_sinks(self.sinks.is_some());
         let q = narrowed(&self.q, 2, start, n, t)?;

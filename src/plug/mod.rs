@@ -57,10 +57,11 @@ pub struct AttentionContext<'a> {
     pub k_len: usize,
     /// Whether each query sees only keys at or before it.
     pub causal: bool,
-    /// Whether the caller masks every key a causal query does not see (keys past its own
-    /// position), as the crate's attention block does: a bias may then answer anything for
-    /// those pairs, and Shaw's products stop at distance 0. Default `false`: a hook answers
-    /// every pair exactly.
+    /// Whether the caller never reads the answers for the keys a causal query does not see
+    /// (keys past its own position): they are masked and no row is masked whole (a row masked
+    /// whole is uniform over every key), as in the crate's block without padding or a user's
+    /// mask. A bias may then answer anything for those pairs, and Shaw's products stop at
+    /// distance 0. Default `false`: a hook answers every pair exactly.
     pub masks_unseen: bool,
     /// Training mode (dropout on, gradients expected).
     pub train: bool,

@@ -52,7 +52,8 @@ pub(crate) fn dtype_code(dtype: DType) -> Option<u8> {
     }
 }
 
-/// Rotates `x` in place by the f32 tables `cos` and `sin` (checked as the CPU path checks them).
+/// Rotates `x` in place by the f32 tables `cos` and `sin` (checked as the CPU path checks them;
+/// tables of another dtype are an error, as there).
 pub(crate) fn rotate(
     op: &RotateInPlace,
     x: &mut CudaStorage,
@@ -148,5 +149,6 @@ pub(crate) fn rotate(
         })
     })?;
     drop((x_guard, cos_guard, sin_guard));
+    crate::attention::cuda::count_launch();
     Ok(())
 }

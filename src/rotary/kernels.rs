@@ -111,7 +111,11 @@ impl GraftBackward for RotationGrad {
     fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
         // On CUDA with the crate's kernels on: a copy of the gradient rotated by −θ in place.
         #[cfg(feature = "cuda")]
-        if grad_y.device().is_cuda() && crate::attention::cuda::fused_kernel() {
+        if grad_y.device().is_cuda()
+            && crate::attention::cuda::fused_kernel()
+            && self.cos.dtype() == candle_core::DType::F32
+            && self.sin.dtype() == candle_core::DType::F32
+        {
             let g = grad_y.force_contiguous()?;
             let op = super::inplace::RotateInPlace {
                 pairs: self.pairs,

@@ -56,13 +56,18 @@ const TILE: usize = 64;
 /// 0: not yet read from the environment; 1: off; 2: on.
 static ENABLED: AtomicU8 = AtomicU8::new(0);
 
-/// Query blocks the kernel has run, process-wide.
+/// Launches of the crate's CUDA kernels, process-wide.
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
-/// How many query blocks the fused CUDA kernel has run in this process: a test or a user can
-/// tell that a block took it.
+/// How many times the crate's CUDA kernels (the fused attention's query blocks, rotations in
+/// place) have run in this process: a test or a user can tell that a block took them.
 pub fn kernel_launches() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// Counts one launch ([`kernel_launches`]).
+pub(crate) fn count_launch() {
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Turns the fused CUDA kernel on or off for every block in this process (default: off, or
@@ -709,7 +714,7 @@ impl InplaceOp1 for LaunchOp {
         }
         drop(out_guard);
         drop(guards);
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        count_launch();
         Ok(())
     }
 }
