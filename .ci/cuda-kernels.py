@@ -4,7 +4,8 @@ first use, then assembles each with ptxas for sm_90 (H100/H200) and prints its r
 wheels (see .ci/cuda-kernels, which installs them).
 
 The specialisations are read from `src/attention/cuda/mod.rs` itself (its `ARCH` and
-`HEAD_DIMS`, with bf16 and f16 each; `forward_defines` passes the same -D options), plus the
+`HEAD_DIMS`, with bf16 and f16 each, with and without a value term; `forward_defines` passes
+the same -D options), plus the
 rotation in place of `src/rotary/cuda.rs` per dtype, so the script compiles what the crate
 compiles at run time.
 """
@@ -27,8 +28,11 @@ def specialisations():
     out = []
     for d in dims:
         for bf16 in (1, 0):
-            opts = [f"--gpu-architecture={arch}", f"-DPOSENC_HEAD_DIM={d}", f"-DPOSENC_BF16={bf16}"]
-            out.append((KERNELS / "flash_forward.cu", opts, f"d{d} {'bf16' if bf16 else 'f16'}"))
+            for values in (0, 1):
+                opts = [f"--gpu-architecture={arch}", f"-DPOSENC_HEAD_DIM={d}",
+                        f"-DPOSENC_BF16={bf16}", f"-DPOSENC_VALUES={values}"]
+                label = f"d{d} {'bf16' if bf16 else 'f16'}{' values' if values else ''}"
+                out.append((KERNELS / "flash_forward.cu", opts, label))
     # The rotation in place (src/rotary/cuda.rs): one specialisation per dtype.
     for code, name in enumerate(("f32", "bf16", "f16", "f64")):
         opts = [f"--gpu-architecture={arch}", f"-DPOSENC_ROPE_DTYPE={code}"]

@@ -106,8 +106,8 @@ fn run(case: &Case) -> anyhow::Result<u64> {
 }
 
 /// Every zoo encoding and Shaw's keys alone, causal and not, bf16 and f16, T = 100 (one full
-/// and one partial tile), with and without padding; every encoding but Shaw with values (a
-/// value term) takes the kernel.
+/// and one partial tile), with and without padding; every one takes the kernel (Shaw's value
+/// term too: with offsets its columns are a shift).
 fn every_encoding_equals_f64() -> anyhow::Result<()> {
     let (d_model, heads) = (256, 4);
     let mut configs = common::zoo::configs(d_model, heads, 64);
@@ -131,8 +131,7 @@ fn every_encoding_equals_f64() -> anyhow::Result<()> {
                         ids: false,
                     };
                     let launches = run(&case)?;
-                    let fused = !matches!(&config, EncodingConfig::Shaw(c) if c.values);
-                    assert_eq!(launches > 0, fused, "{} launches {launches}", config.kind());
+                    assert!(launches > 0, "{} took candle's ops", config.kind());
                 }
             }
         }
@@ -159,7 +158,8 @@ fn rows_masked_whole() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Positions as ids, every grouping of KV heads, and every specialised head dimension.
+/// Positions as ids, every grouping of KV heads, and every specialised head dimension (Shaw's
+/// value term through ids is an index map, which takes candle's ops).
 fn ids_groups_and_head_dims() -> anyhow::Result<()> {
     for head_dim in [32, 64, 96, 128] {
         for kv_heads in [1, 2, 4] {
@@ -177,7 +177,8 @@ fn ids_groups_and_head_dims() -> anyhow::Result<()> {
                     padded: None,
                     ids: true,
                 };
-                assert!(run(&case)? > 0, "{} d{head_dim}", config.kind());
+                let fused = !matches!(config, EncodingConfig::Shaw(c) if c.values);
+                assert_eq!(run(&case)? > 0, fused, "{} d{head_dim}", config.kind());
             }
         }
     }
@@ -262,8 +263,11 @@ fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
                             .output,
                     );
                 }
-                let fused = !matches!(&config, EncodingConfig::Shaw(c) if c.values);
-                assert_eq!(kernel_launches() > before, fused, "{}", config.kind());
+                assert!(
+                    kernel_launches() > before,
+                    "{} took candle's ops",
+                    config.kind()
+                );
                 let got = Tensor::cat(&outs, 1)?;
                 let what = format!("decoding {} after {prefill}, {attn:?}", config.kind());
                 close(&got, &want, &what)?;

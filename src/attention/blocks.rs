@@ -190,11 +190,16 @@ impl Chunk<'_> {
             (path, false) => path,
             (_, true) => Path::Ops,
         };
-        // The CUDA kernel has no value term and no chunked attention yet.
+        // The CUDA kernel has no chunked attention yet, and reads a value term only through a
+        // shift (an index map, for explicit ids, takes candle's ops).
         #[cfg(feature = "cuda")]
         let path = match path {
             Path::CudaFused
-                if self.chunk.is_some() || first.as_ref().is_some_and(|(_, v)| v.is_some()) =>
+                if self.chunk.is_some()
+                    || first.as_ref().is_some_and(|(_, v)| {
+                        v.as_ref()
+                            .is_some_and(|v| !matches!(v.columns(), Columns::Shift(_)))
+                    }) =>
             {
                 Path::Ops
             }
@@ -312,6 +317,7 @@ impl Chunk<'_> {
                         padding: part.padding,
                         rule: &part.rule,
                         sinks: self.sinks,
+                        values: values.as_ref(),
                     }
                     .write_into(merged, start)?;
                 }

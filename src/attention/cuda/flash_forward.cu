@@ -9,6 +9,8 @@
 //           m_i' = max(m_i, max_j S_ij);  α_i = e^(m_i − m_i')
 //           P = e^(S − m_i') (rounded to the operand type);  l_i ← α_i l_i + Σ_j P_ij
 //           acc_i ← α_i acc_i + P v[b, h / r, J]                (mma.m16n8k16, f32)
+//           acc_i += Σ_j P_ij a[c(i, j)] over a value term's interior columns; the weights of its
+//           two end columns summed, rescaled by α_i as l_i is, and added once at the end
 //       out[b, first_row + i, h, :] = acc_i / l_i;  lse[b, h, first_row + i] = m_i + ln l_i
 //
 // Few queries against many keys (decoding) split the keys instead (flash-decoding): with
@@ -24,14 +26,18 @@
 // past the end, or outside the range a tile's rows can see, are −∞ and weigh 0; so does a
 // key a user's mask sets to −∞ (a row −∞ everywhere comes out NaN, as on the other paths).
 //
-// Specialised by the host through -D options: POSENC_HEAD_DIM (a multiple of 16, at most 128)
-// and POSENC_BF16 (1: bf16, 0: f16). No header is included: everything is inline PTX (sm_80+).
+// Specialised by the host through -D options: POSENC_HEAD_DIM (a multiple of 16, at most 128),
+// POSENC_BF16 (1: bf16, 0: f16) and POSENC_VALUES (1: a value term is read; the others leave
+// its code out, and its registers). No header is included: everything is inline PTX (sm_80+).
 
 #ifndef POSENC_HEAD_DIM
 #error "POSENC_HEAD_DIM must be defined"
 #endif
 #ifndef POSENC_BF16
 #error "POSENC_BF16 must be defined"
+#endif
+#ifndef POSENC_VALUES
+#define POSENC_VALUES 0  // 1: the program reads a value term (Shaw's a^V)
 #endif
 
 #define HEAD_DIM POSENC_HEAD_DIM
@@ -78,6 +84,9 @@ struct Params {
   u64 padding;       // const unsigned char*: (B|1, Tk) rows of padding_stride; 0 for none
   u64 sinks;         // const float*: (H); 0 for none
   u64 partial;       // float*: (B, H, splits, Tq, D + 2) = acc, m, l per split (key_split > 0)
+  u64 value_table;   // const float*: (W, D), a value term's rows (Shaw's a^V); 0 for none
+  i64 value_shift;   // its column of (i, j): clamp(j − i + value_shift, 0, value_width − 1)
+  i64 value_width;
   i64 q_strides[3];  // batch, head, row (the last axis is contiguous)
   i64 k_strides[3];
   i64 v_strides[3];
@@ -180,7 +189,14 @@ __device__ __forceinline__ void keys_seen(const Params& p, i64 i0, i64 i1, i64* 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const Params p) {
+// With a value term at head dimension 64 and 96, ptxas's default (three blocks per
+// multiprocessor) spills; one block at least lets it take the registers it needs.
+#if POSENC_VALUES && (HEAD_DIM == 64 || HEAD_DIM == 96)
+#define FORWARD_BOUNDS __launch_bounds__(THREADS, 1)
+#else
+#define FORWARD_BOUNDS __launch_bounds__(THREADS)
+#endif
+extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
   __shared__ alignas(16) elem_t s_qk[BM * STRIDE];  // the query tile, then each key tile
   __shared__ alignas(16) elem_t s_v[BN * STRIDE];
 
@@ -231,6 +247,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
     lo = lo > s0 ? lo : s0;
     hi = hi < s0 + p.key_split ? hi : s0 + p.key_split;
   }
+#if POSENC_VALUES
+  // A value term: the weights of its two end columns (every key past them reads them).
+  const float* table = reinterpret_cast<const float*>(p.value_table);
+  const i64 vw = p.value_width;
+  float edge_lo[2] = {0.0f, 0.0f}, edge_hi[2] = {0.0f, 0.0f};
+#endif
   const unsigned char* pad =
       p.padding ? reinterpret_cast<const unsigned char*>(p.padding) + b * p.padding_stride : 0;
 
@@ -314,6 +336,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
       const float alpha = exp2f((m[r] - ms[r]) * LOG2E);
       m[r] = mx[r];
       l[r] *= alpha;
+#if POSENC_VALUES
+      edge_lo[r] *= alpha;
+      edge_hi[r] *= alpha;
+#endif
 #pragma unroll
       for (int n = 0; n < HEAD_DIM / 8; ++n) {
         o[n][2 * r] *= alpha;
@@ -329,6 +355,53 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
         s[n][e] = pe;
       }
     }
+
+    // A value term: acc_i += P_ij a[c] for the interior columns 0 < c < W − 1, one key at a
+    // time (each broadcast from the thread of the quad that holds it to the quad, which holds
+    // the row's features), on the tiles that reach them; the end columns' weights summed
+    // (c ≤ 0 at the first, c ≥ W − 1 at the last; one column, W = 1, is the first).
+#if POSENC_VALUES
+    if (table) {
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const i64 c = k0 + n * 8 + 2 * t4 + (e & 1) - rows[e / 2] + p.value_shift;
+          if (c <= 0) {
+            edge_lo[e / 2] += s[n][e];
+          } else if (c >= vw - 1) {
+            edge_hi[e / 2] += s[n][e];
+          }
+        }
+      }
+      // The keys j of some row's interior: q0 − shift < j < q0 + BM − 1 − shift + W − 1.
+      const i64 first = q0 - p.value_shift, last = q0 + BM - 2 - p.value_shift + vw;
+      if (k0 + BN > first + 1 && k0 < last) {
+        // Unrolled: S stays in registers only when every index into it is a constant.
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+          for (int kk = 0; kk < 8; ++kk) {
+            const i64 j = k0 + n * 8 + kk;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const float pv = __shfl_sync(0xffffffffu, s[n][2 * r + (kk & 1)],
+                                           (lane & ~3) | (kk >> 1));
+              const i64 c = j - rows[r] + p.value_shift;
+              if (c > 0 && c < vw - 1 && pv != 0.0f) {
+                const float* a = table + c * HEAD_DIM + 2 * t4;
+#pragma unroll
+                for (int dn = 0; dn < HEAD_DIM / 8; ++dn) {
+                  o[dn][2 * r] += pv * a[dn * 8];
+                  o[dn][2 * r + 1] += pv * a[dn * 8 + 1];
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+#endif
 
     // acc += P v: two key tiles of S make one 16 × 16 operand.
 #pragma unroll
@@ -353,6 +426,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_forward(const
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+#if POSENC_VALUES
+    if (table) {
+      // The end columns' weights, summed over the quad, times their rows.
+      float lo = edge_lo[r], hi = edge_hi[r];
+      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+      lo += __shfl_xor_sync(0xffffffffu, lo, 2);
+      hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+      hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+      const float* a0 = table + 2 * t4;
+      const float* a1 = table + (vw - 1) * HEAD_DIM + 2 * t4;
+#pragma unroll
+      for (int dn = 0; dn < HEAD_DIM / 8; ++dn) {
+        o[dn][2 * r] += lo * a0[dn * 8] + hi * a1[dn * 8];
+        o[dn][2 * r + 1] += lo * a0[dn * 8 + 1] + hi * a1[dn * 8 + 1];
+      }
+    }
+#endif
     const i64 i = rows[r];
     if (i >= p.tq) continue;
     if (split) {

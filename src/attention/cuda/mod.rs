@@ -164,6 +164,9 @@ struct Params {
     padding: u64,
     sinks: u64,
     partial: u64,
+    value_table: u64,
+    value_shift: i64,
+    value_width: i64,
     q_strides: [i64; 3],
     k_strides: [i64; 3],
     v_strides: [i64; 3],
@@ -209,6 +212,8 @@ pub(crate) struct CudaCore<'a> {
     pub rule: &'a RowRule,
     /// `(H)` sink logits.
     pub sinks: Option<&'a Tensor>,
+    /// A value term with shifted columns (Shaw's aⱽ).
+    pub values: Option<&'a crate::plug::RelativeValues>,
 }
 
 /// A tensor's last axis contiguous and its other strides and offset multiples of 8 elements
@@ -374,7 +379,31 @@ impl CudaCore<'_> {
                 self.q.device(),
             )?),
         };
+        let values = match self.values {
+            None => None,
+            Some(v) => {
+                let Columns::Shift(shift) = v.columns() else {
+                    return Err(Error::shape(
+                        "value term of the CUDA attention kernel",
+                        "a table read through a shift (index maps take candle's ops)",
+                        v.table().shape(),
+                    ));
+                };
+                crate::error::check_device(
+                    "value term of the CUDA attention kernel",
+                    v.table(),
+                    self.q.device(),
+                )?;
+                v.check_block(b, tq, tk, d)?;
+                let table = v.table().to_dtype(DType::F32)?.contiguous()?;
+                let width = table.dim(0)?;
+                // As for the relative terms: a shift past ±(Tq + Tk + W) reads the same columns.
+                let reach = (tq + tk + width) as i64;
+                Some((table, (*shift).clamp(-reach, reach)))
+            }
+        };
         let op = LaunchOp {
+            values,
             splits,
             key_split,
             partial,
@@ -466,6 +495,8 @@ type PtxCache = HashMap<(&'static str, Vec<String>), Arc<str>>;
 
 /// The launch, as an in-place op on the merged output.
 struct LaunchOp {
+    /// A value term's `(W, D)` f32 table and its shift.
+    values: Option<(Tensor, i64)>,
     /// Key splits (1: none) and keys per split.
     splits: usize,
     key_split: usize,
@@ -485,26 +516,30 @@ struct LaunchOp {
 /// The PTX of each specialisation, compiled once per process.
 static PTX: Mutex<Option<PtxCache>> = Mutex::new(None);
 
-/// A specialisation's name, as errors and module names give it.
-fn label(d: usize, dtype: DType) -> String {
-    format!("{FORWARD_ENTRY} d{d} {}", dtype.as_str())
+/// A specialisation's name, as errors give it.
+fn label(d: usize, dtype: DType, values: bool) -> String {
+    let values = if values { " values" } else { "" };
+    format!("{FORWARD_ENTRY} d{d} {}{values}", dtype.as_str())
 }
 
 /// The -D options of a forward specialisation (`.ci/cuda-kernels.py` passes the same).
-fn forward_defines(d: usize, dtype: DType) -> Vec<String> {
+fn forward_defines(d: usize, dtype: DType, values: bool) -> Vec<String> {
     vec![
         format!("-DPOSENC_HEAD_DIM={d}"),
         format!("-DPOSENC_BF16={}", u8::from(dtype == DType::BF16)),
+        format!("-DPOSENC_VALUES={}", u8::from(values)),
     ]
 }
 
-/// The PTX of the forward kernel for head dimension `d` and `dtype`.
-fn ptx(d: usize, dtype: DType) -> Result<Arc<str>> {
+/// The PTX of the forward kernel for head dimension `d`, `dtype` and whether it reads a value
+/// term.
+fn ptx(d: usize, dtype: DType, values: bool) -> Result<Arc<str>> {
+    let defines = forward_defines(d, dtype, values);
     nvrtc_ptx(
         "flash_forward.cu",
         FORWARD,
-        forward_defines(d, dtype),
-        &label(d, dtype),
+        defines,
+        &label(d, dtype, values),
     )
 }
 
@@ -565,13 +600,18 @@ impl InplaceOp1 for LaunchOp {
         let (_, hkv, tk, _) = self.k.dims4()?;
         let dtype = self.q.dtype();
         let wrap = |e: Error| candle_core::Error::wrap(e);
-        let ptx = ptx(d, dtype).map_err(wrap)?;
-        let module = format!("posenc_flash_forward_d{d}_{}", dtype.as_str());
+        let has_values = self.values.is_some();
+        let ptx = ptx(d, dtype, has_values).map_err(wrap)?;
+        let module = format!(
+            "posenc_flash_forward_d{d}_{}_v{}",
+            dtype.as_str(),
+            u8::from(has_values)
+        );
         let func = dev
             .get_or_load_custom_func(FORWARD_ENTRY, &module, &ptx)
             .map_err(|e| {
                 wrap(Error::Kernel {
-                    kernel: label(d, dtype),
+                    kernel: label(d, dtype, has_values),
                     reason: format!("loading the module: {e}"),
                 })
             })?;
@@ -587,6 +627,7 @@ impl InplaceOp1 for LaunchOp {
         let pad_guard = self.padding.as_ref().map(|p| p.storage_and_layout());
         let sink_guard = self.sinks.as_ref().map(|s| s.storage_and_layout());
         let partial_guard = self.partial.as_ref().map(|s| s.storage_and_layout());
+        let values_guard = self.values.as_ref().map(|(t, _)| t.storage_and_layout());
         let mut guards = Vec::new();
         let mut p = Params::default();
         macro_rules! cuda_of {
@@ -639,6 +680,12 @@ impl InplaceOp1 for LaunchOp {
             let (s, l) = (cuda_of!(guard.0), guard.1);
             p.sinks = address!(s, l, f32, &stream, guards);
         }
+        if let (Some(guard), Some((table, shift))) = (&values_guard, &self.values) {
+            let (s, l) = (cuda_of!(guard.0), guard.1);
+            p.value_table = address!(s, l, f32, &stream, guards);
+            p.value_shift = *shift;
+            p.value_width = table.dim(0)? as i64;
+        }
         if let Some(guard) = &partial_guard {
             let (s, l) = (cuda_of!(guard.0), guard.1);
             p.partial = address!(s, l, f32, &stream, guards);
@@ -681,7 +728,7 @@ impl InplaceOp1 for LaunchOp {
         // writes only within the shapes in `p`.
         unsafe { launch.launch(cfg) }.map_err(|e| {
             wrap(Error::Kernel {
-                kernel: label(d, dtype),
+                kernel: label(d, dtype, has_values),
                 reason: format!("launch: {e}"),
             })
         })?;
@@ -690,7 +737,7 @@ impl InplaceOp1 for LaunchOp {
                 .get_or_load_custom_func(COMBINE_ENTRY, &module, &ptx)
                 .map_err(|e| {
                     wrap(Error::Kernel {
-                        kernel: label(d, dtype),
+                        kernel: label(d, dtype, has_values),
                         reason: format!("loading {COMBINE_ENTRY}: {e}"),
                     })
                 })?;
@@ -746,8 +793,10 @@ mod tests {
     fn cuda_specialisations_compile() -> Result<()> {
         for d in HEAD_DIMS {
             for dtype in [DType::BF16, DType::F16] {
-                let ptx = ptx(d, dtype)?;
-                assert!(ptx.contains(FORWARD_ENTRY), "{}", label(d, dtype));
+                for values in [false, true] {
+                    let ptx = ptx(d, dtype, values)?;
+                    assert!(ptx.contains(FORWARD_ENTRY), "{}", label(d, dtype, values));
+                }
             }
         }
         Ok(())
