@@ -421,6 +421,34 @@ fn latent_blocks_fall_back() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Shaw with values on the kernel at every head dimension, causal and not, with rows masked
+/// whole: tables of 3 columns (2 when causal halves them: no interior column), 9, and more
+/// than the keys (every tile in the band).
+fn shaw_value_terms() -> anyhow::Result<()> {
+    for head_dim in [32, 64, 96, 128] {
+        let (heads, d_model) = (2, 2 * head_dim);
+        for k in [1, 4, 200] {
+            let config = EncodingConfig::Shaw(ShawConfig::new(head_dim, k).with_values(true));
+            for causal in [true, false] {
+                for padded in [None, Some(130)] {
+                    let case = Case {
+                        config: &config,
+                        attn: AttentionConfig::new(d_model, heads).with_causal(causal),
+                        dtype: DType::BF16,
+                        batch: 2,
+                        len: 130,
+                        padded,
+                        ids: false,
+                    };
+                    let what = format!("d{head_dim} k {k} causal {causal} padded {padded:?}");
+                    assert!(run(&case)? > 0, "{what} took candle's ops");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The tests, named `cuda::…` so that the GPU runner's filter finds them.
 mod cuda {
     #[test]
@@ -442,6 +470,10 @@ mod cuda {
     #[test]
     fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
         super::decoding_equals_the_whole_forward()
+    }
+    #[test]
+    fn shaw_value_terms() -> anyhow::Result<()> {
+        super::shaw_value_terms()
     }
     #[test]
     fn latent_blocks_fall_back() -> anyhow::Result<()> {

@@ -7,7 +7,7 @@
 //           S = q[b, h, i] · k[b, h / r, J]ᵀ                    (mma.m16n8k16, f32)
 //           S ← cap · tanh(S / cap) + Σ terms, hidden keys → −FLT_MAX
 //           m_i' = max(m_i, max_j S_ij);  α_i = e^(m_i − m_i')
-//           P = e^(S − m_i') (rounded to the operand type);  l_i ← α_i l_i + Σ_j P_ij
+//           P = e^(S − m_i');  l_i ← α_i l_i + Σ_j P_ij   (P rounded to the operand type for P v)
 //           acc_i ← α_i acc_i + P v[b, h / r, J]                (mma.m16n8k16, f32)
 //           acc_i += Σ_j P_ij a[c(i, j)] over a value term's interior columns; the weights of its
 //           two end columns summed, rescaled by α_i as l_i is, and added once at the end
@@ -376,7 +376,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
       }
       // The keys j of some row's interior: q0 − shift < j < q0 + BM − 1 − shift + W − 1.
       const i64 first = q0 - p.value_shift, last = q0 + BM - 2 - p.value_shift + vw;
-      if (k0 + BN > first + 1 && k0 < last) {
+      if (vw > 2 && k0 + BN > first + 1 && k0 < last) {  // W ≤ 2: no interior column
         // Unrolled: S stays in registers only when every index into it is a constant.
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
@@ -429,17 +429,17 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
 #if POSENC_VALUES
     if (table) {
       // The end columns' weights, summed over the quad, times their rows.
-      float lo = edge_lo[r], hi = edge_hi[r];
-      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-      lo += __shfl_xor_sync(0xffffffffu, lo, 2);
-      hi += __shfl_xor_sync(0xffffffffu, hi, 1);
-      hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+      float w_lo = edge_lo[r], w_hi = edge_hi[r];
+      w_lo += __shfl_xor_sync(0xffffffffu, w_lo, 1);
+      w_lo += __shfl_xor_sync(0xffffffffu, w_lo, 2);
+      w_hi += __shfl_xor_sync(0xffffffffu, w_hi, 1);
+      w_hi += __shfl_xor_sync(0xffffffffu, w_hi, 2);
       const float* a0 = table + 2 * t4;
       const float* a1 = table + (vw - 1) * HEAD_DIM + 2 * t4;
 #pragma unroll
       for (int dn = 0; dn < HEAD_DIM / 8; ++dn) {
-        o[dn][2 * r] += lo * a0[dn * 8] + hi * a1[dn * 8];
-        o[dn][2 * r + 1] += lo * a0[dn * 8 + 1] + hi * a1[dn * 8 + 1];
+        o[dn][2 * r] += w_lo * a0[dn * 8] + w_hi * a1[dn * 8];
+        o[dn][2 * r + 1] += w_lo * a0[dn * 8 + 1] + w_hi * a1[dn * 8 + 1];
       }
     }
 #endif
