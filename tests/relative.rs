@@ -760,7 +760,10 @@ fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
             );
         }
         assert_close_scaled(&Tensor::cat(&outs, 1)?, &full, 1e-5, 2e-6, name)?;
-        // Explicit ids equal to the offset range give the same result.
+        // Explicit ids equal to the offset range give the same result, up to rounding: Shaw's
+        // products with ids span every distance the ids bound, with offsets only those a
+        // causal query reaches, so their matmul widths differ (within 1e-6 of the largest
+        // output, a few ulps).
         let ids = Positions::ids(&Tensor::arange(0u32, 10, dev)?.unsqueeze(0)?)?;
         let with_ids = mha
             .forward_with(
@@ -772,7 +775,7 @@ fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
                 None,
             )?
             .output;
-        assert_close(&with_ids, &full, 1e-6, name)?;
+        assert_close_scaled(&with_ids, &full, 1e-6, 1e-6, name)?;
     }
     Ok(())
 }
