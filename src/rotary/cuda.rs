@@ -61,14 +61,7 @@ pub(crate) fn rotate(
     (cos, lc): (&CudaStorage, &Layout),
     (sin, ls): (&CudaStorage, &Layout),
 ) -> candle_core::Result<()> {
-    let dims = op.dims(lx, lc)?;
-    if ls.shape() != lc.shape() {
-        candle_core::bail!(
-            "rope in place: cos {:?} and sin {:?} differ",
-            lc.shape(),
-            ls.shape()
-        );
-    }
+    let dims = op.dims(lx, lc, ls)?;
     let (Some((c0, _)), Some((s0, _)), Some((x0, _))) = (
         lc.contiguous_offsets(),
         ls.contiguous_offsets(),

@@ -98,7 +98,15 @@ pub(crate) struct Dims {
 }
 
 impl RotateInPlace {
-    pub(crate) fn dims(&self, l: &Layout, lc: &Layout) -> candle_core::Result<Dims> {
+    /// The call's shapes from the layouts of `x`, cos and sin (which must agree).
+    pub(crate) fn dims(&self, l: &Layout, lc: &Layout, ls: &Layout) -> candle_core::Result<Dims> {
+        if ls.shape() != lc.shape() {
+            candle_core::bail!(
+                "rope in place: cos {:?} and sin {:?} differ",
+                lc.shape(),
+                ls.shape()
+            );
+        }
         let (b, a1, a2, d) = l.shape().dims4()?;
         let (h, t) = match self.axes {
             QkLayout::Bhtd => (a1, a2),
@@ -181,14 +189,7 @@ impl InplaceOp3 for RotateInPlace {
         if self.inverse {
             candle_core::bail!("rope in place: the CPU path rotates forwards only");
         }
-        let dims = self.dims(lx, lc)?;
-        if ls.shape() != lc.shape() {
-            candle_core::bail!(
-                "rope in place: cos {:?} and sin {:?} differ",
-                lc.shape(),
-                ls.shape()
-            );
-        }
+        let dims = self.dims(lx, lc, ls)?;
         let (CpuStorage::F32(cos), CpuStorage::F32(sin)) = (cos, sin) else {
             candle_core::bail!("rope in place: cos/sin must be f32 tables");
         };

@@ -382,13 +382,8 @@ impl CudaCore<'_> {
         let values = match self.values {
             None => None,
             Some(v) => {
-                let Columns::Shift(shift) = v.columns() else {
-                    return Err(Error::shape(
-                        "value term of the CUDA attention kernel",
-                        "a table read through a shift (index maps take candle's ops)",
-                        v.table().shape(),
-                    ));
-                };
+                let what = "value term of the CUDA attention kernel";
+                let shift = shift_of(v.columns(), what, v.table())?;
                 crate::error::check_device(
                     "value term of the CUDA attention kernel",
                     v.table(),
@@ -397,9 +392,7 @@ impl CudaCore<'_> {
                 v.check_block(b, tq, tk, d)?;
                 let table = v.table().to_dtype(DType::F32)?.contiguous()?;
                 let width = table.dim(0)?;
-                // As for the relative terms: a shift past ±(Tq + Tk + W) reads the same columns.
-                let reach = (tq + tk + width) as i64;
-                Some((table, (*shift).clamp(-reach, reach)))
+                Some((table, clamped_shift(shift, tq, tk, width)))
             }
         };
         let op = LaunchOp {
@@ -441,13 +434,8 @@ impl CudaCore<'_> {
             terms.push((t, None));
         }
         for r in self.relative {
-            let Columns::Shift(shift) = r.columns() else {
-                return Err(Error::shape(
-                    "relative term of the CUDA attention kernel",
-                    "rows with shifted columns (index maps are expanded first)",
-                    r.values().shape(),
-                ));
-            };
+            let what = "relative term of the CUDA attention kernel";
+            let shift = shift_of(r.columns(), what, r.values())?;
             crate::error::check_device(
                 "relative term of the CUDA attention kernel",
                 r.values(),
@@ -457,10 +445,7 @@ impl CudaCore<'_> {
             let width = r.width();
             let values = r.values().to_dtype(DType::F32)?.contiguous()?;
             let values = values.broadcast_as((b, h, tq, width))?;
-            // Any shift beyond ±(Tq + Tk + W) reads the same clamped columns; the kernel's
-            // `j − i + shift` then cannot overflow.
-            let reach = (tq + tk + width) as i64;
-            terms.push((values, Some(((*shift).clamp(-reach, reach), width))));
+            terms.push((values, Some((clamped_shift(shift, tq, tk, width), width))));
         }
         if terms.len() > MAX_TERMS {
             return Err(Error::config(
@@ -471,6 +456,26 @@ impl CudaCore<'_> {
         }
         Ok(terms)
     }
+}
+
+/// The shift of a relative term's columns, or [`Error::Shape`] naming `what` for an index map
+/// (the fused paths expand bias maps first; value maps take candle's ops).
+fn shift_of(columns: &Columns, what: &'static str, table: &Tensor) -> Result<i64> {
+    match columns {
+        Columns::Shift(shift) => Ok(*shift),
+        Columns::Index(_) => Err(Error::shape(
+            what,
+            "columns read through a shift, not an index map",
+            table.shape(),
+        )),
+    }
+}
+
+/// `shift` clamped to ±(Tq + Tk + W): any shift past that reads the same clamped columns of
+/// `W`, and the kernel's `j − i + shift` then cannot overflow.
+fn clamped_shift(shift: i64, tq: usize, tk: usize, width: usize) -> i64 {
+    let reach = (tq + tk + width) as i64;
+    shift.clamp(-reach, reach)
 }
 
 /// `t` without its broadcast axes (stride 0, size above 1) narrowed to one, so that a cast
