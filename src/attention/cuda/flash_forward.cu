@@ -28,7 +28,9 @@
 //
 // Specialised by the host through -D options: POSENC_HEAD_DIM (a multiple of 16, at most 128),
 // POSENC_BF16 (1: bf16, 0: f16) and POSENC_VALUES (1: a value term is read; the others leave
-// its code out, and its registers). No header is included: everything is inline PTX (sm_80+).
+// its code out, and its registers). No header is included: everything is inline PTX (sm_80+),
+// except under POSENC_EMULATE (tests/cuda_emulator), which names a header of CPU versions of
+// the PTX helpers.
 
 #ifndef POSENC_HEAD_DIM
 #error "POSENC_HEAD_DIM must be defined"
@@ -104,6 +106,10 @@ struct Params {
   Term terms[MAX_TERMS];
 };
 
+#ifdef POSENC_EMULATE
+// tests/cuda_emulator: the helpers below computed on the CPU.
+#include POSENC_EMULATE
+#else
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   unsigned r;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -146,6 +152,7 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {
   asm(CVT_X2 " %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+#endif
 
 // Rows row0.. of a (rows, HEAD_DIM) matrix with `row_stride` into a BM-row shared tile, rows
 // past `rows` zero.
@@ -197,8 +204,8 @@ __device__ __forceinline__ void keys_seen(const Params& p, i64 i0, i64 i1, i64* 
 #define FORWARD_BOUNDS __launch_bounds__(THREADS)
 #endif
 extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
-  __shared__ alignas(16) elem_t s_qk[BM * STRIDE];  // the query tile, then each key tile
-  __shared__ alignas(16) elem_t s_v[BN * STRIDE];
+  alignas(16) __shared__ elem_t s_qk[BM * STRIDE];  // the query tile, then each key tile
+  alignas(16) __shared__ elem_t s_v[BN * STRIDE];
 
   const bool split = p.key_split > 0;
   const int b = blockIdx.z, h = blockIdx.y, q0 = split ? 0 : blockIdx.x * BM;

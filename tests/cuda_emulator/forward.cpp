@@ -1,0 +1,344 @@
+// posenc_flash_forward and posenc_flash_combine (src/attention/cuda/flash_forward.cu), run by
+// the CPU emulator against attention written out from its formula in f64:
+//
+//   s_ij = cap · tanh(q_i · k_j / cap) + Σ terms        (keys the row's rule hides: −FLT_MAX)
+//   m_i = max(sink, max_j s_ij),  l_i = e^(sink − m_i) + Σ_j e^(s_ij − m_i)
+//   out_i = Σ_j e^(s_ij − m_i) (v_j + a[c(i, j)]) / l_i,  lse_i = m_i + ln l_i
+//
+// Built once per specialisation by .ci/cuda-emulate (-DPOSENC_HEAD_DIM, -DPOSENC_BF16,
+// -DPOSENC_VALUES, -DPOSENC_EMULATE='"ptx.hpp"'). Exits non-zero when any case differs by more
+// than the operand type's rounding allows, or writes outside its output rows.
+
+#include "emulate.hpp"
+#include "../../src/attention/cuda/flash_forward.cu"
+
+#include <cfloat>
+#include <cstdio>
+#include <random>
+#include <string>
+
+namespace {
+
+constexpr int D = HEAD_DIM;
+
+struct Case {
+  std::string name;
+  int b = 1, h = 2, hkv = 2, tq = 64, tk = 64;
+  i64 first = 0;
+  bool causal = false;
+  i64 window = -1;
+  float softcap = 0.0f;
+  bool sinks = false;
+  int padding = 0;       // 0 none, 1 per sequence (sequence 1 fully padded if b > 1), 2 shared
+  int dense = 0;         // 0 none, 1 a bias shared by the batch, 2 a user's mask with −∞
+  int relative = 0;      // 0 none, 1 a row per head (ALiBi, T5), 2 a row per query (Shaw's q·aᴷ)
+  int rel_width = 9;
+  i64 rel_shift = 4;
+  int value_width = 0;   // > 0: a value term (POSENC_VALUES builds only)
+  i64 value_shift = 0;
+  int key_split = 0;     // > 0: keys per block, then the combining kernel
+  bool token_major = false;  // q stored (B, Tq, H, D)
+  int first_row = 0, extra_rows = 0;
+};
+
+struct Rng {
+  std::mt19937_64 g{12345};
+  std::normal_distribution<double> n{0.0, 1.0};
+  double operator()() { return n(g); }
+};
+
+struct Result {
+  double err = 0.0, worst_ratio = 0.0;
+  bool stray = false, bad_lse = false;
+};
+
+Result run(const Case& c, Rng& rng) {
+  const int b = c.b, h = c.h, hkv = c.hkv, tq = c.tq, tk = c.tk;
+  const int out_rows = c.first_row + tq + c.extra_rows;
+  // Operands rounded to the element type; the reference reads the same values.
+  auto draw = [&](size_t n, double scale) {
+    std::vector<elem_t> v(n);
+    for (auto& x : v) x = to_elem((float)(rng() * scale));
+    return v;
+  };
+  std::vector<elem_t> q = draw((size_t)b * h * tq * D, 1.5 / std::sqrt((double)D));
+  std::vector<elem_t> k = draw((size_t)b * hkv * tk * D, 1.0);
+  std::vector<elem_t> v = draw((size_t)b * hkv * tk * D, 1.0);
+  // q's strides: (B, H, Tq, D) or (B, Tq, H, D).
+  const i64 qs[3] = {(i64)h * tq * D, c.token_major ? (i64)D : (i64)tq * D,
+                     c.token_major ? (i64)h * D : (i64)D};
+  const i64 ks[3] = {(i64)hkv * tk * D, (i64)tk * D, (i64)D};
+  auto qat = [&](int bi, int hi, int i, int d) {
+    return elem_to_float(q[bi * qs[0] + hi * qs[1] + i * qs[2] + d]);
+  };
+  auto kat = [&](int bi, int hk, int j, int d) {
+    return elem_to_float(k[bi * ks[0] + hk * ks[1] + j * ks[2] + d]);
+  };
+  auto vat = [&](int bi, int hk, int j, int d) {
+    return elem_to_float(v[bi * ks[0] + hk * ks[1] + j * ks[2] + d]);
+  };
+
+  std::vector<unsigned char> pad;
+  i64 pad_stride = 0;
+  if (c.padding == 1) {
+    pad.assign((size_t)b * tk, 1);
+    for (int bi = 0; bi < b; ++bi)
+      for (int j = 0; j < tk; ++j) {
+        if (bi == 1) pad[bi * tk + j] = 0;                     // a sequence padded whole
+        else if (j < 3 * bi + 2 || j % 7 == 3) pad[bi * tk + j] = 0;
+      }
+    pad_stride = tk;
+  } else if (c.padding == 2) {
+    pad.assign(tk, 1);
+    for (int j = 0; j < tk; ++j)
+      if (j % 5 == 1) pad[j] = 0;
+  }
+  std::vector<float> sinks(h);
+  for (auto& s : sinks) s = (float)rng();
+
+  Params p{};
+  std::vector<std::vector<float>> term_store;
+  auto term_value = [&](int t, int bi, int hi, int i, int j) -> double {
+    const Term& term = p.terms[t];
+    i64 col = j;
+    if (term.width > 0) {
+      col = j - i + term.shift;
+      col = col < 0 ? 0 : (col >= term.width ? term.width - 1 : col);
+    }
+    const float* vals = reinterpret_cast<const float*>(term.values);
+    return vals[bi * term.strides[0] + hi * term.strides[1] + i * term.strides[2] +
+                col * term.strides[3]];
+  };
+  if (c.dense) {
+    // (1, H, Tq, Tk), broadcast over the batch.
+    std::vector<float> t((size_t)h * tq * tk);
+    for (size_t n = 0; n < t.size(); ++n) {
+      t[n] = (float)(0.5 * rng());
+      if (c.dense == 2 && (n % 11 == 4)) t[n] = -INFINITY;
+    }
+    term_store.push_back(std::move(t));
+    Term& term = p.terms[p.n_terms++];
+    term.values = (u64)term_store.back().data();
+    term.strides[0] = 0;
+    term.strides[1] = (i64)tq * tk;
+    term.strides[2] = tk;
+    term.strides[3] = 1;
+  }
+  if (c.relative) {
+    const int w = c.rel_width;
+    const size_t n = c.relative == 1 ? (size_t)h * w : (size_t)b * h * tq * w;
+    std::vector<float> t(n);
+    for (auto& x : t) x = (float)rng();
+    term_store.push_back(std::move(t));
+    Term& term = p.terms[p.n_terms++];
+    term.values = (u64)term_store.back().data();
+    if (c.relative == 1) {
+      term.strides[0] = 0;
+      term.strides[1] = w;
+      term.strides[2] = 0;
+    } else {
+      term.strides[0] = (i64)h * tq * w;
+      term.strides[1] = (i64)tq * w;
+      term.strides[2] = w;
+    }
+    term.strides[3] = 1;
+    term.shift = c.rel_shift;
+    term.width = w;
+  }
+  std::vector<float> table;
+  if (c.value_width > 0) {
+    table.resize((size_t)c.value_width * D);
+    for (auto& x : table) x = (float)rng();
+  }
+
+  const u64 sentinel = 0xffff;
+  std::vector<elem_t> out((size_t)b * out_rows * h * D, (elem_t)sentinel);
+  std::vector<float> lse((size_t)b * h * out_rows, -12345.0f);
+  p.q = (u64)q.data();
+  p.k = (u64)k.data();
+  p.v = (u64)v.data();
+  p.out = (u64)out.data();
+  p.lse = (u64)lse.data();
+  p.padding = pad.empty() ? 0 : (u64)pad.data();
+  p.padding_stride = pad_stride;
+  p.sinks = c.sinks ? (u64)sinks.data() : 0;
+  p.value_table = table.empty() ? 0 : (u64)table.data();
+  p.value_shift = c.value_shift;
+  p.value_width = c.value_width;
+  for (int a = 0; a < 3; ++a) {
+    p.q_strides[a] = qs[a];
+    p.k_strides[a] = ks[a];
+    p.v_strides[a] = ks[a];
+  }
+  p.out_rows = out_rows;
+  p.first_row = c.first_row;
+  p.first = c.first;
+  p.window = c.window;
+  p.batch = b;
+  p.heads = h;
+  p.kv_group = h / hkv;
+  p.tq = tq;
+  p.tk = tk;
+  p.causal = c.causal;
+  p.skip = c.padding == 0 && c.dense != 2;
+  p.softcap = c.softcap;
+  int splits = 1;
+  std::vector<float> partial;
+  if (c.key_split > 0) {
+    splits = (tk + c.key_split - 1) / c.key_split;
+    partial.assign((size_t)b * h * splits * tq * (D + 2), 0.0f);
+    p.partial = (u64)partial.data();
+    p.key_split = c.key_split;
+  }
+  const unsigned tiles = c.key_split > 0 ? splits : (tq + BM - 1) / BM;
+  emu::launch({tiles, (unsigned)h, (unsigned)b}, THREADS, [&] { posenc_flash_forward(p); });
+  if (c.key_split > 0) {
+    emu::launch({(unsigned)tq, (unsigned)h, (unsigned)b}, D,
+                [&] { posenc_flash_combine(p, splits); });
+  }
+
+  // The reference, in f64.
+  Result res;
+  const double eps = POSENC_BF16 ? 1.0 / 256 : 1.0 / 2048;
+  std::vector<double> s(tk), w(tk);
+  for (int bi = 0; bi < b; ++bi)
+    for (int hi = 0; hi < h; ++hi)
+      for (int i = 0; i < tq; ++i) {
+        const int hk = hi / (h / hkv);
+        const i64 pos = c.first + i;
+        for (int j = 0; j < tk; ++j) {
+          bool seen = !(c.causal && j > pos);
+          if (c.window >= 0) {
+            if (c.causal) {
+              if (j + c.window <= pos) seen = false;
+            } else if (j + c.window < pos || j > pos + c.window) {
+              seen = false;
+            }
+          }
+          if (!pad.empty() && pad[bi * pad_stride + j] == 0) seen = false;
+          if (!seen) {
+            s[j] = -FLT_MAX;
+            continue;
+          }
+          double x = 0.0;
+          for (int d = 0; d < D; ++d) x += (double)qat(bi, hi, i, d) * kat(bi, hk, j, d);
+          if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
+          for (int t = 0; t < p.n_terms; ++t) x += term_value(t, bi, hi, i, j);
+          s[j] = x;
+        }
+        double m = c.sinks ? sinks[hi] : -INFINITY;
+        for (int j = 0; j < tk; ++j) m = std::max(m, s[j]);
+        double l = c.sinks ? std::exp(sinks[hi] - m) : 0.0;
+        for (int j = 0; j < tk; ++j) {
+          w[j] = std::exp(s[j] - m);
+          l += w[j];
+        }
+        const double want_lse = m + std::log(l);
+        const i64 row = (i64)bi * out_rows + c.first_row + i;
+        const float got_lse = lse[bi * h * out_rows + hi * out_rows + c.first_row + i];
+        if (!(std::fabs(got_lse - want_lse) <= 1e-4 * std::max(1.0, std::fabs(want_lse))))
+          res.bad_lse = true;
+        for (int d = 0; d < D; ++d) {
+          double acc = 0.0, mag = 0.0;
+          for (int j = 0; j < tk; ++j) {
+            double x = vat(bi, hk, j, d);
+            if (c.value_width > 0) {
+              i64 col = j - i + c.value_shift;
+              col = col < 0 ? 0 : (col >= c.value_width ? c.value_width - 1 : col);
+              x += table[col * D + d];
+            }
+            acc += w[j] * x;
+            mag += w[j] * std::fabs(x);
+          }
+          const double want = acc / l;
+          const double got = elem_to_float(out[(row * h + hi) * D + d]);
+          const double tol = 2 * eps * (mag / l + std::fabs(want)) + 1e-5;
+          const double e = std::fabs(got - want);
+          if (!(e <= tol)) res.worst_ratio = std::max(res.worst_ratio, std::isnan(e) ? 1e9 : e / tol);
+          if (!std::isnan(e)) res.err = std::max(res.err, e);
+          else res.err = INFINITY;
+        }
+      }
+  // Rows outside first_row..first_row + Tq stay as they were.
+  for (int bi = 0; bi < b; ++bi)
+    for (int r = 0; r < out_rows; ++r) {
+      if (r >= c.first_row && r < c.first_row + tq) continue;
+      for (int n = 0; n < h * D; ++n)
+        if (out[((size_t)bi * out_rows + r) * h * D + n] != (elem_t)sentinel) res.stray = true;
+      for (int hi = 0; hi < h; ++hi)
+        if (lse[bi * h * out_rows + hi * out_rows + r] != -12345.0f) res.stray = true;
+    }
+  return res;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> all;
+  auto add = [&](Case c) { all.push_back(c); };
+  Case c;
+  c.name = "plain, GQA 2, 100 queries";
+  c.b = 2; c.h = 4; c.hkv = 2; c.tq = 100; c.tk = 100;
+  add(c);
+  c = Case{}; c.name = "causal, tiles skipped, a chunk at the end";
+  c.b = 1; c.h = 2; c.hkv = 1; c.tq = 70; c.tk = 150; c.first = 80; c.causal = true;
+  add(c);
+  c = Case{}; c.name = "causal window 37"; c.tq = 130; c.tk = 130; c.causal = true; c.window = 37;
+  add(c);
+  c = Case{}; c.name = "bidirectional window 20, q token-major"; c.tq = 90; c.tk = 90;
+  c.window = 20; c.token_major = true;
+  add(c);
+  c = Case{}; c.name = "padding per sequence (one padded whole), causal";
+  c.b = 3; c.tq = 66; c.tk = 66; c.causal = true; c.padding = 1;
+  add(c);
+  c = Case{}; c.name = "shared padding, soft cap 5, sinks"; c.tq = 80; c.tk = 80; c.padding = 2;
+  c.softcap = 5.0f; c.sinks = true;
+  add(c);
+  c = Case{}; c.name = "dense bias + per-head rows, causal"; c.b = 2; c.tq = 65; c.tk = 65;
+  c.causal = true; c.dense = 1; c.relative = 1; c.rel_width = 130; c.rel_shift = 64;
+  add(c);
+  c = Case{}; c.name = "user mask with -inf + per-query rows"; c.b = 2; c.tq = 50; c.tk = 77;
+  c.dense = 2; c.relative = 2; c.rel_width = 9; c.rel_shift = 4 + 27;
+  add(c);
+  c = Case{}; c.name = "output rows 5.. of 200"; c.tq = 64; c.tk = 64; c.first_row = 5;
+  c.extra_rows = 131;
+  add(c);
+  c = Case{}; c.name = "decode: 1 query, split keys 128, sinks, causal"; c.b = 2; c.h = 4;
+  c.hkv = 1; c.tq = 1; c.tk = 333; c.first = 332; c.causal = true; c.sinks = true;
+  c.key_split = 128;
+  add(c);
+  c = Case{}; c.name = "decode: 3 queries, split keys 64, per-head rows"; c.tq = 3; c.tk = 200;
+  c.first = 197; c.causal = true; c.key_split = 64; c.relative = 1; c.rel_width = 17;
+  c.rel_shift = 8 + 197;
+  add(c);
+#if POSENC_VALUES
+  for (int w : {1, 2, 7, 129}) {
+    c = Case{}; c.name = "value term, width " + std::to_string(w); c.b = 2; c.tq = 100;
+    c.tk = 100; c.value_width = w; c.value_shift = w / 2; c.relative = 2; c.rel_width = w;
+    c.rel_shift = w / 2;
+    add(c);
+  }
+  c = Case{}; c.name = "value term, causal, decode split"; c.tq = 2; c.tk = 260; c.first = 258;
+  c.causal = true; c.value_width = 9; c.value_shift = 4 + 258; c.key_split = 64;
+  add(c);
+  c = Case{}; c.name = "value term, padding"; c.b = 2; c.tq = 70; c.tk = 70; c.padding = 1;
+  c.value_width = 7; c.value_shift = 3;
+  add(c);
+#endif
+  return all;
+}
+
+}  // namespace
+
+int main() {
+  Rng rng;
+  int failures = 0;
+  for (const Case& c : cases()) {
+    const Result r = run(c, rng);
+    const bool ok = r.worst_ratio == 0.0 && !r.stray && !r.bad_lse;
+    std::printf("%s d%d %s%s: %-52s max |err| %.2e%s%s%s\n", ok ? "ok  " : "FAIL", D,
+                POSENC_BF16 ? "bf16" : "f16", POSENC_VALUES ? " values" : "", c.name.c_str(),
+                r.err, r.worst_ratio > 0 ? " (past tolerance)" : "",
+                r.stray ? " (wrote outside its rows)" : "", r.bad_lse ? " (lse)" : "");
+    failures += !ok;
+  }
+  return failures ? 1 : 0;
+}
