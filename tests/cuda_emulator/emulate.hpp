@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #define __global__
@@ -42,11 +43,16 @@ inline Dim3 threadIdx, blockIdx, gridDim, blockDim;
 
 namespace emu {
 
+struct Barrier;
+
 struct Fiber {
   ucontext_t ctx;
   std::vector<char> stack;
   unsigned idx = 0;
   bool done = false;
+  // The barrier this thread waits at, and the generation it waits to see pass.
+  const Barrier* waiting = nullptr;
+  unsigned waiting_for = 0;
 };
 
 inline std::vector<Fiber> fibers;
@@ -61,31 +67,61 @@ inline void switch_to(unsigned to) {
   swapcontext(&fibers[from].ctx, &fibers[to].ctx);
 }
 
-// Lets the next unfinished thread run.
-inline void yield() {
-  const unsigned n = fibers.size();
-  for (unsigned step = 1; step < n; ++step) {
-    const unsigned to = (current + step) % n;
-    if (!fibers[to].done) {
-      switch_to(to);
-      return;
-    }
-  }
-}
-
 struct Barrier {
   unsigned count, arrived = 0, generation = 0;
   explicit Barrier(unsigned n) : count(n) {}
-  void arrive_and_wait() {
-    const unsigned g = generation;
-    if (++arrived == count) {
-      arrived = 0;
-      ++generation;
-      return;
-    }
-    while (generation == g) yield();
-  }
+  void arrive_and_wait();
 };
+
+// How the next thread to run is chosen, a fixed seed so that runs repeat. Blocks alternate
+// between two schedules, both meant to expose a missing barrier as a wrong answer:
+// - at random among the threads that can run: warps drift apart a little;
+// - by a random ranking of the warps: the first-ranked warp runs until it waits at a barrier
+//   of the whole block, as far ahead of the others as a GPU could let it.
+inline unsigned long long seed = 0x9e3779b97f4a7c15ull;
+inline bool ranked = false;
+inline std::vector<unsigned> rank;  // per warp
+
+inline unsigned next_random() {
+  seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+  return (unsigned)(seed >> 33);
+}
+
+inline bool ready(const Fiber& f) {
+  return !f.done && (f.waiting == nullptr || f.waiting->generation != f.waiting_for);
+}
+
+// Lets another thread run (the current one waits at a barrier).
+inline void yield() {
+  const unsigned n = fibers.size();
+  unsigned best = n, best_rank = ~0u;
+  const unsigned start = next_random() % n;
+  for (unsigned step = 0; step < n; ++step) {
+    const unsigned t = (start + step) % n;
+    if (t == current || !ready(fibers[t])) continue;
+    const unsigned r = ranked ? rank[t / 32] : 0;
+    if (r < best_rank) {
+      best = t;
+      best_rank = r;
+      if (!ranked) break;
+    }
+  }
+  if (best < n) switch_to(best);
+}
+
+inline void Barrier::arrive_and_wait() {
+  const unsigned g = generation;
+  if (++arrived == count) {
+    arrived = 0;
+    ++generation;
+    return;
+  }
+  Fiber& me = fibers[current];
+  me.waiting = this;
+  me.waiting_for = g;
+  while (generation == g) yield();
+  fibers[current].waiting = nullptr;
+}
 
 struct Warp {
   Barrier bar{32};
@@ -136,10 +172,15 @@ inline void launch(Dim3 grid, unsigned threads, const std::function<void()>& ker
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = {x, y, z};
+        ranked = !ranked;
+        rank.resize((threads + 31) / 32);
+        for (unsigned w = 0; w < rank.size(); ++w) rank[w] = w;
+        for (unsigned w = rank.size(); w > 1; --w) std::swap(rank[w - 1], rank[next_random() % w]);
         for (unsigned t = 0; t < threads; ++t) {
           Fiber& f = fibers[t];
           f.idx = t;
           f.done = false;
+          f.waiting = nullptr;
 #if defined(__SANITIZE_ADDRESS__)
           ASAN_UNPOISON_MEMORY_REGION(f.stack.data(), f.stack.size());
 #endif
@@ -189,6 +230,19 @@ inline unsigned short float_to_f16(float f) {  // the conversion rounds to neare
 }  // namespace emu
 
 inline void __syncthreads() { emu::block.bar->arrive_and_wait(); }
+
+// One thread runs at a time: an atomic add is an add.
+inline float atomicAdd(float* a, float v) {
+  const float old = *a;
+  *a += v;
+  return old;
+}
+
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline float __int_as_float(int i) {
   float f;

@@ -88,3 +88,5 @@ inline void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1)
   w.bar.arrive_and_wait();
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
+
+inline float from_elem(elem_t h) { return elem_to_float(h); }

@@ -11,7 +11,7 @@
 //           acc_i ← α_i acc_i + P v[b, h / r, J]                (mma.m16n8k16, f32)
 //           acc_i += Σ_j P_ij a[c(i, j)] over a value term's interior columns; the weights of its
 //           two end columns summed, rescaled by α_i as l_i is, and added once at the end
-//       out[b, first_row + i, h, :] = acc_i / l_i;  lse[b, h, first_row + i] = m_i + ln l_i
+//       out[b, first_row + i, h, :] = acc_i / l_i;  stats[b, h, first_row + i] = (m_i, 1 / l_i)
 //
 // Few queries against many keys (decoding) split the keys instead (flash-decoding): with
 // key_split > 0, block x takes keys [x·key_split, (x + 1)·key_split) of the one query tile and
@@ -82,7 +82,7 @@ struct Term {
 struct Params {
   u64 q, k, v;       // const elem_t*: (B, H, Tq, D), (B, Hkv, Tk, D), (B, Hkv, Tk, D)
   u64 out;           // elem_t*: (B, out_rows, H, D), contiguous
-  u64 lse;           // float*: (B, H, out_rows), contiguous; 0 for none
+  u64 stats;         // float*: (B, H, out_rows, 2) = each row's maximum and 1 / sum; 0: none
   u64 padding;       // const unsigned char*: (B|1, Tk) rows of padding_stride; 0 for none
   u64 sinks;         // const float*: (H); 0 for none
   u64 partial;       // float*: (B, H, splits, Tq, D + 2) = acc, m, l per split (key_split > 0)
@@ -104,6 +104,12 @@ struct Params {
   float softcap;     // 0: none
   int key_split;     // > 0: keys per block (a multiple of BN), one query tile, partial results
   Term terms[MAX_TERMS];
+  // The backward's (posenc_flash_delta, posenc_flash_backward); the forward reads none.
+  u64 d_out;         // const elem_t*: (B, Tq, H, D), the output's gradient
+  u64 delta;         // float*: (B, H, Tq), dO_i · O_i
+  u64 dq;            // float*: (B, H, Tq, D), zeroed, accumulated atomically
+  u64 dk, dv;        // float*: (B, Hkv, Tk, D), written whole
+  u64 dsinks;        // float*: (H), zeroed, accumulated atomically; 0: none
 };
 
 #ifdef POSENC_EMULATE
@@ -144,6 +150,17 @@ __device__ __forceinline__ elem_t to_elem(float x) {
   elem_t r;
   asm(CVT_1 " %0, %1;" : "=h"(r) : "f"(x));
   return r;
+}
+
+// An operand-type value as a float (exact).
+__device__ __forceinline__ float from_elem(elem_t x) {
+#if POSENC_BF16
+  return __uint_as_float((unsigned)x << 16);
+#else
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x));
+  return r;
+#endif
 }
 
 // Two floats rounded to the operand type, `lo` in the low half.
@@ -194,6 +211,41 @@ __device__ __forceinline__ void keys_seen(const Params& p, i64 i0, i64 i1, i64* 
     *lo = 0;
     *hi = tk;
   }
+}
+
+// The logit of query i (of Tq) and key j from its product x, as both kernels see it: −∞ for a
+// key past the end or outside the keys [lo, hi) its tile visits (weight 0); −FLT_MAX for a key
+// the row's rule or the padding hides; otherwise the soft cap, then the terms.
+__device__ __forceinline__ float logit(const Params& p, const unsigned char* pad, int b, int h,
+                                       i64 i, i64 j, float x, i64 lo, i64 hi) {
+  if (j >= p.tk || (p.skip && (j < lo || j >= hi))) return -__int_as_float(0x7f800000);
+  const i64 pos = p.first + i;
+  bool seen = true;
+  if (p.causal && j > pos) seen = false;
+  if (p.window >= 0) {
+    if (p.causal) {
+      if (j + p.window <= pos) seen = false;
+    } else if (j + p.window < pos || j > pos + p.window) {
+      seen = false;
+    }
+  }
+  if (pad && pad[j] == 0) seen = false;
+  if (!seen) return NEG_MAX;
+  if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+  if (i < p.tq) {
+    for (int t = 0; t < p.n_terms; ++t) {
+      const Term& term = p.terms[t];
+      i64 c = j;
+      if (term.width > 0) {
+        c = j - i + term.shift;
+        c = c < 0 ? 0 : (c >= term.width ? term.width - 1 : c);
+      }
+      const float* vals = reinterpret_cast<const float*>(term.values);
+      x += vals[b * term.strides[0] + h * term.strides[1] + i * term.strides[2] +
+                c * term.strides[3]];
+    }
+  }
+  return x;
 }
 
 // With a value term at head dimension 64 and 96, ptxas's default (three blocks per
@@ -292,42 +344,8 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const i64 i = rows[e / 2];
-        const i64 j = k0 + n * 8 + 2 * t4 + (e & 1);
-        float x = s[n][e];
-        if (j >= p.tk || (p.skip && (j < seen_lo || j >= seen_hi))) {
-          x = -__int_as_float(0x7f800000);
-        } else {
-          const i64 pos = p.first + i;
-          bool seen = true;
-          if (p.causal && j > pos) seen = false;
-          if (p.window >= 0) {
-            if (p.causal) {
-              if (j + p.window <= pos) seen = false;
-            } else if (j + p.window < pos || j > pos + p.window) {
-              seen = false;
-            }
-          }
-          if (pad && pad[j] == 0) seen = false;
-          if (!seen) {
-            x = NEG_MAX;
-          } else {
-            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-            if (i < p.tq) {
-              for (int t = 0; t < p.n_terms; ++t) {
-                const Term& term = p.terms[t];
-                i64 c = j;
-                if (term.width > 0) {
-                  c = j - i + term.shift;
-                  c = c < 0 ? 0 : (c >= term.width ? term.width - 1 : c);
-                }
-                const float* vals = reinterpret_cast<const float*>(term.values);
-                x += vals[b * term.strides[0] + h * term.strides[1] + i * term.strides[2] +
-                          c * term.strides[3]];
-              }
-            }
-          }
-        }
+        const float x = logit(p, pad, b, h, rows[e / 2], k0 + n * 8 + 2 * t4 + (e & 1), s[n][e],
+                              seen_lo, seen_hi);
         s[n][e] = x;
         mx[e / 2] = fmaxf(mx[e / 2], x);
       }
@@ -428,7 +446,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
   }
 
   elem_t* out = reinterpret_cast<elem_t*>(p.out);
-  float* lse = reinterpret_cast<float*>(p.lse);
+  float* stats = reinterpret_cast<float*>(p.stats);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -473,8 +491,11 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     for (int n = 0; n < HEAD_DIM / 8; ++n) {
       *reinterpret_cast<unsigned*>(dst + n * 8) = pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
     }
-    if (lse && t4 == 0) {
-      lse[((i64)b * p.heads + h) * p.out_rows + p.first_row + i] = m[r] + logf(l[r]);
+    if (stats && t4 == 0) {
+      // The maximum the exponents subtracted (0 for a row of −∞ only).
+      float* st = stats + 2 * (((i64)b * p.heads + h) * p.out_rows + p.first_row + i);
+      st[0] = m[r] == -__int_as_float(0x7f800000) ? 0.0f : m[r];
+      st[1] = inv;
     }
   }
 }
@@ -502,8 +523,239 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
   }
   const i64 row = (i64)b * p.out_rows + p.first_row + i;
   reinterpret_cast<elem_t*>(p.out)[(row * p.heads + h) * HEAD_DIM + d] = to_elem(acc / l);
-  if (p.lse && d == 0) {
-    reinterpret_cast<float*>(p.lse)[((i64)b * p.heads + h) * p.out_rows + p.first_row + i] =
-        mx + logf(l);
+  if (p.stats && d == 0) {
+    float* st = reinterpret_cast<float*>(p.stats) +
+                2 * (((i64)b * p.heads + h) * p.out_rows + p.first_row + i);
+    st[0] = ms;
+    st[1] = 1.0f / l;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The backward (FlashAttention-2's, Dao 2023), for blocks without a value term and head
+// dimensions up to 64: gradients to q, k and v, and to the sinks; every term, mask, window and
+// soft cap as the forward reads them.
+//
+//   δ_i = dO_i · O_i                                              (posenc_flash_delta)
+//   for each (b, KV head, tile of BN = 64 keys J) (one thread block; warp w owns 16 keys):
+//       for each head h of the group, each tile of BM = 64 queries I that can see J:
+//           Sᵀ = k_J q_Iᵀ, then the logits as the forward's; Pᵀ = e^(S − m_i) / l_i (saved stats)
+//           dPᵀ = v_J dO_Iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − δ_I) (0 for a row masked whole), times the soft
+//           cap's derivative 1 − tanh²(s / cap)
+//           dV_J += Pᵀ dO_I;  dK_J += dSᵀ q_I;  dQ_I += dS k_J (atomically, f32)
+//
+// The products of Pᵀ and dSᵀ read them rounded to the operand type, as the forward's P v does.
+// ---------------------------------------------------------------------------------------------
+// Head dimensions up to 64: at 96 the accumulators spill, and at 128 the tiles pass the 48 KB
+// of static shared memory.
+#define POSENC_BACKWARD (!POSENC_VALUES && HEAD_DIM <= 64)
+#if POSENC_BACKWARD
+
+// δ per (b, h, i), one thread each; with sinks, d sink_h = −Σ_{b, i} p_sink δ_i.
+extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_delta(const Params p) {
+  const i64 r = (i64)blockIdx.x * THREADS + threadIdx.x;  // over (B, H, Tq)
+  if (r >= (i64)p.batch * p.heads * p.tq) return;
+  const i64 i = r % p.tq, h = (r / p.tq) % p.heads, b = r / ((i64)p.tq * p.heads);
+  const elem_t* d_out =
+      reinterpret_cast<const elem_t*>(p.d_out) + ((b * p.tq + i) * p.heads + h) * HEAD_DIM;
+  const elem_t* out = reinterpret_cast<const elem_t*>(p.out) +
+                      ((b * p.out_rows + p.first_row + i) * p.heads + h) * HEAD_DIM;
+  float acc = 0.0f;
+  for (int d = 0; d < HEAD_DIM; ++d) acc += from_elem(d_out[d]) * from_elem(out[d]);
+  reinterpret_cast<float*>(p.delta)[r] = acc;
+  if (p.dsinks && p.sinks) {
+    const float* st =
+        reinterpret_cast<const float*>(p.stats) + 2 * ((b * p.heads + h) * p.out_rows + p.first_row + i);
+    const float sink = reinterpret_cast<const float*>(p.sinks)[h];
+    atomicAdd(reinterpret_cast<float*>(p.dsinks) + h, -exp2f((sink - st[0]) * LOG2E) * st[1] * acc);
+  }
+}
+
+// dS is kept transposed (keys × queries) in the dO tile's place once dO is read.
+#define DS_STRIDE (BM + 8)
+#define DO_ELEMS (BM * STRIDE > BN * DS_STRIDE ? BM * STRIDE : BN * DS_STRIDE)
+
+extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(const Params p) {
+  alignas(16) __shared__ elem_t s_k[BN * STRIDE];  // the key tile (and, first, the values')
+  alignas(16) __shared__ elem_t s_q[BM * STRIDE];
+  alignas(16) __shared__ elem_t s_do[DO_ELEMS];    // dO, then dSᵀ
+  __shared__ float s_m[BM], s_inv[BM], s_delta[BM];
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const i64 k0 = (i64)blockIdx.x * BN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  const elem_t* kb = reinterpret_cast<const elem_t*>(p.k) + b * p.k_strides[0] + hk * p.k_strides[1];
+  const elem_t* vb = reinterpret_cast<const elem_t*>(p.v) + b * p.v_strides[0] + hk * p.v_strides[1];
+  const unsigned char* pad =
+      p.padding ? reinterpret_cast<const unsigned char*>(p.padding) + b * p.padding_stride : 0;
+
+  // This warp's 16 value rows, as A fragments for dPᵀ = v dOᵀ, kept in registers.
+  load_tile(s_k, vb, p.v_strides[2], (int)k0, p.tk);
+  __syncthreads();
+  unsigned vf[HEAD_DIM / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
+    ldsm_x4(vf[kc], s_k + (warp * 16 + lane % 16) * STRIDE + kc * 16 + (lane / 16) * 8);
+  }
+  __syncthreads();
+  load_tile(s_k, kb, p.k_strides[2], (int)k0, p.tk);
+
+  float dk[HEAD_DIM / 8][4], dv[HEAD_DIM / 8][4];
+#pragma unroll
+  for (int n = 0; n < HEAD_DIM / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+  }
+  // This thread's two keys (block-local rows of the key tile).
+  const int keys[2] = {warp * 16 + g, warp * 16 + g + 8};
+  const float* stats = reinterpret_cast<const float*>(p.stats);
+  const float* delta = reinterpret_cast<const float*>(p.delta);
+  float* dq = reinterpret_cast<float*>(p.dq);
+
+  for (int gi = 0; gi < p.kv_group; ++gi) {
+    const int h = hk * p.kv_group + gi;
+    const elem_t* qb = reinterpret_cast<const elem_t*>(p.q) + b * p.q_strides[0] + h * p.q_strides[1];
+    const elem_t* dob = reinterpret_cast<const elem_t*>(p.d_out) + ((i64)b * p.tq * p.heads + h) * HEAD_DIM;
+    for (int q0 = 0; q0 < p.tq; q0 += BM) {
+      // The keys this query tile visits in the forward (the same tiles of BM rows).
+      i64 seen_lo = 0, seen_hi = p.tk;
+      if (p.skip) {
+        keys_seen(p, q0, q0 + BM < p.tq ? q0 + BM : p.tq, &seen_lo, &seen_hi);
+        if (seen_hi <= k0 || seen_lo >= k0 + BN) continue;
+      }
+      __syncthreads();  // every warp is done with the last query tile (and dSᵀ)
+      load_tile(s_q, qb, p.q_strides[2], q0, p.tq);
+      load_tile(s_do, dob, (i64)p.heads * HEAD_DIM, q0, p.tq);
+      for (int r = threadIdx.x; r < BM; r += THREADS) {
+        const i64 i = q0 + r;
+        const i64 row = ((i64)b * p.heads + h) * p.out_rows + p.first_row + i;
+        s_m[r] = i < p.tq ? stats[2 * row] : 0.0f;
+        s_inv[r] = i < p.tq ? stats[2 * row + 1] : 0.0f;
+        s_delta[r] = i < p.tq ? delta[((i64)b * p.heads + h) * p.tq + i] : 0.0f;
+      }
+      __syncthreads();
+
+      // Sᵀ = k q_Iᵀ: this warp's 16 keys × the tile's 64 queries.
+      float st[BM / 8][4], dpt[BM / 8][4];
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+      }
+#pragma unroll
+      for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
+        unsigned ka[4];
+        ldsm_x4(ka, s_k + (warp * 16 + lane % 16) * STRIDE + kc * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < BM / 16; ++np) {
+          unsigned bq[4], bd[4];
+          const int at = (np * 16 + lane % 8 + (lane / 16) * 8) * STRIDE + kc * 16 + ((lane / 8) % 2) * 8;
+          ldsm_x4(bq, s_q + at);
+          ldsm_x4(bd, s_do + at);
+          mma(st[2 * np], ka, bq[0], bq[1]);
+          mma(st[2 * np + 1], ka, bq[2], bq[3]);
+          mma(dpt[2 * np], vf[kc], bd[0], bd[1]);
+          mma(dpt[2 * np + 1], vf[kc], bd[2], bd[3]);
+        }
+      }
+      // Pᵀ from the logits and the forward's statistics; dSᵀ = Pᵀ ∘ (dPᵀ − δ).
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qc = n * 8 + 2 * t4 + (e & 1);
+          const i64 i = q0 + qc, j = k0 + keys[e / 2];
+          const float raw = st[n][e];
+          const float x = logit(p, pad, b, h, i, j, raw, seen_lo, seen_hi);
+          float pe = 0.0f, ds = 0.0f;
+          if (i < p.tq) {
+            pe = exp2f((x - s_m[qc]) * LOG2E) * s_inv[qc];
+            // A row masked whole has constant weights: no gradient to its logits.
+            if (s_m[qc] != NEG_MAX) ds = pe * (dpt[n][e] - s_delta[qc]);
+            if (p.softcap > 0.0f && ds != 0.0f) {
+              const float t = tanhf(raw / p.softcap);
+              ds *= 1.0f - t * t;
+            }
+          }
+          st[n][e] = pe;
+          dpt[n][e] = ds;
+        }
+      }
+      // dV += Pᵀ dO and dK += dSᵀ q: two query blocks of 8 make one 16 × 16 A operand.
+#pragma unroll
+      for (int kc = 0; kc < BM / 16; ++kc) {
+        const unsigned pa[4] = {pack(st[2 * kc][0], st[2 * kc][1]), pack(st[2 * kc][2], st[2 * kc][3]),
+                                pack(st[2 * kc + 1][0], st[2 * kc + 1][1]),
+                                pack(st[2 * kc + 1][2], st[2 * kc + 1][3])};
+        const unsigned sa[4] = {pack(dpt[2 * kc][0], dpt[2 * kc][1]),
+                                pack(dpt[2 * kc][2], dpt[2 * kc][3]),
+                                pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
+                                pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+          unsigned bd[4], bq[4];
+          const int at = (kc * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + dp * 16 + (lane / 16) * 8;
+          ldsm_x4_trans(bd, s_do + at);
+          ldsm_x4_trans(bq, s_q + at);
+          mma(dv[2 * dp], pa, bd[0], bd[1]);
+          mma(dv[2 * dp + 1], pa, bd[2], bd[3]);
+          mma(dk[2 * dp], sa, bq[0], bq[1]);
+          mma(dk[2 * dp + 1], sa, bq[2], bq[3]);
+        }
+      }
+      __syncthreads();  // every warp is done with dO: its place takes dSᵀ
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          *reinterpret_cast<unsigned*>(s_do + keys[r] * DS_STRIDE + n * 8 + 2 * t4) =
+              pack(dpt[n][2 * r], dpt[n][2 * r + 1]);
+        }
+      }
+      __syncthreads();
+      // dQ += dS k for this warp's 16 queries: dS read transposed from dSᵀ.
+      unsigned da[BN / 16][4];
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        ldsm_x4_trans(da[kc], s_do + (kc * 16 + lane % 8 + (lane / 16) * 8) * DS_STRIDE + warp * 16 +
+                                  ((lane / 8) % 2) * 8);
+      }
+#pragma unroll
+      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+        float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc) {
+          unsigned bk[4];
+          ldsm_x4_trans(bk, s_k + (kc * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + dp * 16 +
+                                (lane / 16) * 8);
+          mma(c0, da[kc], bk[0], bk[1]);
+          mma(c1, da[kc], bk[2], bk[3]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const i64 i = q0 + warp * 16 + g + 8 * (e / 2);
+          if (i >= p.tq) continue;
+          float* row = dq + (((i64)b * p.heads + h) * p.tq + i) * HEAD_DIM + dp * 16 + 2 * t4 + (e & 1);
+          atomicAdd(row, c0[e]);
+          atomicAdd(row + 8, c1[e]);
+        }
+      }
+    }
+  }
+  // This block's keys of dK and dV, written whole.
+  float* dkb = reinterpret_cast<float*>(p.dk) + (((i64)b * (p.heads / p.kv_group) + hk) * p.tk) * HEAD_DIM;
+  float* dvb = reinterpret_cast<float*>(p.dv) + (((i64)b * (p.heads / p.kv_group) + hk) * p.tk) * HEAD_DIM;
+#pragma unroll
+  for (int n = 0; n < HEAD_DIM / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const i64 j = k0 + keys[e / 2];
+      if (j >= p.tk) continue;
+      const i64 at = j * HEAD_DIM + n * 8 + 2 * t4 + (e & 1);
+      dkb[at] = dk[n][e];
+      dvb[at] = dv[n][e];
+    }
+  }
+}
+#endif  // POSENC_BACKWARD

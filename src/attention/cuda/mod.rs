@@ -160,7 +160,7 @@ struct Params {
     k: u64,
     v: u64,
     out: u64,
-    lse: u64,
+    stats: u64,
     padding: u64,
     sinks: u64,
     partial: u64,
@@ -186,6 +186,13 @@ struct Params {
     softcap: f32,
     key_split: i32,
     terms: [Term; MAX_TERMS],
+    // The backward kernel's (flash_forward.cu's posenc_flash_backward), not launched yet.
+    d_out: u64,
+    delta: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    dsinks: u64,
 }
 
 // SAFETY: plain data (integers, floats and device addresses), laid out as the kernel's struct.

@@ -1,9 +1,18 @@
-// posenc_flash_forward and posenc_flash_combine (src/attention/cuda/flash_forward.cu), run by
-// the CPU emulator against attention written out from its formula in f64:
+// The kernels of src/attention/cuda/flash_forward.cu, run by the CPU emulator against
+// attention written out from its formula in f64:
 //
 //   s_ij = cap · tanh(q_i · k_j / cap) + Σ terms        (keys the row's rule hides: −FLT_MAX)
 //   m_i = max(sink, max_j s_ij),  l_i = e^(sink − m_i) + Σ_j e^(s_ij − m_i)
-//   out_i = Σ_j e^(s_ij − m_i) (v_j + a[c(i, j)]) / l_i,  lse_i = m_i + ln l_i
+//   out_i = Σ_j P_ij (v_j + a[c(i, j)]),  P_ij = e^(s_ij − m_i) / l_i,  stats_i = (m_i, 1 / l_i)
+//
+// and, without a value term at head dimensions up to 64, its backward for a loss L = Σ dO · out:
+//
+//   dP_ij = dO_i · v_j,  δ_i = Σ_j P_ij dP_ij,  dS_ij = P_ij (dP_ij − δ_i) (1 − tanh²(s / cap))
+//   dq_i = Σ_j dS_ij k_j,  dk_j = Σ_i dS_ij q_i,  dv_j = Σ_i P_ij dO_i,  dsink = −Σ_i P_i,sink δ_i
+//
+// (a row masked whole has constant weights: dS = 0). posenc_flash_forward (and, for split
+// keys, posenc_flash_combine) gives the output and statistics; posenc_flash_delta and
+// posenc_flash_backward the gradients.
 //
 // Built once per specialisation by .ci/cuda-emulate (-DPOSENC_HEAD_DIM, -DPOSENC_BF16,
 // -DPOSENC_VALUES, -DPOSENC_EMULATE='"ptx.hpp"'). Exits non-zero when any case differs by more
@@ -50,7 +59,21 @@ struct Rng {
 struct Result {
   double err = 0.0, worst_ratio = 0.0;
   bool stray = false, bad_lse = false;
+  double grad_err = 0.0, grad_ratio = 0.0;  // the backward's, when run
+  bool backward = false;
 };
+
+// |got − want| against its tolerance: the worst ratio past it, and the largest error.
+void check(double got, double want, double tol, double* err, double* ratio) {
+  const double e = std::fabs(got - want);
+  if (std::isnan(e)) {
+    *err = INFINITY;
+    *ratio = 1e9;
+    return;
+  }
+  *err = std::max(*err, e);
+  if (e > tol) *ratio = std::max(*ratio, e / tol);
+}
 
 Result run(const Case& c, Rng& rng) {
   const int b = c.b, h = c.h, hkv = c.hkv, tq = c.tq, tk = c.tk;
@@ -153,12 +176,12 @@ Result run(const Case& c, Rng& rng) {
 
   const u64 sentinel = 0xffff;
   std::vector<elem_t> out((size_t)b * out_rows * h * D, (elem_t)sentinel);
-  std::vector<float> lse((size_t)b * h * out_rows, -12345.0f);
+  std::vector<float> stats((size_t)b * h * out_rows * 2, -12345.0f);
   p.q = (u64)q.data();
   p.k = (u64)k.data();
   p.v = (u64)v.data();
   p.out = (u64)out.data();
-  p.lse = (u64)lse.data();
+  p.stats = (u64)stats.data();
   p.padding = pad.empty() ? 0 : (u64)pad.data();
   p.padding_stride = pad_stride;
   p.sinks = c.sinks ? (u64)sinks.data() : 0;
@@ -201,6 +224,11 @@ Result run(const Case& c, Rng& rng) {
   Result res;
   const double eps = POSENC_BF16 ? 1.0 / 256 : 1.0 / 2048;
   std::vector<double> s(tk), w(tk);
+  // Kept for the backward, per (b, h, i, j): the weights, the raw products (for the soft
+  // cap's derivative) and whether the key was seen; per (b, h, i): masked whole, the sink's weight.
+  const size_t pairs = (size_t)b * h * tq * tk;
+  std::vector<double> weights(pairs), raws(pairs), sink_weight((size_t)b * h * tq);
+  std::vector<char> seens(pairs), masked((size_t)b * h * tq);
   for (int bi = 0; bi < b; ++bi)
     for (int hi = 0; hi < h; ++hi)
       for (int i = 0; i < tq; ++i) {
@@ -216,12 +244,15 @@ Result run(const Case& c, Rng& rng) {
             }
           }
           if (!pad.empty() && pad[bi * pad_stride + j] == 0) seen = false;
+          const size_t at = (((size_t)bi * h + hi) * tq + i) * tk + j;
+          seens[at] = seen;
           if (!seen) {
             s[j] = -FLT_MAX;
             continue;
           }
           double x = 0.0;
           for (int d = 0; d < D; ++d) x += (double)qat(bi, hi, i, d) * kat(bi, hk, j, d);
+          raws[at] = x;
           if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
           for (int t = 0; t < p.n_terms; ++t) x += term_value(t, bi, hi, i, j);
           s[j] = x;
@@ -233,9 +264,15 @@ Result run(const Case& c, Rng& rng) {
           w[j] = std::exp(s[j] - m);
           l += w[j];
         }
-        const double want_lse = m + std::log(l);
+        const size_t r0 = ((size_t)bi * h + hi) * tq + i;
+        for (int j = 0; j < tk; ++j) weights[r0 * tk + j] = w[j] / l;
+        masked[r0] = m == -FLT_MAX;
+        sink_weight[r0] = c.sinks ? std::exp(sinks[hi] - m) / l : 0.0;
         const i64 row = (i64)bi * out_rows + c.first_row + i;
-        const float got_lse = lse[bi * h * out_rows + hi * out_rows + c.first_row + i];
+        const float* st = &stats[2 * ((size_t)(bi * h + hi) * out_rows + c.first_row + i)];
+        // The maximum the kernel subtracted may differ from the reference's (tiles see the
+        // keys in another order, sinks): compare the log-sum-exp, m + ln l.
+        const double want_lse = m + std::log(l), got_lse = st[0] - std::log((double)st[1]);
         if (!(std::fabs(got_lse - want_lse) <= 1e-4 * std::max(1.0, std::fabs(want_lse))))
           res.bad_lse = true;
         for (int d = 0; d < D; ++d) {
@@ -266,8 +303,82 @@ Result run(const Case& c, Rng& rng) {
       for (int n = 0; n < h * D; ++n)
         if (out[((size_t)bi * out_rows + r) * h * D + n] != (elem_t)sentinel) res.stray = true;
       for (int hi = 0; hi < h; ++hi)
-        if (lse[bi * h * out_rows + hi * out_rows + r] != -12345.0f) res.stray = true;
+        if (stats[2 * ((size_t)(bi * h + hi) * out_rows + r)] != -12345.0f) res.stray = true;
     }
+#if POSENC_BACKWARD
+  res.backward = true;
+  const int group = h / hkv;
+  std::vector<elem_t> d_out = draw((size_t)b * tq * h * D, 1.0);  // (B, Tq, H, D)
+  std::vector<float> delta((size_t)b * h * tq, -777.0f), dq((size_t)b * h * tq * D, 0.0f);
+  std::vector<float> dk((size_t)b * hkv * tk * D, -777.0f), dv(dk.size(), -777.0f);
+  std::vector<float> dsinks(h, 0.0f);
+  p.d_out = (u64)d_out.data();
+  p.delta = (u64)delta.data();
+  p.dq = (u64)dq.data();
+  p.dk = (u64)dk.data();
+  p.dv = (u64)dv.data();
+  p.dsinks = c.sinks ? (u64)dsinks.data() : 0;
+  const unsigned rows = (unsigned)((b * h * tq + THREADS - 1) / THREADS);
+  emu::launch({rows, 1, 1}, THREADS, [&] { posenc_flash_delta(p); });
+  emu::launch({(unsigned)((tk + BN - 1) / BN), (unsigned)hkv, (unsigned)b}, THREADS,
+              [&] { posenc_flash_backward(p); });
+
+  auto dout_at = [&](int bi, int i, int hi, int d) {
+    return (double)elem_to_float(d_out[(((size_t)bi * tq + i) * h + hi) * D + d]);
+  };
+  std::vector<double> rq(dq.size(), 0.0), rk(dk.size(), 0.0), rv(dv.size(), 0.0);
+  std::vector<double> mq(dq.size(), 0.0), mk(dk.size(), 0.0), mv(dv.size(), 0.0);
+  std::vector<double> rs(h, 0.0), ms(h, 0.0);
+  std::vector<double> dpv(tk);
+  for (int bi = 0; bi < b; ++bi)
+    for (int hi = 0; hi < h; ++hi)
+      for (int i = 0; i < tq; ++i) {
+        const int hk = hi / group;
+        const size_t r0 = ((size_t)bi * h + hi) * tq + i;
+        const double* pr = &weights[r0 * tk];
+        double dl = 0.0, dl_mag = 0.0;
+        for (int j = 0; j < tk; ++j) {
+          double x = 0.0;
+          for (int d = 0; d < D; ++d) x += dout_at(bi, i, hi, d) * vat(bi, hk, j, d);
+          dpv[j] = x;
+          dl += pr[j] * x;
+        }
+        // δ is dO · O with O rounded to the output type.
+        const i64 row = (i64)bi * out_rows + c.first_row + i;
+        for (int d = 0; d < D; ++d)
+          dl_mag += std::fabs(dout_at(bi, i, hi, d) * elem_to_float(out[(row * h + hi) * D + d]));
+        rs[hi] -= sink_weight[r0] * dl;
+        ms[hi] += sink_weight[r0] * (dl_mag + std::fabs(dl));
+        for (int j = 0; j < tk; ++j) {
+          const size_t at = r0 * tk + j;
+          double ds = masked[r0] ? 0.0 : pr[j] * (dpv[j] - dl);
+          double ds_mag = masked[r0] ? 0.0 : pr[j] * (std::fabs(dpv[j]) + dl_mag + std::fabs(dl));
+          if (c.softcap > 0 && seens[at]) {
+            const double t = std::tanh(raws[at] / c.softcap);
+            ds *= 1.0 - t * t;
+          }
+          for (int d = 0; d < D; ++d) {
+            const size_t qa = r0 * D + d, ka = (((size_t)bi * hkv + hk) * tk + j) * D + d;
+            rq[qa] += ds * kat(bi, hk, j, d);
+            mq[qa] += ds_mag * std::fabs(kat(bi, hk, j, d));
+            rk[ka] += ds * qat(bi, hi, i, d);
+            mk[ka] += ds_mag * std::fabs(qat(bi, hi, i, d));
+            rv[ka] += pr[j] * dout_at(bi, i, hi, d);
+            mv[ka] += pr[j] * std::fabs(dout_at(bi, i, hi, d));
+          }
+        }
+      }
+  // Each product reads P or dS rounded to the operand type (and δ the rounded output).
+  for (size_t n = 0; n < rq.size(); ++n)
+    check(dq[n], rq[n], 3 * eps * mq[n] + 1e-5, &res.grad_err, &res.grad_ratio);
+  for (size_t n = 0; n < rk.size(); ++n) {
+    check(dk[n], rk[n], 3 * eps * mk[n] + 1e-5, &res.grad_err, &res.grad_ratio);
+    check(dv[n], rv[n], 2 * eps * mv[n] + 1e-5, &res.grad_err, &res.grad_ratio);
+  }
+  if (c.sinks)
+    for (int hi = 0; hi < h; ++hi)
+      check(dsinks[hi], rs[hi], 3 * eps * ms[hi] + 1e-5, &res.grad_err, &res.grad_ratio);
+#endif
   return res;
 }
 
@@ -333,11 +444,14 @@ int main() {
   int failures = 0;
   for (const Case& c : cases()) {
     const Result r = run(c, rng);
-    const bool ok = r.worst_ratio == 0.0 && !r.stray && !r.bad_lse;
-    std::printf("%s d%d %s%s: %-52s max |err| %.2e%s%s%s\n", ok ? "ok  " : "FAIL", D,
+    const bool ok = r.worst_ratio == 0.0 && !r.stray && !r.bad_lse && r.grad_ratio == 0.0;
+    char grads[64] = "";
+    if (r.backward) std::snprintf(grads, sizeof grads, ", gradients %.2e", r.grad_err);
+    std::printf("%s d%d %s%s: %-52s max |err| %.2e%s%s%s%s%s\n", ok ? "ok  " : "FAIL", D,
                 POSENC_BF16 ? "bf16" : "f16", POSENC_VALUES ? " values" : "", c.name.c_str(),
-                r.err, r.worst_ratio > 0 ? " (past tolerance)" : "",
-                r.stray ? " (wrote outside its rows)" : "", r.bad_lse ? " (lse)" : "");
+                r.err, grads, r.worst_ratio > 0 ? " (past tolerance)" : "",
+                r.stray ? " (wrote outside its rows)" : "", r.bad_lse ? " (statistics)" : "",
+                r.grad_ratio > 0 ? " (gradients past tolerance)" : "");
     failures += !ok;
   }
   return failures ? 1 : 0;
