@@ -8,7 +8,8 @@
 // the CPU's in-place rotation does. The backward is the same kernel with −sin (a rotation by −θ).
 //
 // Specialised by the host through -D options: POSENC_ROPE_DTYPE (0 f32, 1 bf16, 2 f16, 3 f64).
-// No header is included.
+// No header is included, except under POSENC_EMULATE (tests/cuda_emulator), which names a header
+// of CPU versions of the two conversions.
 
 #ifndef POSENC_ROPE_DTYPE
 #error "POSENC_ROPE_DTYPE must be defined"
@@ -35,6 +36,10 @@ typedef float acc_t;
 #else
 #define HALF_TYPE "f16"
 #endif
+#ifdef POSENC_EMULATE
+// tests/cuda_emulator: the conversions below computed on the CPU.
+#include POSENC_EMULATE
+#else
 __device__ __forceinline__ acc_t load(elem_t x) {
   float r;
   asm("cvt.f32." HALF_TYPE " %0, %1;" : "=f"(r) : "h"(x));
@@ -45,6 +50,7 @@ __device__ __forceinline__ elem_t store(acc_t x) {
   asm("cvt.rn." HALF_TYPE ".f32 %0, %1;" : "=h"(r) : "f"(x));
   return r;
 }
+#endif
 #endif
 
 // Must match `RopeParams` in rotary/cuda.rs field for field.
