@@ -449,8 +449,90 @@ fn shaw_value_terms() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Training through the kernels' backward: the gradient of `Σ probe · out` with respect to
+/// the input, through the projections and the backward kernel's dq, dk and dv, equals the f64
+/// CPU block's, for no encoding, RoPE, ALiBi and T5 (their tables as constants), causal and
+/// not, grouped heads, padding, a soft cap, sinks, head dimensions 32 and 64; the forward and
+/// the backward must both have taken the kernels. Head dimension 96 and Shaw's value term take
+/// candle's ops, and must still agree.
+fn training_equals_f64() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    for head_dim in [32, 64, 96] {
+        let (heads, d_model) = (4, 4 * head_dim);
+        let configs = common::zoo::configs(d_model, heads, head_dim);
+        let shaw = EncodingConfig::Shaw(ShawConfig::new(head_dim, 4).with_values(true));
+        let shapes = [
+            AttentionConfig::new(d_model, heads).with_kv_heads(2),
+            AttentionConfig::new(d_model, heads).with_causal(true),
+            AttentionConfig::new(d_model, heads)
+                .with_causal(true)
+                .with_logit_softcap(Some(5.0))
+                .with_sinks(true),
+        ];
+        for attn in shapes {
+            for config in [&configs[0], &configs[3], &configs[7], &configs[11], &shaw] {
+                for padded in [None, Some(9)] {
+                    let (_, varmap) = common::zoo::attention(config, &attn, DType::BF16, &cpu)?;
+                    let (len, batch) = (100, 2);
+                    let x = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?
+                        .to_dtype(DType::BF16)?;
+                    let probe = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?;
+                    let mut pad = vec![1u8; batch * len];
+                    if let Some(n) = padded {
+                        pad[len..len + n].fill(0);
+                    }
+                    let pad = Tensor::from_vec(pad, (batch, len), &cpu)?;
+                    let grad_on = |dev: &Device, dtype: DType| -> anyhow::Result<Tensor> {
+                        let mha = common::zoo::attention_from(config, &attn, &varmap, dtype, dev)?;
+                        let var =
+                            candle_core::Var::from_tensor(&x.to_dtype(dtype)?.to_device(dev)?)?;
+                        let pad = pad.to_device(dev)?;
+                        let opts = AttentionOptions {
+                            padding_mask: padded.is_some().then_some(&pad),
+                            train: true,
+                            ..Default::default()
+                        };
+                        let out = mha.forward_with(var.as_tensor(), &opts, None)?.output;
+                        let probe = probe.to_dtype(dtype)?.to_device(dev)?;
+                        let loss =
+                            (out.to_dtype(DType::F32)? * probe.to_dtype(DType::F32)?)?.sum_all()?;
+                        let grads = loss.backward()?;
+                        let g = grads.get(var.as_tensor()).expect("a gradient");
+                        Ok(g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?)
+                    };
+                    let before = kernel_launches();
+                    let got = grad_on(&gpu, DType::BF16)?;
+                    let launches = kernel_launches() - before;
+                    let what = format!("{} d{head_dim} {attn:?} padded {padded:?}", config.kind());
+                    let fused = head_dim <= 64 && !matches!(config, EncodingConfig::Shaw(_));
+                    // One forward and one backward launch per query block (RoPE's rotations
+                    // in place count too, so its blocks are not counted here).
+                    if !matches!(config, EncodingConfig::Rotary(_)) {
+                        assert_eq!(launches >= 2, fused, "{what}: {launches} launches");
+                    }
+                    let finite = got
+                        .flatten_all()?
+                        .to_vec1::<f64>()?
+                        .iter()
+                        .all(|x| x.is_finite());
+                    assert!(finite, "{what}: a non-finite gradient");
+                    let want = grad_on(&cpu, DType::F64)?;
+                    common::assert_close_scaled(&got, &want, 3e-2, 3e-2, &what)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The tests, named `cuda::…` so that the GPU runner's filter finds them.
 mod cuda {
+    #[test]
+    fn training_equals_f64() -> anyhow::Result<()> {
+        super::training_equals_f64()
+    }
     #[test]
     fn every_encoding_equals_f64() -> anyhow::Result<()> {
         super::every_encoding_equals_f64()

@@ -43,6 +43,10 @@ pub(crate) enum Path {
     /// when switched on ([`super::cuda::set_fused_kernel`]).
     #[cfg(feature = "cuda")]
     CudaFused,
+    /// The fused CUDA kernels with their backward: bf16/f16 training on a CUDA device at head
+    /// dimensions 32 and 64, without returned weights, when switched on.
+    #[cfg(feature = "cuda")]
+    CudaTrain,
 }
 
 impl Path {
@@ -52,7 +56,7 @@ impl Path {
         match self {
             Path::Fused | Path::FusedTrain | Path::RowPass => true,
             #[cfg(feature = "cuda")]
-            Path::CudaFused => true,
+            Path::CudaFused | Path::CudaTrain => true,
             Path::Ops => false,
         }
     }
@@ -83,6 +87,15 @@ impl Path {
             && super::cuda::takes(q, k, v)
         {
             return Path::CudaFused;
+        }
+        #[cfg(feature = "cuda")]
+        if (differentiable || tracked)
+            && !weights
+            && q.device().is_cuda()
+            && super::cuda::fused_kernel()
+            && super::cuda::training::takes(q, k, v)
+        {
+            return Path::CudaTrain;
         }
         match (differentiable || tracked, cpu, weights) {
             (false, true, false) if f32s || half_cache => Path::Fused,
@@ -191,9 +204,17 @@ impl Chunk<'_> {
             (_, true) => Path::Ops,
         };
         // The CUDA kernel has no chunked attention yet, and reads a value term only through a
-        // shift (an index map, for explicit ids, takes candle's ops).
+        // shift (an index map, for explicit ids, takes candle's ops); its backward reads no
+        // value term and draws no dropout.
         #[cfg(feature = "cuda")]
         let path = match path {
+            Path::CudaTrain
+                if self.chunk.is_some()
+                    || (self.train && self.dropout > 0.0)
+                    || first.as_ref().is_some_and(|(_, v)| v.is_some()) =>
+            {
+                Path::Ops
+            }
             Path::CudaFused
                 if self.chunk.is_some()
                     || first.as_ref().is_some_and(|(_, v)| {
@@ -211,7 +232,7 @@ impl Chunk<'_> {
         // tile across all its queries.
         let fused = matches!(path, Path::Fused | Path::FusedTrain);
         #[cfg(feature = "cuda")]
-        let fused = fused || path == Path::CudaFused;
+        let fused = fused || matches!(path, Path::CudaFused | Path::CudaTrain);
         if fused && spans.len() > 1 && first.as_ref().is_some_and(shared_answers) {
             spans = vec![(0, t, tk)];
             first = Some(self.answers(spans[0])?);
@@ -323,6 +344,22 @@ impl Chunk<'_> {
                 }
                 continue;
             }
+            #[cfg(feature = "cuda")]
+            if path == Path::CudaTrain {
+                outs.push(super::cuda::training::attend(&super::cuda::CudaCore {
+                    q: &part.q,
+                    k: &part.k,
+                    v: &part.v,
+                    dense: &terms.dense,
+                    dense_masks: self.attn_mask.is_some(),
+                    relative: &terms.rows,
+                    padding: part.padding,
+                    rule: &part.rule,
+                    sinks: self.sinks,
+                    values: None,
+                })?);
+                continue;
+            }
             if let Some(merged) = &merged {
                 core().write_into(merged, start)?;
             } else if path == Path::FusedTrain {
@@ -355,10 +392,14 @@ impl Chunk<'_> {
                 }
             }
         }
-        let out = match (merged, path) {
+        // The training cores return `(B, n, H, D)` per block, the ops `(B, H, n, D)`.
+        let token_major = path == Path::FusedTrain;
+        #[cfg(feature = "cuda")]
+        let token_major = token_major || path == Path::CudaTrain;
+        let out = match (merged, token_major) {
             (Some(merged), _) => merged,
-            (None, Path::FusedTrain) => cat(outs, 1)?,
-            (None, _) => cat(outs, 2)?.transpose(1, 2)?,
+            (None, true) => cat(outs, 1)?,
+            (None, false) => cat(outs, 2)?.transpose(1, 2)?,
         };
         let weights = match weights.is_empty() {
             true => None,

@@ -1,11 +1,14 @@
 //! The fused attention core on CUDA devices (the `cuda` feature): `flash_forward.cu`, a
 //! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks, reading the plug's terms as
 //! data (dense terms through broadcast strides, relative rows through a shift), causal limits,
-//! windows, padding, soft caps, sinks and grouped KV heads; inference only.
+//! windows, padding, soft caps, sinks and grouped KV heads. For training at head dimensions 32
+//! and 64, its backward (`posenc_flash_backward`, through `training.rs`) gives q, k, v and the
+//! sinks their gradients.
 //!
-//! **Off by default, and not yet validated on a GPU.** The kernel is compiled (NVRTC, every
-//! specialisation, `.ci/cuda-kernels`) and its host side is built and checked here, but no GPU
-//! has run it yet. [`set_fused_kernel`] (or `CANDLE_POSENC_CUDA_KERNEL=1` in the environment)
+//! **Off by default, and not yet validated on a GPU.** The kernels are compiled (NVRTC, every
+//! specialisation, `.ci/cuda-kernels`) and run against f64 on a CPU emulator
+//! (`tests/cuda_emulator`, `.ci/cuda-emulate`); their host side is built and checked here, but
+//! no GPU has run them yet. [`set_fused_kernel`] (or `CANDLE_POSENC_CUDA_KERNEL=1` in the environment)
 //! turns it on; until then a CUDA block runs on candle's ops, as before.
 //!
 //! Compiled with NVRTC at first use, one module per head dimension and dtype, cached per
@@ -31,6 +34,8 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
 use half::{bf16, f16};
 
+pub(crate) mod training;
+
 use super::fused_softmax::RowRule;
 use crate::error::{Error, Result};
 use crate::plug::{Columns, RelativeBias};
@@ -49,6 +54,11 @@ const MAX_TERMS: usize = 4;
 const FORWARD: &str = include_str!("flash_forward.cu");
 const FORWARD_ENTRY: &str = "posenc_flash_forward";
 const COMBINE_ENTRY: &str = "posenc_flash_combine";
+const DELTA_ENTRY: &str = "posenc_flash_delta";
+const BACKWARD_ENTRY: &str = "posenc_flash_backward";
+
+/// Head dimensions the backward kernel takes (`POSENC_BACKWARD` in flash_forward.cu).
+pub(crate) const BACKWARD_HEAD_DIMS: [usize; 2] = [32, 64];
 
 /// Queries per thread block of the forward kernel (`BM`), and keys per tile (`BN`).
 const TILE: usize = 64;
@@ -244,6 +254,13 @@ impl CudaCore<'_> {
     /// take (each names the operand and what was expected); [`Error::Kernel`] when the kernel
     /// fails to compile, load or launch.
     pub(crate) fn write_into(&self, out: &Tensor, first_row: usize) -> Result<()> {
+        let op = self.launch_op(out, first_row)?;
+        out.inplace_op1(&op)?;
+        Ok(())
+    }
+
+    /// The launch that [`Self::write_into`] runs, its operands checked and prepared.
+    pub(crate) fn launch_op(&self, out: &Tensor, first_row: usize) -> Result<LaunchOp> {
         let (b, h, tq, d) = self.q.dims4()?;
         let (kb, hkv, tk, kd) = self.k.dims4()?;
         if kb != b || kd != d || hkv == 0 || h % hkv != 0 || self.v.dims() != self.k.dims() {
@@ -416,9 +433,10 @@ impl CudaCore<'_> {
             skip: self.padding.is_none() && !self.dense_masks,
             rule: self.rule.clone(),
             first_row,
+            stats: None,
+            backward: None,
         };
-        out.inplace_op1(&op)?;
-        Ok(())
+        Ok(op)
     }
 
     /// The terms as f32 tensors on the block's device, with their broadcast strides.
@@ -505,8 +523,9 @@ type KernelTerm = (Tensor, Option<(i64, usize)>);
 /// The PTX of each program by its name and NVRTC options.
 type PtxCache = HashMap<(&'static str, Vec<String>), Arc<str>>;
 
-/// The launch, as an in-place op on the merged output.
-struct LaunchOp {
+/// The launch, as an in-place op on the merged output (or, with `backward`, on dQ).
+#[derive(Clone)]
+pub(crate) struct LaunchOp {
     /// A value term's `(W, D)` f32 table and its shift.
     values: Option<(Tensor, i64)>,
     /// Key splits (1: none) and keys per split.
@@ -523,6 +542,25 @@ struct LaunchOp {
     skip: bool,
     rule: RowRule,
     first_row: usize,
+    /// `(B, H, out_rows, 2)` f32: each row's maximum and inverse sum, for the backward.
+    pub(crate) stats: Option<Tensor>,
+    /// Set: the op launches the backward (on dQ) instead of the forward.
+    pub(crate) backward: Option<BackwardBuffers>,
+}
+
+/// What the backward reads and writes besides the forward's operands; dQ is the op's target.
+#[derive(Clone)]
+pub(crate) struct BackwardBuffers {
+    /// The forward's output `(B, Tq, H, D)` and its gradient, in the block's dtype.
+    pub out: Tensor,
+    pub d_out: Tensor,
+    /// `(B, H, Tq)` f32.
+    pub delta: Tensor,
+    /// `(B, Hkv, Tk, D)` f32, written whole.
+    pub dk: Tensor,
+    pub dv: Tensor,
+    /// `(H)` f32, zeroed, when the sinks take a gradient.
+    pub dsinks: Option<Tensor>,
 }
 
 /// The PTX of each specialisation, compiled once per process.
@@ -640,6 +678,19 @@ impl InplaceOp1 for LaunchOp {
         let sink_guard = self.sinks.as_ref().map(|s| s.storage_and_layout());
         let partial_guard = self.partial.as_ref().map(|s| s.storage_and_layout());
         let values_guard = self.values.as_ref().map(|(t, _)| t.storage_and_layout());
+        let stats_guard = self.stats.as_ref().map(|s| s.storage_and_layout());
+        // The backward's: the forward's output and its gradient; δ, dK, dV and the sinks'.
+        let half_guards = self
+            .backward
+            .as_ref()
+            .map(|bw| (bw.out.storage_and_layout(), bw.d_out.storage_and_layout()));
+        let f32_guards: Option<Vec<_>> = self.backward.as_ref().map(|bw| {
+            [&bw.delta, &bw.dk, &bw.dv]
+                .into_iter()
+                .chain(bw.dsinks.as_ref())
+                .map(|t| t.storage_and_layout())
+                .collect()
+        });
         let mut guards = Vec::new();
         let mut p = Params::default();
         macro_rules! cuda_of {
@@ -718,6 +769,88 @@ impl InplaceOp1 for LaunchOp {
         p.causal = i32::from(self.rule.causal);
         p.skip = i32::from(self.skip);
         p.softcap = self.rule.softcap.unwrap_or(0.0);
+        if let Some(guard) = &stats_guard {
+            let (s, l) = (cuda_of!(guard.0), guard.1);
+            p.stats = address!(s, l, f32, &stream, guards);
+        }
+        if self.backward.is_some() {
+            if has_values || self.stats.is_none() || !BACKWARD_HEAD_DIMS.contains(&d) {
+                candle_core::bail!(
+                    "the CUDA attention backward takes head dimensions {BACKWARD_HEAD_DIMS:?}, \
+                     no value term, and the forward's statistics"
+                );
+            }
+            let (Some((out_guard, do_guard)), Some(f32_guards)) = (&half_guards, &f32_guards)
+            else {
+                candle_core::bail!("the CUDA attention backward lost its buffers");
+            };
+            let (os, ol) = (cuda_of!(out_guard.0), out_guard.1);
+            let (ds, dl) = (cuda_of!(do_guard.0), do_guard.1);
+            match dtype {
+                DType::BF16 => {
+                    p.out = address!(os, ol, bf16, &stream, guards);
+                    p.d_out = address!(ds, dl, bf16, &stream, guards);
+                }
+                _ => {
+                    p.out = address!(os, ol, f16, &stream, guards);
+                    p.d_out = address!(ds, dl, f16, &stream, guards);
+                }
+            }
+            let mut f32s = Vec::new();
+            for guard in f32_guards {
+                let (s, l) = (cuda_of!(guard.0), guard.1);
+                f32s.push(address!(s, l, f32, &stream, guards));
+            }
+            p.delta = f32s[0];
+            p.dk = f32s[1];
+            p.dv = f32s[2];
+            p.dsinks = f32s.get(3).copied().unwrap_or(0);
+            p.out_rows = tq as i64;
+            p.first_row = 0;
+            let (base, dq_guard) = out.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream);
+            p.dq = base + (out_layout.start_offset() * 4) as u64;
+            let label = format!("{BACKWARD_ENTRY} d{d} {}", dtype.as_str());
+            let load = |entry: &str| {
+                dev.get_or_load_custom_func(entry, &module, &ptx)
+                    .map_err(|e| {
+                        wrap(Error::Kernel {
+                            kernel: label.clone(),
+                            reason: format!("loading {entry}: {e}"),
+                        })
+                    })
+            };
+            let (delta_fn, backward_fn) = (load(DELTA_ENTRY)?, load(BACKWARD_ENTRY)?);
+            let launches = [
+                (delta_fn, ((b * h * tq).div_ceil(128) as u32, 1, 1)),
+                (
+                    backward_fn,
+                    (tk.div_ceil(TILE) as u32, hkv as u32, b as u32),
+                ),
+            ];
+            for (func, grid_dim) in launches {
+                let cfg = LaunchConfig {
+                    grid_dim,
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut launch = func.builder();
+                launch.arg(&p);
+                // SAFETY: every address in `p` points into a live storage of the checked shape
+                // and dtype (read-locked above, dQ borrowed mutably); the kernels read and
+                // write only within the shapes in `p` (δ, dK, dV and the sinks' gradient are
+                // fresh tensors of those shapes, written only by these launches).
+                unsafe { launch.launch(cfg) }.map_err(|e| {
+                    wrap(Error::Kernel {
+                        kernel: label.clone(),
+                        reason: format!("launch: {e}"),
+                    })
+                })?;
+            }
+            drop(dq_guard);
+            drop(guards);
+            count_launch();
+            return Ok(());
+        }
         let tiles = match self.splits {
             1 => tq.div_ceil(TILE),
             splits => splits,

@@ -1,0 +1,154 @@
+//! Training through the fused CUDA kernels: the forward with each row's statistics, attached
+//! to candle's graph by gradient grafts whose backward launches `posenc_flash_delta` and
+//! `posenc_flash_backward` (flash_forward.cu).
+//!
+//! ```text
+//! out = attention(q, k, v)            forward kernel, stats = (m_i, 1 / l_i) per row
+//! dq, dk, dv, d sink = backward(dO)   one δ launch and one backward launch, f32, cast back
+//! ```
+//!
+//! The output is grafted onto q, k, v (and the sinks, when they take a gradient) one link each;
+//! the outermost link, the first the backward pass reaches, runs the kernels and the others
+//! take their share. Like the forward, **off by default and not yet run on a GPU** (the kernels
+//! are checked on the CPU emulator, `tests/cuda_emulator`).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Tensor};
+
+use super::{BackwardBuffers, CudaCore, LaunchOp, BACKWARD_HEAD_DIMS};
+use crate::error::Result;
+use crate::graft::{graft_through, GraftBackward};
+
+/// Whether the training kernels take `q` `(B, H, Tq, D)`, `k` and `v`: what the forward takes
+/// ([`super::takes`]), at a head dimension of [`BACKWARD_HEAD_DIMS`].
+pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    super::takes(q, k, v) && q.dim(3).is_ok_and(|d| BACKWARD_HEAD_DIMS.contains(&d))
+}
+
+/// What the links share: the forward's launch (with its statistics), its output, and the
+/// gradients of the last backward pass until each link takes its own.
+struct Shared {
+    forward: LaunchOp,
+    out: Tensor,
+    /// The dtypes of q, k, v and the sinks, which the gradients take.
+    dtypes: [DType; 4],
+    sinks: bool,
+    cache: Mutex<Option<[Option<Tensor>; 4]>>,
+}
+
+impl Shared {
+    /// dq, dk, dv and the sinks' gradient (when they take one) from the output's gradient.
+    fn grads(&self, d_out: &Tensor) -> candle_core::Result<[Option<Tensor>; 4]> {
+        let op = &self.forward;
+        let (b, h, tq, d) = op.q.dims4()?;
+        let (_, hkv, tk, _) = op.k.dims4()?;
+        let dev = d_out.device();
+        let zeros = |dims: &[usize]| Tensor::zeros(dims, DType::F32, dev);
+        let dq = zeros(&[b, h, tq, d])?;
+        let buffers = BackwardBuffers {
+            out: self.out.clone(),
+            d_out: d_out.to_dtype(op.q.dtype())?.contiguous()?,
+            delta: zeros(&[b, h, tq])?,
+            dk: zeros(&[b, hkv, tk, d])?,
+            dv: zeros(&[b, hkv, tk, d])?,
+            dsinks: self.sinks.then(|| zeros(&[h])).transpose()?,
+        };
+        let mut backward = op.clone();
+        backward.backward = Some(buffers.clone());
+        dq.inplace_op1(&backward)?;
+        let [qt, kt, vt, st] = self.dtypes;
+        Ok([
+            Some(dq.to_dtype(qt)?),
+            Some(buffers.dk.to_dtype(kt)?),
+            Some(buffers.dv.to_dtype(vt)?),
+            buffers.dsinks.map(|g| g.to_dtype(st)).transpose()?,
+        ])
+    }
+}
+
+/// One operand's link: hands its gradient from the backward launch to candle.
+struct Link {
+    shared: Arc<Shared>,
+    which: usize,
+    outermost: bool,
+}
+
+impl GraftBackward for Link {
+    const NAME: &'static str = "posenc-cuda-attention-grad";
+
+    fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
+        let s = &self.shared;
+        let mut cache = s.cache.lock().map_err(|_| {
+            candle_core::Error::Msg("CUDA attention training: a lock was poisoned".into())
+        })?;
+        if self.outermost {
+            *cache = Some(s.grads(grad_y)?);
+        }
+        cache
+            .as_mut()
+            .and_then(|g| g[self.which].take())
+            .ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "CUDA attention training: a gradient was not computed".into(),
+                )
+            })
+    }
+}
+
+/// The attention output `(B, Tq, H, D)` in the block's dtype, in the graph of `core`'s q, k, v
+/// and, when they track gradients, its sinks. The caller checks [`takes`], and that no term or
+/// value table takes a gradient, and no dropout or chunked attention (those take candle's ops).
+///
+/// # Errors
+/// What [`CudaCore::write_into`] returns, for operands the kernels do not take or a launch that
+/// fails.
+pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
+    let (b, h, tq, d) = core.q.dims4()?;
+    // The kernels read the operands' values; the graph is attached below.
+    let (q, k, v) = (core.q.detach(), core.k.detach(), core.v.detach());
+    let values = CudaCore {
+        q: &q,
+        k: &k,
+        v: &v,
+        dense: core.dense,
+        dense_masks: core.dense_masks,
+        relative: core.relative,
+        padding: core.padding,
+        rule: core.rule,
+        sinks: core.sinks,
+        values: core.values,
+    };
+    let out = Tensor::zeros((b, tq, h, d), q.dtype(), q.device())?;
+    let mut forward = values.launch_op(&out, 0)?;
+    forward.stats = Some(Tensor::zeros((b, h, tq, 2), DType::F32, q.device())?);
+    out.inplace_op1(&forward)?;
+    let sinks = core.sinks.filter(|s| s.track_op());
+    let shared = Arc::new(Shared {
+        forward,
+        out: out.clone(),
+        dtypes: [
+            core.q.dtype(),
+            core.k.dtype(),
+            core.v.dtype(),
+            sinks.map_or(DType::F32, Tensor::dtype),
+        ],
+        sinks: sinks.is_some(),
+        cache: Mutex::new(None),
+    });
+    let wanted: Vec<&Tensor> = [core.q, core.k, core.v].into_iter().chain(sinks).collect();
+    let last = wanted.len() - 1;
+    let mut linked = out;
+    for (which, tensor) in wanted.into_iter().enumerate() {
+        linked = graft_through(
+            tensor,
+            &linked,
+            Link {
+                shared: shared.clone(),
+                which,
+                outermost: which == last,
+            },
+        )?;
+    }
+    Ok(linked)
+}
