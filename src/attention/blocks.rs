@@ -326,27 +326,8 @@ impl Chunk<'_> {
                 key_tile: fused_attention::KEY_TILE,
             };
             #[cfg(feature = "cuda")]
-            if path == Path::CudaFused {
-                if let Some(merged) = &merged {
-                    super::cuda::CudaCore {
-                        q: &part.q,
-                        k: &part.k,
-                        v: &part.v,
-                        dense: &terms.dense,
-                        dense_masks: self.attn_mask.is_some(),
-                        relative: &terms.rows,
-                        padding: part.padding,
-                        rule: &part.rule,
-                        sinks: self.sinks,
-                        values: values.as_ref(),
-                    }
-                    .write_into(merged, start)?;
-                }
-                continue;
-            }
-            #[cfg(feature = "cuda")]
-            if path == Path::CudaTrain {
-                outs.push(super::cuda::training::attend(&super::cuda::CudaCore {
+            if matches!(path, Path::CudaFused | Path::CudaTrain) {
+                let cuda = super::cuda::CudaCore {
                     q: &part.q,
                     k: &part.k,
                     v: &part.v,
@@ -356,8 +337,12 @@ impl Chunk<'_> {
                     padding: part.padding,
                     rule: &part.rule,
                     sinks: self.sinks,
-                    values: None,
-                })?);
+                    values: values.as_ref(),
+                };
+                match &merged {
+                    Some(merged) => cuda.write_into(merged, start)?,
+                    None => outs.push(super::cuda::training::attend(&cuda)?),
+                }
                 continue;
             }
             if let Some(merged) = &merged {
