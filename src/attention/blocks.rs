@@ -43,8 +43,8 @@ pub(crate) enum Path {
     /// when switched on ([`super::cuda::set_fused_kernel`]).
     #[cfg(feature = "cuda")]
     CudaFused,
-    /// The fused CUDA kernels with their backward: bf16/f16 training on a CUDA device at head
-    /// dimensions 32 and 64, without returned weights, when switched on.
+    /// The fused CUDA kernels with their backward: bf16/f16 training on a CUDA device without
+    /// returned weights, when switched on.
     #[cfg(feature = "cuda")]
     CudaTrain,
 }

@@ -5,7 +5,7 @@
 //   m_i = max(sink, max_j s_ij),  l_i = e^(sink − m_i) + Σ_j e^(s_ij − m_i)
 //   out_i = Σ_j P_ij (v_j + a[c(i, j)]),  P_ij = e^(s_ij − m_i) / l_i,  stats_i = (m_i, 1 / l_i)
 //
-// and, without a value term at head dimensions up to 64, its backward for a loss L = Σ dO · out:
+// and, without a value term, its backward for a loss L = Σ dO · out:
 //
 //   dP_ij = dO_i · v_j,  δ_i = Σ_j P_ij dP_ij,  dS_ij = P_ij (dP_ij − δ_i) (1 − tanh²(s / cap))
 //   dq_i = Σ_j dS_ij k_j,  dk_j = Σ_i dS_ij q_i,  dv_j = Σ_i P_ij dO_i,  dsink = −Σ_i P_i,sink δ_i

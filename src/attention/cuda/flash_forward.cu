@@ -171,12 +171,12 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {
 }
 #endif
 
-// Rows row0.. of a (rows, HEAD_DIM) matrix with `row_stride` into a BM-row shared tile, rows
-// past `rows` zero.
+// Rows row0..row0 + n of a (rows, HEAD_DIM) matrix with `row_stride` into an n-row shared
+// tile, rows past `rows` zero.
 __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* g, i64 row_stride, int row0,
-                                          int rows) {
+                                          int rows, int n = BM) {
   const int chunks = HEAD_DIM / 8;
-  for (int c = threadIdx.x; c < BM * chunks; c += THREADS) {
+  for (int c = threadIdx.x; c < n * chunks; c += THREADS) {
     const int r = c / chunks, cc = c % chunks;
     Chunk val = {0u, 0u, 0u, 0u};
     if (row0 + r < rows) {
@@ -532,13 +532,13 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// The backward (FlashAttention-2's, Dao 2023), for blocks without a value term and head
-// dimensions up to 64: gradients to q, k and v, and to the sinks; every term, mask, window and
-// soft cap as the forward reads them.
+// The backward (FlashAttention-2's, Dao 2023), for blocks without a value term: gradients to
+// q, k and v, and to the sinks; every term, mask, window and soft cap as the forward reads them.
 //
 //   δ_i = dO_i · O_i                                              (posenc_flash_delta)
 //   for each (b, KV head, tile of BN = 64 keys J) (one thread block; warp w owns 16 keys):
-//       for each head h of the group, each tile of BM = 64 queries I that can see J:
+//       for each head h of the group, each tile of BQ = 64 (32 above d64) queries I that can
+//       see J:
 //           Sᵀ = k_J q_Iᵀ, then the logits as the forward's; Pᵀ = e^(S − m_i) / l_i (saved stats)
 //           dPᵀ = v_J dO_Iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − δ_I) (0 for a row masked whole), times the soft
 //           cap's derivative 1 − tanh²(s / cap)
@@ -546,9 +546,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
 //
 // The products of Pᵀ and dSᵀ read them rounded to the operand type, as the forward's P v does.
 // ---------------------------------------------------------------------------------------------
-// Head dimensions up to 64: at 96 the accumulators spill, and at 128 the tiles pass the 48 KB
-// of static shared memory.
-#define POSENC_BACKWARD (!POSENC_VALUES && HEAD_DIM <= 64)
+#define POSENC_BACKWARD (!POSENC_VALUES)
 #if POSENC_BACKWARD
 
 // δ per (b, h, i), one thread each; with sinks, d sink_h = −Σ_{b, i} p_sink δ_i.
@@ -572,14 +570,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_delta(const P
 }
 
 // dS is kept transposed (keys × queries) in the dO tile's place once dO is read.
-#define DS_STRIDE (BM + 8)
-#define DO_ELEMS (BM * STRIDE > BN * DS_STRIDE ? BM * STRIDE : BN * DS_STRIDE)
+// Queries per tile of the backward: 64, or 32 above head dimension 64, where three tiles of 64
+// rows would pass the 48 KB of static shared memory. The keys each query tile visits are those
+// its forward tile of BM rows visited.
+#if HEAD_DIM > 64
+#define BQ 32
+#else
+#define BQ 64
+#endif
+// dQ's products: QG groups of 16 queries, each warp one group and 1 / FS of the features.
+#define QG (BQ / 16)
+#define FS (4 / QG)
+#define DS_STRIDE (BQ + 8)
+#define DO_ELEMS (BQ * STRIDE > BN * DS_STRIDE ? BQ * STRIDE : BN * DS_STRIDE)
 
 extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(const Params p) {
   alignas(16) __shared__ elem_t s_k[BN * STRIDE];  // the key tile (and, first, the values')
-  alignas(16) __shared__ elem_t s_q[BM * STRIDE];
+  alignas(16) __shared__ elem_t s_q[BQ * STRIDE];
   alignas(16) __shared__ elem_t s_do[DO_ELEMS];    // dO, then dSᵀ
-  __shared__ float s_m[BM], s_inv[BM], s_delta[BM];
+  __shared__ float s_m[BQ], s_inv[BQ], s_delta[BQ];
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const i64 k0 = (i64)blockIdx.x * BN;
@@ -617,17 +626,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
     const int h = hk * p.kv_group + gi;
     const elem_t* qb = reinterpret_cast<const elem_t*>(p.q) + b * p.q_strides[0] + h * p.q_strides[1];
     const elem_t* dob = reinterpret_cast<const elem_t*>(p.d_out) + ((i64)b * p.tq * p.heads + h) * HEAD_DIM;
-    for (int q0 = 0; q0 < p.tq; q0 += BM) {
-      // The keys this query tile visits in the forward (the same tiles of BM rows).
+    for (int q0 = 0; q0 < p.tq; q0 += BQ) {
+      // The keys the forward's tile of these queries visited.
       i64 seen_lo = 0, seen_hi = p.tk;
       if (p.skip) {
-        keys_seen(p, q0, q0 + BM < p.tq ? q0 + BM : p.tq, &seen_lo, &seen_hi);
+        const int f0 = (q0 / BM) * BM;
+        keys_seen(p, f0, f0 + BM < p.tq ? f0 + BM : p.tq, &seen_lo, &seen_hi);
         if (seen_hi <= k0 || seen_lo >= k0 + BN) continue;
       }
       __syncthreads();  // every warp is done with the last query tile (and dSᵀ)
-      load_tile(s_q, qb, p.q_strides[2], q0, p.tq);
-      load_tile(s_do, dob, (i64)p.heads * HEAD_DIM, q0, p.tq);
-      for (int r = threadIdx.x; r < BM; r += THREADS) {
+      load_tile(s_q, qb, p.q_strides[2], q0, p.tq, BQ);
+      load_tile(s_do, dob, (i64)p.heads * HEAD_DIM, q0, p.tq, BQ);
+      for (int r = threadIdx.x; r < BQ; r += THREADS) {
         const i64 i = q0 + r;
         const i64 row = ((i64)b * p.heads + h) * p.out_rows + p.first_row + i;
         s_m[r] = i < p.tq ? stats[2 * row] : 0.0f;
@@ -637,9 +647,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       __syncthreads();
 
       // Sᵀ = k q_Iᵀ: this warp's 16 keys × the tile's 64 queries.
-      float st[BM / 8][4], dpt[BM / 8][4];
+      float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
-      for (int n = 0; n < BM / 8; ++n) {
+      for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
       }
@@ -648,7 +658,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
         unsigned ka[4];
         ldsm_x4(ka, s_k + (warp * 16 + lane % 16) * STRIDE + kc * 16 + (lane / 16) * 8);
 #pragma unroll
-        for (int np = 0; np < BM / 16; ++np) {
+        for (int np = 0; np < BQ / 16; ++np) {
           unsigned bq[4], bd[4];
           const int at = (np * 16 + lane % 8 + (lane / 16) * 8) * STRIDE + kc * 16 + ((lane / 8) % 2) * 8;
           ldsm_x4(bq, s_q + at);
@@ -661,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       }
       // Pᵀ from the logits and the forward's statistics; dSᵀ = Pᵀ ∘ (dPᵀ − δ).
 #pragma unroll
-      for (int n = 0; n < BM / 8; ++n) {
+      for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qc = n * 8 + 2 * t4 + (e & 1);
@@ -684,7 +694,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       }
       // dV += Pᵀ dO and dK += dSᵀ q: two query blocks of 8 make one 16 × 16 A operand.
 #pragma unroll
-      for (int kc = 0; kc < BM / 16; ++kc) {
+      for (int kc = 0; kc < BQ / 16; ++kc) {
         const unsigned pa[4] = {pack(st[2 * kc][0], st[2 * kc][1]), pack(st[2 * kc][2], st[2 * kc][3]),
                                 pack(st[2 * kc + 1][0], st[2 * kc + 1][1]),
                                 pack(st[2 * kc + 1][2], st[2 * kc + 1][3])};
@@ -706,7 +716,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       }
       __syncthreads();  // every warp is done with dO: its place takes dSᵀ
 #pragma unroll
-      for (int n = 0; n < BM / 8; ++n) {
+      for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           *reinterpret_cast<unsigned*>(s_do + keys[r] * DS_STRIDE + n * 8 + 2 * t4) =
@@ -714,15 +724,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
         }
       }
       __syncthreads();
-      // dQ += dS k for this warp's 16 queries: dS read transposed from dSᵀ.
+      // dQ += dS k for this warp's 16 queries and share of the features: dS read transposed
+      // from dSᵀ.
+      const int qg = warp % QG, fs = warp / QG;
       unsigned da[BN / 16][4];
 #pragma unroll
       for (int kc = 0; kc < BN / 16; ++kc) {
-        ldsm_x4_trans(da[kc], s_do + (kc * 16 + lane % 8 + (lane / 16) * 8) * DS_STRIDE + warp * 16 +
+        ldsm_x4_trans(da[kc], s_do + (kc * 16 + lane % 8 + (lane / 16) * 8) * DS_STRIDE + qg * 16 +
                                   ((lane / 8) % 2) * 8);
       }
 #pragma unroll
-      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+      for (int dp = fs * (HEAD_DIM / 16 / FS); dp < (fs + 1) * (HEAD_DIM / 16 / FS); ++dp) {
         float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int kc = 0; kc < BN / 16; ++kc) {
@@ -734,7 +746,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const i64 i = q0 + warp * 16 + g + 8 * (e / 2);
+          const i64 i = q0 + qg * 16 + g + 8 * (e / 2);
           if (i >= p.tq) continue;
           float* row = dq + (((i64)b * p.heads + h) * p.tq + i) * HEAD_DIM + dp * 16 + 2 * t4 + (e & 1);
           atomicAdd(row, c0[e]);

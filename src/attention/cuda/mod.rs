@@ -1,9 +1,8 @@
 //! The fused attention core on CUDA devices (the `cuda` feature): `flash_forward.cu`, a
 //! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks, reading the plug's terms as
 //! data (dense terms through broadcast strides, relative rows through a shift), causal limits,
-//! windows, padding, soft caps, sinks and grouped KV heads. For training at head dimensions 32
-//! and 64, its backward (`posenc_flash_backward`, through `training.rs`) gives q, k, v and the
-//! sinks their gradients.
+//! windows, padding, soft caps, sinks and grouped KV heads. For training, its backward
+//! (`posenc_flash_backward`, through `training.rs`) gives q, k, v and the sinks their gradients.
 //!
 //! **Off by default, and not yet validated on a GPU.** The kernels are compiled (NVRTC, every
 //! specialisation, `.ci/cuda-kernels`) and run against f64 on a CPU emulator
@@ -56,9 +55,6 @@ const FORWARD_ENTRY: &str = "posenc_flash_forward";
 const COMBINE_ENTRY: &str = "posenc_flash_combine";
 const DELTA_ENTRY: &str = "posenc_flash_delta";
 const BACKWARD_ENTRY: &str = "posenc_flash_backward";
-
-/// Head dimensions the backward kernel takes (`POSENC_BACKWARD` in flash_forward.cu).
-pub(crate) const BACKWARD_HEAD_DIMS: [usize; 2] = [32, 64];
 
 /// Queries per thread block of the forward kernel (`BM`), and keys per tile (`BN`).
 const TILE: usize = 64;
@@ -774,10 +770,10 @@ impl InplaceOp1 for LaunchOp {
             p.stats = address!(s, l, f32, &stream, guards);
         }
         if self.backward.is_some() {
-            if has_values || self.stats.is_none() || !BACKWARD_HEAD_DIMS.contains(&d) {
+            if has_values || self.stats.is_none() {
                 candle_core::bail!(
-                    "the CUDA attention backward takes head dimensions {BACKWARD_HEAD_DIMS:?}, \
-                     no value term, and the forward's statistics"
+                    "the CUDA attention backward takes no value term, and needs the forward's \
+                     statistics"
                 );
             }
             let (Some((out_guard, do_guard)), Some(f32_guards)) = (&half_guards, &f32_guards)

@@ -16,14 +16,14 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
 
-use super::{BackwardBuffers, CudaCore, LaunchOp, BACKWARD_HEAD_DIMS};
+use super::{BackwardBuffers, CudaCore, LaunchOp};
 use crate::error::Result;
 use crate::graft::{graft_through, GraftBackward};
 
 /// Whether the training kernels take `q` `(B, H, Tq, D)`, `k` and `v`: what the forward takes
-/// ([`super::takes`]), at a head dimension of [`BACKWARD_HEAD_DIMS`].
+/// ([`super::takes`]; the backward has every head dimension the forward has).
 pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    super::takes(q, k, v) && q.dim(3).is_ok_and(|d| BACKWARD_HEAD_DIMS.contains(&d))
+    super::takes(q, k, v)
 }
 
 /// What the links share: the forward's launch (with its statistics), its output, and the
