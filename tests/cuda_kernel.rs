@@ -470,6 +470,7 @@ fn training_equals_f64() -> anyhow::Result<()> {
                 .with_causal(true)
                 .with_logit_softcap(Some(5.0))
                 .with_sinks(true),
+            AttentionConfig::new(d_model, heads).with_sliding_window(Some(20)),
         ];
         for attn in shapes {
             for config in [&configs[0], &configs[3], &configs[7], &configs[11], &shaw] {
@@ -527,8 +528,49 @@ fn training_equals_f64() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A user's mask that takes a gradient sends training to candle's ops (the kernels read masks
+/// as constants), and its gradient equals the f64 CPU block's.
+fn training_with_a_learned_mask_falls_back() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    let (d_model, heads, len) = (128, 2, 40);
+    let attn = AttentionConfig::new(d_model, heads);
+    let config = EncodingConfig::None;
+    let (_, varmap) = common::zoo::attention(&config, &attn, DType::BF16, &cpu)?;
+    let x = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+    let mask = Tensor::randn(0f32, 1.0, (1, 1, len, len), &cpu)?;
+    let grads_on = |dev: &Device, dtype: DType| -> anyhow::Result<(Tensor, u64)> {
+        let mha = common::zoo::attention_from(&config, &attn, &varmap, dtype, dev)?;
+        let m = candle_core::Var::from_tensor(&mask.to_dtype(dtype)?.to_device(dev)?)?;
+        let before = kernel_launches();
+        let opts = AttentionOptions {
+            attn_mask: Some(m.as_tensor()),
+            train: true,
+            ..Default::default()
+        };
+        let out = mha
+            .forward_with(&x.to_dtype(dtype)?.to_device(dev)?, &opts, None)?
+            .output;
+        let grads = out.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let g = grads.get(m.as_tensor()).expect("the mask's gradient");
+        Ok((
+            g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?,
+            kernel_launches() - before,
+        ))
+    };
+    let (got, launches) = grads_on(&gpu, DType::BF16)?;
+    assert_eq!(launches, 0, "a learned mask took the kernels");
+    let (want, _) = grads_on(&cpu, DType::F64)?;
+    common::assert_close_scaled(&got, &want, 3e-2, 3e-2, "the mask's gradient")
+}
+
 /// The tests, named `cuda::…` so that the GPU runner's filter finds them.
 mod cuda {
+    #[test]
+    fn training_with_a_learned_mask_falls_back() -> anyhow::Result<()> {
+        super::training_with_a_learned_mask_falls_back()
+    }
     #[test]
     fn training_equals_f64() -> anyhow::Result<()> {
         super::training_equals_f64()

@@ -205,12 +205,13 @@ impl Chunk<'_> {
         };
         // The CUDA kernel has no chunked attention yet, and reads a value term only through a
         // shift (an index map, for explicit ids, takes candle's ops); its backward reads no
-        // value term and draws no dropout.
+        // value term, draws no dropout and gives a user's mask no gradient.
         #[cfg(feature = "cuda")]
         let path = match path {
             Path::CudaTrain
                 if self.chunk.is_some()
                     || (self.train && self.dropout > 0.0)
+                    || self.attn_mask.as_ref().is_some_and(Tensor::track_op)
                     || first.as_ref().is_some_and(|(_, v)| v.is_some()) =>
             {
                 Path::Ops

@@ -48,7 +48,9 @@ impl Shared {
         let dq = zeros(&[b, h, tq, d])?;
         let buffers = BackwardBuffers {
             out: self.out.clone(),
-            d_out: d_out.to_dtype(op.q.dtype())?.contiguous()?,
+            // Rows read 16 bytes at a time, as the forward's operands are.
+            d_out: super::rows_aligned(&d_out.to_dtype(op.q.dtype())?)
+                .map_err(candle_core::Error::wrap)?,
             delta: zeros(&[b, h, tq])?,
             dk: zeros(&[b, hkv, tk, d])?,
             dv: zeros(&[b, hkv, tk, d])?,
@@ -97,8 +99,9 @@ impl GraftBackward for Link {
 }
 
 /// The attention output `(B, Tq, H, D)` in the block's dtype, in the graph of `core`'s q, k, v
-/// and, when they track gradients, its sinks. The caller checks [`takes`], and that no term or
-/// value table takes a gradient, and no dropout or chunked attention (those take candle's ops).
+/// and, when they track gradients, its sinks. The caller checks [`takes`], and that no term
+/// (a user's mask included) or value table takes a gradient, and no dropout or chunked
+/// attention (those take candle's ops).
 ///
 /// # Errors
 /// What [`CudaCore::write_into`] returns, for operands the kernels do not take or a launch that
