@@ -93,7 +93,7 @@ impl Path {
             && !weights
             && q.device().is_cuda()
             && super::cuda::fused_kernel()
-            && super::cuda::training::takes(q, k, v)
+            && super::cuda::takes(q, k, v)
         {
             return Path::CudaTrain;
         }

@@ -404,11 +404,7 @@ impl CudaCore<'_> {
             Some(v) => {
                 let what = "value term of the CUDA attention kernel";
                 let shift = shift_of(v.columns(), what, v.table())?;
-                crate::error::check_device(
-                    "value term of the CUDA attention kernel",
-                    v.table(),
-                    self.q.device(),
-                )?;
+                crate::error::check_device(what, v.table(), self.q.device())?;
                 v.check_block(b, tq, tk, d)?;
                 let table = v.table().to_dtype(DType::F32)?.contiguous()?;
                 let width = table.dim(0)?;
@@ -457,11 +453,7 @@ impl CudaCore<'_> {
         for r in self.relative {
             let what = "relative term of the CUDA attention kernel";
             let shift = shift_of(r.columns(), what, r.values())?;
-            crate::error::check_device(
-                "relative term of the CUDA attention kernel",
-                r.values(),
-                self.q.device(),
-            )?;
+            crate::error::check_device(what, r.values(), self.q.device())?;
             r.check_block((b, h, tq, tk))?;
             let width = r.width();
             let values = r.values().to_dtype(DType::F32)?.contiguous()?;

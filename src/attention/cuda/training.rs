@@ -20,12 +20,6 @@ use super::{BackwardBuffers, CudaCore, LaunchOp};
 use crate::error::Result;
 use crate::graft::{graft_through, GraftBackward};
 
-/// Whether the training kernels take `q` `(B, H, Tq, D)`, `k` and `v`: what the forward takes
-/// ([`super::takes`]; the backward has every head dimension the forward has).
-pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    super::takes(q, k, v)
-}
-
 /// What the links share: the forward's launch (with its statistics), its output, and the
 /// gradients of the last backward pass until each link takes its own.
 struct Shared {
@@ -99,7 +93,8 @@ impl GraftBackward for Link {
 }
 
 /// The attention output `(B, Tq, H, D)` in the block's dtype, in the graph of `core`'s q, k, v
-/// and, when they track gradients, its sinks. The caller checks [`takes`], and that no term
+/// and, when they track gradients, its sinks. The caller checks [`super::takes`] (the backward
+/// has every head dimension the forward has), and that no term
 /// (a user's mask included) or value table takes a gradient, and no dropout or chunked
 /// attention (those take candle's ops).
 ///
