@@ -263,9 +263,13 @@ impl MultiHeadAttention {
             None => x.clone(),
         };
         // Gradients are kept whenever anything upstream tracks them (the input, the weights, an
-        // encoding's parameters), whatever the entry point; only then do q, k and v stay in
-        // the graph.
-        let differentiable = options.train || x.track_op() || self.weights_track();
+        // encoding's parameters, a user's mask), whatever the entry point; only then do q, k
+        // and v stay in the graph. (The inference paths read a mask as a constant: a mask
+        // learned beside a frozen block would silently get no gradient.)
+        let differentiable = options.train
+            || x.track_op()
+            || self.weights_track()
+            || options.attn_mask.is_some_and(Tensor::track_op);
         let (q, k, v) = self.project(&x, differentiable)?;
         let mark = cache.as_ref().map(|c| c.mark());
         let (q, k, v, k_positions) = match (cache.as_deref_mut(), streaming) {

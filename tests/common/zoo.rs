@@ -95,6 +95,17 @@ pub fn attention(
     Ok((mha, varmap))
 }
 
+/// The variables of `varmap` by name, as the tensors they hold (still tracked).
+pub fn named_tensors(varmap: &VarMap) -> anyhow::Result<Vec<(String, Tensor)>> {
+    Ok(varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("a VarMap's lock was poisoned"))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect())
+}
+
 /// The same block with plain (untracked) copies of the weights of `varmap`, converted to
 /// `dtype`.
 pub fn attention_from(
@@ -104,12 +115,9 @@ pub fn attention_from(
     dtype: DType,
     device: &Device,
 ) -> anyhow::Result<MultiHeadAttention> {
-    let tensors: HashMap<String, Tensor> = varmap
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+    let tensors: HashMap<String, Tensor> = named_tensors(varmap)?
+        .into_iter()
+        .map(|(k, t)| (k, t.detach()))
         .collect();
     let vb = VarBuilder::from_tensors(tensors, dtype, device);
     let enc = config.build(vb.pp("enc"))?;
