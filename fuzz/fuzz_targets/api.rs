@@ -2566,6 +2566,18 @@ fn forward(
         let mut spare_cache = spare.next();
         let got = match m.forward_with(&x, &o, spare_cache.as_mut().filter(|_| before.is_some())) {
             Ok(g) => g,
+            // Returned weights are `(B, H, T, Tk)` whole, which the budget may refuse where
+            // the first path's query blocks fit it.
+            Err(e)
+                if weights
+                    && [xb.max(1), cfg.num_heads, xt, tk]
+                        .iter()
+                        .try_fold(1usize, |n, &d| n.checked_mul(d))
+                        .is_none_or(|n| n > BUDGET) =>
+            {
+                check_err(&e, label);
+                return;
+            }
             Err(e) => panic!("{what}: the {label} path refused what the first accepted: {e}"),
         };
         let got = host(&got.output);
