@@ -39,12 +39,32 @@ fn budget_is_one_number() -> anyhow::Result<()> {
     )?;
     let eight = Tensor::zeros((1, 8, 1), DType::F32, &dev)?;
     wide.forward(&eight)?;
+    // An f64 block (candle's ops) of constant weights in query blocks of 16: 4 × 16 × 64
+    // logits at a time.
+    let blocked = MultiHeadAttention::new(
+        &AttentionConfig::new(16, 4).with_query_block(Some(16)),
+        None,
+        VarBuilder::zeros(DType::F64, &dev),
+    )?;
+    let x64 = Tensor::zeros((1, 64, 16), DType::F64, &dev)?;
+    let train = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
 
     assert_eq!(set_max_elements(4096), MAX_ELEMENTS);
     let refused: Vec<(&str, Error)> = vec![
         (
             "logits of 4 × 64 × 64",
             mha.forward_with(&x, &weights, None).unwrap_err(),
+        ),
+        (
+            "logits of 4 × 64 × 64 that candle's ops keep for the backward (blocks of 4 × 16 × 64 \
+             fit, and run in inference)",
+            {
+                blocked.forward_with(&x64, &AttentionOptions::default(), None)?;
+                blocked.forward_with(&x64, &train, None).unwrap_err()
+            },
         ),
         (
             "queries of 8 × 1024 (the logits of 8 × 8 fit)",

@@ -2457,7 +2457,16 @@ fn forward(
                     // RoPE-Mixed without multimodal positions for its queries or keys.
                     || (model.mixed && matches!(e, Error::Shape { what: "RoPE-Mixed positions", .. }))
                     || (near_budget
-                        && matches!(&e, Error::InvalidConfig { expected, .. } if expected.contains("at most")));
+                        && matches!(&e, Error::InvalidConfig { expected, .. } if expected.contains("at most")))
+                    // A differentiable call on candle's ops keeps every query block's logits for
+                    // the backward: refused when they pass the budget together.
+                    || (xb1
+                        .saturating_mul(cfg.num_heads)
+                        .saturating_mul(xt)
+                        .saturating_mul(tk)
+                        > BUDGET
+                        && matches!(&e, Error::InvalidConfig { expected, .. }
+                            if expected.contains("keep for the backward")));
                 assert!(allowed, "{what}: well-formed input refused: {e}");
             }
             if let (Some(cache), Some(before)) = (&cache, before) {

@@ -22,6 +22,7 @@ use super::fused_training;
 use super::mask::{cast_mask, widened_mask};
 use super::unfused;
 use crate::error::{check_device, check_float, Error, Result};
+use crate::limits::check_elements;
 use crate::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
@@ -256,6 +257,22 @@ impl Chunk<'_> {
             }
         }
         let differentiable = self.differentiable || tracked;
+        // candle's ops keep every query block's logits (and their softmax's intermediates) for
+        // the backward, so a differentiable call on them holds its whole `(B, H, T, Tk)`: the
+        // query blocks bound its memory only in inference.
+        if differentiable && path == Path::Ops {
+            check_elements(
+                "sequence length",
+                t,
+                format!(
+                    "batch ({b}) × heads ({h}) × queries ({t}) × keys ({tk}) of the logits \
+                     that candle's ops keep for the backward (a differentiable call off the \
+                     fused paths)"
+                )
+                .as_str(),
+                &[b.max(1), h, t, tk],
+            )?;
+        }
         // Half-precision keys and values next to f32 queries are read by the inference core
         // only; any other path gets them widened.
         let (k, v) = match (path, self.k.dtype() == self.q.dtype()) {
