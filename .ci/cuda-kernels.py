@@ -10,6 +10,7 @@ rotation in place of `src/rotary/cuda.rs` per dtype, so the script compiles what
 compiles at run time.
 """
 import ctypes
+import os
 import pathlib
 import re
 import subprocess
@@ -63,7 +64,11 @@ def main():
     lib = ctypes.CDLL(str(next((cuda / "lib").glob("libnvrtc.so*"))))
     arch, specs = specialisations()
     failed = False
+    # CUDA_KERNELS_ONLY="d128 bf16": only the specialisations whose label holds it.
+    only = os.environ.get("CUDA_KERNELS_ONLY", "")
     for file, opts, label in specs:
+        if only not in label:
+            continue
         ptx, log = nvrtc(lib, file.read_text(), file.name, opts)
         if log:
             print(f"{label}: NVRTC says:\n{log}")

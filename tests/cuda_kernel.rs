@@ -190,7 +190,8 @@ fn ids_groups_and_head_dims() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Sliding windows (causal and not), soft caps and sinks.
+/// Sliding windows (causal and not), soft caps, sinks and chunked attention (chunks counted from
+/// each sequence's first kept key: with padding they differ between the sequences).
 fn windows_softcaps_and_sinks() -> anyhow::Result<()> {
     let (d_model, heads) = (256, 4);
     let configs = common::zoo::configs(d_model, heads, 64);
@@ -205,6 +206,9 @@ fn windows_softcaps_and_sinks() -> anyhow::Result<()> {
         AttentionConfig::new(d_model, heads)
             .with_causal(true)
             .with_sinks(true),
+        AttentionConfig::new(d_model, heads)
+            .with_causal(true)
+            .with_attention_chunk(Some(48)),
     ];
     for attn in shapes {
         for config in [&configs[0], &configs[3], &configs[8], &configs[11]] {
@@ -457,7 +461,8 @@ fn shaw_value_terms() -> anyhow::Result<()> {
 /// Training through the kernels' backward: the gradient of `Σ probe · out` with respect to
 /// the input, through the projections and the backward kernel's dq, dk and dv, equals the f64
 /// CPU block's, for no encoding, RoPE, ALiBi and T5 (their tables as constants), causal and
-/// not, grouped heads, padding, a soft cap, sinks, every head dimension; the forward and the
+/// not, grouped heads, padding, a soft cap, sinks, a window, chunks, every head dimension; the
+/// forward and the
 /// backward must both have taken the kernels. Shaw's value term takes candle's ops, and must
 /// still agree.
 fn training_equals_f64() -> anyhow::Result<()> {
@@ -476,6 +481,9 @@ fn training_equals_f64() -> anyhow::Result<()> {
                 .with_logit_softcap(Some(5.0))
                 .with_sinks(true),
             AttentionConfig::new(d_model, heads).with_sliding_window(Some(20)),
+            AttentionConfig::new(d_model, heads)
+                .with_causal(true)
+                .with_attention_chunk(Some(32)),
         ];
         for attn in shapes {
             for config in [&configs[0], &configs[3], &configs[7], &configs[11], &shaw] {
@@ -527,9 +535,9 @@ fn training_equals_f64() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A user's mask that takes a gradient sends training to candle's ops (the kernels read masks
-/// as constants), and its gradient equals the f64 CPU block's.
-fn training_with_a_learned_mask_falls_back() -> anyhow::Result<()> {
+/// A user's mask that takes a gradient trains through the kernels (a dense term whose
+/// gradient the backward sums), and its gradient equals the f64 CPU block's.
+fn training_with_a_learned_mask() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     set_fused_kernel(true);
     let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
@@ -559,16 +567,134 @@ fn training_with_a_learned_mask_falls_back() -> anyhow::Result<()> {
         ))
     };
     let (got, launches) = grads_on(&gpu, DType::BF16)?;
-    assert_eq!(launches, 0, "a learned mask took the kernels");
+    assert!(
+        launches >= 2,
+        "a learned mask did not take the kernels: {launches} launches"
+    );
     let (want, _) = grads_on(&cpu, DType::F64)?;
     close_within(&got, &want, 3e-2, "the mask's gradient")
+}
+
+/// Training an encoding's own parameters through the kernels: T5's tables, the clipped bias's,
+/// learnable ALiBi slopes (causal and symmetric) and Shaw's relative keys, causal or not, with
+/// grouped heads, a soft cap, and padding that masks a row whole. Every variable's gradient
+/// (the encoding's and the projections') equals the f64 CPU block's from the same values, and
+/// the forward and backward kernels ran.
+fn training_gives_learned_terms_their_gradients() -> anyhow::Result<()> {
+    use candle_nn::{VarBuilder, VarMap};
+    use candle_posenc::{AlibiConfig, AlibiMode, ClippedBiasConfig, MultiHeadAttention, T5Config};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    let (heads, head_dim) = (4, 64);
+    let d_model = heads * head_dim;
+    let configs = [
+        EncodingConfig::T5(T5Config::new(heads)),
+        EncodingConfig::T5(T5Config::new(heads).with_bidirectional(false)),
+        EncodingConfig::ClippedBias(ClippedBiasConfig::new(heads, 8)),
+        EncodingConfig::Alibi(AlibiConfig::new(heads).with_learnable(true)),
+        EncodingConfig::Alibi(
+            AlibiConfig::new(heads)
+                .with_learnable(true)
+                .with_mode(AlibiMode::Symmetric),
+        ),
+        EncodingConfig::Shaw(ShawConfig::new(head_dim, 6).with_values(false)),
+    ];
+    let shapes = [
+        AttentionConfig::new(d_model, heads).with_kv_heads(2),
+        AttentionConfig::new(d_model, heads).with_causal(true),
+        AttentionConfig::new(d_model, heads)
+            .with_causal(true)
+            .with_logit_softcap(Some(4.0)),
+    ];
+    let (batch, len) = (2, 90);
+    let x = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+    let probe = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?;
+    let mut keep = vec![1u8; batch * len];
+    keep[len..len + 11].fill(0);
+    let pad = Tensor::from_vec(keep, (batch, len), &cpu)?;
+    for config in &configs {
+        for attn in &shapes {
+            for padded in [false, true] {
+                // The variables drawn once on the CPU, then copied to each side's own VarMap.
+                let start = VarMap::new();
+                let vb = VarBuilder::from_varmap(&start, DType::F32, &cpu);
+                MultiHeadAttention::new(attn, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
+                for var in start.all_vars() {
+                    let noise = Tensor::randn(0f32, 0.3, var.shape(), &cpu)?;
+                    var.set(
+                        &(var.as_tensor() + noise)?
+                            .to_dtype(DType::BF16)?
+                            .to_dtype(DType::F32)?,
+                    )?;
+                }
+                let values = common::zoo::named_tensors(&start)?;
+                let grads_on = |dev: &Device, dtype: DType| -> anyhow::Result<Vec<Tensor>> {
+                    let varmap = VarMap::new();
+                    let mut vars = Vec::new();
+                    {
+                        let mut data = varmap
+                            .data()
+                            .lock()
+                            .map_err(|_| anyhow::anyhow!("varmap lock"))?;
+                        for (name, t) in &values {
+                            let var =
+                                candle_core::Var::from_tensor(&t.to_dtype(dtype)?.to_device(dev)?)?;
+                            vars.push(var.as_tensor().clone());
+                            data.insert(name.clone(), var);
+                        }
+                    }
+                    let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+                    let mha =
+                        MultiHeadAttention::new(attn, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
+                    let pad = pad.to_device(dev)?;
+                    let opts = AttentionOptions {
+                        padding_mask: padded.then_some(&pad),
+                        train: true,
+                        ..Default::default()
+                    };
+                    let out = mha
+                        .forward_with(&x.to_dtype(dtype)?.to_device(dev)?, &opts, None)?
+                        .output;
+                    let probe = probe.to_dtype(dtype)?.to_device(dev)?;
+                    let loss =
+                        (out.to_dtype(DType::F32)? * probe.to_dtype(DType::F32)?)?.sum_all()?;
+                    let grads = loss.backward()?;
+                    vars.iter()
+                        .zip(&values)
+                        .map(|(v, (name, _))| {
+                            let g = grads
+                                .get(v)
+                                .ok_or_else(|| anyhow::anyhow!("{name} gets no gradient"))?;
+                            Ok(g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?)
+                        })
+                        .collect()
+                };
+                let what = format!("{} {attn:?} padded {padded}", config.kind());
+                let before = kernel_launches();
+                let got = grads_on(&gpu, DType::BF16).map_err(|e| e.context(what.clone()))?;
+                let launches = kernel_launches() - before;
+                assert!(launches >= 2, "{what}: {launches} launches");
+                let want = grads_on(&cpu, DType::F64).map_err(|e| e.context(what.clone()))?;
+                for ((name, _), (got, want)) in values.iter().zip(got.iter().zip(&want)) {
+                    // P and dS are rounded to bf16 for their products (about 2^-8 each).
+                    close_within(got, want, 3e-2, &format!("{what}: {name}"))?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The tests, named `cuda::…` so that the GPU runner's filter finds them.
 mod cuda {
     #[test]
-    fn training_with_a_learned_mask_falls_back() -> anyhow::Result<()> {
-        super::training_with_a_learned_mask_falls_back()
+    fn training_with_a_learned_mask() -> anyhow::Result<()> {
+        super::training_with_a_learned_mask()
+    }
+    #[test]
+    fn training_gives_learned_terms_their_gradients() -> anyhow::Result<()> {
+        super::training_gives_learned_terms_their_gradients()
     }
     #[test]
     fn training_equals_f64() -> anyhow::Result<()> {

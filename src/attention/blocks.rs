@@ -201,28 +201,40 @@ impl Chunk<'_> {
                 true => Path::FusedTrain,
                 false => Path::Ops,
             },
+            // The CUDA backward gives dense terms and relative rows read through a shift their
+            // gradients (a value term takes candle's ops below).
+            #[cfg(feature = "cuda")]
+            (Path::CudaTrain, true)
+                if first.as_ref().is_some_and(|(bias, values)| {
+                    values.as_ref().is_none_or(|v| !v.table().track_op())
+                        && match bias {
+                            Some(LogitsBias::Relative(r)) => {
+                                matches!(r.columns(), Columns::Shift(_))
+                            }
+                            _ => true,
+                        }
+                }) =>
+            {
+                Path::CudaTrain
+            }
             (path, false) => path,
             (_, true) => Path::Ops,
         };
-        // The CUDA kernel has no chunked attention yet, and reads a value term only through a
-        // shift (an index map, for explicit ids, takes candle's ops); its backward reads no
-        // value term, draws no dropout and gives a user's mask no gradient.
+        // The CUDA kernel reads a value term only through a shift (an index map, for explicit
+        // ids, takes candle's ops); its backward reads no value term and draws no dropout.
         #[cfg(feature = "cuda")]
         let path = match path {
             Path::CudaTrain
-                if self.chunk.is_some()
-                    || (self.train && self.dropout > 0.0)
-                    || self.attn_mask.as_ref().is_some_and(Tensor::track_op)
+                if (self.train && self.dropout > 0.0)
                     || first.as_ref().is_some_and(|(_, v)| v.is_some()) =>
             {
                 Path::Ops
             }
             Path::CudaFused
-                if self.chunk.is_some()
-                    || first.as_ref().is_some_and(|(_, v)| {
-                        v.as_ref()
-                            .is_some_and(|v| !matches!(v.columns(), Columns::Shift(_)))
-                    }) =>
+                if first.as_ref().is_some_and(|(_, v)| {
+                    v.as_ref()
+                        .is_some_and(|v| !matches!(v.columns(), Columns::Shift(_)))
+                }) =>
             {
                 Path::Ops
             }

@@ -176,8 +176,8 @@ impl TrainCore<'_> {
     }
 }
 
-/// A term's dims left-padded to four axes.
-fn padded_dims(t: &Tensor) -> Result<[usize; 4]> {
+/// A term's dims left-padded to four axes, or [`Error::Shape`] past four.
+pub(crate) fn padded_dims(t: &Tensor) -> Result<[usize; 4]> {
     let dims = t.dims();
     if dims.len() > 4 {
         return Err(Error::shape(

@@ -9,6 +9,7 @@
 //
 //   dP_ij = dO_i · v_j,  δ_i = Σ_j P_ij dP_ij,  dS_ij = P_ij (dP_ij − δ_i) (1 − tanh²(s / cap))
 //   dq_i = Σ_j dS_ij k_j,  dk_j = Σ_i dS_ij q_i,  dv_j = Σ_i P_ij dO_i,  dsink = −Σ_i P_i,sink δ_i
+//   d term[c(i, j)] = Σ P_ij (dP_ij − δ_i) over the (b, h, i, j) that read the entry
 //
 // (a row masked whole has constant weights: dS = 0). posenc_flash_forward (and, for split
 // keys, posenc_flash_combine) gives the output and statistics; posenc_flash_delta and
@@ -36,10 +37,13 @@ struct Case {
   i64 first = 0;
   bool causal = false;
   i64 window = -1;
+  i64 chunk = 0;         // > 0: keys of the query's own chunk, counted from the leading padding
   float softcap = 0.0f;
   bool sinks = false;
   int padding = 0;       // 0 none, 1 per sequence (sequence 1 fully padded if b > 1), 2 shared
-  int dense = 0;         // 0 none, 1 a bias shared by the batch, 2 a user's mask with −∞
+  int dense = 0;         // 0 none, 1 a bias shared by the batch, 2 a user's mask with −∞,
+                         // 3 a bias per key shared by the batch and the queries (ALiBi's form),
+                         // 4 a user's mask that takes a gradient, one row −∞ throughout
   int relative = 0;      // 0 none, 1 a row per head (ALiBi, T5), 2 a row per query (Shaw's q·aᴷ)
   int rel_width = 9;
   i64 rel_shift = 4;
@@ -65,6 +69,7 @@ struct Result {
 
 // |got − want| against its tolerance: the worst ratio past it, and the largest error.
 void check(double got, double want, double tol, double* err, double* ratio) {
+  if (std::isnan(got) && std::isnan(want)) return;  // a row of −∞ gives NaN, as it should
   const double e = std::fabs(got - want);
   if (std::isnan(e)) {
     *err = INFINITY;
@@ -132,12 +137,24 @@ Result run(const Case& c, Rng& rng) {
     return vals[bi * term.strides[0] + hi * term.strides[1] + i * term.strides[2] +
                 col * term.strides[3]];
   };
-  if (c.dense) {
+  if (c.dense == 3) {
+    // (1, H, 1, Tk), broadcast over the batch and the queries.
+    std::vector<float> t((size_t)h * tk);
+    for (auto& x : t) x = (float)(0.5 * rng());
+    term_store.push_back(std::move(t));
+    Term& term = p.terms[p.n_terms++];
+    term.values = (u64)term_store.back().data();
+    term.strides[0] = 0;
+    term.strides[1] = tk;
+    term.strides[2] = 0;
+    term.strides[3] = 1;
+  } else if (c.dense) {
     // (1, H, Tq, Tk), broadcast over the batch.
     std::vector<float> t((size_t)h * tq * tk);
     for (size_t n = 0; n < t.size(); ++n) {
       t[n] = (float)(0.5 * rng());
       if (c.dense == 2 && (n % 11 == 4)) t[n] = -INFINITY;
+      if (c.dense == 4 && n / tk == 5) t[n] = -INFINITY;  // head 0, query 5
     }
     term_store.push_back(std::move(t));
     Term& term = p.terms[p.n_terms++];
@@ -197,13 +214,14 @@ Result run(const Case& c, Rng& rng) {
   p.first_row = c.first_row;
   p.first = c.first;
   p.window = c.window;
+  p.chunk = c.chunk;
   p.batch = b;
   p.heads = h;
   p.kv_group = h / hkv;
   p.tq = tq;
   p.tk = tk;
   p.causal = c.causal;
-  p.skip = c.padding == 0 && c.dense != 2;
+  p.skip = c.padding == 0 && c.dense != 2 && c.dense != 4;
   p.softcap = c.softcap;
   int splits = 1;
   std::vector<float> partial;
@@ -243,6 +261,20 @@ Result run(const Case& c, Rng& rng) {
               seen = false;
             }
           }
+          if (c.chunk > 0) {
+            // Chunks counted from the sequence's first kept key (Tk when it keeps none).
+            i64 left = 0;
+            if (!pad.empty()) {
+              left = tk;
+              for (int jj = 0; jj < tk; ++jj)
+                if (pad[bi * pad_stride + jj] != 0) {
+                  left = jj;
+                  break;
+                }
+            }
+            const i64 c0 = left + (i64)std::floor((double)(pos - left) / c.chunk) * c.chunk;
+            if (j < c0 || j >= c0 + c.chunk) seen = false;
+          }
           if (!pad.empty() && pad[bi * pad_stride + j] == 0) seen = false;
           const size_t at = (((size_t)bi * h + hi) * tq + i) * tk + j;
           seens[at] = seen;
@@ -273,7 +305,10 @@ Result run(const Case& c, Rng& rng) {
         // The maximum the kernel subtracted may differ from the reference's (tiles see the
         // keys in another order, sinks): compare the log-sum-exp, m + ln l.
         const double want_lse = m + std::log(l), got_lse = st[0] - std::log((double)st[1]);
-        if (!(std::fabs(got_lse - want_lse) <= 1e-4 * std::max(1.0, std::fabs(want_lse))))
+        // A row of −∞: no log-sum-exp on either side (NaN or −∞).
+        const bool neither = !std::isfinite(got_lse) && !std::isfinite(want_lse);
+        if (!neither &&
+            !(std::fabs(got_lse - want_lse) <= 1e-4 * std::max(1.0, std::fabs(want_lse))))
           res.bad_lse = true;
         for (int d = 0; d < D; ++d) {
           double acc = 0.0, mag = 0.0;
@@ -290,6 +325,7 @@ Result run(const Case& c, Rng& rng) {
           const double want = acc / l;
           const double got = elem_to_float(out[(row * h + hi) * D + d]);
           const double tol = 2 * eps * (mag / l + std::fabs(want)) + 1e-5;
+          if (std::isnan(got) && std::isnan(want)) continue;
           const double e = std::fabs(got - want);
           if (!(e <= tol)) res.worst_ratio = std::max(res.worst_ratio, std::isnan(e) ? 1e9 : e / tol);
           if (!std::isnan(e)) res.err = std::max(res.err, e);
@@ -312,6 +348,16 @@ Result run(const Case& c, Rng& rng) {
   std::vector<float> delta((size_t)b * h * tq, -777.0f), dq((size_t)b * h * tq * D, 0.0f);
   std::vector<float> dk((size_t)b * hkv * tk * D, -777.0f), dv(dk.size(), -777.0f);
   std::vector<float> dsinks(h, 0.0f);
+  // Each term's gradient, laid out as its values (sums over the axes it broadcasts); a user's
+  // mask takes none, which the kernel must skip.
+  std::vector<std::vector<float>> term_grads(p.n_terms);
+  for (int t = 0; t < p.n_terms; ++t) {
+    if (c.dense == 2 && t == 0) continue;
+    term_grads[t].assign(term_store[t].size(), 0.0f);
+    p.terms[t].grad = (u64)term_grads[t].data();
+    for (int a = 0; a < 4; ++a) p.terms[t].grad_strides[a] = p.terms[t].strides[a];
+    p.term_grads = 1;
+  }
   p.d_out = (u64)d_out.data();
   p.delta = (u64)delta.data();
   p.dq = (u64)dq.data();
@@ -329,6 +375,11 @@ Result run(const Case& c, Rng& rng) {
   std::vector<double> rq(dq.size(), 0.0), rk(dk.size(), 0.0), rv(dv.size(), 0.0);
   std::vector<double> mq(dq.size(), 0.0), mk(dk.size(), 0.0), mv(dv.size(), 0.0);
   std::vector<double> rs(h, 0.0), ms(h, 0.0);
+  std::vector<std::vector<double>> rt(p.n_terms), mt(p.n_terms);
+  for (int t = 0; t < p.n_terms; ++t) {
+    rt[t].assign(term_grads[t].size(), 0.0);
+    mt[t].assign(term_grads[t].size(), 0.0);
+  }
   std::vector<double> dpv(tk);
   for (int bi = 0; bi < b; ++bi)
     for (int hi = 0; hi < h; ++hi)
@@ -353,6 +404,14 @@ Result run(const Case& c, Rng& rng) {
           const size_t at = r0 * tk + j;
           double ds = masked[r0] ? 0.0 : pr[j] * (dpv[j] - dl);
           double ds_mag = masked[r0] ? 0.0 : pr[j] * (std::fabs(dpv[j]) + dl_mag + std::fabs(dl));
+          for (int t = 0; t < p.n_terms; ++t) {
+            if (term_grads[t].empty() || !seens[at]) continue;
+            const Term& term = p.terms[t];
+            const size_t ta = bi * term.strides[0] + hi * term.strides[1] + i * term.strides[2] +
+                              term_column(term, i, j) * term.strides[3];
+            rt[t][ta] += ds;
+            mt[t][ta] += ds_mag;
+          }
           if (c.softcap > 0 && seens[at]) {
             const double t = std::tanh(raws[at] / c.softcap);
             ds *= 1.0 - t * t;
@@ -375,6 +434,10 @@ Result run(const Case& c, Rng& rng) {
     check(dk[n], rk[n], 3 * eps * mk[n] + 1e-5, &res.grad_err, &res.grad_ratio);
     check(dv[n], rv[n], 2 * eps * mv[n] + 1e-5, &res.grad_err, &res.grad_ratio);
   }
+  // A term's entries sum dS in f32 (atomically, in any order).
+  for (int t = 0; t < p.n_terms; ++t)
+    for (size_t n = 0; n < rt[t].size(); ++n)
+      check(term_grads[t][n], rt[t][n], 3 * eps * mt[t][n] + 1e-5, &res.grad_err, &res.grad_ratio);
   if (c.sinks)
     for (int hi = 0; hi < h; ++hi)
       check(dsinks[hi], rs[hi], 3 * eps * ms[hi] + 1e-5, &res.grad_err, &res.grad_ratio);
@@ -394,6 +457,12 @@ std::vector<Case> cases() {
   add(c);
   c = Case{}; c.name = "causal window 37"; c.tq = 130; c.tk = 130; c.causal = true; c.window = 37;
   add(c);
+  c = Case{}; c.name = "causal chunks of 24, tiles skipped"; c.tq = 100; c.tk = 130;
+  c.first = 30; c.causal = true; c.chunk = 24;
+  add(c);
+  c = Case{}; c.name = "causal chunks of 16 from each sequence's padding"; c.b = 3; c.tq = 66;
+  c.tk = 66; c.causal = true; c.padding = 1; c.chunk = 16;
+  add(c);
   c = Case{}; c.name = "bidirectional window 20, q token-major"; c.tq = 90; c.tk = 90;
   c.window = 20; c.token_major = true;
   add(c);
@@ -406,6 +475,16 @@ std::vector<Case> cases() {
   c = Case{}; c.name = "dense bias + per-head rows, causal"; c.b = 2; c.tq = 65; c.tk = 65;
   c.causal = true; c.dense = 1; c.relative = 1; c.rel_width = 130; c.rel_shift = 64;
   add(c);
+  c = Case{}; c.name = "soft cap 3, per-head rows, sinks, GQA 2"; c.h = 4; c.hkv = 2;
+  c.tq = 70; c.tk = 70; c.softcap = 3.0f; c.sinks = true; c.relative = 1; c.rel_width = 21;
+  c.rel_shift = 10;
+  add(c);
+  c = Case{}; c.name = "bias per key, GQA 2, padding, causal"; c.b = 2; c.h = 4; c.hkv = 2;
+  c.tq = 75; c.tk = 75; c.causal = true; c.dense = 3; c.padding = 1;
+  add(c);
+  c = Case{}; c.name = "learned mask, a row of -inf (NaN, no stray write)"; c.tq = 40;
+  c.tk = 70; c.dense = 4;
+  add(c);
   c = Case{}; c.name = "user mask with -inf + per-query rows"; c.b = 2; c.tq = 50; c.tk = 77;
   c.dense = 2; c.relative = 2; c.rel_width = 9; c.rel_shift = 4 + 27;
   add(c);
@@ -415,6 +494,9 @@ std::vector<Case> cases() {
   c = Case{}; c.name = "decode: 1 query, split keys 128, sinks, causal"; c.b = 2; c.h = 4;
   c.hkv = 1; c.tq = 1; c.tk = 333; c.first = 332; c.causal = true; c.sinks = true;
   c.key_split = 128;
+  add(c);
+  c = Case{}; c.name = "decode: 2 queries, chunks of 50, split keys 64"; c.tq = 2; c.tk = 260;
+  c.first = 258; c.causal = true; c.chunk = 50; c.key_split = 64;
   add(c);
   c = Case{}; c.name = "decode: 3 queries, split keys 64, per-head rows"; c.tq = 3; c.tk = 200;
   c.first = 197; c.causal = true; c.key_split = 64; c.relative = 1; c.rel_width = 17;

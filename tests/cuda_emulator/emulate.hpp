@@ -238,6 +238,12 @@ inline float atomicAdd(float* a, float v) {
   return old;
 }
 
+inline int atomicMin(int* a, int v) {
+  const int old = *a;
+  if (v < old) *a = v;
+  return old;
+}
+
 inline float __uint_as_float(unsigned u) {
   float f;
   std::memcpy(&f, &u, 4);

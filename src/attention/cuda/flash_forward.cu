@@ -76,6 +76,10 @@ struct Term {
   i64 strides[4]; // batch, head, query row, key (dense) or column (relative)
   i64 shift;      // relative: the column of (i, j) is clamp(j − i + shift, 0, width − 1)
   i64 width;      // 0: dense
+  // The backward's: float*, zeroed, the term's gradient through its own strides (0 along an
+  // axis the term broadcasts, so that the atomic sums run over it); 0 for none.
+  u64 grad;
+  i64 grad_strides[4];
 };
 
 // Everything a launch reads; must match `Params` in cuda/mod.rs field for field.
@@ -97,6 +101,7 @@ struct Params {
   i64 padding_stride;// elements between the padding mask's rows (0: shared)
   i64 first;         // the causal position of query 0 (query i is key first + i)
   i64 window;        // < 0: none
+  i64 chunk;         // > 0: keys of the query's own chunk, counted from the leading padding
   int batch, heads, kv_group, tq, tk;
   int causal;
   int skip;          // visit only the keys some row of the tile can see
@@ -110,6 +115,7 @@ struct Params {
   u64 dq;            // float*: (B, H, Tq, D), zeroed, accumulated atomically
   u64 dk, dv;        // float*: (B, Hkv, Tk, D), written whole
   u64 dsinks;        // float*: (H), zeroed, accumulated atomically; 0: none
+  int term_grads;    // 1: some term takes a gradient (its `grad`)
 };
 
 #ifdef POSENC_EMULATE
@@ -186,8 +192,9 @@ __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* g, i64 row_st
   }
 }
 
-// The keys lo..hi that rows i0..i1 − 1 can see through the causal limit and the window, or
-// every key when none is left (as RowRule::keys_seen).
+// The keys lo..hi that rows i0..i1 − 1 can see through the causal limit, the window and the
+// chunk (no padding: chunks count from key 0), or every key when none is left (as
+// RowRule::keys_seen).
 __device__ __forceinline__ void keys_seen(const Params& p, i64 i0, i64 i1, i64* lo, i64* hi) {
   const i64 tk = p.tk, last = i1 - 1;
   const i64 p0 = p.first + i0, pl = p.first + last;
@@ -201,6 +208,12 @@ __device__ __forceinline__ void keys_seen(const Params& p, i64 i0, i64 i1, i64* 
     }
     if (start < 0) start = 0;
   }
+  if (p.chunk > 0) {
+    // The first row's chunk starts the keys (chunks are causal: the last row's chunk ends
+    // past its causal limit).
+    const i64 c0 = (p0 / p.chunk) * p.chunk;
+    if (start < c0) start = c0;
+  }
   if (p.causal && pl + 1 < end) end = pl + 1;
   if (end > tk) end = tk;
   if (start > tk) start = tk;
@@ -213,11 +226,45 @@ __device__ __forceinline__ void keys_seen(const Params& p, i64 i0, i64 i1, i64* 
   }
 }
 
+// A term's column for query i and key j: j (dense) or clamp(j − i + shift, 0, width − 1).
+__device__ __forceinline__ i64 term_column(const Term& term, i64 i, i64 j) {
+  if (term.width == 0) return j;
+  const i64 c = j - i + term.shift;
+  return c < 0 ? 0 : (c >= term.width ? term.width - 1 : c);
+}
+
+// The sequence's leading padded keys (its first kept key, Tk when it keeps none) when the
+// rule counts chunks from them, else 0. Every thread of the block calls it (two barriers).
+__device__ __forceinline__ i64 leading_padding(const Params& p, const unsigned char* pad) {
+  if (p.chunk <= 0 || !pad) return 0;
+  __shared__ int s_left;
+  if (threadIdx.x == 0) s_left = p.tk;
+  __syncthreads();
+  for (int j = threadIdx.x; j < p.tk; j += THREADS) {
+    if (pad[j] != 0) {
+      atomicMin(&s_left, j);
+      break;
+    }
+  }
+  __syncthreads();
+  return s_left;
+}
+
+// The first key of the chunk holding position `pos`, chunks counted from the sequence's leading
+// padded keys `left` (floor division: keys before it form chunks too); 0 without chunks. Once
+// per row, outside the loops over keys (a 64-bit division is long).
+__device__ __forceinline__ i64 chunk_start(const Params& p, i64 left, i64 pos) {
+  if (p.chunk <= 0) return 0;
+  const i64 d = pos - left;
+  return left + (d >= 0 ? d / p.chunk : -((p.chunk - 1 - d) / p.chunk)) * p.chunk;
+}
+
 // The logit of query i (of Tq) and key j from its product x, as both kernels see it: −∞ for a
 // key past the end or outside the keys [lo, hi) its tile visits (weight 0); −FLT_MAX for a key
-// the row's rule or the padding hides; otherwise the soft cap, then the terms.
-__device__ __forceinline__ float logit(const Params& p, const unsigned char* pad, int b, int h,
-                                       i64 i, i64 j, float x, i64 lo, i64 hi) {
+// the row's rule or the padding hides; otherwise the soft cap, then the terms. `c0`: the first
+// key of the row's chunk (chunk_start).
+__device__ __forceinline__ float logit(const Params& p, const unsigned char* pad, i64 c0, int b,
+                                       int h, i64 i, i64 j, float x, i64 lo, i64 hi) {
   if (j >= p.tk || (p.skip && (j < lo || j >= hi))) return -__int_as_float(0x7f800000);
   const i64 pos = p.first + i;
   bool seen = true;
@@ -229,20 +276,16 @@ __device__ __forceinline__ float logit(const Params& p, const unsigned char* pad
       seen = false;
     }
   }
+  if (p.chunk > 0 && (j < c0 || j >= c0 + p.chunk)) seen = false;
   if (pad && pad[j] == 0) seen = false;
   if (!seen) return NEG_MAX;
   if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
   if (i < p.tq) {
     for (int t = 0; t < p.n_terms; ++t) {
       const Term& term = p.terms[t];
-      i64 c = j;
-      if (term.width > 0) {
-        c = j - i + term.shift;
-        c = c < 0 ? 0 : (c >= term.width ? term.width - 1 : c);
-      }
       const float* vals = reinterpret_cast<const float*>(term.values);
       x += vals[b * term.strides[0] + h * term.strides[1] + i * term.strides[2] +
-                c * term.strides[3]];
+                term_column(term, i, j) * term.strides[3]];
     }
   }
   return x;
@@ -314,6 +357,9 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
 #endif
   const unsigned char* pad =
       p.padding ? reinterpret_cast<const unsigned char*>(p.padding) + b * p.padding_stride : 0;
+  const i64 left = leading_padding(p, pad);
+  const i64 c0s[2] = {chunk_start(p, left, p.first + rows[0]),
+                      chunk_start(p, left, p.first + rows[1])};
 
   for (i64 k0 = (lo / BN) * BN; k0 < hi; k0 += BN) {
     __syncthreads();  // every warp is done with the last tile (and with the query tile)
@@ -344,8 +390,8 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float x = logit(p, pad, b, h, rows[e / 2], k0 + n * 8 + 2 * t4 + (e & 1), s[n][e],
-                              seen_lo, seen_hi);
+        const float x = logit(p, pad, c0s[e / 2], b, h, rows[e / 2],
+                              k0 + n * 8 + 2 * t4 + (e & 1), s[n][e], seen_lo, seen_hi);
         s[n][e] = x;
         mx[e / 2] = fmaxf(mx[e / 2], x);
       }
@@ -543,6 +589,8 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
 //           dPᵀ = v_J dO_Iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − δ_I) (0 for a row masked whole), times the soft
 //           cap's derivative 1 − tanh²(s / cap)
 //           dV_J += Pᵀ dO_I;  dK_J += dSᵀ q_I;  dQ_I += dS k_J (atomically, f32)
+//           d term[b, h, i, c(i, j)] += dS_ij before the soft cap's derivative (atomically,
+//           f32, summed over the axes the term broadcasts), for each term that takes one
 //
 // The products of Pᵀ and dSᵀ read them rounded to the operand type, as the forward's P v does.
 // ---------------------------------------------------------------------------------------------
@@ -569,6 +617,31 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_delta(const P
   }
 }
 
+// A logit's gradient ds (the soft cap's derivative not yet applied: the terms are added after
+// the cap) into the gradient of each term that takes one, at the entry the logit read.
+// Entries are summed atomically in f32, in no fixed order. Called by every lane of a warp
+// together, for 32 consecutive queries of one key: a dense term shared by every query (one
+// entry per key, as ALiBi's per-key form) is summed over the warp first, one atomic per warp
+// instead of 32 on one address; the other terms' lanes read distinct entries.
+__device__ __forceinline__ void add_term_grads(const Params& p, int b, int h, i64 i, i64 j,
+                                               float ds) {
+#pragma unroll 1
+  for (int t = 0; t < p.n_terms; ++t) {
+    const Term& term = p.terms[t];
+    if (!term.grad) continue;
+    const i64* gs = term.grad_strides;
+    float* g = reinterpret_cast<float*>(term.grad) + b * gs[0] + h * gs[1];
+    if (term.width == 0 && gs[2] == 0) {
+      float sum = ds;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (threadIdx.x % 32 == 0 && sum != 0.0f) atomicAdd(g + j * gs[3], sum);
+    } else if (ds != 0.0f) {
+      atomicAdd(g + i * gs[2] + term_column(term, i, j) * gs[3], ds);
+    }
+  }
+}
+
 // dS is kept transposed (keys × queries) in the dO tile's place once dO is read.
 // Queries per tile of the backward: 64, or 32 above head dimension 64, where three tiles of 64
 // rows would pass the 48 KB of static shared memory. The keys each query tile visits are those
@@ -589,6 +662,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
   alignas(16) __shared__ elem_t s_q[BQ * STRIDE];
   alignas(16) __shared__ elem_t s_do[DO_ELEMS];    // dO, then dSᵀ
   __shared__ float s_m[BQ], s_inv[BQ], s_delta[BQ];
+  __shared__ i64 s_c0[BQ];  // each query's chunk start (chunk_start)
+  // The logits' gradients before the soft cap's derivative (keys × queries), for the terms'.
+  __shared__ float s_dst[BN * BQ];
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const i64 k0 = (i64)blockIdx.x * BN;
@@ -598,6 +674,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
   const elem_t* vb = reinterpret_cast<const elem_t*>(p.v) + b * p.v_strides[0] + hk * p.v_strides[1];
   const unsigned char* pad =
       p.padding ? reinterpret_cast<const unsigned char*>(p.padding) + b * p.padding_stride : 0;
+  const i64 left = leading_padding(p, pad);
 
   // This warp's 16 value rows, as A fragments for dPᵀ = v dOᵀ, kept in registers.
   load_tile(s_k, vb, p.v_strides[2], (int)k0, p.tk);
@@ -643,6 +720,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
         s_m[r] = i < p.tq ? stats[2 * row] : 0.0f;
         s_inv[r] = i < p.tq ? stats[2 * row + 1] : 0.0f;
         s_delta[r] = i < p.tq ? delta[((i64)b * p.heads + h) * p.tq + i] : 0.0f;
+        s_c0[r] = chunk_start(p, left, p.first + i);
       }
       __syncthreads();
 
@@ -677,16 +755,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
           const int qc = n * 8 + 2 * t4 + (e & 1);
           const i64 i = q0 + qc, j = k0 + keys[e / 2];
           const float raw = st[n][e];
-          const float x = logit(p, pad, b, h, i, j, raw, seen_lo, seen_hi);
+          const float x = logit(p, pad, s_c0[qc], b, h, i, j, raw, seen_lo, seen_hi);
           float pe = 0.0f, ds = 0.0f;
           if (i < p.tq) {
             pe = exp2f((x - s_m[qc]) * LOG2E) * s_inv[qc];
             // A row masked whole has constant weights: no gradient to its logits.
             if (s_m[qc] != NEG_MAX) ds = pe * (dpt[n][e] - s_delta[qc]);
-            if (p.softcap > 0.0f && ds != 0.0f) {
-              const float t = tanhf(raw / p.softcap);
-              ds *= 1.0f - t * t;
-            }
+          }
+          // Every entry, 0 past the last query or key (where a row of −∞ or a non-finite dO
+          // could make ds NaN): the terms' pass reads the whole tile.
+          if (p.term_grads) s_dst[keys[e / 2] * BQ + qc] = j < p.tk ? ds : 0.0f;
+          if (p.softcap > 0.0f && ds != 0.0f) {
+            const float t = tanhf(raw / p.softcap);
+            ds *= 1.0f - t * t;
           }
           st[n][e] = pe;
           dpt[n][e] = ds;
@@ -751,6 +832,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
           float* row = dq + (((i64)b * p.heads + h) * p.tq + i) * HEAD_DIM + dp * 16 + 2 * t4 + (e & 1);
           atomicAdd(row, c0[e]);
           atomicAdd(row + 8, c1[e]);
+        }
+      }
+      // The terms' gradients, from the tile's dS (complete since the barriers above), one
+      // entry per thread in turn: consecutive threads take consecutive queries of a key, and
+      // a warp's 32 lanes one key (BQ is a multiple of 32), every lane through every step.
+      if (p.term_grads) {
+        for (int n = threadIdx.x; n < BN * BQ; n += THREADS) {
+          add_term_grads(p, b, h, q0 + n % BQ, k0 + n / BQ, s_dst[n]);
         }
       }
     }

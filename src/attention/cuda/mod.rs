@@ -1,8 +1,9 @@
 //! The fused attention core on CUDA devices (the `cuda` feature): `flash_forward.cu`, a
 //! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks, reading the plug's terms as
 //! data (dense terms through broadcast strides, relative rows through a shift), causal limits,
-//! windows, padding, soft caps, sinks and grouped KV heads. For training, its backward
-//! (`posenc_flash_backward`, through `training.rs`) gives q, k, v and the sinks their gradients.
+//! windows, chunks, padding, soft caps, sinks and grouped KV heads. For training, its backward
+//! (`posenc_flash_backward`, through `training.rs`) gives q, k, v, the sinks and every term
+//! (dense or relative rows) their gradients.
 //!
 //! **Off by default, and not yet validated on a GPU.** The kernels are compiled (NVRTC, every
 //! specialisation, `.ci/cuda-kernels`) and run against f64 on a CPU emulator
@@ -156,6 +157,10 @@ struct Term {
     strides: [i64; 4],
     shift: i64,
     width: i64,
+    /// The backward's: the term's f32 gradient (0: none) and its strides, 0 along an axis the
+    /// term broadcasts.
+    grad: u64,
+    grad_strides: [i64; 4],
 }
 
 /// Everything a launch reads; field for field `Params` in flash_forward.cu.
@@ -181,6 +186,7 @@ struct Params {
     padding_stride: i64,
     first: i64,
     window: i64,
+    chunk: i64,
     batch: i32,
     heads: i32,
     kv_group: i32,
@@ -199,6 +205,7 @@ struct Params {
     dk: u64,
     dv: u64,
     dsinks: u64,
+    term_grads: i32,
 }
 
 // SAFETY: plain data (integers, floats and device addresses), laid out as the kernel's struct.
@@ -314,13 +321,6 @@ impl CudaCore<'_> {
                 "queries and keys of the CUDA attention kernel",
                 "fewer than 2^31 of each",
                 self.k.shape(),
-            ));
-        }
-        if self.rule.chunk.is_some() {
-            return Err(Error::config(
-                "chunk",
-                format!("{:?}", self.rule.chunk),
-                "none: the CUDA kernel has no chunked attention yet",
             ));
         }
         if tk == 0 {
@@ -549,6 +549,9 @@ pub(crate) struct BackwardBuffers {
     pub dv: Tensor,
     /// `(H)` f32, zeroed, when the sinks take a gradient.
     pub dsinks: Option<Tensor>,
+    /// One per term of the launch, in its order (dense, then relative): f32, zeroed, the
+    /// term's own dims left-padded to four axes, when the term takes a gradient.
+    pub term_grads: Vec<Option<Tensor>>,
 }
 
 /// The PTX of each specialisation, compiled once per process.
@@ -679,6 +682,12 @@ impl InplaceOp1 for LaunchOp {
                 .map(|t| t.storage_and_layout())
                 .collect()
         });
+        let grad_guards: Vec<_> = self.backward.as_ref().map_or(Vec::new(), |bw| {
+            bw.term_grads
+                .iter()
+                .map(|g| g.as_ref().map(Tensor::storage_and_layout))
+                .collect()
+        });
         let mut guards = Vec::new();
         let mut p = Params::default();
         macro_rules! cuda_of {
@@ -719,6 +728,7 @@ impl InplaceOp1 for LaunchOp {
                 strides: [st[0] as i64, st[1] as i64, st[2] as i64, st[3] as i64],
                 shift: relative.map_or(0, |r| r.0),
                 width: relative.map_or(0, |r| r.1 as i64),
+                ..Term::default()
             };
         }
         p.n_terms = self.terms.len() as i32;
@@ -749,6 +759,11 @@ impl InplaceOp1 for LaunchOp {
             .rule
             .window
             .map_or(-1, |w| w.min(i64::MAX as usize / 4) as i64);
+        p.chunk = self
+            .rule
+            .chunk
+            .filter(|&c| c > 0)
+            .map_or(0, |c| c.min(i64::MAX as usize / 4) as i64);
         p.batch = b as i32;
         p.heads = h as i32;
         p.kv_group = (h / hkv) as i32;
@@ -793,6 +808,36 @@ impl InplaceOp1 for LaunchOp {
             p.dk = f32s[1];
             p.dv = f32s[2];
             p.dsinks = f32s.get(3).copied().unwrap_or(0);
+            if grad_guards.len() != self.terms.len() {
+                candle_core::bail!("the CUDA attention backward: one gradient slot per term");
+            }
+            for (n, guard) in grad_guards.iter().enumerate() {
+                let Some(guard) = guard else { continue };
+                let (s, l) = (cuda_of!(guard.0), guard.1);
+                let want = match self.terms[n].1 {
+                    None => [b, h, tq, tk],
+                    Some((_, width)) => [b, h, tq, width],
+                };
+                let ok = l.is_contiguous()
+                    && l.dims().len() == 4
+                    && l.dims().iter().zip(want).all(|(&n, w)| n == 1 || n == w);
+                if !ok {
+                    candle_core::bail!(
+                        "the CUDA attention backward: a term's gradient must be contiguous with \
+                         axes of 1 or {want:?}, not {:?}",
+                        l.dims()
+                    );
+                }
+                let mut strides = [0i64; 4];
+                for (a, st) in strides.iter_mut().enumerate() {
+                    if l.dims()[a] > 1 {
+                        *st = l.stride()[a] as i64;
+                    }
+                }
+                p.terms[n].grad = address!(s, l, f32, &stream, guards);
+                p.terms[n].grad_strides = strides;
+                p.term_grads = 1;
+            }
             p.out_rows = tq as i64;
             p.first_row = 0;
             let (base, dq_guard) = out.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream);

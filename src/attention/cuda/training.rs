@@ -5,9 +5,11 @@
 //! ```text
 //! out = attention(q, k, v)            forward kernel, stats = (m_i, 1 / l_i) per row
 //! dq, dk, dv, d sink = backward(dO)   one δ launch and one backward launch, f32, cast back
+//! d term = Σ dS over its entries       in the same backward launch, for each term that learns
 //! ```
 //!
-//! The output is grafted onto q, k, v (and the sinks, when they take a gradient) one link each;
+//! The output is grafted onto q, k, v (and the sinks and each term, dense or relative rows,
+//! when they take a gradient) one link each;
 //! the outermost link, the first the backward pass reaches, runs the kernels and the others
 //! take their share. Like the forward, **off by default and not yet run on a GPU** (the kernels
 //! are checked on the CPU emulator, `tests/cuda_emulator`).
@@ -17,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Tensor};
 
 use super::{BackwardBuffers, CudaCore, LaunchOp};
+use crate::attention::fused_training::padded_dims;
 use crate::error::Result;
 use crate::graft::{graft_through, GraftBackward};
 
@@ -28,12 +31,19 @@ struct Shared {
     /// The dtypes of q, k, v and the sinks, which the gradients take.
     dtypes: [DType; 4],
     sinks: bool,
-    cache: Mutex<Option<[Option<Tensor>; 4]>>,
+    /// Per term of the launch (dense, then relative), when it takes a gradient.
+    terms: Vec<Option<LearnedTerm>>,
+    /// dq, dk, dv, the sinks' gradient, then one per term.
+    cache: Mutex<Option<Vec<Option<Tensor>>>>,
 }
 
+/// A term that takes a gradient: its dims left-padded to four axes, its own dims and dtype.
+type LearnedTerm = ([usize; 4], Vec<usize>, DType);
+
 impl Shared {
-    /// dq, dk, dv and the sinks' gradient (when they take one) from the output's gradient.
-    fn grads(&self, d_out: &Tensor) -> candle_core::Result<[Option<Tensor>; 4]> {
+    /// dq, dk, dv, the sinks' gradient and each term's (those that take one) from the
+    /// output's gradient.
+    fn grads(&self, d_out: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
         let op = &self.forward;
         let (b, h, tq, d) = op.q.dims4()?;
         let (_, hkv, tk, _) = op.k.dims4()?;
@@ -49,17 +59,31 @@ impl Shared {
             dk: zeros(&[b, hkv, tk, d])?,
             dv: zeros(&[b, hkv, tk, d])?,
             dsinks: self.sinks.then(|| zeros(&[h])).transpose()?,
+            term_grads: self
+                .terms
+                .iter()
+                .map(|t| t.as_ref().map(|(dims, _, _)| zeros(dims)).transpose())
+                .collect::<candle_core::Result<_>>()?,
         };
         let mut backward = op.clone();
         backward.backward = Some(buffers.clone());
         dq.inplace_op1(&backward)?;
         let [qt, kt, vt, st] = self.dtypes;
-        Ok([
+        let mut grads = vec![
             Some(dq.to_dtype(qt)?),
             Some(buffers.dk.to_dtype(kt)?),
             Some(buffers.dv.to_dtype(vt)?),
             buffers.dsinks.map(|g| g.to_dtype(st)).transpose()?,
-        ])
+        ];
+        for (grad, term) in buffers.term_grads.into_iter().zip(&self.terms) {
+            grads.push(match (grad, term) {
+                (Some(g), Some((_, dims, dtype))) => {
+                    Some(g.reshape(dims.as_slice())?.to_dtype(*dtype)?)
+                }
+                _ => None,
+            });
+        }
+        Ok(grads)
     }
 }
 
@@ -83,7 +107,7 @@ impl GraftBackward for Link {
         }
         cache
             .as_mut()
-            .and_then(|g| g[self.which].take())
+            .and_then(|g| g.get_mut(self.which).and_then(Option::take))
             .ok_or_else(|| {
                 candle_core::Error::Msg(
                     "CUDA attention training: a gradient was not computed".into(),
@@ -93,14 +117,15 @@ impl GraftBackward for Link {
 }
 
 /// The attention output `(B, Tq, H, D)` in the block's dtype, in the graph of `core`'s q, k, v
-/// and, when they track gradients, its sinks. The caller checks [`super::takes`] (the backward
-/// has every head dimension the forward has), and that no term
-/// (a user's mask included) or value table takes a gradient, and no dropout or chunked
-/// attention (those take candle's ops).
+/// and, when they track gradients, its sinks and its terms (dense terms, a user's mask
+/// included, and relative rows). The caller checks [`super::takes`] (the backward has every
+/// head dimension the forward has), and that there is no value term and no dropout (those
+/// take candle's ops).
 ///
 /// # Errors
 /// What [`CudaCore::write_into`] returns, for operands the kernels do not take or a launch that
-/// fails.
+/// fails; [`crate::error::Error::Shape`] for a term that learns with more than four axes, and
+/// a budget error when a term's gradient would pass the element budget.
 pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     let (b, h, tq, d) = core.q.dims4()?;
     // The kernels read the operands' values; the graph is attached below.
@@ -122,6 +147,28 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     forward.stats = Some(Tensor::zeros((b, h, tq, 2), DType::F32, q.device())?);
     out.inplace_op1(&forward)?;
     let sinks = core.sinks.filter(|s| s.track_op());
+    // The terms in the launch's order (`CudaCore::terms`): dense, then relative rows.
+    let terms: Vec<&Tensor> = core
+        .dense
+        .iter()
+        .chain(core.relative.iter().map(|r| r.values()))
+        .collect();
+    let mut learned = Vec::new();
+    for t in &terms {
+        learned.push(match t.track_op() {
+            true => {
+                let dims = padded_dims(t)?;
+                crate::limits::check_elements(
+                    "additive logits term with gradients on CUDA",
+                    format!("{:?}", t.dims()),
+                    "its f32 gradient",
+                    &dims,
+                )?;
+                Some((dims, t.dims().to_vec(), t.dtype()))
+            }
+            false => None,
+        });
+    }
     let shared = Arc::new(Shared {
         forward,
         out: out.clone(),
@@ -132,19 +179,32 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
             sinks.map_or(DType::F32, Tensor::dtype),
         ],
         sinks: sinks.is_some(),
+        terms: learned,
         cache: Mutex::new(None),
     });
-    let wanted: Vec<&Tensor> = [core.q, core.k, core.v].into_iter().chain(sinks).collect();
+    // Each link's tensor and its place among the gradients (q, k, v, the sinks, the terms).
+    let wanted: Vec<(usize, &Tensor)> = [core.q, core.k, core.v]
+        .into_iter()
+        .enumerate()
+        .chain(sinks.map(|s| (3, s)))
+        .chain(
+            terms
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.track_op())
+                .map(|(n, t)| (4 + n, *t)),
+        )
+        .collect();
     let last = wanted.len() - 1;
     let mut linked = out;
-    for (which, tensor) in wanted.into_iter().enumerate() {
+    for (nth, (which, tensor)) in wanted.into_iter().enumerate() {
         linked = graft_through(
             tensor,
             &linked,
             Link {
                 shared: shared.clone(),
                 which,
-                outermost: which == last,
+                outermost: nth == last,
             },
         )?;
     }
