@@ -142,12 +142,8 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
         sinks: core.sinks,
         values: core.values,
     };
-    let out = Tensor::zeros((b, tq, h, d), q.dtype(), q.device())?;
-    let mut forward = values.launch_op(&out, 0)?;
-    forward.stats = Some(Tensor::zeros((b, h, tq, 2), DType::F32, q.device())?);
-    out.inplace_op1(&forward)?;
-    let sinks = core.sinks.filter(|s| s.track_op());
-    // The terms in the launch's order (`CudaCore::terms`): dense, then relative rows.
+    // The terms in the launch's order (`CudaCore::terms`): dense, then relative rows; those
+    // that learn are checked before anything is launched.
     let terms: Vec<&Tensor> = core
         .dense
         .iter()
@@ -169,6 +165,11 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
             false => None,
         });
     }
+    let out = Tensor::zeros((b, tq, h, d), q.dtype(), q.device())?;
+    let mut forward = values.launch_op(&out, 0)?;
+    forward.stats = Some(Tensor::zeros((b, h, tq, 2), DType::F32, q.device())?);
+    out.inplace_op1(&forward)?;
+    let sinks = core.sinks.filter(|s| s.track_op());
     let shared = Arc::new(Shared {
         forward,
         out: out.clone(),
