@@ -202,17 +202,12 @@ impl Chunk<'_> {
                 false => Path::Ops,
             },
             // The CUDA backward gives dense terms and relative rows read through a shift their
-            // gradients (a value term takes candle's ops below).
+            // gradients (any value term takes candle's ops below).
             #[cfg(feature = "cuda")]
             (Path::CudaTrain, true)
-                if first.as_ref().is_some_and(|(bias, values)| {
-                    values.as_ref().is_none_or(|v| !v.table().track_op())
-                        && match bias {
-                            Some(LogitsBias::Relative(r)) => {
-                                matches!(r.columns(), Columns::Shift(_))
-                            }
-                            _ => true,
-                        }
+                if first.as_ref().is_some_and(|(bias, _)| match bias {
+                    Some(LogitsBias::Relative(r)) => matches!(r.columns(), Columns::Shift(_)),
+                    _ => true,
                 }) =>
             {
                 Path::CudaTrain
