@@ -460,11 +460,9 @@ fn shaw_value_terms() -> anyhow::Result<()> {
 
 /// Training through the kernels' backward: the gradient of `Σ probe · out` with respect to
 /// the input, through the projections and the backward kernel's dq, dk and dv, equals the f64
-/// CPU block's, for no encoding, RoPE, ALiBi and T5 (their tables as constants), causal and
-/// not, grouped heads, padding, a soft cap, sinks, a window, chunks, every head dimension; the
-/// forward and the
-/// backward must both have taken the kernels. Shaw's value term takes candle's ops, and must
-/// still agree.
+/// CPU block's, for no encoding, RoPE, ALiBi, T5 and Shaw's keys and values, causal and not,
+/// grouped heads, padding, a soft cap, sinks, a window, chunks, every head dimension; the
+/// forward and the backward must both have taken the kernels.
 fn training_equals_f64() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     set_fused_kernel(true);
@@ -520,11 +518,10 @@ fn training_equals_f64() -> anyhow::Result<()> {
                     let got = grad_on(&gpu, DType::BF16)?;
                     let launches = kernel_launches() - before;
                     let what = format!("{} d{head_dim} {attn:?} padded {padded:?}", config.kind());
-                    let fused = !matches!(config, EncodingConfig::Shaw(_));
                     // One forward and one backward launch per query block (RoPE's rotations
                     // in place count too, so its blocks are not counted here).
                     if !matches!(config, EncodingConfig::Rotary(_)) {
-                        assert_eq!(launches >= 2, fused, "{what}: {launches} launches");
+                        assert!(launches >= 2, "{what}: {launches} launches");
                     }
                     // P and dS are rounded to bf16 for their products (about 2^-8 each).
                     close_within(&got, &grad_on(&cpu, DType::F64)?, 3e-2, &what)?;
@@ -576,7 +573,8 @@ fn training_with_a_learned_mask() -> anyhow::Result<()> {
 }
 
 /// Training an encoding's own parameters through the kernels: T5's tables, the clipped bias's,
-/// learnable ALiBi slopes (causal and symmetric) and Shaw's relative keys, causal or not, with
+/// learnable ALiBi slopes (causal and symmetric) and Shaw's relative keys, alone and with its
+/// relative values (aⱽ's table through the gathered weights), causal or not, with
 /// grouped heads, a soft cap, and padding that masks a row whole. Every variable's gradient
 /// (the encoding's and the projections') equals the f64 CPU block's from the same values, and
 /// the forward and backward kernels ran.
@@ -599,6 +597,7 @@ fn training_gives_learned_terms_their_gradients() -> anyhow::Result<()> {
                 .with_mode(AlibiMode::Symmetric),
         ),
         EncodingConfig::Shaw(ShawConfig::new(head_dim, 6).with_values(false)),
+        EncodingConfig::Shaw(ShawConfig::new(head_dim, 6).with_values(true)),
     ];
     let shapes = [
         AttentionConfig::new(d_model, heads).with_kv_heads(2),

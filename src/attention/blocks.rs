@@ -201,8 +201,8 @@ impl Chunk<'_> {
                 true => Path::FusedTrain,
                 false => Path::Ops,
             },
-            // The CUDA backward gives dense terms and relative rows read through a shift their
-            // gradients (any value term takes candle's ops below).
+            // The CUDA backward gives dense terms, relative rows and a value table read through
+            // a shift their gradients (a value term's index map takes candle's ops below).
             #[cfg(feature = "cuda")]
             (Path::CudaTrain, true)
                 if first.as_ref().is_some_and(|(bias, _)| match bias {
@@ -215,17 +215,12 @@ impl Chunk<'_> {
             (path, false) => path,
             (_, true) => Path::Ops,
         };
-        // The CUDA kernel reads a value term only through a shift (an index map, for explicit
-        // ids, takes candle's ops); its backward reads no value term and draws no dropout.
+        // The CUDA kernels read a value term only through a shift (an index map, for explicit
+        // ids, takes candle's ops); their backward draws no dropout.
         #[cfg(feature = "cuda")]
         let path = match path {
-            Path::CudaTrain
-                if (self.train && self.dropout > 0.0)
-                    || first.as_ref().is_some_and(|(_, v)| v.is_some()) =>
-            {
-                Path::Ops
-            }
-            Path::CudaFused
+            Path::CudaTrain if self.train && self.dropout > 0.0 => Path::Ops,
+            Path::CudaFused | Path::CudaTrain
                 if first.as_ref().is_some_and(|(_, v)| {
                     v.as_ref()
                         .is_some_and(|v| !matches!(v.columns(), Columns::Shift(_)))

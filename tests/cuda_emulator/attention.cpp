@@ -5,11 +5,14 @@
 //   m_i = max(sink, max_j s_ij),  l_i = e^(sink − m_i) + Σ_j e^(s_ij − m_i)
 //   out_i = Σ_j P_ij (v_j + a[c(i, j)]),  P_ij = e^(s_ij − m_i) / l_i,  stats_i = (m_i, 1 / l_i)
 //
-// and, without a value term, its backward for a loss L = Σ dO · out:
+// and its backward for a loss L = Σ dO · out:
 //
-//   dP_ij = dO_i · v_j,  δ_i = Σ_j P_ij dP_ij,  dS_ij = P_ij (dP_ij − δ_i) (1 − tanh²(s / cap))
+//   dP_ij = dO_i · (v_j + a[c(i, j)]),  δ_i = Σ_j P_ij dP_ij,
+//   dS_ij = P_ij (dP_ij − δ_i) (1 − tanh²(s / cap))
 //   dq_i = Σ_j dS_ij k_j,  dk_j = Σ_i dS_ij q_i,  dv_j = Σ_i P_ij dO_i,  dsink = −Σ_i P_i,sink δ_i
 //   d term[c(i, j)] = Σ P_ij (dP_ij − δ_i) over the (b, h, i, j) that read the entry
+//   W[b, h, i, c] = Σ_j P_ij over the keys whose clamped column is c (a value term's
+//   gathered weights, from which the host takes the table's gradient Σ W_ic dO_i)
 //
 // (a row masked whole has constant weights: dS = 0). posenc_flash_forward (and, for split
 // keys, posenc_flash_combine) gives the output and statistics; posenc_flash_delta and
@@ -49,7 +52,8 @@ struct Case {
   i64 rel_shift = 4;
   int value_width = 0;   // > 0: a value term (POSENC_VALUES builds only)
   i64 value_shift = 0;
-  int key_split = 0;     // > 0: keys per block, then the combining kernel
+  int key_split = 0;     // > 0: keys per block, then the combining kernel (a value term's
+                         // table then takes no gradient, as in training, which never splits)
   bool token_major = false;  // q stored (B, Tq, H, D)
   int first_row = 0, extra_rows = 0;
 };
@@ -231,6 +235,13 @@ Result run(const Case& c, Rng& rng) {
     p.partial = (u64)partial.data();
     p.key_split = c.key_split;
   }
+  // A value term's gathered weights, for its table's gradient (the forward writes the end
+  // columns, the backward the others).
+  std::vector<float> value_weights;
+  if (c.value_width > 0 && c.key_split == 0) {
+    value_weights.assign((size_t)b * h * tq * c.value_width, 0.0f);
+    p.value_weights = (u64)value_weights.data();
+  }
   const unsigned tiles = c.key_split > 0 ? splits : (tq + BM - 1) / BM;
   emu::launch({tiles, (unsigned)h, (unsigned)b}, THREADS, [&] { posenc_flash_forward(p); });
   if (c.key_split > 0) {
@@ -313,14 +324,16 @@ Result run(const Case& c, Rng& rng) {
         for (int d = 0; d < D; ++d) {
           double acc = 0.0, mag = 0.0;
           for (int j = 0; j < tk; ++j) {
-            double x = vat(bi, hk, j, d);
+            const double x = vat(bi, hk, j, d);
+            double a = 0.0;
             if (c.value_width > 0) {
               i64 col = j - i + c.value_shift;
               col = col < 0 ? 0 : (col >= c.value_width ? c.value_width - 1 : col);
-              x += table[col * D + d];
+              a = table[col * D + d];
             }
-            acc += w[j] * x;
-            mag += w[j] * std::fabs(x);
+            acc += w[j] * (x + a);
+            // P v and P a are summed apart (P rounded for the first): each its own rounding.
+            mag += w[j] * (std::fabs(x) + std::fabs(a));
           }
           const double want = acc / l;
           const double got = elem_to_float(out[(row * h + hi) * D + d]);
@@ -341,7 +354,6 @@ Result run(const Case& c, Rng& rng) {
       for (int hi = 0; hi < h; ++hi)
         if (stats[2 * ((size_t)(bi * h + hi) * out_rows + r)] != -12345.0f) res.stray = true;
     }
-#if POSENC_BACKWARD
   res.backward = true;
   const int group = h / hkv;
   std::vector<elem_t> d_out = draw((size_t)b * tq * h * D, 1.0);  // (B, Tq, H, D)
@@ -358,6 +370,21 @@ Result run(const Case& c, Rng& rng) {
     for (int a = 0; a < 4; ++a) p.terms[t].grad_strides[a] = p.terms[t].strides[a];
     p.term_grads = 1;
   }
+  auto dout_at = [&](int bi, int i, int hi, int d) {
+    return (double)elem_to_float(d_out[(((size_t)bi * tq + i) * h + hi) * D + d]);
+  };
+  // A value term's dO_i · a[c] (f32, as the host's product gives it).
+  const int vw = c.value_width;
+  std::vector<float> value_dp((size_t)b * h * tq * std::max(vw, 1));
+  for (int bi = 0; bi < b && vw > 0; ++bi)
+    for (int hi = 0; hi < h; ++hi)
+      for (int i = 0; i < tq; ++i)
+        for (int col = 0; col < vw; ++col) {
+          double x = 0.0;
+          for (int d = 0; d < D; ++d) x += dout_at(bi, i, hi, d) * table[col * D + d];
+          value_dp[(((size_t)bi * h + hi) * tq + i) * vw + col] = (float)x;
+        }
+  p.value_dp = vw > 0 ? (u64)value_dp.data() : 0;
   p.d_out = (u64)d_out.data();
   p.delta = (u64)delta.data();
   p.dq = (u64)dq.data();
@@ -369,9 +396,6 @@ Result run(const Case& c, Rng& rng) {
   emu::launch({(unsigned)((tk + BN - 1) / BN), (unsigned)hkv, (unsigned)b}, THREADS,
               [&] { posenc_flash_backward(p); });
 
-  auto dout_at = [&](int bi, int i, int hi, int d) {
-    return (double)elem_to_float(d_out[(((size_t)bi * tq + i) * h + hi) * D + d]);
-  };
   std::vector<double> rq(dq.size(), 0.0), rk(dk.size(), 0.0), rv(dv.size(), 0.0);
   std::vector<double> mq(dq.size(), 0.0), mk(dk.size(), 0.0), mv(dv.size(), 0.0);
   std::vector<double> rs(h, 0.0), ms(h, 0.0);
@@ -380,7 +404,8 @@ Result run(const Case& c, Rng& rng) {
     rt[t].assign(term_grads[t].size(), 0.0);
     mt[t].assign(term_grads[t].size(), 0.0);
   }
-  std::vector<double> dpv(tk);
+  std::vector<double> dpv(tk), dpv_mag(tk);
+  std::vector<double> rw(value_weights.size(), 0.0);
   for (int bi = 0; bi < b; ++bi)
     for (int hi = 0; hi < h; ++hi)
       for (int i = 0; i < tq; ++i) {
@@ -389,10 +414,21 @@ Result run(const Case& c, Rng& rng) {
         const double* pr = &weights[r0 * tk];
         double dl = 0.0, dl_mag = 0.0;
         for (int j = 0; j < tk; ++j) {
-          double x = 0.0;
-          for (int d = 0; d < D; ++d) x += dout_at(bi, i, hi, d) * vat(bi, hk, j, d);
+          double x = 0.0, mag = 0.0;
+          i64 col = 0;
+          if (vw > 0) {
+            col = j - i + c.value_shift;
+            col = col < 0 ? 0 : (col >= vw ? vw - 1 : col);
+          }
+          for (int d = 0; d < D; ++d) {
+            const double a = vw > 0 ? table[col * D + d] : 0.0;
+            x += dout_at(bi, i, hi, d) * (vat(bi, hk, j, d) + a);
+            mag += std::fabs(dout_at(bi, i, hi, d)) * (std::fabs(vat(bi, hk, j, d)) + std::fabs(a));
+          }
           dpv[j] = x;
+          dpv_mag[j] = mag;
           dl += pr[j] * x;
+          if (!rw.empty()) rw[r0 * vw + col] += pr[j];
         }
         // δ is dO · O with O rounded to the output type.
         const i64 row = (i64)bi * out_rows + c.first_row + i;
@@ -403,7 +439,7 @@ Result run(const Case& c, Rng& rng) {
         for (int j = 0; j < tk; ++j) {
           const size_t at = r0 * tk + j;
           double ds = masked[r0] ? 0.0 : pr[j] * (dpv[j] - dl);
-          double ds_mag = masked[r0] ? 0.0 : pr[j] * (std::fabs(dpv[j]) + dl_mag + std::fabs(dl));
+          double ds_mag = masked[r0] ? 0.0 : pr[j] * (dpv_mag[j] + dl_mag + std::fabs(dl));
           for (int t = 0; t < p.n_terms; ++t) {
             if (term_grads[t].empty() || !seens[at]) continue;
             const Term& term = p.terms[t];
@@ -441,7 +477,9 @@ Result run(const Case& c, Rng& rng) {
   if (c.sinks)
     for (int hi = 0; hi < h; ++hi)
       check(dsinks[hi], rs[hi], 3 * eps * ms[hi] + 1e-5, &res.grad_err, &res.grad_ratio);
-#endif
+  // The gathered weights: sums of f32 weights, every column written (0 where no key reads it).
+  for (size_t n = 0; n < rw.size(); ++n)
+    check(value_weights[n], rw[n], 1e-5 * rw[n] + 1e-6, &res.grad_err, &res.grad_ratio);
   return res;
 }
 
@@ -514,6 +552,14 @@ std::vector<Case> cases() {
   add(c);
   c = Case{}; c.name = "value term, padding"; c.b = 2; c.tq = 70; c.tk = 70; c.padding = 1;
   c.value_width = 7; c.value_shift = 3;
+  add(c);
+  c = Case{}; c.name = "value term, causal window 30, GQA 2, soft cap, sinks"; c.b = 2;
+  c.h = 4; c.hkv = 2; c.tq = 130; c.tk = 130; c.causal = true; c.window = 30; c.softcap = 4.0f;
+  c.sinks = true; c.value_width = 17; c.value_shift = 8;
+  add(c);
+  c = Case{}; c.name = "value term, 70 queries after 40 cached, Shaw's keys"; c.tq = 70;
+  c.tk = 110; c.first = 40; c.causal = true; c.value_width = 11; c.value_shift = 5 + 40;
+  c.relative = 2; c.rel_width = 11; c.rel_shift = 5 + 40;
   add(c);
 #endif
   return all;

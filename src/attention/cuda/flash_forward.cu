@@ -115,6 +115,11 @@ struct Params {
   u64 dq;            // float*: (B, H, Tq, D), zeroed, accumulated atomically
   u64 dk, dv;        // float*: (B, Hkv, Tk, D), written whole
   u64 dsinks;        // float*: (H), zeroed, accumulated atomically; 0: none
+  u64 value_dp;      // const float*: (B, H, Tq, W), dO_i · a[c], with a value term
+  // float*: (B, H, Tq, W), zeroed, the weights each column of a value term gathers
+  // (Σ P_ij over the keys j that read it), for the table's gradient; 0: none. The training
+  // forward writes the two end columns, the backward the interior ones (one key each).
+  u64 value_weights;
   int term_grads;    // 1: some term takes a gradient (its `grad`)
 };
 
@@ -505,6 +510,8 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
       w_lo += __shfl_xor_sync(0xffffffffu, w_lo, 2);
       w_hi += __shfl_xor_sync(0xffffffffu, w_hi, 1);
       w_hi += __shfl_xor_sync(0xffffffffu, w_hi, 2);
+      edge_lo[r] = w_lo;
+      edge_hi[r] = w_hi;
       const float* a0 = table + 2 * t4;
       const float* a1 = table + (vw - 1) * HEAD_DIM + 2 * t4;
 #pragma unroll
@@ -537,6 +544,15 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     for (int n = 0; n < HEAD_DIM / 8; ++n) {
       *reinterpret_cast<unsigned*>(dst + n * 8) = pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
     }
+#if POSENC_VALUES
+    if (table && p.value_weights && t4 == 0) {
+      // The end columns' weights, for the backward (one column: both ends are it).
+      float* wts = reinterpret_cast<float*>(p.value_weights) +
+                   (((i64)b * p.heads + h) * p.tq + i) * vw;
+      wts[0] = (vw == 1 ? edge_lo[r] + edge_hi[r] : edge_lo[r]) * inv;
+      if (vw > 1) wts[vw - 1] = edge_hi[r] * inv;
+    }
+#endif
     if (stats && t4 == 0) {
       // The maximum the exponents subtracted (0 for a row of −∞ only).
       float* st = stats + 2 * (((i64)b * p.heads + h) * p.out_rows + p.first_row + i);
@@ -578,25 +594,27 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// The backward (FlashAttention-2's, Dao 2023), for blocks without a value term: gradients to
-// q, k and v, and to the sinks; every term, mask, window and soft cap as the forward reads them.
+// The backward (FlashAttention-2's, Dao 2023): gradients to q, k and v, to the sinks, to each
+// term that learns and to a value term's table; every term, mask, window and soft cap as the
+// forward reads them.
 //
 //   δ_i = dO_i · O_i                                              (posenc_flash_delta)
 //   for each (b, KV head, tile of BN = 64 keys J) (one thread block; warp w owns 16 keys):
 //       for each head h of the group, each tile of BQ = 64 (32 above d64) queries I that can
 //       see J:
 //           Sᵀ = k_J q_Iᵀ, then the logits as the forward's; Pᵀ = e^(S − m_i) / l_i (saved stats)
-//           dPᵀ = v_J dO_Iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − δ_I) (0 for a row masked whole), times the soft
-//           cap's derivative 1 − tanh²(s / cap)
+//           dPᵀ = v_J dO_Iᵀ, plus dO_i · a[c(i, j)] with a value term (read from value_dp,
+//           one product on the host);  dSᵀ = Pᵀ ∘ (dPᵀ − δ_I) (0 for a row masked whole),
+//           times the soft cap's derivative 1 − tanh²(s / cap)
 //           dV_J += Pᵀ dO_I;  dK_J += dSᵀ q_I;  dQ_I += dS k_J (atomically, f32)
 //           d term[b, h, i, c(i, j)] += dS_ij before the soft cap's derivative (atomically,
 //           f32, summed over the axes the term broadcasts), for each term that takes one
+//           value_weights[b, h, i, c(i, j)] = P_ij for a value term's interior columns (one key
+//           each: a plain store); the forward wrote the end columns. The table's gradient,
+//           da_c = Σ_{b, h, i} value_weights[b, h, i, c] dO_i, is one product on the host.
 //
 // The products of Pᵀ and dSᵀ read them rounded to the operand type, as the forward's P v does.
 // ---------------------------------------------------------------------------------------------
-#define POSENC_BACKWARD (!POSENC_VALUES)
-#if POSENC_BACKWARD
-
 // δ per (b, h, i), one thread each; with sinks, d sink_h = −Σ_{b, i} p_sink δ_i.
 extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_delta(const Params p) {
   const i64 r = (i64)blockIdx.x * THREADS + threadIdx.x;  // over (B, H, Tq)
@@ -759,8 +777,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
           float pe = 0.0f, ds = 0.0f;
           if (i < p.tq) {
             pe = exp2f((x - s_m[qc]) * LOG2E) * s_inv[qc];
+            float dp = dpt[n][e];
+#if POSENC_VALUES
+            if (p.value_dp) {
+              // A value term: dO_i · a[c] joins dP_ij; P_ij is its column's weight when the
+              // column is interior (read by this key alone).
+              const i64 vw = p.value_width, c = j - i + p.value_shift;
+              const i64 row = (((i64)b * p.heads + h) * p.tq + i) * vw;
+              dp += reinterpret_cast<const float*>(p.value_dp)[row + (c < 0 ? 0 : c < vw ? c : vw - 1)];
+              if (p.value_weights && c > 0 && c < vw - 1 && j < p.tk)
+                reinterpret_cast<float*>(p.value_weights)[row + c] = pe;
+            }
+#endif
             // A row masked whole has constant weights: no gradient to its logits.
-            if (s_m[qc] != NEG_MAX) ds = pe * (dpt[n][e] - s_delta[qc]);
+            if (s_m[qc] != NEG_MAX) ds = pe * (dp - s_delta[qc]);
           }
           // Every entry, 0 past the last query or key (where a row of −∞ or a non-finite dO
           // could make ds NaN): the terms' pass reads the whole tile.
@@ -859,4 +889,3 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
     }
   }
 }
-#endif  // POSENC_BACKWARD

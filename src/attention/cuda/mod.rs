@@ -205,6 +205,8 @@ struct Params {
     dk: u64,
     dv: u64,
     dsinks: u64,
+    value_dp: u64,
+    value_weights: u64,
     term_grads: i32,
 }
 
@@ -426,6 +428,7 @@ impl CudaCore<'_> {
             rule: self.rule.clone(),
             first_row,
             stats: None,
+            value_weights: None,
             backward: None,
         };
         Ok(op)
@@ -532,6 +535,10 @@ pub(crate) struct LaunchOp {
     first_row: usize,
     /// `(B, H, out_rows, 2)` f32: each row's maximum and inverse sum, for the backward.
     pub(crate) stats: Option<Tensor>,
+    /// `(B, H, Tq, W)` f32, zeroed: the weights each column of the value term gathers, for
+    /// its table's gradient (the forward writes the end columns, the backward the others);
+    /// training only, with one split.
+    pub(crate) value_weights: Option<Tensor>,
     /// Set: the op launches the backward (on dQ) instead of the forward.
     pub(crate) backward: Option<BackwardBuffers>,
 }
@@ -552,6 +559,9 @@ pub(crate) struct BackwardBuffers {
     /// One per term of the launch, in its order (dense, then relative): f32, zeroed, the
     /// term's own dims left-padded to four axes, when the term takes a gradient.
     pub term_grads: Vec<Option<Tensor>>,
+    /// `(B, H, Tq, W)` f32, contiguous: `dO_i · a[c]` for each column of the value term, when
+    /// there is one.
+    pub value_dp: Option<Tensor>,
 }
 
 /// The PTX of each specialisation, compiled once per process.
@@ -670,6 +680,12 @@ impl InplaceOp1 for LaunchOp {
         let partial_guard = self.partial.as_ref().map(|s| s.storage_and_layout());
         let values_guard = self.values.as_ref().map(|(t, _)| t.storage_and_layout());
         let stats_guard = self.stats.as_ref().map(|s| s.storage_and_layout());
+        let weights_guard = self.value_weights.as_ref().map(|s| s.storage_and_layout());
+        let value_dp_guard = self
+            .backward
+            .as_ref()
+            .and_then(|bw| bw.value_dp.as_ref())
+            .map(|s| s.storage_and_layout());
         // The backward's: the forward's output and its gradient; δ, dK, dV and the sinks'.
         let half_guards = self
             .backward
@@ -776,12 +792,47 @@ impl InplaceOp1 for LaunchOp {
             let (s, l) = (cuda_of!(guard.0), guard.1);
             p.stats = address!(s, l, f32, &stream, guards);
         }
-        if self.backward.is_some() {
-            if has_values || self.stats.is_none() {
+        // A value term's gathered weights: one row of W columns per query, whole.
+        let rows_of_columns = |t: &Tensor, what: &str| -> candle_core::Result<()> {
+            let width = self.values.as_ref().map_or(0, |(table, _)| table.dims()[0]);
+            if !t.is_contiguous() || t.dims() != [b, h, tq, width] || t.dtype() != DType::F32 {
                 candle_core::bail!(
-                    "the CUDA attention backward takes no value term, and needs the forward's \
-                     statistics"
+                    "the CUDA attention kernel: {what} must be contiguous f32 ({b}, {h}, {tq}, \
+                     {width}), not {:?} {:?}",
+                    t.dtype(),
+                    t.dims()
                 );
+            }
+            Ok(())
+        };
+        if let (Some(guard), Some(weights)) = (&weights_guard, &self.value_weights) {
+            if !has_values || self.splits != 1 {
+                candle_core::bail!(
+                    "the CUDA attention kernel gathers a value term's weights only with a value \
+                     term and unsplit keys"
+                );
+            }
+            rows_of_columns(weights, "a value term's gathered weights")?;
+            let (s, l) = (cuda_of!(guard.0), guard.1);
+            p.value_weights = address!(s, l, f32, &stream, guards);
+        }
+        if self.backward.is_some() {
+            if self.stats.is_none() {
+                candle_core::bail!("the CUDA attention backward needs the forward's statistics");
+            }
+            match (
+                &value_dp_guard,
+                self.backward.as_ref().and_then(|bw| bw.value_dp.as_ref()),
+            ) {
+                (Some(guard), Some(value_dp)) if has_values => {
+                    rows_of_columns(value_dp, "dO · a for a value term")?;
+                    let (s, l) = (cuda_of!(guard.0), guard.1);
+                    p.value_dp = address!(s, l, f32, &stream, guards);
+                }
+                (None, None) if !has_values => {}
+                _ => candle_core::bail!(
+                    "the CUDA attention backward takes dO · a exactly when it has a value term"
+                ),
             }
             let (Some((out_guard, do_guard)), Some(f32_guards)) = (&half_guards, &f32_guards)
             else {
@@ -842,7 +893,11 @@ impl InplaceOp1 for LaunchOp {
             p.first_row = 0;
             let (base, dq_guard) = out.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream);
             p.dq = base + (out_layout.start_offset() * 4) as u64;
-            let label = format!("{BACKWARD_ENTRY} d{d} {}", dtype.as_str());
+            let label = format!(
+                "{BACKWARD_ENTRY} d{d} {}{}",
+                dtype.as_str(),
+                if has_values { " values" } else { "" }
+            );
             let load = |entry: &str| {
                 dev.get_or_load_custom_func(entry, &module, &ptx)
                     .map_err(|e| {
@@ -871,7 +926,8 @@ impl InplaceOp1 for LaunchOp {
                 // SAFETY: every address in `p` points into a live storage of the checked shape
                 // and dtype (read-locked above, dQ borrowed mutably); the kernels read and
                 // write only within the shapes in `p` (δ, dK, dV and the sinks' gradient are
-                // fresh tensors of those shapes, written only by these launches).
+                // fresh tensors of those shapes, written only by these launches; a value
+                // term's dO · a and gathered weights were checked as (B, H, Tq, W) above).
                 unsafe { launch.launch(cfg) }.map_err(|e| {
                     wrap(Error::Kernel {
                         kernel: label.clone(),
@@ -902,8 +958,9 @@ impl InplaceOp1 for LaunchOp {
         let mut launch = func.builder();
         launch.arg(&p);
         // SAFETY: every address in `p` points into a live storage of the checked shape and
-        // dtype (read-locked above, the output borrowed mutably), and the kernel reads and
-        // writes only within the shapes in `p`.
+        // dtype (read-locked above, the output borrowed mutably; a value term's gathered
+        // weights checked as (B, H, Tq, W) above), and the kernel reads and writes only within
+        // the shapes in `p`.
         unsafe { launch.launch(cfg) }.map_err(|e| {
             wrap(Error::Kernel {
                 kernel: label(d, dtype, has_values),

@@ -6,10 +6,15 @@
 //! out = attention(q, k, v)            forward kernel, stats = (m_i, 1 / l_i) per row
 //! dq, dk, dv, d sink = backward(dO)   one δ launch and one backward launch, f32, cast back
 //! d term = Σ dS over its entries       in the same backward launch, for each term that learns
+//! d a = Σ_{b, h, i} W_i· ⊗ dO_i          a value term's table (Shaw's aⱽ): one product of the
+//!                                      weights W its columns gather (the launches write them)
 //! ```
 //!
-//! The output is grafted onto q, k, v (and the sinks and each term, dense or relative rows,
-//! when they take a gradient) one link each;
+//! A value term also adds `dO_i · a[c(i, j)]` to each `dP_ij`: one product on the host,
+//! `(B·H·Tq, D) × (D, W)`, read by the backward launch.
+//!
+//! The output is grafted onto q, k, v (and the sinks, each term, dense or relative rows, and
+//! the value table, when they take a gradient) one link each;
 //! the outermost link, the first the backward pass reaches, runs the kernels and the others
 //! take their share. Like the forward, **off by default and not yet run on a GPU** (the kernels
 //! are checked on the CPU emulator, `tests/cuda_emulator`).
@@ -33,7 +38,9 @@ struct Shared {
     sinks: bool,
     /// Per term of the launch (dense, then relative), when it takes a gradient.
     terms: Vec<Option<LearnedTerm>>,
-    /// dq, dk, dv, the sinks' gradient, then one per term.
+    /// The value table's dtype, when it takes a gradient (the launch gathers its weights).
+    table_dtype: Option<DType>,
+    /// dq, dk, dv, the sinks' gradient, one per term, then the value table's.
     cache: Mutex<Option<Vec<Option<Tensor>>>>,
 }
 
@@ -50,11 +57,26 @@ impl Shared {
         let dev = d_out.device();
         let zeros = |dims: &[usize]| Tensor::zeros(dims, DType::F32, dev);
         let dq = zeros(&[b, h, tq, d])?;
+        // Rows read 16 bytes at a time, as the forward's operands are.
+        let d_out = super::rows_aligned(&d_out.to_dtype(op.q.dtype())?)
+            .map_err(candle_core::Error::wrap)?;
+        // A value term: dO as rows (B·H·Tq, D) in f32, the values the kernels read, and
+        // dO_i · a[c] for every column.
+        let value_rows = match &op.values {
+            Some((table, _)) => {
+                let rows = d_out
+                    .to_dtype(DType::F32)?
+                    .transpose(1, 2)?
+                    .contiguous()?
+                    .reshape((b * h * tq, d))?;
+                let dp = rows.matmul(&table.t()?)?;
+                Some((rows, dp.reshape((b, h, tq, table.dim(0)?))?))
+            }
+            None => None,
+        };
         let buffers = BackwardBuffers {
             out: self.out.clone(),
-            // Rows read 16 bytes at a time, as the forward's operands are.
-            d_out: super::rows_aligned(&d_out.to_dtype(op.q.dtype())?)
-                .map_err(candle_core::Error::wrap)?,
+            d_out,
             delta: zeros(&[b, h, tq])?,
             dk: zeros(&[b, hkv, tk, d])?,
             dv: zeros(&[b, hkv, tk, d])?,
@@ -64,6 +86,7 @@ impl Shared {
                 .iter()
                 .map(|t| t.as_ref().map(|(dims, _, _)| zeros(dims)).transpose())
                 .collect::<candle_core::Result<_>>()?,
+            value_dp: value_rows.as_ref().map(|(_, dp)| dp.clone()),
         };
         let mut backward = op.clone();
         backward.backward = Some(buffers.clone());
@@ -82,6 +105,14 @@ impl Shared {
                 }
                 _ => None,
             });
+        }
+        // The table's gradient: Σ over (b, h, i) of each column's gathered weight times dO_i.
+        if let (Some(dtype), Some(weights), Some((rows, _))) =
+            (self.table_dtype, &op.value_weights, &value_rows)
+        {
+            let width = weights.dim(3)?;
+            let da = weights.reshape((b * h * tq, width))?.t()?.matmul(rows)?;
+            grads.push(Some(da.to_dtype(dtype)?));
         }
         Ok(grads)
     }
@@ -117,15 +148,16 @@ impl GraftBackward for Link {
 }
 
 /// The attention output `(B, Tq, H, D)` in the block's dtype, in the graph of `core`'s q, k, v
-/// and, when they track gradients, its sinks and its terms (dense terms, a user's mask
-/// included, and relative rows). The caller checks [`super::takes`] (the backward has every
-/// head dimension the forward has), and that there is no value term and no dropout (those
-/// take candle's ops).
+/// and, when they track gradients, its sinks, its terms (dense terms, a user's mask included,
+/// and relative rows) and its value table. The caller checks [`super::takes`] (the backward
+/// has every head dimension the forward has), and that there is no dropout (which takes
+/// candle's ops).
 ///
 /// # Errors
 /// What [`CudaCore::write_into`] returns, for operands the kernels do not take or a launch that
 /// fails; [`crate::error::Error::Shape`] for a term that learns with more than four axes, and
-/// a budget error when a term's gradient would pass the element budget.
+/// a budget error when a term's gradient, or a value term's `(B, H, Tq, W)` rows, would pass
+/// the element budget.
 pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     let (b, h, tq, d) = core.q.dims4()?;
     // The kernels read the operands' values; the graph is attached below.
@@ -165,9 +197,31 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
             false => None,
         });
     }
+    // A value term: its backward reads dO · a, and gathers its weights when the table learns,
+    // one (B, H, Tq, W) f32 tensor each.
+    if let Some(table) = core.values.map(|v| v.table()) {
+        crate::limits::check_elements(
+            "relative value table in training on CUDA",
+            format!("{:?}", table.dims()),
+            "batch × heads × queries × its columns, the f32 rows its backward reads,",
+            &[b, h, tq, table.dim(0)?],
+        )?;
+    }
+    let table = core.values.map(|v| v.table()).filter(|t| t.track_op());
     let out = Tensor::zeros((b, tq, h, d), q.dtype(), q.device())?;
     let mut forward = values.launch_op(&out, 0)?;
     forward.stats = Some(Tensor::zeros((b, h, tq, 2), DType::F32, q.device())?);
+    if core.values.is_some() {
+        // The end columns' weights are written by the forward of whole rows: keys unsplit.
+        (forward.splits, forward.key_split, forward.partial) = (1, 0, None);
+    }
+    if let Some(table) = table {
+        forward.value_weights = Some(Tensor::zeros(
+            (b, h, tq, table.dim(0)?),
+            DType::F32,
+            q.device(),
+        )?);
+    }
     out.inplace_op1(&forward)?;
     let sinks = core.sinks.filter(|s| s.track_op());
     let shared = Arc::new(Shared {
@@ -181,9 +235,12 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
         ],
         sinks: sinks.is_some(),
         terms: learned,
+        table_dtype: table.map(Tensor::dtype),
         cache: Mutex::new(None),
     });
-    // Each link's tensor and its place among the gradients (q, k, v, the sinks, the terms).
+    // Each link's tensor and its place among the gradients (q, k, v, the sinks, the terms,
+    // the value table).
+    let n_terms = terms.len();
     let wanted: Vec<(usize, &Tensor)> = [core.q, core.k, core.v]
         .into_iter()
         .enumerate()
@@ -195,6 +252,7 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
                 .filter(|(_, t)| t.track_op())
                 .map(|(n, t)| (4 + n, *t)),
         )
+        .chain(table.map(|t| (4 + n_terms, t)))
         .collect();
     let last = wanted.len() - 1;
     let mut linked = out;
