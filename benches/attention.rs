@@ -16,8 +16,8 @@
 //! cargo bench --bench attention -- --only lengths --pytorch pytorch.jsonl --plot docs/img/lengths.png
 //!     # forwards from T = 1k to 32k, drawn beside `pytorch_baseline.py --lengths --json`'s
 //! cargo bench --features cuda --bench attention -- --only cuda
-//!     # on GPU 0: the fused CUDA kernel against candle's ops (bf16), beside
-//!     # `pytorch_baseline.py --device cuda`
+//!     # on GPU 0: the fused CUDA kernels against candle's ops (bf16), inference and
+//!     # training steps, beside `pytorch_baseline.py --device cuda`
 //! ```
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
@@ -243,19 +243,108 @@ fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
                 let p = common::paired(runs, run(false), run(true))?;
                 let flop =
                     4.0 * (b * heads * t * t * head_dim) as f64 / if causal { 2.0 } else { 1.0 };
-                let rate = flop / (p.b_ms * 1e-3) / 1e12;
-                println!(
-                    "{:<18} {t:>6} {causal:>8} {:>10.3} {:>10.3} {:>8.2}x {rate:>9.1}",
-                    case.name, p.a_ms, p.b_ms, p.ratio
-                );
-                json_line(json, &format!(
-                    "\"bench\":\"cuda_kernel\",\"encoding\":\"{}\",\"t\":{t},\"causal\":{causal},\"ops_ms\":{:.4},\"kernel_ms\":{:.4},\"pair_ratio\":{:.4},\"tflops\":{rate:.2}",
-                    case.name, p.a_ms, p.b_ms, p.ratio
-                ));
+                cuda_row("cuda_kernel", case.name, (t, causal), &p, flop, json);
             }
         }
     }
+    cuda_training(dev, quick, json)?;
     set_fused_kernel(false);
+    Ok(())
+}
+
+/// One training step on CUDA (the forward in training mode, then the backward of Σ probe · out
+/// to the input, every weight and the encoding's parameters), bf16, H16 D64, B4, T = 1024 and
+/// 4096: candle's ops against the fused kernels (forward and backward), paired, and the
+/// attention's rate with the kernels, counting the backward as 2.5 forwards (its five products
+/// against the forward's two): 3.5 · 4·B·H·T²·D FLOP, half of it causal.
+#[cfg(feature = "cuda")]
+fn cuda_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
+    use candle_core::DType;
+    use candle_posenc::attention::cuda::set_fused_kernel;
+    let (heads, head_dim, b) = (16, 64, 4);
+    let d_model = heads * head_dim;
+    let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
+    println!(
+        "\nCUDA training step, fused kernels against candle's ops, bf16, B{b} H{heads} D{head_dim}"
+    );
+    println!(
+        "{:<18} {:>6} {:>8} {:>10} {:>10} {:>9} {:>9}",
+        "encoding", "T", "causal", "ops ms", "kernel ms", "per pair", "TFLOP/s"
+    );
+    for &t in lengths {
+        let runs = if quick { 3 } else { 9 };
+        let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
+        let probe = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
+        for causal in [true, false] {
+            for name in ["none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"] {
+                let varmap = candle_nn::VarMap::new();
+                let tvb = VarBuilder::from_varmap(&varmap, DType::BF16, dev);
+                let trained = cases(d_model, heads, head_dim, t, dev, &tvb)?;
+                let case = trained
+                    .iter()
+                    .find(|c| c.name == name)
+                    .context("CUDA training case")?;
+                let mha = block(case, causal, d_model, heads, &tvb)?;
+                let xv = candle_core::Var::from_tensor(&x)?;
+                let opts = AttentionOptions {
+                    train: true,
+                    ..Default::default()
+                };
+                let step = |on: bool| {
+                    let (mha, xv, probe, opts) = (&mha, &xv, &probe, &opts);
+                    move || -> Result<()> {
+                        set_fused_kernel(on);
+                        train_step(mha, xv, probe, opts, dev)
+                    }
+                };
+                let p = common::paired(runs, step(false), step(true))?;
+                let flop = 3.5 * 4.0 * (b * heads * t * t * head_dim) as f64
+                    / if causal { 2.0 } else { 1.0 };
+                cuda_row("cuda_training", name, (t, causal), &p, flop, json);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One row of the CUDA tables: candle's ops (`a`) against the kernels (`b`), and the rate of
+/// `flop` in the kernels' median time.
+#[cfg(feature = "cuda")]
+fn cuda_row(
+    bench: &str,
+    name: &str,
+    (t, causal): (usize, bool),
+    p: &common::Paired,
+    flop: f64,
+    json: bool,
+) {
+    let rate = flop / (p.b_ms * 1e-3) / 1e12;
+    println!(
+        "{name:<18} {t:>6} {causal:>8} {:>10.3} {:>10.3} {:>8.2}x {rate:>9.1}",
+        p.a_ms, p.b_ms, p.ratio
+    );
+    json_line(json, &format!(
+        "\"bench\":\"{bench}\",\"encoding\":\"{name}\",\"t\":{t},\"causal\":{causal},\"ops_ms\":{:.4},\"kernel_ms\":{:.4},\"pair_ratio\":{:.4},\"tflops\":{rate:.2}",
+        p.a_ms, p.b_ms, p.ratio
+    ));
+}
+
+/// One training step: the forward with `opts`, then the backward of Σ probe · out (in f32) to
+/// every variable, the device synchronised before it returns.
+fn train_step(
+    mha: &MultiHeadAttention,
+    x: &candle_core::Var,
+    probe: &Tensor,
+    opts: &AttentionOptions,
+    dev: &Device,
+) -> Result<()> {
+    let out = mha.forward_with(x.as_tensor(), opts, None)?.output;
+    let loss = (out * probe)?
+        .to_dtype(candle_core::DType::F32)?
+        .sum_all()?;
+    let grads = loss.backward()?;
+    dev.synchronize()?;
+    drop(grads);
     Ok(())
 }
 
@@ -778,11 +867,7 @@ fn main() -> Result<()> {
                     return_weights,
                     ..Default::default()
                 };
-                let out = mha.forward_with(xv.as_tensor(), &opts, None)?.output;
-                let grads = (out * &probe)?.sum_all()?.backward()?;
-                dev.synchronize()?;
-                drop(grads);
-                Ok(())
+                train_step(&mha, &xv, &probe, &opts, &dev)
             };
             let p = common::paired(train_runs, || step(true), || step(false))?;
             println!(
