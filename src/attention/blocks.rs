@@ -237,16 +237,30 @@ impl Chunk<'_> {
         let fused = matches!(path, Path::Fused | Path::FusedTrain);
         #[cfg(feature = "cuda")]
         let fused = fused || matches!(path, Path::CudaFused | Path::CudaTrain);
-        if fused && spans.len() > 1 && first.as_ref().is_some_and(shared_answers) {
+        // The CUDA backward keeps two `(B, H, Tq, W)` f32 tensors for a value term (dO · a,
+        // and the weights its columns gather): rows per query, whatever the bias.
+        #[cfg(feature = "cuda")]
+        let value_rows = match (path, first.as_ref()) {
+            (Path::CudaTrain, Some((_, Some(v)))) => v.table().dim(0)?.saturating_mul(2),
+            _ => 0,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let value_rows = 0;
+        let width = match first.as_ref() {
+            Some(answers) => match per_query_width(answers) {
+                Some(w) => Some(w.saturating_add(value_rows)),
+                None => (value_rows > 0 && shared_answers(answers)).then_some(value_rows),
+            },
+            None => None,
+        };
+        if fused && spans.len() > 1 && value_rows == 0 && first.as_ref().is_some_and(shared_answers)
+        {
             spans = vec![(0, t, tk)];
             first = Some(self.answers(spans[0])?);
-        } else if let (true, Some(width)) = (
-            fused && spans.len() > 1,
-            first.as_ref().and_then(per_query_width),
-        ) {
-            // Answers of a fixed width per query (Shaw's rows): blocks as large as the budget
-            // holds of them, not of logits the fused cores never allocate (every block
-            // repacks every key).
+        } else if let (true, Some(width)) = (fused && spans.len() > 1, width) {
+            // Answers of a fixed width per query (Shaw's rows, a value term's rows in the CUDA
+            // backward): blocks as large as the budget holds of them, not of logits the fused
+            // cores never allocate (every block repacks every key).
             let row = b
                 .saturating_mul(h)
                 .saturating_mul(width)

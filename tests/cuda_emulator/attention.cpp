@@ -404,7 +404,7 @@ Result run(const Case& c, Rng& rng) {
     rt[t].assign(term_grads[t].size(), 0.0);
     mt[t].assign(term_grads[t].size(), 0.0);
   }
-  std::vector<double> dpv(tk), dpv_mag(tk);
+  std::vector<double> dpv(tk);
   std::vector<double> rw(value_weights.size(), 0.0);
   for (int bi = 0; bi < b; ++bi)
     for (int hi = 0; hi < h; ++hi)
@@ -414,7 +414,7 @@ Result run(const Case& c, Rng& rng) {
         const double* pr = &weights[r0 * tk];
         double dl = 0.0, dl_mag = 0.0;
         for (int j = 0; j < tk; ++j) {
-          double x = 0.0, mag = 0.0;
+          double x = 0.0;
           i64 col = 0;
           if (vw > 0) {
             col = j - i + c.value_shift;
@@ -423,10 +423,8 @@ Result run(const Case& c, Rng& rng) {
           for (int d = 0; d < D; ++d) {
             const double a = vw > 0 ? table[col * D + d] : 0.0;
             x += dout_at(bi, i, hi, d) * (vat(bi, hk, j, d) + a);
-            mag += std::fabs(dout_at(bi, i, hi, d)) * (std::fabs(vat(bi, hk, j, d)) + std::fabs(a));
           }
           dpv[j] = x;
-          dpv_mag[j] = mag;
           dl += pr[j] * x;
           if (!rw.empty()) rw[r0 * vw + col] += pr[j];
         }
@@ -439,7 +437,7 @@ Result run(const Case& c, Rng& rng) {
         for (int j = 0; j < tk; ++j) {
           const size_t at = r0 * tk + j;
           double ds = masked[r0] ? 0.0 : pr[j] * (dpv[j] - dl);
-          double ds_mag = masked[r0] ? 0.0 : pr[j] * (dpv_mag[j] + dl_mag + std::fabs(dl));
+          double ds_mag = masked[r0] ? 0.0 : pr[j] * (std::fabs(dpv[j]) + dl_mag + std::fabs(dl));
           for (int t = 0; t < p.n_terms; ++t) {
             if (term_grads[t].empty() || !seens[at]) continue;
             const Term& term = p.terms[t];

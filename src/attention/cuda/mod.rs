@@ -2,8 +2,8 @@
 //! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks, reading the plug's terms as
 //! data (dense terms through broadcast strides, relative rows through a shift), causal limits,
 //! windows, chunks, padding, soft caps, sinks and grouped KV heads. For training, its backward
-//! (`posenc_flash_backward`, through `training.rs`) gives q, k, v, the sinks and every term
-//! (dense or relative rows) their gradients.
+//! (`posenc_flash_backward`, through `training.rs`) gives q, k, v, the sinks, every term
+//! (dense or relative rows) and a value term's table their gradients.
 //!
 //! **Off by default, and not yet validated on a GPU.** The kernels are compiled (NVRTC, every
 //! specialisation, `.ci/cuda-kernels`) and run against f64 on a CPU emulator
@@ -198,7 +198,8 @@ struct Params {
     softcap: f32,
     key_split: i32,
     terms: [Term; MAX_TERMS],
-    // The backward kernel's (flash_forward.cu's posenc_flash_backward), not launched yet.
+    // The backward kernel's (flash_forward.cu's posenc_flash_delta and posenc_flash_backward);
+    // a training forward writes value_weights' end columns.
     d_out: u64,
     delta: u64,
     dq: u64,

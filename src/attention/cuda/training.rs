@@ -48,8 +48,8 @@ struct Shared {
 type LearnedTerm = ([usize; 4], Vec<usize>, DType);
 
 impl Shared {
-    /// dq, dk, dv, the sinks' gradient and each term's (those that take one) from the
-    /// output's gradient.
+    /// dq, dk, dv, the sinks' gradient, each term's (those that take one) and the value
+    /// table's (when it takes one) from the output's gradient.
     fn grads(&self, d_out: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
         let op = &self.forward;
         let (b, h, tq, d) = op.q.dims4()?;
@@ -69,7 +69,7 @@ impl Shared {
                     .transpose(1, 2)?
                     .contiguous()?
                     .reshape((b * h * tq, d))?;
-                let dp = rows.matmul(&table.t()?)?;
+                let dp = rows.matmul(&table.detach().t()?)?;
                 Some((rows, dp.reshape((b, h, tq, table.dim(0)?))?))
             }
             None => None,
@@ -211,11 +211,9 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     let out = Tensor::zeros((b, tq, h, d), q.dtype(), q.device())?;
     let mut forward = values.launch_op(&out, 0)?;
     forward.stats = Some(Tensor::zeros((b, h, tq, 2), DType::F32, q.device())?);
-    if core.values.is_some() {
+    if let Some(table) = table {
         // The end columns' weights are written by the forward of whole rows: keys unsplit.
         (forward.splits, forward.key_split, forward.partial) = (1, 0, None);
-    }
-    if let Some(table) = table {
         forward.value_weights = Some(Tensor::zeros(
             (b, h, tq, table.dim(0)?),
             DType::F32,
