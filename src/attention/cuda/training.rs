@@ -199,7 +199,8 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     }
     // A value term: its backward reads dO · a, and gathers its weights when the table learns,
     // one (B, H, Tq, W) f32 tensor each.
-    if let Some(table) = core.values.map(|v| v.table()) {
+    let table = core.values.map(|v| v.table());
+    if let Some(table) = table {
         crate::limits::check_elements(
             "relative value table in training on CUDA",
             format!("{:?}", table.dims()),
@@ -207,7 +208,7 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
             &[b, h, tq, table.dim(0)?],
         )?;
     }
-    let table = core.values.map(|v| v.table()).filter(|t| t.track_op());
+    let table = table.filter(|t| t.track_op());
     let out = Tensor::zeros((b, tq, h, d), q.dtype(), q.device())?;
     let mut forward = values.launch_op(&out, 0)?;
     forward.stats = Some(Tensor::zeros((b, h, tq, 2), DType::F32, q.device())?);
