@@ -3,9 +3,9 @@ first use, then assembles each with ptxas for sm_90 (H100/H200) and prints its r
 (registers, spills, shared memory). Needs no GPU: NVRTC and ptxas come from PyPI's CUDA 13
 wheels (see .ci/cuda-kernels, which installs them).
 
-The specialisations are read from `src/attention/cuda/mod.rs` itself (its `ARCH` and
-`HEAD_DIMS`, with bf16 and f16 each, with and without a value term; `forward_defines` passes
-the same -D options), plus the
+The specialisations are read from `src/attention/cuda/mod.rs` itself (its `ARCH`, `HEAD_DIMS`
+with bf16 and f16 each and `F32_HEAD_DIMS` with f32, with and without a value term;
+`forward_defines` passes the same -D options), plus the
 rotation in place of `src/rotary/cuda.rs` per dtype, so the script compiles what the crate
 compiles at run time.
 """
@@ -25,14 +25,19 @@ def specialisations():
     """(kernel file, [options], label) per specialisation, from mod.rs's ARCH and HEAD_DIMS."""
     src = (KERNELS / "mod.rs").read_text()
     arch = re.search(r'const ARCH: &str = "([^"]+)";', src).group(1)
-    dims = [int(d) for d in re.search(r"const HEAD_DIMS: \[usize; \d+\] = \[([^\]]+)\];", src).group(1).split(",")]
+    def consts(name):
+        found = re.search(rf"const {name}: \[usize; \d+\] = \[([^\]]+)\];", src)
+        return [int(d) for d in found.group(1).split(",")]
     out = []
-    for d in dims:
-        for bf16 in (1, 0):
+    # (dims, -DPOSENC_BF16, -DPOSENC_F32, label): bf16 and f16 at HEAD_DIMS, f32 (the forward
+    # kernels only) at F32_HEAD_DIMS.
+    for dims, bf16, f32, name in ((consts("HEAD_DIMS"), 1, 0, "bf16"), (consts("HEAD_DIMS"), 0, 0, "f16"),
+                                  (consts("F32_HEAD_DIMS"), 0, 1, "f32")):
+        for d in dims:
             for values in (0, 1):
                 opts = [f"--gpu-architecture={arch}", f"-DPOSENC_HEAD_DIM={d}",
-                        f"-DPOSENC_BF16={bf16}", f"-DPOSENC_VALUES={values}"]
-                label = f"d{d} {'bf16' if bf16 else 'f16'}{' values' if values else ''}"
+                        f"-DPOSENC_BF16={bf16}", f"-DPOSENC_F32={f32}", f"-DPOSENC_VALUES={values}"]
+                label = f"d{d} {name}{' values' if values else ''}"
                 out.append((KERNELS / "flash_forward.cu", opts, label))
     # The rotation in place (src/rotary/cuda.rs): one specialisation per dtype.
     for code, name in enumerate(("f32", "bf16", "f16", "f64")):

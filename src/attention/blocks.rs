@@ -40,7 +40,8 @@ pub(crate) enum Path {
     FusedTrain,
     /// Candle ops throughout (training, other dtypes and devices): differentiable.
     Ops,
-    /// The fused CUDA kernel: bf16/f16 inference on a CUDA device without returned weights,
+    /// The fused CUDA kernel: bf16/f16 inference (f32 at the head dimensions of
+    /// [`super::cuda::F32_HEAD_DIMS`]) on a CUDA device without returned weights,
     /// when switched on ([`super::cuda::set_fused_kernel`]).
     #[cfg(feature = "cuda")]
     CudaFused,
@@ -85,7 +86,7 @@ impl Path {
         if !(differentiable || tracked || weights)
             && q.device().is_cuda()
             && super::cuda::fused_kernel()
-            && super::cuda::takes(q, k, v)
+            && super::cuda::takes(q, k, v, false)
         {
             return Path::CudaFused;
         }
@@ -94,7 +95,7 @@ impl Path {
             && !weights
             && q.device().is_cuda()
             && super::cuda::fused_kernel()
-            && super::cuda::takes(q, k, v)
+            && super::cuda::takes(q, k, v, true)
         {
             return Path::CudaTrain;
         }

@@ -129,6 +129,7 @@ struct Warp {
   unsigned a[32][4];
   unsigned b[32][2];
   float f[32];
+  unsigned long long u[32];
 };
 
 struct Block {
@@ -262,6 +263,15 @@ inline float __shfl_sync(unsigned, float v, int src) {
   w.f[emu::lane()] = v;
   w.bar.arrive_and_wait();
   const float r = w.f[src & 31];
+  w.bar.arrive_and_wait();
+  return r;
+}
+
+inline unsigned long long __shfl_sync(unsigned, unsigned long long v, int src) {
+  emu::Warp& w = emu::warp();
+  w.u[emu::lane()] = v;
+  w.bar.arrive_and_wait();
+  const unsigned long long r = w.u[src & 31];
   w.bar.arrive_and_wait();
   return r;
 }

@@ -1,9 +1,10 @@
 // The fused attention forward on CUDA (FlashAttention-2's schedule, Dao 2023), bf16 or f16
-// operands on tensor cores, f32 accumulation; inference.
+// operands on tensor cores, f32 accumulation; inference. f32 operands (POSENC_F32) are computed
+// in f32 on the same tensor cores: each product as three TF32 products (below).
 //
 //   for each (b, h) and each tile of BM = 64 queries i (one thread block, 4 warps × 16 rows):
 //       m_i = sink_h or −∞,  l_i = 1 or 0,  acc_i = 0
-//       for each tile of BN = 64 keys J the rows can see:
+//       for each tile of BN = 64 keys J the rows can see (32 with f32 operands):
 //           S = q[b, h, i] · k[b, h / r, J]ᵀ                    (mma.m16n8k16, f32)
 //           S ← cap · tanh(S / cap) + Σ terms, hidden keys → −FLT_MAX
 //           m_i' = max(m_i, max_j S_ij);  α_i = e^(m_i − m_i')
@@ -27,10 +28,11 @@
 // key a user's mask sets to −∞ (a row −∞ everywhere comes out NaN, as on the other paths).
 //
 // Specialised by the host through -D options: POSENC_HEAD_DIM (a multiple of 16, at most 128),
-// POSENC_BF16 (1: bf16, 0: f16) and POSENC_VALUES (1: a value term is read; the others leave
-// its code out, and its registers). No header is included: everything is inline PTX (sm_80+),
-// except under POSENC_EMULATE (tests/cuda_emulator), which names a header of CPU versions of
-// the PTX helpers.
+// POSENC_BF16 (1: bf16, 0: f16), POSENC_F32 (1: f32 operands, the forward kernels only, at the
+// head dimensions of F32_HEAD_DIMS in cuda/mod.rs) and POSENC_VALUES (1: a value term is read;
+// the others leave its code out, and its registers). No header is included: everything is
+// inline PTX (sm_80+), except under POSENC_EMULATE (tests/cuda_emulator), which names a header
+// of CPU versions of the PTX helpers.
 
 #ifndef POSENC_HEAD_DIM
 #error "POSENC_HEAD_DIM must be defined"
@@ -41,12 +43,22 @@
 #ifndef POSENC_VALUES
 #define POSENC_VALUES 0  // 1: the program reads a value term (Shaw's a^V)
 #endif
+#ifndef POSENC_F32
+#define POSENC_F32 0     // 1: f32 operands (the forward kernels only)
+#endif
 
 #define HEAD_DIM POSENC_HEAD_DIM
 #define BM 64
+// Keys per tile: 32 with f32 operands, whose fragments take twice the registers (the host's
+// key splits are multiples of 64, so of either).
+#if POSENC_F32
+#define BN 32
+#else
 #define BN 64
+#endif
 #define THREADS 128
-// Shared rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in different banks.
+// Shared rows padded by 8 elements (16 bytes of bf16: the 8 rows one ldmatrix reads fall in
+// different banks).
 #define STRIDE (HEAD_DIM + 8)
 #define MAX_TERMS 4
 #define NEG_MAX (-3.402823466e38f)
@@ -62,9 +74,21 @@
 #define CVT_1 "cvt.rn.f16.f32"
 #endif
 
+#if POSENC_F32
+typedef float elem_t;
+// Two f32 operands where a 16-bit fragment register holds two halves: the same positions of
+// the same fragments (see mma below).
+struct alignas(8) frag_t {
+  float lo, hi;
+};
+#else
 typedef unsigned short elem_t;  // a bf16 or f16, as bits: only the tensor cores read them
+typedef unsigned frag_t;        // two of them, the lower index in the low half
+#endif
 typedef unsigned long long u64;
 typedef long long i64;
+// Elements per 16-byte chunk of a row.
+#define CHUNK_ELEMS (16 / (int)sizeof(elem_t))
 
 struct alignas(16) Chunk {
   unsigned int a, b, c, d;
@@ -133,14 +157,15 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return r;
 }
 
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const elem_t* p) {
+#if !POSENC_F32
+__device__ __forceinline__ void ldsm_x4(frag_t (&r)[4], const elem_t* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p))
                : "memory");
 }
 
-__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const elem_t* p) {
+__device__ __forceinline__ void ldsm_x4_trans(frag_t (&r)[4], const elem_t* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p))
@@ -148,8 +173,8 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const elem_t* p)
 }
 
 // d += a · b for a 16 × 16 A (row-major fragment), a 16 × 8 B (column-major fragment).
-__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                    unsigned b1) {
+__device__ __forceinline__ void mma(float (&d)[4], const frag_t (&a)[4], frag_t b0,
+                                    frag_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE
                ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -175,25 +200,108 @@ __device__ __forceinline__ float from_elem(elem_t x) {
 }
 
 // Two floats rounded to the operand type, `lo` in the low half.
-__device__ __forceinline__ unsigned pack(float lo, float hi) {
+__device__ __forceinline__ frag_t pack(float lo, float hi) {
   unsigned r;
   asm(CVT_X2 " %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+#else
+// x rounded to TF32 (10 bits of mantissa, to nearest, ties away from zero), as f32 bits.
+__device__ __forceinline__ unsigned tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a · b for a 16 × 8 A and an 8 × 8 B of TF32 (PTX's m16n8k8 fragments: a0..a3 =
+// (g, t), (g+8, t), (g, t+4), (g+8, t+4); b0, b1 = (t, g), (t+4, g)).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                         const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+#endif
+#endif
+
+#if POSENC_F32
+// ldmatrix's fragments from f32 rows: each lane still names one row of one of the four 8 × 8
+// matrices (lane 8m + r: row r of matrix m), and receives the two elements ldmatrix would give
+// it, (l / 4, 2(l % 4)..+1) of each matrix, or with .trans (2(l % 4)..+1, l / 4). The row
+// addresses go to the lanes that read them by shuffles.
+__device__ __forceinline__ const elem_t* row_of(const elem_t* p, int lane) {
+  return reinterpret_cast<const elem_t*>(__shfl_sync(0xffffffffu, (u64)p, lane));
+}
+
+__device__ __forceinline__ void ldsm_x4(frag_t (&r)[4], const elem_t* p) {
+  const int l = threadIdx.x % 32;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const elem_t* row = row_of(p, 8 * m + l / 4);
+    r[m] = *reinterpret_cast<const frag_t*>(row + 2 * (l % 4));
+  }
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(frag_t (&r)[4], const elem_t* p) {
+  const int l = threadIdx.x % 32;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const elem_t* r0 = row_of(p, 8 * m + 2 * (l % 4));
+    const elem_t* r1 = row_of(p, 8 * m + 2 * (l % 4) + 1);
+    r[m] = frag_t{r0[l / 4], r1[l / 4]};
+  }
+}
+
+// d += a · b for the 16 × 16 A and 16 × 8 B of the 16-bit mma, in f32: each operand is split,
+// x = big + small with big = tf32(x) and small = tf32(x − big), and a · b is summed as
+// small·big + big·small + big·big (the dropped small·small is below 2^-21 of the product,
+// Markidis et al. 2018's three-product scheme). The two k8 halves of k16 each take one m16n8k8
+// with k reordered: its column t is the fragment's 2t, its column t + 4 the fragment's 2t + 1
+// (the lower and upper element of each pair), in A and in B alike, so the sum over k is the
+// same sum.
+__device__ __forceinline__ void mma(float (&d)[4], const frag_t (&a)[4], frag_t b0,
+                                    frag_t b1) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const frag_t r0 = a[2 * half], r1 = a[2 * half + 1], bk = half ? b1 : b0;
+    const float av[4] = {r0.lo, r1.lo, r0.hi, r1.hi};
+    const float bv[2] = {bk.lo, bk.hi};
+    unsigned a_big[4], a_small[4], b_big[2], b_small[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      a_big[e] = tf32(av[e]);
+      a_small[e] = tf32(av[e] - __uint_as_float(a_big[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      b_big[e] = tf32(bv[e]);
+      b_small[e] = tf32(bv[e] - __uint_as_float(b_big[e]));
+    }
+    mma_tf32(d, a_small, b_big);
+    mma_tf32(d, a_big, b_small);
+    mma_tf32(d, a_big, b_big);
+  }
+}
+
+__device__ __forceinline__ elem_t to_elem(float x) { return x; }
+__device__ __forceinline__ float from_elem(elem_t x) { return x; }
+__device__ __forceinline__ frag_t pack(float lo, float hi) { return frag_t{lo, hi}; }
 #endif
 
 // Rows row0..row0 + n of a (rows, HEAD_DIM) matrix with `row_stride` into an n-row shared
 // tile, rows past `rows` zero.
 __device__ __forceinline__ void load_tile(elem_t* s, const elem_t* g, i64 row_stride, int row0,
                                           int rows, int n = BM) {
-  const int chunks = HEAD_DIM / 8;
+  const int chunks = HEAD_DIM / CHUNK_ELEMS;
   for (int c = threadIdx.x; c < n * chunks; c += THREADS) {
     const int r = c / chunks, cc = c % chunks;
     Chunk val = {0u, 0u, 0u, 0u};
     if (row0 + r < rows) {
-      val = *reinterpret_cast<const Chunk*>(g + (i64)(row0 + r) * row_stride + cc * 8);
+      val = *reinterpret_cast<const Chunk*>(g + (i64)(row0 + r) * row_stride + cc * CHUNK_ELEMS);
     }
-    *reinterpret_cast<Chunk*>(s + r * STRIDE + cc * 8) = val;
+    *reinterpret_cast<Chunk*>(s + r * STRIDE + cc * CHUNK_ELEMS) = val;
   }
 }
 
@@ -296,9 +404,10 @@ __device__ __forceinline__ float logit(const Params& p, const unsigned char* pad
   return x;
 }
 
-// With a value term at head dimension 64 and 96, ptxas's default (three blocks per
+// With a value term at head dimension 64 and 96, and with f32 operands (twice the registers per
+// fragment, and the split of each into two TF32 parts), ptxas's default (three blocks per
 // multiprocessor) spills; one block at least lets it take the registers it needs.
-#if POSENC_VALUES && (HEAD_DIM == 64 || HEAD_DIM == 96)
+#if POSENC_F32 || (POSENC_VALUES && (HEAD_DIM == 64 || HEAD_DIM == 96))
 #define FORWARD_BOUNDS __launch_bounds__(THREADS, 1)
 #else
 #define FORWARD_BOUNDS __launch_bounds__(THREADS)
@@ -318,7 +427,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
 
   load_tile(s_qk, qb, p.q_strides[2], q0, p.tq);
   __syncthreads();
-  unsigned qf[HEAD_DIM / 16][4];
+  frag_t qf[HEAD_DIM / 16][4];
 #pragma unroll
   for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
     ldsm_x4(qf[kc], s_qk + (warp * 16 + lane % 16) * STRIDE + kc * 16 + (lane / 16) * 8);
@@ -368,8 +477,8 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
 
   for (i64 k0 = (lo / BN) * BN; k0 < hi; k0 += BN) {
     __syncthreads();  // every warp is done with the last tile (and with the query tile)
-    load_tile(s_qk, kb, p.k_strides[2], (int)k0, p.tk);
-    load_tile(s_v, vb, p.v_strides[2], (int)k0, p.tk);
+    load_tile(s_qk, kb, p.k_strides[2], (int)k0, p.tk, BN);
+    load_tile(s_v, vb, p.v_strides[2], (int)k0, p.tk, BN);
     __syncthreads();
 
     float s[BN / 8][4];
@@ -381,7 +490,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
-        unsigned bk[4];
+        frag_t bk[4];
         ldsm_x4(bk, s_qk + (np * 16 + lane % 8 + (lane / 16) * 8) * STRIDE + kc * 16 +
                         ((lane / 8) % 2) * 8);
         mma(s[2 * np], qf[kc], bk[0], bk[1]);
@@ -482,12 +591,12 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     // acc += P v: two key tiles of S make one 16 × 16 operand.
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
-      const unsigned a[4] = {pack(s[2 * kc][0], s[2 * kc][1]), pack(s[2 * kc][2], s[2 * kc][3]),
+      const frag_t a[4] = {pack(s[2 * kc][0], s[2 * kc][1]), pack(s[2 * kc][2], s[2 * kc][3]),
                              pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
                              pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
 #pragma unroll
       for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-        unsigned bv[4];
+        frag_t bv[4];
         ldsm_x4_trans(bv, s_v + (kc * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + dp * 16 +
                               (lane / 16) * 8);
         mma(o[2 * dp], a, bv[0], bv[1]);
@@ -542,7 +651,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     elem_t* dst = out + (row * p.heads + h) * HEAD_DIM + 2 * t4;
 #pragma unroll
     for (int n = 0; n < HEAD_DIM / 8; ++n) {
-      *reinterpret_cast<unsigned*>(dst + n * 8) = pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      *reinterpret_cast<frag_t*>(dst + n * 8) = pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
     }
 #if POSENC_VALUES
     if (table && p.value_weights && t4 == 0) {
@@ -593,6 +702,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
   }
 }
 
+#if !POSENC_F32  // f32 operands: the forward kernels only (training in f32 takes candle's ops)
 // ---------------------------------------------------------------------------------------------
 // The backward (FlashAttention-2's, Dao 2023): gradients to q, k and v, to the sinks, to each
 // term that learns and to a value term's table; every term, mask, window and soft cap as the
@@ -889,3 +999,4 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
     }
   }
 }
+#endif  // !POSENC_F32

@@ -1,5 +1,6 @@
 //! The fused attention core on CUDA devices (the `cuda` feature): `flash_forward.cu`, a
-//! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks, reading the plug's terms as
+//! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks (and f32 blocks in
+//! inference at [`F32_HEAD_DIMS`], each product as three TF32 ones), reading the plug's terms as
 //! data (dense terms through broadcast strides, relative rows through a shift), causal limits,
 //! windows, chunks, padding, soft caps, sinks and grouped KV heads. For training, its backward
 //! (`posenc_flash_backward`, through `training.rs`) gives q, k, v, the sinks, every term
@@ -47,6 +48,12 @@ pub(crate) const ARCH: &str = "compute_80";
 /// Head dimensions with a specialisation (multiples of 16; 128 keeps the accumulators in
 /// registers).
 pub(crate) const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+
+/// Head dimensions of the f32 forward (inference). Its query tile of 64 rows and value tile of
+/// 32 take (64 + 32) · (D + 8) · 4 bytes of the 48 KB of static shared memory, which 128 passes,
+/// and at 96 ptxas spills registers (its fragments hold twice the bf16 ones'). Other f32 heads,
+/// and f32 training, take candle's ops.
+pub(crate) const F32_HEAD_DIMS: [usize; 2] = [32, 64];
 
 /// Additive terms one launch reads.
 const MAX_TERMS: usize = 4;
@@ -96,20 +103,26 @@ pub fn fused_kernel() -> bool {
     }
 }
 
-/// Whether the kernel can take a block of `q` (`(B, H, Tq, D)`), `k` and `v` as the block is
-/// given: a bf16 or f16 block on a CUDA device of compute capability 8.0 or more, a
-/// specialised head dimension shared by q, k and v (not MLA's wider queries and keys), KV
-/// heads that divide the heads, at least one key, at most 65,535 sequences and heads.
-pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    let half = matches!(q.dtype(), DType::BF16 | DType::F16);
+/// Whether the kernels can take a block of `q` (`(B, H, Tq, D)`), `k` and `v` as the block is
+/// given, for inference or (`training`) with their backward: a bf16 or f16 block at a
+/// specialised head dimension, or in inference an f32 block at one of [`F32_HEAD_DIMS`], on a
+/// CUDA device of compute capability 8.0 or more, the head dimension shared by q, k and v
+/// (not MLA's wider queries and keys), KV heads that divide the heads, at least one key, at
+/// most 65,535 sequences and heads.
+pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, training: bool) -> bool {
     let same = [k, v]
         .iter()
         .all(|t| t.dtype() == q.dtype() && t.device().same_device(q.device()));
     let (Ok((b, h, _, d)), Ok((kb, hkv, tk, kd))) = (q.dims4(), k.dims4()) else {
         return false;
     };
+    let specialised = match q.dtype() {
+        DType::BF16 | DType::F16 => HEAD_DIMS.contains(&d),
+        DType::F32 => !training && F32_HEAD_DIMS.contains(&d),
+        _ => false,
+    };
     let shapes = kb == b && kd == d && v.dims() == k.dims() && hkv > 0 && h % hkv == 0 && tk > 0;
-    half && same && shapes && HEAD_DIMS.contains(&d) && b <= 65_535 && h <= 65_535 && capable(q)
+    specialised && same && shapes && b <= 65_535 && h <= 65_535 && capable(q)
 }
 
 /// Compute capability 8.0 or more.
@@ -217,7 +230,7 @@ unsafe impl DeviceRepr for Params {}
 /// One query block of the fused CUDA core, written into rows `first_row..first_row + Tq` of the
 /// merged `(B, T, H, D)` output.
 pub(crate) struct CudaCore<'a> {
-    /// `(B, H, Tq, D)`, rotated and scaled, bf16 or f16.
+    /// `(B, H, Tq, D)`, rotated and scaled, bf16 or f16 (or f32 in inference).
     pub q: &'a Tensor,
     /// `(B, Hkv, Tk, D)`, same dtype.
     pub k: &'a Tensor,
@@ -296,12 +309,23 @@ impl CudaCore<'_> {
                 });
             }
         }
-        if !matches!(self.q.dtype(), DType::BF16 | DType::F16) {
-            return Err(Error::DType {
-                what: "queries of the CUDA attention kernel",
-                expected: "bf16 or f16",
-                got: self.q.dtype(),
-            });
+        match self.q.dtype() {
+            DType::BF16 | DType::F16 => {}
+            DType::F32 if F32_HEAD_DIMS.contains(&d) => {}
+            DType::F32 => {
+                return Err(Error::shape(
+                    "f32 queries of the CUDA attention kernel",
+                    format!("a head dimension in {F32_HEAD_DIMS:?}"),
+                    self.q.shape(),
+                ))
+            }
+            got => {
+                return Err(Error::DType {
+                    what: "queries of the CUDA attention kernel",
+                    expected: "bf16, f16 or f32",
+                    got,
+                })
+            }
         }
         let (ob, rows, oh, od) = out.dims4()?;
         if (ob, oh, od) != (b, h, d) || rows < first_row + tq || !out.is_contiguous() {
@@ -579,6 +603,7 @@ fn forward_defines(d: usize, dtype: DType, values: bool) -> Vec<String> {
     vec![
         format!("-DPOSENC_HEAD_DIM={d}"),
         format!("-DPOSENC_BF16={}", u8::from(dtype == DType::BF16)),
+        format!("-DPOSENC_F32={}", u8::from(dtype == DType::F32)),
         format!("-DPOSENC_VALUES={}", u8::from(values)),
     ]
 }
@@ -730,6 +755,11 @@ impl InplaceOp1 for LaunchOp {
                 p.k = address!(ks, kl, bf16, &stream, guards);
                 p.v = address!(vs, vl, bf16, &stream, guards);
             }
+            DType::F32 => {
+                p.q = address!(qs, ql, f32, &stream, guards);
+                p.k = address!(ks, kl, f32, &stream, guards);
+                p.v = address!(vs, vl, f32, &stream, guards);
+            }
             _ => {
                 p.q = address!(qs, ql, f16, &stream, guards);
                 p.k = address!(ks, kl, f16, &stream, guards);
@@ -820,6 +850,9 @@ impl InplaceOp1 for LaunchOp {
         if self.backward.is_some() {
             if self.stats.is_none() {
                 candle_core::bail!("the CUDA attention backward needs the forward's statistics");
+            }
+            if !matches!(dtype, DType::BF16 | DType::F16) {
+                candle_core::bail!("the CUDA attention backward takes bf16 or f16, not {dtype:?}");
             }
             match (
                 &value_dp_guard,
@@ -953,9 +986,10 @@ impl InplaceOp1 for LaunchOp {
         // The output's guard records the launch as a write when dropped after it.
         let (base, out_guard) = match dtype {
             DType::BF16 => out.as_cuda_slice_mut::<bf16>()?.device_ptr_mut(&stream),
+            DType::F32 => out.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream),
             _ => out.as_cuda_slice_mut::<f16>()?.device_ptr_mut(&stream),
         };
-        p.out = base + (out_layout.start_offset() * 2) as u64;
+        p.out = base + (out_layout.start_offset() * dtype.size_in_bytes()) as u64;
         let mut launch = func.builder();
         launch.arg(&p);
         // SAFETY: every address in `p` points into a live storage of the checked shape and
@@ -1027,12 +1061,14 @@ mod tests {
     /// library must be found: it runs with the `cuda::` tests on a GPU machine).
     #[test]
     fn cuda_specialisations_compile() -> Result<()> {
-        for d in HEAD_DIMS {
-            for dtype in [DType::BF16, DType::F16] {
-                for values in [false, true] {
-                    let ptx = ptx(d, dtype, values)?;
-                    assert!(ptx.contains(FORWARD_ENTRY), "{}", label(d, dtype, values));
-                }
+        let specs = HEAD_DIMS
+            .iter()
+            .flat_map(|&d| [(d, DType::BF16), (d, DType::F16)])
+            .chain(F32_HEAD_DIMS.iter().map(|&d| (d, DType::F32)));
+        for (d, dtype) in specs {
+            for values in [false, true] {
+                let ptx = ptx(d, dtype, values)?;
+                assert!(ptx.contains(FORWARD_ENTRY), "{}", label(d, dtype, values));
             }
         }
         Ok(())
