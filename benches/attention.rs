@@ -199,16 +199,54 @@ fn block_with(case: &Case, cfg: AttentionConfig, vb: &VarBuilder) -> Result<Mult
 /// (B1 at T = 16384), one block forward per encoding with the kernel on and off, timed in
 /// alternation (medians and the median per-pair ratio), and the attention's rate with the
 /// kernel: 4·B·H·T²·D FLOP (half of it causal) over the whole block's time, a lower bound.
+/// Then f32 (each product as three TF32 ones) for three encodings, and training steps.
 #[cfg(feature = "cuda")]
 fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
     use candle_core::DType;
     use candle_posenc::attention::cuda::set_fused_kernel;
+    let names = [
+        "none",
+        "rope",
+        "alibi",
+        "alibi_symmetric",
+        "t5",
+        "clipped_bias",
+        "shaw_k64",
+    ];
+    let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096, 16384] };
+    kernel_against_ops(dev, DType::BF16, lengths, &names, quick, json)?;
+    let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
+    kernel_against_ops(
+        dev,
+        DType::F32,
+        lengths,
+        &["none", "alibi", "t5"],
+        quick,
+        json,
+    )?;
+    cuda_training(dev, quick, json)?;
+    set_fused_kernel(false);
+    Ok(())
+}
+
+/// [`cuda_kernel`]'s inference rows in `dtype` for the encodings `names` at `lengths`.
+#[cfg(feature = "cuda")]
+fn kernel_against_ops(
+    dev: &Device,
+    dtype: candle_core::DType,
+    lengths: &[usize],
+    names: &[&str],
+    quick: bool,
+    json: bool,
+) -> Result<()> {
+    use candle_posenc::attention::cuda::set_fused_kernel;
     let (heads, head_dim) = (16, 64);
     let d_model = heads * head_dim;
-    let vb = common::inference_vb_of(dev, DType::BF16);
-    let all = cases(d_model, heads, head_dim, 16385, dev, &vb)?;
-    let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096, 16384] };
-    println!("\nfused CUDA kernel against candle's ops, bf16, H{heads} D{head_dim}");
+    let vb = common::inference_vb_of(dev, dtype);
+    let longest = lengths.iter().max().copied().unwrap_or(1);
+    let all = cases(d_model, heads, head_dim, longest + 1, dev, &vb)?;
+    let kind = dtype.as_str();
+    println!("\nfused CUDA kernel against candle's ops, {kind}, H{heads} D{head_dim}");
     println!(
         "{:<18} {:>6} {:>8} {:>10} {:>10} {:>9} {:>9}",
         "encoding", "T", "causal", "ops ms", "kernel ms", "per pair", "TFLOP/s"
@@ -216,17 +254,8 @@ fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
     for &t in lengths {
         let b = if t >= 16384 { 1 } else { 4 };
         let runs = if quick || t >= 16384 { 5 } else { 15 };
-        let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
+        let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(dtype)?;
         for causal in [true, false] {
-            let names = [
-                "none",
-                "rope",
-                "alibi",
-                "alibi_symmetric",
-                "t5",
-                "clipped_bias",
-                "shaw_k64",
-            ];
             for case in all.iter().filter(|c| names.contains(&c.name)) {
                 let mha = block(case, causal, d_model, heads, &vb)?;
                 let opts = AttentionOptions::default();
@@ -243,12 +272,11 @@ fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
                 let p = common::paired(runs, run(false), run(true))?;
                 let flop =
                     4.0 * (b * heads * t * t * head_dim) as f64 / if causal { 2.0 } else { 1.0 };
-                cuda_row("cuda_kernel", case.name, (t, causal), &p, flop, json);
+                let bench = format!("cuda_kernel_{kind}");
+                cuda_row(&bench, case.name, (t, causal), &p, flop, json);
             }
         }
     }
-    cuda_training(dev, quick, json)?;
-    set_fused_kernel(false);
     Ok(())
 }
 
