@@ -148,11 +148,10 @@ fn every_encoding_equals_f64() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// f32 blocks in inference take the f32 kernel at its head dimensions (32 and 64), each
-/// product as three TF32 ones: within 1e-5 of the largest output of the f64 block (the
-/// issue's bound for f32), for every zoo encoding, causal and not, padded (a row masked whole
-/// included), grouped heads; windows, soft caps, sinks and ids. Head dimension 128 takes
-/// candle's ops, and so does f32 training (the backward has no f32 specialisation).
+/// f32 blocks take the f32 kernel at its head dimensions (32 and 64), each product as three
+/// TF32 ones: within 1e-5 of the largest output of the f64 block (the bound for f32),
+/// for every zoo encoding, causal and not, padded (a row masked whole included), grouped
+/// heads; windows, soft caps, sinks and ids. Head dimension 128 takes candle's ops.
 fn f32_equals_f64() -> anyhow::Result<()> {
     for head_dim in [32, 64] {
         let (heads, d_model) = (4, 4 * head_dim);
@@ -217,30 +216,14 @@ fn f32_equals_f64() -> anyhow::Result<()> {
         ids: false,
     };
     assert_eq!(run(&wide)?, 0, "f32 at head dimension 128 took a kernel");
-    // f32 training: candle's ops (the gradient of the input, against the f64 block's).
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    set_fused_kernel(true);
-    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
-    let attn = AttentionConfig::new(d_model, heads).with_causal(true);
-    let (_, varmap) = common::zoo::attention(&none, &attn, DType::F32, &cpu)?;
-    let x = Tensor::randn(0f32, 1.0, (1, 70, d_model), &cpu)?;
-    let grad_on = |dev: &Device, dtype: DType| -> anyhow::Result<Tensor> {
-        let block = common::zoo::attention_from(&none, &attn, &varmap, dtype, dev)?;
-        let x = candle_core::Var::from_tensor(&x.to_dtype(dtype)?.to_device(dev)?)?;
-        let opts = AttentionOptions {
-            train: true,
-            ..Default::default()
-        };
-        let out = block.forward_with(x.as_tensor(), &opts, None)?.output;
-        let grads = out.sqr()?.sum_all()?.backward()?;
-        let g = grads.get(x.as_tensor()).expect("the input's gradient");
-        Ok(g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?)
-    };
-    let before = kernel_launches();
-    let got = grad_on(&gpu, DType::F32)?;
-    assert_eq!(kernel_launches(), before, "f32 training took a kernel");
-    close_within(&got, &grad_on(&cpu, DType::F64)?, 1e-5, "f32 training")?;
     Ok(())
+}
+
+/// f32 training takes the kernels too (the backward's products as three TF32 ones): every
+/// variable's gradient (the input's, the projections', the learned terms' and Shaw's tables)
+/// within 1e-5 of the largest of the f64 block's.
+fn f32_training_equals_f64() -> anyhow::Result<()> {
+    learned_term_gradients(DType::F32, 1e-5)
 }
 
 /// A sequence whose every key is padded comes out finite (uniform over its keys, as on the
@@ -678,6 +661,13 @@ fn training_with_a_learned_mask() -> anyhow::Result<()> {
 /// (the encoding's and the projections') equals the f64 CPU block's from the same values, and
 /// the forward and backward kernels ran.
 fn training_gives_learned_terms_their_gradients() -> anyhow::Result<()> {
+    // P and dS are rounded to bf16 for their products (about 2^-8 each).
+    learned_term_gradients(DType::BF16, 3e-2)
+}
+
+/// [`training_gives_learned_terms_their_gradients`] for a block in `dtype`, every gradient
+/// within `tol` of the largest of the f64 block's.
+fn learned_term_gradients(dtype: DType, tol: f64) -> anyhow::Result<()> {
     use candle_nn::{VarBuilder, VarMap};
     use candle_posenc::{AlibiConfig, AlibiMode, ClippedBiasConfig, MultiHeadAttention, T5Config};
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -770,13 +760,12 @@ fn training_gives_learned_terms_their_gradients() -> anyhow::Result<()> {
                 };
                 let what = format!("{} {attn:?} padded {padded}", config.kind());
                 let before = kernel_launches();
-                let got = grads_on(&gpu, DType::BF16).map_err(|e| e.context(what.clone()))?;
+                let got = grads_on(&gpu, dtype).map_err(|e| e.context(what.clone()))?;
                 let launches = kernel_launches() - before;
                 assert!(launches >= 2, "{what}: {launches} launches");
                 let want = grads_on(&cpu, DType::F64).map_err(|e| e.context(what.clone()))?;
                 for ((name, _), (got, want)) in values.iter().zip(got.iter().zip(&want)) {
-                    // P and dS are rounded to bf16 for their products (about 2^-8 each).
-                    close_within(got, want, 3e-2, &format!("{what}: {name}"))?;
+                    close_within(got, want, tol, &format!("{what}: {name}"))?;
                 }
             }
         }
@@ -809,6 +798,10 @@ mod cuda {
     #[test]
     fn f32_equals_f64() -> anyhow::Result<()> {
         super::f32_equals_f64()
+    }
+    #[test]
+    fn f32_training_equals_f64() -> anyhow::Result<()> {
+        super::f32_training_equals_f64()
     }
     #[test]
     fn ids_groups_and_head_dims() -> anyhow::Result<()> {

@@ -41,12 +41,12 @@ pub(crate) enum Path {
     /// Candle ops throughout (training, other dtypes and devices): differentiable.
     Ops,
     /// The fused CUDA kernel: bf16/f16 inference (f32 at the head dimensions of
-    /// [`super::cuda::F32_HEAD_DIMS`]) on a CUDA device without returned weights,
-    /// when switched on ([`super::cuda::set_fused_kernel`]).
+    /// [`super::cuda::F32_HEAD_DIMS`]) on a CUDA device without returned weights, when
+    /// switched on ([`super::cuda::set_fused_kernel`]).
     #[cfg(feature = "cuda")]
     CudaFused,
-    /// The fused CUDA kernels with their backward: bf16/f16 training on a CUDA device without
-    /// returned weights, when switched on.
+    /// The fused CUDA kernels with their backward: training as [`Path::CudaFused`] infers,
+    /// without returned weights, when switched on.
     #[cfg(feature = "cuda")]
     CudaTrain,
 }
@@ -86,7 +86,7 @@ impl Path {
         if !(differentiable || tracked || weights)
             && q.device().is_cuda()
             && super::cuda::fused_kernel()
-            && super::cuda::takes(q, k, v, false)
+            && super::cuda::takes(q, k, v)
         {
             return Path::CudaFused;
         }
@@ -95,7 +95,7 @@ impl Path {
             && !weights
             && q.device().is_cuda()
             && super::cuda::fused_kernel()
-            && super::cuda::takes(q, k, v, true)
+            && super::cuda::takes(q, k, v)
         {
             return Path::CudaTrain;
         }

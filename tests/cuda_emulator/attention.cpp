@@ -19,8 +19,7 @@
 // posenc_flash_backward the gradients.
 //
 // Built once per specialisation by .ci/cuda-emulate (-DPOSENC_HEAD_DIM, -DPOSENC_BF16,
-// -DPOSENC_F32, -DPOSENC_VALUES, -DPOSENC_EMULATE='"ptx.hpp"'); f32 builds run the forward
-// kernels only. Exits non-zero when any case differs by more
+// -DPOSENC_F32, -DPOSENC_VALUES, -DPOSENC_EMULATE='"ptx.hpp"'). Exits non-zero when any case differs by more
 // than the operand type's rounding allows, or writes outside its output rows.
 
 #include "emulate.hpp"
@@ -255,7 +254,7 @@ Result run(const Case& c, Rng& rng) {
   // The operand type's rounding; f32 operands: the error of three TF32 products and of f32
   // sums, and a floor for outputs near 0 as small.
   const double eps = POSENC_F32 ? 4e-6 : POSENC_BF16 ? 1.0 / 256 : 1.0 / 2048;
-  const double floor = POSENC_F32 ? 1e-7 : 1e-5;
+  const double tol_floor = POSENC_F32 ? 1e-7 : 1e-5;
   std::vector<double> s(tk), w(tk);
   // Kept for the backward, per (b, h, i, j): the weights, the raw products (for the soft
   // cap's derivative) and whether the key was seen; per (b, h, i): masked whole, the sink's weight.
@@ -341,7 +340,7 @@ Result run(const Case& c, Rng& rng) {
           }
           const double want = acc / l;
           const double got = elem_to_float(out[(row * h + hi) * D + d]);
-          const double tol = 2 * eps * (mag / l + std::fabs(want)) + floor;
+          const double tol = 2 * eps * (mag / l + std::fabs(want)) + tol_floor;
           if (std::isnan(got) && std::isnan(want)) continue;
           const double e = std::fabs(got - want);
           if (!(e <= tol)) res.worst_ratio = std::max(res.worst_ratio, std::isnan(e) ? 1e9 : e / tol);
@@ -358,9 +357,6 @@ Result run(const Case& c, Rng& rng) {
       for (int hi = 0; hi < h; ++hi)
         if (stats[2 * ((size_t)(bi * h + hi) * out_rows + r)] != -12345.0f) res.stray = true;
     }
-#if POSENC_F32
-  return res;  // f32 operands: the forward kernels only
-#else
   res.backward = true;
   const int group = h / hkv;
   std::vector<elem_t> d_out = draw((size_t)b * tq * h * D, 1.0);  // (B, Tq, H, D)
@@ -470,23 +466,22 @@ Result run(const Case& c, Rng& rng) {
       }
   // Each product reads P or dS rounded to the operand type (and δ the rounded output).
   for (size_t n = 0; n < rq.size(); ++n)
-    check(dq[n], rq[n], 3 * eps * mq[n] + 1e-5, &res.grad_err, &res.grad_ratio);
+    check(dq[n], rq[n], 3 * eps * mq[n] + tol_floor, &res.grad_err, &res.grad_ratio);
   for (size_t n = 0; n < rk.size(); ++n) {
-    check(dk[n], rk[n], 3 * eps * mk[n] + 1e-5, &res.grad_err, &res.grad_ratio);
-    check(dv[n], rv[n], 2 * eps * mv[n] + 1e-5, &res.grad_err, &res.grad_ratio);
+    check(dk[n], rk[n], 3 * eps * mk[n] + tol_floor, &res.grad_err, &res.grad_ratio);
+    check(dv[n], rv[n], 2 * eps * mv[n] + tol_floor, &res.grad_err, &res.grad_ratio);
   }
   // A term's entries sum dS in f32 (atomically, in any order).
   for (int t = 0; t < p.n_terms; ++t)
     for (size_t n = 0; n < rt[t].size(); ++n)
-      check(term_grads[t][n], rt[t][n], 3 * eps * mt[t][n] + 1e-5, &res.grad_err, &res.grad_ratio);
+      check(term_grads[t][n], rt[t][n], 3 * eps * mt[t][n] + tol_floor, &res.grad_err, &res.grad_ratio);
   if (c.sinks)
     for (int hi = 0; hi < h; ++hi)
-      check(dsinks[hi], rs[hi], 3 * eps * ms[hi] + 1e-5, &res.grad_err, &res.grad_ratio);
+      check(dsinks[hi], rs[hi], 3 * eps * ms[hi] + tol_floor, &res.grad_err, &res.grad_ratio);
   // The gathered weights: sums of f32 weights, every column written (0 where no key reads it).
   for (size_t n = 0; n < rw.size(); ++n)
     check(value_weights[n], rw[n], 1e-5 * rw[n] + 1e-6, &res.grad_err, &res.grad_ratio);
   return res;
-#endif
 }
 
 std::vector<Case> cases() {

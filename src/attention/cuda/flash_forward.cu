@@ -4,7 +4,7 @@
 //
 //   for each (b, h) and each tile of BM = 64 queries i (one thread block, 4 warps × 16 rows):
 //       m_i = sink_h or −∞,  l_i = 1 or 0,  acc_i = 0
-//       for each tile of BN = 64 keys J the rows can see (32 with f32 operands):
+//       for each tile of FBN = 64 keys J the rows can see (32 with f32 operands):
 //           S = q[b, h, i] · k[b, h / r, J]ᵀ                    (mma.m16n8k16, f32)
 //           S ← cap · tanh(S / cap) + Σ terms, hidden keys → −FLT_MAX
 //           m_i' = max(m_i, max_j S_ij);  α_i = e^(m_i − m_i')
@@ -28,8 +28,8 @@
 // key a user's mask sets to −∞ (a row −∞ everywhere comes out NaN, as on the other paths).
 //
 // Specialised by the host through -D options: POSENC_HEAD_DIM (a multiple of 16, at most 128),
-// POSENC_BF16 (1: bf16, 0: f16), POSENC_F32 (1: f32 operands, the forward kernels only, at the
-// head dimensions of F32_HEAD_DIMS in cuda/mod.rs) and POSENC_VALUES (1: a value term is read;
+// POSENC_BF16 (1: bf16, 0: f16), POSENC_F32 (1: f32 operands, at the head dimensions of
+// F32_HEAD_DIMS in cuda/mod.rs) and POSENC_VALUES (1: a value term is read;
 // the others leave its code out, and its registers). No header is included: everything is
 // inline PTX (sm_80+), except under POSENC_EMULATE (tests/cuda_emulator), which names a header
 // of CPU versions of the PTX helpers.
@@ -44,17 +44,19 @@
 #define POSENC_VALUES 0  // 1: the program reads a value term (Shaw's a^V)
 #endif
 #ifndef POSENC_F32
-#define POSENC_F32 0     // 1: f32 operands (the forward kernels only)
+#define POSENC_F32 0     // 1: f32 operands
 #endif
 
 #define HEAD_DIM POSENC_HEAD_DIM
 #define BM 64
-// Keys per tile: 32 with f32 operands, whose fragments take twice the registers (the host's
-// key splits are multiples of 64, so of either).
-#if POSENC_F32
-#define BN 32
-#else
+// Keys per block of the backward (4 warps × 16), and per tile of the forward (FBN): 32 with
+// f32 operands, whose fragments take twice the registers (the host's key splits are multiples
+// of 64, so of either).
 #define BN 64
+#if POSENC_F32
+#define FBN 32
+#else
+#define FBN 64
 #endif
 #define THREADS 128
 // Shared rows padded by 8 elements (16 bytes of bf16: the 8 rows one ldmatrix reads fall in
@@ -131,7 +133,7 @@ struct Params {
   int skip;          // visit only the keys some row of the tile can see
   int n_terms;
   float softcap;     // 0: none
-  int key_split;     // > 0: keys per block (a multiple of BN), one query tile, partial results
+  int key_split;     // > 0: keys per block (a multiple of 64), one query tile, partial results
   Term terms[MAX_TERMS];
   // The backward's (posenc_flash_delta, posenc_flash_backward); the forward reads none.
   u64 d_out;         // const elem_t*: (B, Tq, H, D), the output's gradient
@@ -414,7 +416,7 @@ __device__ __forceinline__ float logit(const Params& p, const unsigned char* pad
 #endif
 extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
   alignas(16) __shared__ elem_t s_qk[BM * STRIDE];  // the query tile, then each key tile
-  alignas(16) __shared__ elem_t s_v[BN * STRIDE];
+  alignas(16) __shared__ elem_t s_v[FBN * STRIDE];
 
   const bool split = p.key_split > 0;
   const int b = blockIdx.z, h = blockIdx.y, q0 = split ? 0 : blockIdx.x * BM;
@@ -451,7 +453,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
   }
 
   // The keys the tile's rows can see (every key unless `skip`), and the ones this block visits:
-  // with split keys, its own split's (whole tiles: key_split is a multiple of BN).
+  // with split keys, its own split's (whole tiles: key_split is a multiple of FBN).
   i64 seen_lo = 0, seen_hi = p.tk;
   if (p.skip) {
     const i64 i1 = (q0 + BM < p.tq) ? q0 + BM : p.tq;
@@ -475,21 +477,21 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
   const i64 c0s[2] = {chunk_start(p, left, p.first + rows[0]),
                       chunk_start(p, left, p.first + rows[1])};
 
-  for (i64 k0 = (lo / BN) * BN; k0 < hi; k0 += BN) {
+  for (i64 k0 = (lo / FBN) * FBN; k0 < hi; k0 += FBN) {
     __syncthreads();  // every warp is done with the last tile (and with the query tile)
-    load_tile(s_qk, kb, p.k_strides[2], (int)k0, p.tk, BN);
-    load_tile(s_v, vb, p.v_strides[2], (int)k0, p.tk, BN);
+    load_tile(s_qk, kb, p.k_strides[2], (int)k0, p.tk, FBN);
+    load_tile(s_v, vb, p.v_strides[2], (int)k0, p.tk, FBN);
     __syncthreads();
 
-    float s[BN / 8][4];
+    float s[FBN / 8][4];
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
+    for (int n = 0; n < FBN / 8; ++n) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
     }
 #pragma unroll
     for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
 #pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
+      for (int np = 0; np < FBN / 16; ++np) {
         frag_t bk[4];
         ldsm_x4(bk, s_qk + (np * 16 + lane % 8 + (lane / 16) * 8) * STRIDE + kc * 16 +
                         ((lane / 8) % 2) * 8);
@@ -501,7 +503,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
     // Soft cap, terms and masks, then the running maximum of each row.
     float mx[2] = {m[0], m[1]};
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
+    for (int n = 0; n < FBN / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = logit(p, pad, c0s[e / 2], b, h, rows[e / 2],
@@ -532,7 +534,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
       }
     }
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
+    for (int n = 0; n < FBN / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float pe = exp2f((s[n][e] - ms[e / 2]) * LOG2E);
@@ -548,7 +550,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
 #if POSENC_VALUES
     if (table) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
+      for (int n = 0; n < FBN / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const i64 c = k0 + n * 8 + 2 * t4 + (e & 1) - rows[e / 2] + p.value_shift;
@@ -561,10 +563,10 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
       }
       // The keys j of some row's interior: q0 − shift < j < q0 + BM − 1 − shift + W − 1.
       const i64 first = q0 - p.value_shift, last = q0 + BM - 2 - p.value_shift + vw;
-      if (vw > 2 && k0 + BN > first + 1 && k0 < last) {  // W ≤ 2: no interior column
+      if (vw > 2 && k0 + FBN > first + 1 && k0 < last) {  // W ≤ 2: no interior column
         // Unrolled: S stays in registers only when every index into it is a constant.
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
+        for (int n = 0; n < FBN / 8; ++n) {
 #pragma unroll
           for (int kk = 0; kk < 8; ++kk) {
             const i64 j = k0 + n * 8 + kk;
@@ -590,7 +592,7 @@ extern "C" __global__ void FORWARD_BOUNDS posenc_flash_forward(const Params p) {
 
     // acc += P v: two key tiles of S make one 16 × 16 operand.
 #pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
+    for (int kc = 0; kc < FBN / 16; ++kc) {
       const frag_t a[4] = {pack(s[2 * kc][0], s[2 * kc][1]), pack(s[2 * kc][2], s[2 * kc][3]),
                              pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
                              pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
@@ -702,7 +704,6 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
   }
 }
 
-#if !POSENC_F32  // f32 operands: the forward kernels only (training in f32 takes candle's ops)
 // ---------------------------------------------------------------------------------------------
 // The backward (FlashAttention-2's, Dao 2023): gradients to q, k and v, to the sinks, to each
 // term that learns and to a value term's table; every term, mask, window and soft cap as the
@@ -723,7 +724,8 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
 //           each: a plain store); the forward wrote the end columns. The table's gradient,
 //           da_c = Σ_{b, h, i} value_weights[b, h, i, c] dO_i, is one product on the host.
 //
-// The products of Pᵀ and dSᵀ read them rounded to the operand type, as the forward's P v does.
+// The products of Pᵀ and dSᵀ read them rounded to the operand type, as the forward's P v does
+// (f32 operands: unrounded, each product as three TF32 ones).
 // ---------------------------------------------------------------------------------------------
 // δ per (b, h, i), one thread each; with sinks, d sink_h = −Σ_{b, i} p_sink δ_i.
 extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_delta(const Params p) {
@@ -771,10 +773,10 @@ __device__ __forceinline__ void add_term_grads(const Params& p, int b, int h, i6
 }
 
 // dS is kept transposed (keys × queries) in the dO tile's place once dO is read.
-// Queries per tile of the backward: 64, or 32 above head dimension 64, where three tiles of 64
-// rows would pass the 48 KB of static shared memory. The keys each query tile visits are those
-// its forward tile of BM rows visited.
-#if HEAD_DIM > 64
+// Queries per tile of the backward: 64, or 32 above head dimension 64 and with f32 operands,
+// where three tiles of 64 rows would pass the 48 KB of static shared memory (and f32 fragments
+// the registers). The keys each query tile visits are those its forward tile of BM rows visited.
+#if HEAD_DIM > 64 || POSENC_F32
 #define BQ 32
 #else
 #define BQ 64
@@ -807,7 +809,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
   // This warp's 16 value rows, as A fragments for dPᵀ = v dOᵀ, kept in registers.
   load_tile(s_k, vb, p.v_strides[2], (int)k0, p.tk);
   __syncthreads();
-  unsigned vf[HEAD_DIM / 16][4];
+  frag_t vf[HEAD_DIM / 16][4];
 #pragma unroll
   for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
     ldsm_x4(vf[kc], s_k + (warp * 16 + lane % 16) * STRIDE + kc * 16 + (lane / 16) * 8);
@@ -861,11 +863,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       }
 #pragma unroll
       for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
-        unsigned ka[4];
+        frag_t ka[4];
         ldsm_x4(ka, s_k + (warp * 16 + lane % 16) * STRIDE + kc * 16 + (lane / 16) * 8);
 #pragma unroll
         for (int np = 0; np < BQ / 16; ++np) {
-          unsigned bq[4], bd[4];
+          frag_t bq[4], bd[4];
           const int at = (np * 16 + lane % 8 + (lane / 16) * 8) * STRIDE + kc * 16 + ((lane / 8) % 2) * 8;
           ldsm_x4(bq, s_q + at);
           ldsm_x4(bd, s_do + at);
@@ -916,16 +918,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       // dV += Pᵀ dO and dK += dSᵀ q: two query blocks of 8 make one 16 × 16 A operand.
 #pragma unroll
       for (int kc = 0; kc < BQ / 16; ++kc) {
-        const unsigned pa[4] = {pack(st[2 * kc][0], st[2 * kc][1]), pack(st[2 * kc][2], st[2 * kc][3]),
+        const frag_t pa[4] = {pack(st[2 * kc][0], st[2 * kc][1]), pack(st[2 * kc][2], st[2 * kc][3]),
                                 pack(st[2 * kc + 1][0], st[2 * kc + 1][1]),
                                 pack(st[2 * kc + 1][2], st[2 * kc + 1][3])};
-        const unsigned sa[4] = {pack(dpt[2 * kc][0], dpt[2 * kc][1]),
+        const frag_t sa[4] = {pack(dpt[2 * kc][0], dpt[2 * kc][1]),
                                 pack(dpt[2 * kc][2], dpt[2 * kc][3]),
                                 pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
                                 pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
 #pragma unroll
         for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-          unsigned bd[4], bq[4];
+          frag_t bd[4], bq[4];
           const int at = (kc * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + dp * 16 + (lane / 16) * 8;
           ldsm_x4_trans(bd, s_do + at);
           ldsm_x4_trans(bq, s_q + at);
@@ -940,7 +942,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          *reinterpret_cast<unsigned*>(s_do + keys[r] * DS_STRIDE + n * 8 + 2 * t4) =
+          *reinterpret_cast<frag_t*>(s_do + keys[r] * DS_STRIDE + n * 8 + 2 * t4) =
               pack(dpt[n][2 * r], dpt[n][2 * r + 1]);
         }
       }
@@ -948,7 +950,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
       // dQ += dS k for this warp's 16 queries and share of the features: dS read transposed
       // from dSᵀ.
       const int qg = warp % QG, fs = warp / QG;
-      unsigned da[BN / 16][4];
+      frag_t da[BN / 16][4];
 #pragma unroll
       for (int kc = 0; kc < BN / 16; ++kc) {
         ldsm_x4_trans(da[kc], s_do + (kc * 16 + lane % 8 + (lane / 16) * 8) * DS_STRIDE + qg * 16 +
@@ -959,7 +961,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
         float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int kc = 0; kc < BN / 16; ++kc) {
-          unsigned bk[4];
+          frag_t bk[4];
           ldsm_x4_trans(bk, s_k + (kc * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + dp * 16 +
                                 (lane / 16) * 8);
           mma(c0, da[kc], bk[0], bk[1]);
@@ -999,4 +1001,3 @@ extern "C" __global__ void __launch_bounds__(THREADS) posenc_flash_backward(cons
     }
   }
 }
-#endif  // !POSENC_F32

@@ -1,6 +1,6 @@
 //! The fused attention core on CUDA devices (the `cuda` feature): `flash_forward.cu`, a
-//! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks (and f32 blocks in
-//! inference at [`F32_HEAD_DIMS`], each product as three TF32 ones), reading the plug's terms as
+//! FlashAttention-2 forward on tensor cores for bf16 and f16 blocks (and f32 blocks at
+//! [`F32_HEAD_DIMS`], each product as three TF32 ones), reading the plug's terms as
 //! data (dense terms through broadcast strides, relative rows through a shift), causal limits,
 //! windows, chunks, padding, soft caps, sinks and grouped KV heads. For training, its backward
 //! (`posenc_flash_backward`, through `training.rs`) gives q, k, v, the sinks, every term
@@ -49,10 +49,10 @@ pub(crate) const ARCH: &str = "compute_80";
 /// registers).
 pub(crate) const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
 
-/// Head dimensions of the f32 forward (inference). Its query tile of 64 rows and value tile of
+/// Head dimensions of the f32 kernels. The forward's query tile of 64 rows and value tile of
 /// 32 take (64 + 32) · (D + 8) · 4 bytes of the 48 KB of static shared memory, which 128 passes,
-/// and at 96 ptxas spills registers (its fragments hold twice the bf16 ones'). Other f32 heads,
-/// and f32 training, take candle's ops.
+/// and at 96 ptxas spills registers (f32 fragments hold twice the bf16 ones'); the backward
+/// takes 46,724 bytes at 64. Other f32 heads take candle's ops.
 pub(crate) const F32_HEAD_DIMS: [usize; 2] = [32, 64];
 
 /// Additive terms one launch reads.
@@ -104,12 +104,11 @@ pub fn fused_kernel() -> bool {
 }
 
 /// Whether the kernels can take a block of `q` (`(B, H, Tq, D)`), `k` and `v` as the block is
-/// given, for inference or (`training`) with their backward: a bf16 or f16 block at a
-/// specialised head dimension, or in inference an f32 block at one of [`F32_HEAD_DIMS`], on a
-/// CUDA device of compute capability 8.0 or more, the head dimension shared by q, k and v
-/// (not MLA's wider queries and keys), KV heads that divide the heads, at least one key, at
-/// most 65,535 sequences and heads.
-pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, training: bool) -> bool {
+/// given: a bf16 or f16 block at a specialised head dimension, or an f32 block at one of
+/// [`F32_HEAD_DIMS`], on a CUDA device of compute capability 8.0 or more, the head dimension
+/// shared by q, k and v (not MLA's wider queries and keys), KV heads that divide the heads, at
+/// least one key, at most 65,535 sequences and heads.
+pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let same = [k, v]
         .iter()
         .all(|t| t.dtype() == q.dtype() && t.device().same_device(q.device()));
@@ -118,7 +117,7 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, training: bool) -> bool 
     };
     let specialised = match q.dtype() {
         DType::BF16 | DType::F16 => HEAD_DIMS.contains(&d),
-        DType::F32 => !training && F32_HEAD_DIMS.contains(&d),
+        DType::F32 => F32_HEAD_DIMS.contains(&d),
         _ => false,
     };
     let shapes = kb == b && kd == d && v.dims() == k.dims() && hkv > 0 && h % hkv == 0 && tk > 0;
@@ -230,7 +229,7 @@ unsafe impl DeviceRepr for Params {}
 /// One query block of the fused CUDA core, written into rows `first_row..first_row + Tq` of the
 /// merged `(B, T, H, D)` output.
 pub(crate) struct CudaCore<'a> {
-    /// `(B, H, Tq, D)`, rotated and scaled, bf16 or f16 (or f32 in inference).
+    /// `(B, H, Tq, D)`, rotated and scaled, bf16, f16 or f32.
     pub q: &'a Tensor,
     /// `(B, Hkv, Tk, D)`, same dtype.
     pub k: &'a Tensor,
@@ -851,9 +850,6 @@ impl InplaceOp1 for LaunchOp {
             if self.stats.is_none() {
                 candle_core::bail!("the CUDA attention backward needs the forward's statistics");
             }
-            if !matches!(dtype, DType::BF16 | DType::F16) {
-                candle_core::bail!("the CUDA attention backward takes bf16 or f16, not {dtype:?}");
-            }
             match (
                 &value_dp_guard,
                 self.backward.as_ref().and_then(|bw| bw.value_dp.as_ref()),
@@ -878,6 +874,10 @@ impl InplaceOp1 for LaunchOp {
                 DType::BF16 => {
                     p.out = address!(os, ol, bf16, &stream, guards);
                     p.d_out = address!(ds, dl, bf16, &stream, guards);
+                }
+                DType::F32 => {
+                    p.out = address!(os, ol, f32, &stream, guards);
+                    p.d_out = address!(ds, dl, f32, &stream, guards);
                 }
                 _ => {
                     p.out = address!(os, ol, f16, &stream, guards);

@@ -149,26 +149,17 @@ impl GraftBackward for Link {
 
 /// The attention output `(B, Tq, H, D)` in the block's dtype, in the graph of `core`'s q, k, v
 /// and, when they track gradients, its sinks, its terms (dense terms, a user's mask included,
-/// and relative rows) and its value table. The caller checks [`super::takes`] for training
-/// (bf16 or f16: the backward has every head dimension the forward has, and no f32), and that
-/// there is no dropout (which takes candle's ops).
+/// and relative rows) and its value table. The caller checks [`super::takes`] (the backward
+/// has every head dimension and dtype the forward has), and that there is no dropout (which
+/// takes candle's ops).
 ///
 /// # Errors
-/// [`crate::error::Error::DType`] for operands other than bf16 or f16; what
-/// [`CudaCore::write_into`] returns, for operands the kernels do not take or a launch that
+/// What [`CudaCore::write_into`] returns, for operands the kernels do not take or a launch that
 /// fails; [`crate::error::Error::Shape`] for a term that learns with more than four axes, and
 /// a budget error when a term's gradient, or a value term's `(B, H, Tq, W)` rows, would pass
 /// the element budget.
 pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     let (b, h, tq, d) = core.q.dims4()?;
-    // The backward kernels have no f32 specialisation (f32 training takes candle's ops).
-    if !matches!(core.q.dtype(), DType::BF16 | DType::F16) {
-        return Err(crate::error::Error::DType {
-            what: "queries of the CUDA training kernels",
-            expected: "bf16 or f16",
-            got: core.q.dtype(),
-        });
-    }
     // The kernels read the operands' values; the graph is attached below.
     let (q, k, v) = (core.q.detach(), core.k.detach(), core.v.detach());
     let values = CudaCore {
