@@ -10,6 +10,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarMap};
 use candle_posenc::checkpoint::save;
+use candle_posenc::hf::HfAttentionConfig;
 use candle_posenc::{
     AttentionConfig, Checkpoint, EncodingConfig, Error, MultiHeadAttention, Positions, RopeConfig,
     T5Config, T5RelativeBias,
@@ -597,9 +598,18 @@ fn fuzz_seeds_are_valid_inputs() -> anyhow::Result<()> {
             p.display()
         );
     }
+    // An HF config seed is a model's attention layer, or (the rotary settings alone) a RoPE.
     for p in seeds("hf_config")? {
-        RopeConfig::from_hf_json(&std::fs::read_to_string(&p)?)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+        let text = std::fs::read_to_string(&p)?;
+        let layer = HfAttentionConfig::from_json_layer(&text, 0);
+        let rope = RopeConfig::from_hf_json(&text);
+        anyhow::ensure!(
+            layer.is_ok() || rope.is_ok(),
+            "{}: neither a layer ({:?}) nor a RoPE ({:?})",
+            p.display(),
+            layer.err(),
+            rope.err()
+        );
     }
     for p in seeds("encoding_metadata")? {
         let text = std::fs::read_to_string(&p)?;
