@@ -29,8 +29,8 @@ def specialisations():
         found = re.search(rf"const {name}: \[usize; \d+\] = \[([^\]]+)\];", src)
         return [int(d) for d in found.group(1).split(",")]
     out = []
-    # (dims, -DPOSENC_BF16, -DPOSENC_F32, label): bf16 and f16 at HEAD_DIMS, f32 (the forward
-    # kernels only) at F32_HEAD_DIMS.
+    # (dims, -DPOSENC_BF16, -DPOSENC_F32, label): bf16 and f16 at HEAD_DIMS, f32 at
+    # F32_HEAD_DIMS.
     for dims, bf16, f32, name in ((consts("HEAD_DIMS"), 1, 0, "bf16"), (consts("HEAD_DIMS"), 0, 0, "f16"),
                                   (consts("F32_HEAD_DIMS"), 0, 1, "f32")):
         for d in dims:

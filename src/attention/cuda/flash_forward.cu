@@ -1,6 +1,7 @@
-// The fused attention forward on CUDA (FlashAttention-2's schedule, Dao 2023), bf16 or f16
-// operands on tensor cores, f32 accumulation; inference. f32 operands (POSENC_F32) are computed
-// in f32 on the same tensor cores: each product as three TF32 products (below).
+// The fused attention on CUDA (FlashAttention-2's schedule, Dao 2023), bf16 or f16 operands on
+// tensor cores, f32 accumulation: the forward here, the backward further down. f32 operands
+// (POSENC_F32) are computed in f32 on the same tensor cores: each m16n8k16 product below as
+// three TF32 m16n8k8 products per k8 half (see mma).
 //
 //   for each (b, h) and each tile of BM = 64 queries i (one thread block, 4 warps × 16 rows):
 //       m_i = sink_h or −∞,  l_i = 1 or 0,  acc_i = 0
@@ -59,8 +60,8 @@
 #define FBN 64
 #endif
 #define THREADS 128
-// Shared rows padded by 8 elements (16 bytes of bf16: the 8 rows one ldmatrix reads fall in
-// different banks).
+// Shared rows padded by 8 elements (16 bytes of bf16, 32 of f32; for bf16 the 8 rows one
+// ldmatrix reads fall in different banks).
 #define STRIDE (HEAD_DIM + 8)
 #define MAX_TERMS 4
 #define NEG_MAX (-3.402823466e38f)
@@ -711,7 +712,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) posenc_flash_combine(cons
 //
 //   δ_i = dO_i · O_i                                              (posenc_flash_delta)
 //   for each (b, KV head, tile of BN = 64 keys J) (one thread block; warp w owns 16 keys):
-//       for each head h of the group, each tile of BQ = 64 (32 above d64) queries I that can
+//       for each head h of the group, each tile of BQ = 64 (32 above d64 and for f32) queries I that can
 //       see J:
 //           Sᵀ = k_J q_Iᵀ, then the logits as the forward's; Pᵀ = e^(S − m_i) / l_i (saved stats)
 //           dPᵀ = v_J dO_Iᵀ, plus dO_i · a[c(i, j)] with a value term (read from value_dp,

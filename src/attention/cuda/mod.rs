@@ -64,7 +64,9 @@ const COMBINE_ENTRY: &str = "posenc_flash_combine";
 const DELTA_ENTRY: &str = "posenc_flash_delta";
 const BACKWARD_ENTRY: &str = "posenc_flash_backward";
 
-/// Queries per thread block of the forward kernel (`BM`), and keys per tile (`BN`).
+/// Queries per thread block of the forward kernel (`BM`), and keys per block of the backward
+/// (`BN`; the forward's key tiles are as many, or 32 with f32 operands, and key splits are
+/// multiples of this).
 const TILE: usize = 64;
 
 /// 0: not yet read from the environment; 1: off; 2: on.
@@ -288,10 +290,14 @@ impl CudaCore<'_> {
                 self.k.shape(),
             ));
         }
-        if !HEAD_DIMS.contains(&d) || b > 65_535 || h > 65_535 {
+        let dims: &[usize] = match self.q.dtype() {
+            DType::F32 => &F32_HEAD_DIMS,
+            _ => &HEAD_DIMS,
+        };
+        if !dims.contains(&d) || b > 65_535 || h > 65_535 {
             return Err(Error::shape(
                 "queries of the CUDA attention kernel",
-                format!("(≤ 65535, ≤ 65535, queries, one of {HEAD_DIMS:?})"),
+                format!("(≤ 65535, ≤ 65535, queries, one of {dims:?})"),
                 self.q.shape(),
             ));
         }
@@ -308,23 +314,12 @@ impl CudaCore<'_> {
                 });
             }
         }
-        match self.q.dtype() {
-            DType::BF16 | DType::F16 => {}
-            DType::F32 if F32_HEAD_DIMS.contains(&d) => {}
-            DType::F32 => {
-                return Err(Error::shape(
-                    "f32 queries of the CUDA attention kernel",
-                    format!("a head dimension in {F32_HEAD_DIMS:?}"),
-                    self.q.shape(),
-                ))
-            }
-            got => {
-                return Err(Error::DType {
-                    what: "queries of the CUDA attention kernel",
-                    expected: "bf16, f16 or f32",
-                    got,
-                })
-            }
+        if !matches!(self.q.dtype(), DType::BF16 | DType::F16 | DType::F32) {
+            return Err(Error::DType {
+                what: "queries of the CUDA attention kernel",
+                expected: "bf16, f16 or f32",
+                got: self.q.dtype(),
+            });
         }
         let (ob, rows, oh, od) = out.dims4()?;
         if (ob, oh, od) != (b, h, d) || rows < first_row + tq || !out.is_contiguous() {
