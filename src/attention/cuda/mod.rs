@@ -55,6 +55,15 @@ pub(crate) const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
 /// takes 46,724 bytes at 64. Other f32 heads take candle's ops.
 pub(crate) const F32_HEAD_DIMS: [usize; 2] = [32, 64];
 
+/// The head dimensions the kernels have for operands of `dtype` (none for other dtypes).
+fn head_dims(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::BF16 | DType::F16 => &HEAD_DIMS,
+        DType::F32 => &F32_HEAD_DIMS,
+        _ => &[],
+    }
+}
+
 /// Additive terms one launch reads.
 const MAX_TERMS: usize = 4;
 
@@ -117,11 +126,7 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let (Ok((b, h, _, d)), Ok((kb, hkv, tk, kd))) = (q.dims4(), k.dims4()) else {
         return false;
     };
-    let specialised = match q.dtype() {
-        DType::BF16 | DType::F16 => HEAD_DIMS.contains(&d),
-        DType::F32 => F32_HEAD_DIMS.contains(&d),
-        _ => false,
-    };
+    let specialised = head_dims(q.dtype()).contains(&d);
     let shapes = kb == b && kd == d && v.dims() == k.dims() && hkv > 0 && h % hkv == 0 && tk > 0;
     specialised && same && shapes && b <= 65_535 && h <= 65_535 && capable(q)
 }
@@ -290,9 +295,10 @@ impl CudaCore<'_> {
                 self.k.shape(),
             ));
         }
-        let dims: &[usize] = match self.q.dtype() {
-            DType::F32 => &F32_HEAD_DIMS,
-            _ => &HEAD_DIMS,
+        // Other dtypes are refused by name below.
+        let dims = match head_dims(self.q.dtype()) {
+            [] => &HEAD_DIMS[..],
+            dims => dims,
         };
         if !dims.contains(&d) || b > 65_535 || h > 65_535 {
             return Err(Error::shape(
@@ -1056,10 +1062,9 @@ mod tests {
     /// library must be found: it runs with the `cuda::` tests on a GPU machine).
     #[test]
     fn cuda_specialisations_compile() -> Result<()> {
-        let specs = HEAD_DIMS
-            .iter()
-            .flat_map(|&d| [(d, DType::BF16), (d, DType::F16)])
-            .chain(F32_HEAD_DIMS.iter().map(|&d| (d, DType::F32)));
+        let specs = [DType::BF16, DType::F16, DType::F32]
+            .into_iter()
+            .flat_map(|dtype| head_dims(dtype).iter().map(move |&d| (d, dtype)));
         for (d, dtype) in specs {
             for values in [false, true] {
                 let ptx = ptx(d, dtype, values)?;
