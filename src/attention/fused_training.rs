@@ -310,8 +310,8 @@ impl CustomOp3 for TrainOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let spec = &self.backward.spec;
         let (b, h, tq, _, d) = spec.dims;
-        let mut out = zeroed(b * tq * h * d, "output")?;
-        let mut stats = zeroed(b * h * tq * 2, "statistics")?;
+        let mut out = zeroed(b * tq * h * d, "fused training: output")?;
+        let mut stats = zeroed(b * h * tq * 2, "fused training: statistics")?;
         spec.run(
             [(s1, l1), (s2, l2), (s3, l3)],
             OutPtr(out.as_mut_ptr()),
@@ -342,11 +342,11 @@ impl CustomOp3 for TrainOp {
     }
 }
 
-/// `n` zeros, or an error when the allocation fails.
-fn zeroed(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
+/// `n` zeros, or an error naming `what` when the allocation fails.
+pub(super) fn zeroed(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n)
-        .map_err(|e| candle_core::Error::Msg(format!("fused training: {what}: {e}")))?;
+        .map_err(|e| candle_core::Error::Msg(format!("{what} ({n} values): {e}")))?;
     v.resize(n, 0.0);
     Ok(v)
 }
@@ -424,7 +424,7 @@ impl Backward {
         let do_host = contiguous_f32(&do_guard, b * tq * h * d)?;
         let o_host = contiguous_f32(&o_guard, b * tq * h * d)?;
         // δ_i = dO_i · O_i, per (b, h, i).
-        let mut delta = zeroed(b * h * tq, "row deltas")?;
+        let mut delta = zeroed(b * h * tq, "fused training: row deltas")?;
         delta.par_iter_mut().enumerate().for_each(|(r, x)| {
             let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
             let at = ((bi * tq + i) * h + hi) * d;
@@ -434,9 +434,9 @@ impl Backward {
                 .map(|(a, b)| a * b)
                 .sum();
         });
-        let mut dq = zeroed(b * h * tq * d, "dq")?;
-        let mut dk = zeroed(b * hkv * tk * d, "dk")?;
-        let mut dv = zeroed(b * hkv * tk * d, "dv")?;
+        let mut dq = zeroed(b * h * tq * d, "fused training: dq")?;
+        let mut dk = zeroed(b * hkv * tk * d, "fused training: dk")?;
+        let mut dv = zeroed(b * hkv * tk * d, "fused training: dv")?;
         let key_tiles = tk.div_ceil(self.tiles.keys).max(1);
         let threads = rayon::current_num_threads().max(1);
         let shares = self
@@ -526,7 +526,7 @@ impl Backward {
         let mut extras: Vec<Option<Tensor>> = vec![None; self.extras.len()];
         for (nth, term) in self.terms.iter().enumerate() {
             let [tb, th, tr, tw] = term.dims;
-            let mut grad = zeroed(tb * th * tr * tw, "term gradient")?;
+            let mut grad = zeroed(tb * th * tr * tw, "fused training: term gradient")?;
             for (task, p) in tasks.iter().zip(&partials) {
                 let part = &p.terms[nth];
                 let heads = if th == 1 { 1 } else { group };
@@ -544,7 +544,7 @@ impl Backward {
             );
         }
         if let (Some(extra), Some(w)) = (self.table, width) {
-            let mut grad = zeroed(w * d, "value table gradient")?;
+            let mut grad = zeroed(w * d, "fused training: value table gradient")?;
             for p in &partials {
                 for (x, y) in grad.iter_mut().zip(&p.table) {
                     *x += y;
@@ -616,20 +616,23 @@ impl Ctx<'_> {
         let mut partial = Partial {
             dq: match self.shares {
                 1 => Vec::new(),
-                _ => zeroed(group * tq * d, "partial dq")?,
+                _ => zeroed(group * tq * d, "fused training: partial dq")?,
             },
             terms: Vec::new(),
             table: match (self.want_table, self.values) {
-                (true, Some((_, _, w))) => zeroed(w * d, "partial value table gradient")?,
+                (true, Some((_, _, w))) => {
+                    zeroed(w * d, "fused training: partial value table gradient")?
+                }
                 _ => Vec::new(),
             },
         };
         for term in self.terms {
             let [_, th, tr, tw] = term.dims;
             let heads = if th == 1 { 1 } else { group };
-            partial
-                .terms
-                .push(zeroed(heads * tr * tw, "partial term gradient")?);
+            partial.terms.push(zeroed(
+                heads * tr * tw,
+                "fused training: partial term gradient",
+            )?);
         }
         let dq_base = match self.shares {
             1 => outs

@@ -33,6 +33,7 @@ use super::blocks::{Chunk, Path};
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::KvCache;
 use super::latent::LatentProjections;
+use super::linear_node::{self, Arrange};
 use super::mask::check_padding;
 use super::projection;
 use super::qk_norm::{rms_normalized, QkNorm};
@@ -381,11 +382,18 @@ impl MultiHeadAttention {
             let out = attended.out.to_dtype(dtype)?;
             let merged = match &self.projections {
                 Projections::Latent(latent) => latent.values_of(&out)?,
-                Projections::Separate { .. } => {
-                    out.reshape((b, t, cfg.num_heads * cfg.head_dim))?
-                }
+                Projections::Separate { .. } => out,
             };
-            let output = projection::project(&self.o_proj, &merged)?;
+            // Training on the CPU in f32: the output projection as one node of the graph,
+            // reading the heads `(B, T, H, D)` as rows of H·D.
+            let node = match differentiable {
+                true => linear_node::linear(&self.o_proj, &merged, Arrange::Rows(vec![b, t]))?,
+                false => None,
+            };
+            let output = match node {
+                Some(output) => output,
+                None => projection::project(&self.o_proj, &merged.reshape((b, t, ()))?)?,
+            };
             // A streaming cache forgets what falls between its sinks and its window.
             if let Some(cache) = cache.as_deref_mut() {
                 cache.evict()?;
@@ -527,6 +535,13 @@ impl MultiHeadAttention {
                 return Ok((keep(q), keep(k), keep(v)));
             }
         };
+        // Training on the CPU in f32 without norms: each projection one node of the graph,
+        // written heads first.
+        if differentiable && self.qk_norm.is_none() && cfg.value_norm.is_none() {
+            if let Some(qkv) = self.project_nodes(x, (q, k, v.as_ref()))? {
+                return Ok(qkv);
+            }
+        }
         // `norm`: Some(false) queries, Some(true) keys (their norms), None values.
         let split = |y: Tensor, heads: usize, norm: Option<bool>| -> Result<Tensor> {
             let (b, len, _) = y.dims3()?;
@@ -586,6 +601,41 @@ impl MultiHeadAttention {
             false => values,
         };
         Ok((split(queries, cfg.num_heads, Some(false))?, keys, values))
+    }
+
+    /// The projections as nodes of the graph written heads first ([`linear_node`]), or `None`
+    /// where the nodes do not apply (another device or dtype).
+    fn project_nodes(
+        &self,
+        x: &Tensor,
+        (q, k, v): (&Linear, &Linear, Option<&Linear>),
+    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+        let cfg = &self.config;
+        let Ok((batch, len, _)) = x.dims3() else {
+            return Ok(None);
+        };
+        let node = |linear: &Linear, heads: usize| {
+            let arrange = Arrange::Heads {
+                batch,
+                len,
+                heads,
+                head_dim: cfg.head_dim,
+            };
+            linear_node::linear(linear, x, arrange)
+        };
+        let (Some(queries), Some(keys)) = (node(q, cfg.num_heads)?, node(k, cfg.num_kv_heads)?)
+        else {
+            return Ok(None);
+        };
+        let values = match v {
+            Some(v) => match node(v, cfg.num_kv_heads)? {
+                Some(values) => values,
+                None => return Ok(None),
+            },
+            // Values read from the keys' projection get storage of their own, as below.
+            None => keys.copy()?,
+        };
+        Ok(Some((queries, keys, values)))
     }
 
     /// Checks what the input hook returned: the shape, dtype and device of the input it was

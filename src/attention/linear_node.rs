@@ -1,0 +1,492 @@
+//! A linear projection as one node of candle's graph, for training on the CPU in f32.
+//!
+//! ```text
+//! forward:   y = x Wᵀ + b          x: rows × in (as stored)   W: (out, in)   b: (out)
+//! backward:  ∂x = ∂y W    ∂W = ∂yᵀ x    ∂b = Σ_rows ∂y
+//! ```
+//!
+//! candle's `Linear` is four nodes of its graph (a reshape of x, `Wᵀ`, the product, a reshape
+//! back), and the block splits the result into heads in a fifth. candle's backward starts
+//! every node's gradient as a zero-filled tensor and adds into it, so each projection cost
+//! half a dozen fresh tensors the size of its input or output (and their page faults) besides
+//! its products. Here one node writes `y` in the layout the block wants, rows `(…, out)` or
+//! heads first `(B, H, T, D)` with `out = H·D` ([`Arrange`]), and its backward computes ∂x, ∂W
+//! and ∂b with `gemm` directly, each only for an input that tracks gradients.
+//!
+//! Elsewhere (another device or dtype) [`linear`] answers `None` and the block keeps
+//! candle's `Linear`.
+
+use std::cell::Cell;
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_nn::Linear;
+use rayon::prelude::*;
+
+use super::fused_attention::product_parallel;
+use super::fused_training::zeroed;
+use crate::error::Result;
+
+/// How a projection's output is laid out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Arrange {
+    /// `(lead…, out)`: the rows in the input's order.
+    Rows(Vec<usize>),
+    /// `(B, H, T, D)` from `B·T` rows of `H·D` features: the heads split out and moved first.
+    Heads {
+        batch: usize,
+        len: usize,
+        heads: usize,
+        head_dim: usize,
+    },
+}
+
+/// `linear(x)` as one node ([`Arrange`] says how the output is laid out), or `None` where the
+/// node does not apply: another device or dtype than f32 on the CPU, or sizes that do not fit
+/// (the caller then takes candle's `Linear`). `x` holds its rows of `in` features in order.
+///
+/// # Errors
+/// The output or its scratch rows cannot be allocated; candle's errors.
+pub(crate) fn linear(linear: &Linear, x: &Tensor, arrange: Arrange) -> Result<Option<Tensor>> {
+    let w = linear.weight();
+    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    let Ok((out, inner)) = w.dims2() else {
+        return Ok(None);
+    };
+    if !f32_cpu(x) || !f32_cpu(w) || inner == 0 || out == 0 {
+        return Ok(None);
+    }
+    if linear
+        .bias()
+        .is_some_and(|b| !f32_cpu(b) || b.dims() != [out])
+    {
+        return Ok(None);
+    }
+    // x: the arrangement's leading axes, then axes holding one row of `in` features.
+    let (lead, heads_fit) = match &arrange {
+        Arrange::Rows(lead) => (lead.as_slice(), true),
+        Arrange::Heads {
+            batch,
+            len,
+            heads,
+            head_dim,
+        } => (
+            &[*batch, *len][..],
+            heads.checked_mul(*head_dim) == Some(out),
+        ),
+    };
+    let row = x
+        .dims()
+        .get(lead.len()..)
+        .map(|r| r.iter().product::<usize>());
+    if !heads_fit || !x.dims().starts_with(lead) || row != Some(inner) || x.elem_count() == 0 {
+        return Ok(None);
+    }
+    let node = Node {
+        arrange,
+        out,
+        inner,
+    };
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    Ok(Some(match linear.bias() {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, node)?,
+        None => x.apply_op2(&w, node)?,
+    }))
+}
+
+/// The op: its output's arrangement and the weight's `(out, in)`.
+struct Node {
+    arrange: Arrange,
+    out: usize,
+    inner: usize,
+}
+
+/// Scratch rows kept per thread up to this many values (64 MiB); larger ones are freed.
+const KEEP: usize = 1 << 24;
+
+thread_local! {
+    /// Rows `(B·T, H·D)` for the heads-first arrangement. Taken out while in use, so that a
+    /// nested call (rayon may run another task on this thread inside `gemm`) makes its own.
+    static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// `f` with `n` values of this thread's scratch (their contents unspecified).
+fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> candle_core::Result<R> {
+    let mut buf = SCRATCH.take();
+    if buf.len() < n {
+        buf.clear();
+        buf.try_reserve_exact(n)
+            .map_err(|e| candle_core::Error::Msg(format!("projection rows ({n} values): {e}")))?;
+        buf.resize(n, 0.0);
+    }
+    let r = f(&mut buf[..n]);
+    if buf.capacity() <= KEEP {
+        SCRATCH.set(buf);
+    }
+    Ok(r)
+}
+
+/// The `n` values of a contiguous f32 CPU storage, or candle's error.
+fn values<'a>(s: &'a CpuStorage, l: &Layout, n: usize) -> candle_core::Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(d), Some((start, end))) if end - start == n && end <= d.len() => {
+            Ok(&d[start..end])
+        }
+        _ => candle_core::bail!("projection node: expected {n} contiguous f32 values"),
+    }
+}
+
+/// `(B, H, T, D)` from rows `(B·T, H·D)`.
+fn rows_to_heads(rows: &[f32], heads_first: &mut [f32], (len, heads, d): (usize, usize, usize)) {
+    let out = heads * d;
+    heads_first
+        .par_chunks_mut(len * d)
+        .enumerate()
+        .for_each(|(bh, dst)| {
+            let (b, h) = (bh / heads, bh % heads);
+            for (t, dst) in dst.chunks_exact_mut(d).enumerate() {
+                let src = (b * len + t) * out + h * d;
+                dst.copy_from_slice(&rows[src..src + d]);
+            }
+        });
+}
+
+/// Rows `(B·T, H·D)` from `(B, H, T, D)`.
+fn heads_to_rows(heads_first: &[f32], rows: &mut [f32], (len, heads, d): (usize, usize, usize)) {
+    rows.par_chunks_mut(heads * d)
+        .enumerate()
+        .with_min_len(64)
+        .for_each(|(r, dst)| {
+            let (b, t) = (r / len, r % len);
+            for (h, dst) in dst.chunks_exact_mut(d).enumerate() {
+                let src = ((b * heads + h) * len + t) * d;
+                dst.copy_from_slice(&heads_first[src..src + d]);
+            }
+        });
+}
+
+impl Node {
+    fn shape(&self) -> Shape {
+        match &self.arrange {
+            Arrange::Rows(lead) => {
+                let mut dims = lead.clone();
+                dims.push(self.out);
+                Shape::from(dims)
+            }
+            &Arrange::Heads {
+                batch,
+                len,
+                heads,
+                head_dim,
+            } => Shape::from((batch, heads, len, head_dim)),
+        }
+    }
+
+    /// `(T, H, D)` of the heads-first arrangement.
+    fn heads(&self) -> Option<(usize, usize, usize)> {
+        match self.arrange {
+            Arrange::Rows(_) => None,
+            Arrange::Heads {
+                len,
+                heads,
+                head_dim,
+                ..
+            } => Some((len, heads, head_dim)),
+        }
+    }
+
+    /// `x Wᵀ + b` in the node's arrangement.
+    fn forward(
+        &self,
+        (x, lx): (&CpuStorage, &Layout),
+        (w, lw): (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (out, inner) = (self.out, self.inner);
+        let rows = lx.shape().elem_count() / inner;
+        let x = values(x, lx, rows * inner)?;
+        let w = values(w, lw, out * inner)?;
+        let bias = bias.map(|(b, lb)| values(b, lb, out)).transpose()?;
+        let product = |y: &mut [f32]| {
+            if let Some(b) = bias {
+                y.par_chunks_mut(out)
+                    .with_min_len(64)
+                    .for_each(|row| row.copy_from_slice(b));
+            }
+            // SAFETY: x holds rows × in values, W out × in (checked by `values`), y rows ×
+            // out; `Wᵀ` is read with column stride `in`.
+            unsafe {
+                product_parallel(
+                    (rows, out, inner),
+                    (y.as_mut_ptr(), out, bias.is_some()),
+                    (x.as_ptr(), 1, inner),
+                    (w.as_ptr(), inner, 1),
+                )
+            }
+        };
+        let mut y = zeroed(rows * out, "projection output")?;
+        match self.heads() {
+            None => product(&mut y),
+            Some(dims) => with_scratch(rows * out, |scratch| {
+                product(scratch);
+                rows_to_heads(scratch, &mut y, dims);
+            })?,
+        }
+        Ok((CpuStorage::F32(y), self.shape()))
+    }
+
+    /// ∂x, ∂W and ∂b from ∂y, each for an input that tracks gradients.
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        grad: &Tensor,
+    ) -> candle_core::Result<[Option<Tensor>; 3]> {
+        let (out, inner) = (self.out, self.inner);
+        let rows = x.elem_count() / inner;
+        let grad = grad.contiguous()?;
+        let (gs, gl) = grad.storage_and_layout();
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (
+            candle_core::Storage::Cpu(gs),
+            candle_core::Storage::Cpu(xs),
+            candle_core::Storage::Cpu(ws),
+        ) = (&*gs, &*xs, &*ws)
+        else {
+            candle_core::bail!("projection node: expected CPU tensors")
+        };
+        let g = values(gs, gl, rows * out)?;
+        let xv = values(xs, xl, rows * inner)?;
+        let wv = values(ws, wl, out * inner)?;
+        let from_rows = |g: &[f32]| -> candle_core::Result<[Option<Tensor>; 3]> {
+            // SAFETY: ∂y holds rows × out values, W out × in (checked by `values`); ∂x is
+            // rows × in.
+            let dx = unsafe {
+                gradient(
+                    x,
+                    (rows, inner, out),
+                    (g.as_ptr(), 1, out),
+                    (wv.as_ptr(), 1, inner),
+                )
+            }?;
+            // SAFETY: ∂yᵀ is read from rows × out values with column stride `out`; x holds
+            // rows × in (checked by `values`); ∂W is out × in.
+            let dw = unsafe {
+                gradient(
+                    w,
+                    (out, inner, rows),
+                    (g.as_ptr(), out, 1),
+                    (xv.as_ptr(), 1, inner),
+                )
+            }?;
+            let db = match bias.filter(|b| b.track_op()) {
+                Some(b) => {
+                    let mut db = vec![0f32; out];
+                    for row in g.chunks_exact(out) {
+                        db.iter_mut().zip(row).for_each(|(s, g)| *s += g);
+                    }
+                    Some(Tensor::from_vec(db, b.shape(), b.device())?)
+                }
+                None => None,
+            };
+            Ok([dx, dw, db])
+        };
+        match self.heads() {
+            None => from_rows(g),
+            Some(dims) => with_scratch(rows * out, |scratch| {
+                heads_to_rows(g, scratch, dims);
+                from_rows(scratch)
+            })?,
+        }
+    }
+}
+
+/// `lhs · rhs`, `(m, n)` with `n` contiguous, as a tensor of `input`'s shape (its gradient),
+/// or `None` when `input` tracks no gradients.
+///
+/// # Safety
+/// As [`product_parallel`]'s lhs and rhs: the views `(pointer, column stride, row stride)` of
+/// `m × k` and `k × n` elements lie inside their allocations; `input` holds `m · n` elements.
+unsafe fn gradient(
+    input: &Tensor,
+    (m, n, k): (usize, usize, usize),
+    lhs: (*const f32, usize, usize),
+    rhs: (*const f32, usize, usize),
+) -> candle_core::Result<Option<Tensor>> {
+    if !input.track_op() {
+        return Ok(None);
+    }
+    let mut grad = zeroed(m * n, "projection gradient")?;
+    // SAFETY: the caller's contract; `grad` holds m × n values.
+    unsafe { product_parallel((m, n, k), (grad.as_mut_ptr(), n, false), lhs, rhs) };
+    Ok(Some(Tensor::from_vec(grad, input.shape(), input.device())?))
+}
+
+impl CustomOp2 for Node {
+    fn name(&self) -> &'static str {
+        "posenc-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.forward((x, lx), (w, lw), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let [dx, dw, _] = self.backward(x, w, None, grad)?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for Node {
+    fn name(&self) -> &'static str {
+        "posenc-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.forward((x, lx), (w, lw), Some((b, lb)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dx, dw, db] = self.backward(x, w, Some(b), grad)?;
+        Ok((dx, dw, db))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Module, Var};
+
+    use super::*;
+
+    /// The largest absolute difference of two tensors of one shape.
+    fn max_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
+        assert_eq!(a.dims(), b.dims());
+        Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    }
+
+    /// The node's output and its gradients to x, W and b (whichever track) equal candle's
+    /// `Linear` followed by the same reshapes under candle's autograd, for both arrangements,
+    /// with and without a bias, with a strided input, and with only some inputs tracking.
+    #[test]
+    fn equals_candle_autograd() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let (b, t, heads, d, inner) = (2, 5, 3, 4, 7);
+        let out = heads * d;
+        for bias in [false, true] {
+            for (track_x, track_w) in [(true, true), (true, false), (false, true)] {
+                for strided in [false, true] {
+                    for by_heads in [false, true] {
+                        let xv = match strided {
+                            false => Var::randn(0f32, 1.0, (b, t, inner), &dev)?,
+                            true => Var::randn(0f32, 1.0, (t, b, inner), &dev)?,
+                        };
+                        let x = match (strided, track_x) {
+                            (false, true) => xv.as_tensor().clone(),
+                            (true, true) => xv.as_tensor().transpose(0, 1)?,
+                            (false, false) => xv.as_tensor().detach(),
+                            (true, false) => xv.as_tensor().detach().transpose(0, 1)?,
+                        };
+                        let w = Var::randn(0f32, 1.0, (out, inner), &dev)?;
+                        let bv = Var::randn(0f32, 1.0, out, &dev)?;
+                        let weight = match track_w {
+                            true => w.as_tensor().clone(),
+                            false => w.as_tensor().detach(),
+                        };
+                        let linear = Linear::new(weight, bias.then(|| bv.as_tensor().clone()));
+                        let arrange = match by_heads {
+                            false => Arrange::Rows(vec![b, t]),
+                            true => Arrange::Heads {
+                                batch: b,
+                                len: t,
+                                heads,
+                                head_dim: d,
+                            },
+                        };
+                        let got = super::linear(&linear, &x, arrange)?.expect("f32 on the CPU");
+                        let want = linear.forward(&x)?;
+                        let want = match by_heads {
+                            false => want,
+                            true => want.reshape((b, t, heads, d))?.transpose(1, 2)?,
+                        };
+                        assert!(max_diff(&got, &want)? < 1e-5);
+                        // A probe that is not all ones, so that each gradient mixes rows.
+                        let probe = Tensor::randn(0f32, 1.0, got.shape(), &dev)?;
+                        let g_got = (&got * &probe)?.sum_all()?.backward()?;
+                        let g_want = (&want * &probe)?.sum_all()?.backward()?;
+                        for (var, tracked) in [(&xv, track_x), (&w, track_w), (&bv, bias)] {
+                            let (a, e) = (g_got.get(var), g_want.get(var));
+                            match tracked {
+                                true => {
+                                    let (a, e) = (a.expect("a gradient"), e.expect("candle's"));
+                                    assert!(max_diff(a, e)? < 1e-5, "bias {bias} x {track_x} w {track_w} strided {strided} heads {by_heads}");
+                                }
+                                false => assert!(a.is_none() && e.is_none()),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the node does not apply (another dtype, sizes that do not fit the arrangement)
+    /// it answers `None`, and the caller keeps candle's `Linear`.
+    #[test]
+    fn declines_what_it_does_not_fit() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let linear = Linear::new(Tensor::randn(0f32, 1.0, (6, 4), &dev)?, None);
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?;
+        let half = Linear::new(linear.weight().to_dtype(DType::BF16)?, None);
+        assert!(
+            super::linear(&half, &x.to_dtype(DType::BF16)?, Arrange::Rows(vec![2, 3]))?.is_none()
+        );
+        assert!(super::linear(&linear, &x, Arrange::Rows(vec![3, 3]))?.is_none());
+        let heads = |heads, head_dim| Arrange::Heads {
+            batch: 2,
+            len: 3,
+            heads,
+            head_dim,
+        };
+        assert!(super::linear(&linear, &x, heads(4, 2))?.is_none());
+        assert!(super::linear(&linear, &x, heads(3, 2))?.is_some());
+        for other in [(2, 3, 5), (2, 2, 6)] {
+            let other = Tensor::randn(0f32, 1.0, other, &dev)?;
+            assert!(super::linear(&linear, &other, Arrange::Rows(vec![2, 3]))?.is_none());
+            assert!(super::linear(&linear, &other, heads(3, 2))?.is_none());
+        }
+        // Rows of one row's features spread over two axes, as the heads `(B, T, H, D)`.
+        let split = x.reshape((2, 3, 2, 2))?;
+        let y = super::linear(&linear, &split, Arrange::Rows(vec![2, 3]))?.expect("fits");
+        assert!(max_diff(&y, &linear.forward(&x)?)? < 1e-6);
+        Ok(())
+    }
+}
