@@ -1,4 +1,4 @@
-//! A linear projection as one node of candle's graph, for training on the CPU in f32.
+//! A linear projection as one node of candle's graph, on the CPU in f32.
 //!
 //! ```text
 //! forward:   y = x Wᵀ + b          x: rows × in (as stored)   W: (out, in)   b: (out)
@@ -11,7 +11,8 @@
 //! half a dozen fresh tensors the size of its input or output (and their page faults) besides
 //! its products. Here one node writes `y` in the layout the block wants, rows `(…, out)` or
 //! heads first `(B, H, T, D)` with `out = H·D` ([`Arrange`]), and its backward computes ∂x, ∂W
-//! and ∂b with `gemm` directly, each only for an input that tracks gradients.
+//! and ∂b with `gemm` directly, each only for an input that tracks gradients. Where nothing
+//! tracks (inference) the same forward writes the heads without a copy of the rows.
 //!
 //! Elsewhere (another device or dtype) [`linear`] answers `None` and the block keeps
 //! candle's `Linear`.

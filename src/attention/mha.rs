@@ -535,9 +535,12 @@ impl MultiHeadAttention {
                 return Ok((keep(q), keep(k), keep(v)));
             }
         };
-        // Training on the CPU in f32 without norms: each projection one node of the graph,
-        // written heads first.
-        if differentiable && self.qk_norm.is_none() && cfg.value_norm.is_none() {
+        // On the CPU in f32 without norms: each projection written heads first by `gemm` and
+        // one pass (no copy of the rows), as one node of the graph when training. A few rows
+        // (a decoding step) take the one pass over all three weights below instead.
+        let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+        let nodes = differentiable || rows > projection::FEW_ROWS;
+        if nodes && self.qk_norm.is_none() && cfg.value_norm.is_none() {
             if let Some(qkv) = self.project_nodes(x, (q, k, v.as_ref()))? {
                 return Ok(qkv);
             }
@@ -603,8 +606,9 @@ impl MultiHeadAttention {
         Ok((split(queries, cfg.num_heads, Some(false))?, keys, values))
     }
 
-    /// The projections as nodes of the graph written heads first ([`linear_node`]), or `None`
-    /// where the nodes do not apply (another device or dtype).
+    /// The projections written heads first ([`linear_node`]; nodes of the graph where
+    /// anything tracks gradients), or `None` where they do not apply (another device or
+    /// dtype). Each is fresh storage of its own, so the rotation hook may turn q and k in place.
     fn project_nodes(
         &self,
         x: &Tensor,
