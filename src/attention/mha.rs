@@ -618,6 +618,8 @@ impl MultiHeadAttention {
         let Ok((batch, len, _)) = x.dims3() else {
             return Ok(None);
         };
+        // One copy of a strided input for all three (each node would make its own).
+        let x = &x.contiguous()?;
         let node = |linear: &Linear, heads: usize| {
             let arrange = Arrange::Heads {
                 batch,
