@@ -235,6 +235,16 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
             "subnormal linear factor",
             RopeScaling::Linear { factor: 1e-310 },
         ),
+        // ω = 1/factor = 4.5e307: position 4's angle overflowed f64 and the table refused
+        // position 4 at the forward (the fuzz target, run 25). Inverse frequencies past
+        // f64::MAX / 2^53 are refused where the scaling is built, whatever the positions.
+        (
+            "linear factor f64::MIN_POSITIVE",
+            RopeScaling::Linear {
+                factor: f64::MIN_POSITIVE,
+            },
+        ),
+        ("NTK alpha 1e-300", RopeScaling::NtkAware { alpha: 1e-300 }),
         ("LongRoPE original length 1", longrope(1, None)),
         (
             "YaRN attention factor 1e300",

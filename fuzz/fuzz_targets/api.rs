@@ -2031,6 +2031,7 @@ impl Case {
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, dtype, &dev);
         let enc_config = self.enc.config(&cfg, flags);
+        trace(|| format!("encoding {enc_config:?}"));
         let (encoding, enc_dropout, xpos, custom_moderate): (
             Option<Arc<dyn PositionalEncoding>>,
             f32,

@@ -27,6 +27,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+/// The largest inverse frequency a table takes: `f64::MAX / 2^53`, about 2.0e292, so that
+/// `n · ω` is finite in f64 for every position `n` up to 2^53.
+pub const MAX_INV_FREQ: f64 = f64::MAX / 9_007_199_254_740_992.0;
+
 /// Inverse frequencies and the factor that multiplies cos and sin.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeFrequencies {
@@ -37,23 +41,27 @@ pub struct RopeFrequencies {
 }
 
 impl RopeFrequencies {
-    /// Checks that these frequencies give finite f32 tables: every inverse frequency finite and
-    /// ≥ 0, the attention factor finite, > 0 and within f32's normal range. A scaling whose
-    /// settings pass one by one can still fail here (a LongRoPE original length of 1 makes
-    /// `ln 1 = 0` a divisor; a YaRN attention factor of 1e300 overflows f32).
+    /// Checks that these frequencies give finite f32 tables: every inverse frequency ≥ 0 and at
+    /// most [`MAX_INV_FREQ`] (so that the angle `n · ω` is finite at every position up to
+    /// 2^53, past which f64 no longer holds positions exactly), the attention factor finite,
+    /// positive and within f32's normal range. A scaling whose settings pass one by one can
+    /// still fail here (a LongRoPE original length of 1 makes `ln 1 = 0` a divisor; a YaRN
+    /// attention factor of 1e300 overflows f32; a linear factor of 1e-300 puts `ω` at 1e300).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] naming the scaling (`scaling`) and the value that is not finite.
+    /// [`Error::InvalidConfig`] naming the scaling (`scaling`) and the value out of range.
     pub fn check_finite(&self, scaling: &str) -> Result<()> {
         if let Some(bad) = self
             .inv_freq
             .iter()
-            .find(|f| !(f.is_finite() && **f >= 0.0))
+            .find(|f| !(**f >= 0.0 && **f <= MAX_INV_FREQ))
         {
             return Err(Error::config(
                 "rope inverse frequency",
                 bad,
-                format!("finite and >= 0; the {scaling} scaling settings give none"),
+                format!(
+                    "finite, >= 0 and at most {MAX_INV_FREQ:e}, so that position · frequency is finite up to position 2^53; the {scaling} scaling settings give none"
+                ),
             ));
         }
         let a = self.attention_factor;
