@@ -15,7 +15,8 @@
 //! tracks (inference) the same forward writes the heads without a copy of the rows.
 //!
 //! Elsewhere (another device or dtype) [`linear`] answers `None` and the block keeps
-//! candle's `Linear`. The heads-first arrangement goes through rows kept per thread (up to
+//! candle's `Linear`. Shaw's products `q · a^Kᵀ` go through the same node, the table's rows
+//! as the weights. The heads-first arrangement goes through rows kept per thread (up to
 //! 64 MiB each; larger ones are freed after the call).
 
 use std::cell::Cell;

@@ -32,7 +32,7 @@ mod fused_softmax;
 mod fused_training;
 mod kv_cache;
 mod latent;
-mod linear_node;
+pub(crate) mod linear_node;
 mod mask;
 mod mha;
 mod projection;

@@ -9,7 +9,8 @@
 //!
 //! The `(T, T, d)` tensors of the direct formula are never built. The plug's data forms carry
 //! both terms with `r(i, j)` as their column rule (a shift for offsets, a bucket map for ids):
-//! - keys: the rows `q · a^Kᵀ`, a `(Tq, d) × (d, w)` product, read at `r(i, j)`;
+//! - keys: the rows `q · a^Kᵀ`, a `(Tq, d) × (d, w)` product (on the CPU in f32 one node of
+//!   candle's graph, its backward included), read at `r(i, j)`;
 //! - values: `a^V` itself; the block sums `α` per column (`Σ_{j: r(i,j) = r} α_ij`) and
 //!   multiplies by `a^V`;
 //!
@@ -22,9 +23,10 @@
 //! - logits bias: `(B, H, Tq, Tk)`; value term: `(B, H, Tq, head_dim)`.
 
 use candle_core::Tensor;
-use candle_nn::{Init, VarBuilder};
+use candle_nn::{Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use crate::attention::linear_node::{self, Arrange};
 use crate::positions::Positions;
 
 use super::{clipped_row, query_dims, relative_buckets};
@@ -243,6 +245,12 @@ impl ShawRelativePosition {
             &[b, h, tq, width],
         )?;
         let keys = self.keys.narrow(0, lo, width)?;
+        // On the CPU in f32, the product is one node of the graph (its backward too): the
+        // queries' rows projected with the table's rows as the weights.
+        let node = Linear::new(keys.clone(), None);
+        if let Some(rows) = linear_node::linear(&node, q, Arrange::Rows(vec![b, h, tq]))? {
+            return Ok(rows);
+        }
         // In f32 at least (f64 if either side is), rounded once to q's dtype: bf16 and f16 do
         // not hold each other's range, and a table read in q's dtype could turn a zero
         // feature's term into 0 · ∞ = NaN.
