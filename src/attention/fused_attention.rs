@@ -43,7 +43,7 @@ use rayon::prelude::*;
 use super::fused_softmax::{read_storage, strided_terms, RowRule, Running, TermGuards};
 use super::widen::Widen;
 use crate::error::{Error, Result};
-use crate::plug::relative::{add_indexed_sums, add_shifted_sums_from};
+use crate::plug::relative::add_indexed_sums;
 use crate::plug::{Columns, RelativeBias, RelativeValues};
 
 /// The logits of one tile (`rows × keys` floats), which must stay in the core's cache from the
@@ -580,13 +580,24 @@ impl CoreSpec {
                             // the dropped ones.
                             dropout.apply((bi, hi, self.rule.first + i0 + li), j0, row);
                         }
+                        let sums = &mut sums[li * width..(li + 1) * width];
                         if alpha != 1.0 && j0 > lo {
                             acc[li * d..(li + 1) * d]
                                 .iter_mut()
                                 .for_each(|x| *x *= alpha);
-                            sums[li * width..(li + 1) * width]
-                                .iter_mut()
-                                .for_each(|x| *x *= alpha);
+                            sums.iter_mut().for_each(|x| *x *= alpha);
+                        }
+                        // A value term's sums per column, while the row is still in L1 (read
+                        // again after the tile's product, it comes from L2 or beyond).
+                        match values.as_ref().map(|(_, _, rule)| rule) {
+                            Some(TileColumns::Shift(shift)) => {
+                                pass.add_shifted_sums_best(row, (i0 + li, *shift, j0), sums)
+                            }
+                            Some(TileColumns::Index(index, ib)) => {
+                                let columns = index_row(index, *ib, (bi, i0 + li, j0, n), tq, tk);
+                                add_indexed_sums(row, columns, sums);
+                            }
+                            None => {}
                         }
                     }
                     // SAFETY: as above.
@@ -598,24 +609,6 @@ impl CoreSpec {
                             (vp, 1, v_rs),
                         )
                     };
-                    if let Some((_, _, rule)) = &values {
-                        for (li, (row, sums)) in s
-                            .chunks_exact(n)
-                            .zip(sums.chunks_exact_mut(width))
-                            .enumerate()
-                        {
-                            match rule {
-                                TileColumns::Shift(shift) => {
-                                    add_shifted_sums_from(row, i0 + li, *shift, j0, sums)
-                                }
-                                TileColumns::Index(index, ib) => {
-                                    let columns =
-                                        index_row(index, *ib, (bi, i0 + li, j0, n), tq, tk);
-                                    add_indexed_sums(row, columns, sums);
-                                }
-                            }
-                        }
-                    }
                 }
                 let row0 = (bi * t + self.first_row + i0) * h + hi;
                 for (li, state) in running.iter().enumerate() {

@@ -19,6 +19,7 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
+use crate::plug::relative::add_shifted_sums_from;
 use crate::plug::{row_segments_from, Columns, RelativeBias};
 
 /// A broadcast view of an additive term: storage offset and the strides of `(B, H, Tq, X)`,
@@ -647,6 +648,27 @@ impl RowPass<'_> {
         self.recompute(r, row, j0, max, inv)
     }
 
+    /// A value term's sums per column of row `i`'s weights at keys `j0..j0 + row.len()`
+    /// ([`add_shifted_sums_from`]), with the fastest build this CPU runs: the same additions
+    /// in the same order, so every build gives the same sums.
+    #[inline(always)]
+    pub(crate) fn add_shifted_sums_best(
+        &self,
+        row: &[f32],
+        (i, shift, j0): (usize, i64, usize),
+        sums: &mut [f32],
+    ) {
+        match self.isa {
+            // SAFETY: `Isa::detect` found the instructions on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { add_shifted_sums_avx512(row, (i, shift, j0), sums) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { add_shifted_sums_avx2(row, (i, shift, j0), sums) },
+            Isa::Baseline => add_shifted_sums_from(row, i, shift, j0, sums),
+        }
+    }
+
     /// [`Self::online`] compiled for AVX2 (the same operations per lane as the baseline).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
@@ -677,6 +699,20 @@ impl RowPass<'_> {
     fn run_avx512(&self, r: usize, row: &mut [f32]) {
         self.run(r, row)
     }
+}
+
+/// [`add_shifted_sums_from`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_shifted_sums_avx2(row: &[f32], (i, shift, j0): (usize, i64, usize), sums: &mut [f32]) {
+    add_shifted_sums_from(row, i, shift, j0, sums)
+}
+
+/// [`add_shifted_sums_from`] compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn add_shifted_sums_avx512(row: &[f32], (i, shift, j0): (usize, i64, usize), sums: &mut [f32]) {
+    add_shifted_sums_from(row, i, shift, j0, sums)
 }
 
 impl InplaceOp1 for BiasMaskSoftmax {

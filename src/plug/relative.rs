@@ -510,6 +510,8 @@ pub(crate) fn add_shifted_sums(row: &[f32], i: usize, shift: i64, sums: &mut [f3
 }
 
 /// [`add_shifted_sums`] for `row` holding the weights of keys `j0..j0 + row.len()` of row `i`.
+/// Inlined, so that a caller compiled for wider vectors sums with them.
+#[inline(always)]
 pub(crate) fn add_shifted_sums_from(
     row: &[f32],
     i: usize,
