@@ -5,9 +5,9 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
@@ -463,11 +463,131 @@ fn keys_as_values_keep_their_own_storage(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Another encoding's answers, with the number of queries of every `logits_bias` call.
+#[derive(Debug)]
+struct Recorded {
+    inner: Arc<dyn PositionalEncoding>,
+    calls: Mutex<Vec<usize>>,
+}
+
+impl Recorded {
+    fn new(inner: Arc<dyn PositionalEncoding>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The calls since the last take.
+    fn take(&self) -> Vec<usize> {
+        std::mem::take(&mut *self.calls.lock().expect("calls"))
+    }
+}
+
+impl PositionalEncoding for Recorded {
+    fn logits_bias(&self, q: &Tensor, ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
+        self.calls.lock().expect("calls").push(ctx.q_len);
+        self.inner.logits_bias(q, ctx)
+    }
+
+    fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
+        self.inner.value_term(ctx)
+    }
+}
+
+/// Zero rows `2·Tq` wide per query, read through a shift: a bias that changes nothing, in rows
+/// that widen faster than any span of relative distances.
+#[derive(Debug)]
+struct Widening;
+
+impl PositionalEncoding for Widening {
+    fn logits_bias(&self, q: &Tensor, _ctx: &AttentionContext) -> Result<Option<LogitsBias>> {
+        let (b, h, tq, _) = q.dims4()?;
+        let rows = Tensor::zeros((b, h, tq, 2 * tq), q.dtype(), q.device())?;
+        Ok(Some(LogitsBias::Relative(RelativeBias::new(
+            rows,
+            Columns::Shift(0),
+        )?)))
+    }
+}
+
+/// On the fused core, answers with a row per query (Shaw's) size the query blocks by the
+/// logits budget instead of the logits, and are asked for once per block: the size is
+/// predicted from two probes of 2 and 3 queries (the middle of the chunk, its end), kept when
+/// the first block's rows fit the budget, shrunk when they are wider than predicted, and left
+/// at the logits' block when even that holds too many rows. Every split gives the output of
+/// one block (for the zero bias, of the block without an encoding).
+fn rows_size_fused_blocks_once(dev: &Device) -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let x = Tensor::randn(0f32, 1.0, (2, 40, D_MODEL), dev)?;
+    // One query's logits: 2 items × 4 heads × 40 keys × 4 bytes = 1280 bytes, so the budget
+    // holds the logits of 4 queries; a query's rows of W columns take 32·W bytes.
+    let budget = 4 * 1280;
+    let shaw = |k: usize| -> anyhow::Result<Arc<dyn PositionalEncoding>> {
+        Ok(Arc::new(ShawRelativePosition::new(
+            &ShawConfig::new(HEAD_DIM, k),
+            vb.pp(format!("shaw{k}")),
+        )?))
+    };
+    let blocks = |n: usize, sizes: &[usize]| {
+        let mut calls = vec![2, 3, 2, 3];
+        calls.push(n);
+        calls.extend_from_slice(sizes);
+        calls
+    };
+    let widening: Arc<dyn PositionalEncoding> = Arc::new(Widening);
+    let cases = [
+        // Rows 7 wide at both probes: 5120 / (32 · 7) = 22 queries a block.
+        ("shaw k=3", shaw(3)?, false, blocks(22, &[18])),
+        // Causal rows as wide as the keys seen (up to 101): at the end, 4 queries' 40-column
+        // rows fill the budget, so the blocks stay at the logits' 4 (the first block's rows
+        // are 4 wide, and would have let 40 queries in).
+        (
+            "shaw k=100 causal",
+            shaw(100)?,
+            true,
+            blocks(4, &[4, 4, 4, 4, 4, 4, 4, 4, 4]),
+        ),
+        // Rows 4 and 6 wide for 2 and 3 queries foretell n + 2 columns: 11 queries; the
+        // first block's rows are 22 wide, so the blocks shrink to 5120 / (32 · 22) = 7.
+        (
+            "widening",
+            widening,
+            false,
+            vec![2, 3, 2, 3, 11, 7, 7, 7, 7, 7, 5],
+        ),
+    ];
+    for (name, enc, causal, calls) in cases {
+        let cfg = AttentionConfig::new(D_MODEL, HEADS)
+            .with_kv_heads(2)
+            .with_causal(causal);
+        let recorded = Recorded::new(enc.clone());
+        let blocked = MultiHeadAttention::new(
+            &cfg.clone().with_logits_budget(budget),
+            Some(recorded.clone()),
+            vb.pp("attn"),
+        )?;
+        let reference = match name {
+            "widening" => None,
+            _ => Some(enc),
+        };
+        let one = MultiHeadAttention::new(&cfg, reference, vb.pp("attn"))?;
+        let got = blocked.forward(&x)?;
+        if dev.is_cpu() {
+            assert_eq!(recorded.take(), calls, "{name}: queries per call");
+        }
+        assert_close(&got, &one.forward(&x)?, 1e-5, name)?;
+    }
+    Ok(())
+}
+
 device_tests!(
     keys_as_values_keep_their_own_storage,
     every_shift_on_every_path,
     shaw_far_apart,
     shaw_reads_reachable_rows,
     constructors_check,
-    misfits_are_typed_errors
+    misfits_are_typed_errors,
+    rows_size_fused_blocks_once
 );

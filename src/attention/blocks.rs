@@ -184,6 +184,17 @@ impl Chunk<'_> {
         // fully masked, so dropping the hidden keys changes nothing); otherwise every key.
         let trim_keys = self.causal && self.padding.is_none() && self.attn_mask.is_none();
         let mut spans = blocks_of(t, tk, self.block, trim_keys);
+        // The fused CPU cores allocate no logits: answers with a row per query (Shaw's) size
+        // their blocks instead (below). Predicted from the answers for two and three queries,
+        // that size is the first block's, so that its answers, which decide the path, are not
+        // computed once for the logits' block and again for the rows'.
+        let predicted = match (path, spans.len() > 1) {
+            (Path::Fused | Path::FusedTrain, true) => self.predicted_block(b * h, trim_keys)?,
+            _ => None,
+        };
+        if let Some(block) = predicted {
+            spans = blocks_of(t, tk, block, trim_keys);
+        }
         let mut first = match spans.first() {
             Some(&span) => Some(self.answers(span)?),
             None => None,
@@ -249,25 +260,42 @@ impl Chunk<'_> {
         let value_rows = 0;
         let width = match first.as_ref() {
             Some(answers) => match per_query_width(answers) {
-                Some(w) => Some(w.saturating_add(value_rows)),
-                None => (value_rows > 0 && shared_answers(answers)).then_some(value_rows),
+                Some(w) => Some(w),
+                None => (value_rows > 0 && shared_answers(answers)).then_some(0),
             },
             None => None,
         };
-        if fused && spans.len() > 1 && value_rows == 0 && first.as_ref().is_some_and(shared_answers)
-        {
+        let current = spans.first().map_or(0, |s| s.1);
+        let mut predicted = predicted.is_some();
+        if predicted {
+            match width.filter(|_| fused) {
+                // The first block's rows stand within the budget; past it (wider than the
+                // probes foretold) the blocks shrink to what it holds of them.
+                Some(width) => {
+                    let block = self.rows_block(b * h, width.saturating_add(value_rows));
+                    if block < current {
+                        spans = blocks_of(t, tk, block, trim_keys);
+                        first = Some(self.answers(spans[0])?);
+                    }
+                }
+                // No rows, or a path that keeps logits: back to the logits' blocks, and the
+                // rules below.
+                None => {
+                    spans = blocks_of(t, tk, self.block, trim_keys);
+                    first = Some(self.answers(spans[0])?);
+                    predicted = false;
+                }
+            }
+        }
+        let unpredicted = fused && spans.len() > 1 && !predicted;
+        if unpredicted && value_rows == 0 && first.as_ref().is_some_and(shared_answers) {
             spans = vec![(0, t, tk)];
             first = Some(self.answers(spans[0])?);
-        } else if let (true, Some(width)) = (fused && spans.len() > 1, width) {
+        } else if let (true, Some(width)) = (unpredicted, width) {
             // Answers of a fixed width per query (Shaw's rows, a value term's rows in the CUDA
             // backward): blocks as large as the budget holds of them, not of logits the fused
             // cores never allocate (every block repacks every key).
-            let row = b
-                .saturating_mul(h)
-                .saturating_mul(width)
-                .saturating_mul(4)
-                .max(1);
-            let block = (self.logits_budget / row).clamp(self.block, t);
+            let block = self.rows_block(b * h, width.saturating_add(value_rows));
             if block > self.block {
                 spans = blocks_of(t, tk, block, trim_keys);
                 first = Some(self.answers(spans[0])?);
@@ -426,6 +454,76 @@ impl Chunk<'_> {
             false => Some(cat(weights, 2)?),
         };
         Ok(Attended { out, weights })
+    }
+
+    /// Query rows per block for answers holding `width` values per query of each of `heads`
+    /// batch items × heads: as many as the logits budget holds (in f32), at least the logits'
+    /// own block, at most every query.
+    fn rows_block(&self, heads: usize, width: usize) -> usize {
+        let row = heads.saturating_mul(width).saturating_mul(4).max(1);
+        (self.logits_budget / row)
+            .max(self.block)
+            .min(self.q.dim(2).unwrap_or(0))
+    }
+
+    /// The query block a fused core's rows of answers (`heads` batch items × heads of them)
+    /// are predicted to fill, at least the logits' block: from the answers for
+    /// two and for three queries in the middle of the chunk and at its end, where relative
+    /// rows are widest (both clips in reach, or every key seen). At each place, rows as wide
+    /// for three queries as for two are taken to be as wide for any number, and rows that
+    /// widen to widen by at most a column per query, as a span of relative distances does
+    /// (Shaw's short of its clip). `None` for chunks of fewer than four queries, and for
+    /// answers that are not rows per query read through a shift.
+    ///
+    /// # Errors
+    /// The encoding's, for any probe.
+    fn predicted_block(&self, heads: usize, trim_keys: bool) -> Result<Option<usize>> {
+        let (t, tk) = (self.q.dim(2)?, self.k.dim(2)?);
+        if t < 4 {
+            return Ok(None);
+        }
+        let width = |start: usize, n: usize| -> Result<Option<usize>> {
+            let kv = match trim_keys {
+                true => (start + n + tk - t).min(tk),
+                false => tk,
+            };
+            let answers = self.answers((start, n, kv))?;
+            Ok(per_query_width(&answers).filter(|_| !shared_answers(&answers)))
+        };
+        // (width for two queries, whether three take more) at each place.
+        let mut probes = Vec::with_capacity(2);
+        for start in [(t - 3) / 2, t - 3] {
+            let (Some(two), Some(three)) = (width(start, 2)?, width(start, 3)?) else {
+                return Ok(None);
+            };
+            probes.push((two, three > two));
+        }
+        let fits = |n: usize| {
+            let width = probes
+                .iter()
+                .map(|&(two, widens)| match widens {
+                    true => two.saturating_add(n.saturating_sub(2)),
+                    false => two,
+                })
+                .max()
+                .unwrap_or(0);
+            heads
+                .saturating_mul(n)
+                .saturating_mul(width)
+                .saturating_mul(4)
+                <= self.logits_budget
+        };
+        // The most queries that fit, by bisection over self.block..=t (the logits' block when
+        // even that holds too many rows).
+        let (mut lo, mut hi) = (self.block, t);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            match fits(mid) {
+                true => lo = mid,
+                false => hi = mid - 1,
+            }
+        }
+        Ok(Some(lo))
     }
 
     /// The encoding's answers for the query block `(start, n, kv)`, checked where the block's
