@@ -610,6 +610,19 @@ impl CoreSpec {
                         )
                     };
                 }
+                if let Some((table, width, _)) = &values {
+                    // The value term joins the accumulator before both are normalised:
+                    // acc += sums · table, in the thread's own rows rather than the output's.
+                    // SAFETY: sums is rows × W, the table W × D, acc rows × D.
+                    unsafe {
+                        product(
+                            (rows, d, *width),
+                            (acc.as_mut_ptr(), d, true),
+                            (sums.as_ptr(), 1, *width),
+                            (table.as_ptr(), 1, d),
+                        )
+                    };
+                }
                 let row0 = (bi * t + self.first_row + i0) * h + hi;
                 for (li, state) in running.iter().enumerate() {
                     let inv = 1.0 / state.sum;
@@ -628,22 +641,7 @@ impl CoreSpec {
                     for (o, a) in dst.iter_mut().zip(&acc[li * d..(li + 1) * d]) {
                         *o = a * inv;
                     }
-                    sums[li * width..(li + 1) * width]
-                        .iter_mut()
-                        .for_each(|x| *x *= inv);
                 }
-                let Some((table, width, _)) = &values else {
-                    return;
-                };
-                // SAFETY: as above; sums is rows × W, the table W × D.
-                unsafe {
-                    product(
-                        (rows, d, *width),
-                        (out.add(row0 * d), h * d, true),
-                        (sums.as_ptr(), 1, *width),
-                        (table.as_ptr(), 1, d),
-                    )
-                };
             });
         });
         Ok(())
