@@ -7,14 +7,14 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
 };
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, Error, MultiHeadAttention, Positions, Result, ShawConfig,
-    ShawRelativePosition,
+    AttentionConfig, AttentionOptions, Error, KvCache, MultiHeadAttention, Positions, Result,
+    ShawConfig, ShawRelativePosition,
 };
 use common::assert_close;
 
@@ -511,73 +511,109 @@ impl PositionalEncoding for Widening {
     }
 }
 
-/// On the fused core, answers with a row per query (Shaw's) size the query blocks by the
+/// On the fused cores, answers with a row per query (Shaw's) size the query blocks by the
 /// logits budget instead of the logits, and are asked for once per block: the size is
-/// predicted from two probes of 2 and 3 queries (the middle of the chunk, its end), kept when
-/// the first block's rows fit the budget, shrunk when they are wider than predicted, and left
-/// at the logits' block when even that holds too many rows. Every split gives the output of
-/// one block (for the zero bias, of the block without an encoding).
+/// predicted from two probes of 2 and 3 queries (where the keys' middle lies, the chunk's end),
+/// kept when the first block's rows fit the budget, shrunk when they are wider than predicted,
+/// and left at the logits' block when even that holds too many rows. In inference (frozen
+/// weights) and in training (a `VarMap`'s), every split gives the output of one block (for the
+/// zero bias, of the block without an encoding).
 fn rows_size_fused_blocks_once(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let x = Tensor::randn(0f32, 1.0, (2, 40, D_MODEL), dev)?;
-    // One query's logits: 2 items × 4 heads × 40 keys × 4 bytes = 1280 bytes, so the budget
-    // holds the logits of 4 queries; a query's rows of W columns take 32·W bytes.
-    let budget = 4 * 1280;
-    let shaw = |k: usize| -> anyhow::Result<Arc<dyn PositionalEncoding>> {
+    let trained = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let shaw = |vb: &VarBuilder, k: usize| -> anyhow::Result<Arc<dyn PositionalEncoding>> {
         Ok(Arc::new(ShawRelativePosition::new(
             &ShawConfig::new(HEAD_DIM, k),
             vb.pp(format!("shaw{k}")),
         )?))
     };
-    let blocks = |n: usize, sizes: &[usize]| {
-        let mut calls = vec![2, 3, 2, 3];
-        calls.push(n);
-        calls.extend_from_slice(sizes);
-        calls
-    };
-    let widening: Arc<dyn PositionalEncoding> = Arc::new(Widening);
-    let cases = [
-        // Rows 7 wide at both probes: 5120 / (32 · 7) = 22 queries a block.
-        ("shaw k=3", shaw(3)?, false, blocks(22, &[18])),
-        // Causal rows as wide as the keys seen (up to 101): at the end, 4 queries' 40-column
-        // rows fill the budget, so the blocks stay at the logits' 4 (the first block's rows
-        // are 4 wide, and would have let 40 queries in).
-        (
-            "shaw k=100 causal",
-            shaw(100)?,
-            true,
-            blocks(4, &[4, 4, 4, 4, 4, 4, 4, 4, 4]),
-        ),
-        // Rows 4 and 6 wide for 2 and 3 queries foretell n + 2 columns: 11 queries; the
-        // first block's rows are 22 wide, so the blocks shrink to 5120 / (32 · 22) = 7.
-        (
-            "widening",
-            widening,
-            false,
-            vec![2, 3, 2, 3, 11, 7, 7, 7, 7, 7, 5],
-        ),
-    ];
-    for (name, enc, causal, calls) in cases {
-        let cfg = AttentionConfig::new(D_MODEL, HEADS)
-            .with_kv_heads(2)
-            .with_causal(causal);
-        let recorded = Recorded::new(enc.clone());
-        let blocked = MultiHeadAttention::new(
-            &cfg.clone().with_logits_budget(budget),
-            Some(recorded.clone()),
-            vb.pp("attn"),
-        )?;
-        let reference = match name {
-            "widening" => None,
-            _ => Some(enc),
-        };
-        let one = MultiHeadAttention::new(&cfg, reference, vb.pp("attn"))?;
-        let got = blocked.forward(&x)?;
-        if dev.is_cpu() {
-            assert_eq!(recorded.take(), calls, "{name}: queries per call");
+    for k in [3, 30, 100] {
+        shaw(&trained, k)?;
+    }
+    let cfg = AttentionConfig::new(D_MODEL, HEADS).with_kv_heads(2);
+    MultiHeadAttention::new(&cfg, None, trained.pp("attn"))?;
+    let frozen = VarBuilder::from_tensors(
+        varmap
+            .data()
+            .lock()
+            .expect("weights")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+            .collect(),
+        DType::F32,
+        dev,
+    );
+    let x = Tensor::randn(0f32, 1.0, (2, 40, D_MODEL), dev)?;
+    let cached = Tensor::randn(0f32, 1.0, (2, 25, D_MODEL), dev)?;
+    // One query's logits: 2 items × 4 heads × 4 bytes a key (1280 bytes for 40 keys, 2080 for
+    // 65); each budget holds 4 queries' logits. A query's rows of W columns take 32·W bytes.
+    let probes_then = |blocks: &[usize]| [&[2, 3, 2, 3][..], blocks].concat();
+    for vb in [&frozen, &trained] {
+        let widening: Arc<dyn PositionalEncoding> = Arc::new(Widening);
+        let cases = [
+            // Rows 7 wide at both probes: 5120 / (32 · 7) = 22 queries a block.
+            ("shaw k=3", shaw(vb, 3)?, false, 0, probes_then(&[22, 18])),
+            // Causal rows as wide as the keys seen (up to 101): at the end, 4 queries'
+            // 40-column rows fill the budget, so the blocks stay at the logits' 4 (the first
+            // block's rows are 4 wide, and would have let 40 queries in).
+            (
+                "shaw k=100 causal",
+                shaw(vb, 100)?,
+                true,
+                0,
+                probes_then(&[4; 10]),
+            ),
+            // Rows 4 and 6 wide for 2 and 3 queries foretell n + 2 columns: 11 queries; the
+            // first block's rows are 22 wide, so the blocks shrink to 5120 / (32 · 22) = 7.
+            (
+                "widening",
+                widening,
+                false,
+                0,
+                probes_then(&[11, 7, 7, 7, 7, 7, 5]),
+            ),
+            // 40 queries after 25 cached keys: query 7 (position 32) has 32 keys on either
+            // side, and its rows are the full 61 columns; 8320 / (32 · 61) = 4 queries. (The
+            // chunk's middle, query 18, has rows 52 wide, and blocks of 5 would have passed the
+            // budget at query 5.)
+            (
+                "shaw k=30 cached",
+                shaw(vb, 30)?,
+                false,
+                25,
+                probes_then(&[4; 10]),
+            ),
+        ];
+        for (name, enc, causal, prefill, calls) in cases {
+            let cfg = cfg.clone().with_causal(causal);
+            let budget = 4 * 2 * HEADS * 4 * (prefill + 40);
+            let recorded = Recorded::new(enc.clone());
+            let blocked = MultiHeadAttention::new(
+                &cfg.clone().with_logits_budget(budget),
+                Some(recorded.clone()),
+                vb.pp("attn"),
+            )?;
+            let reference = match name {
+                "widening" => None,
+                _ => Some(enc),
+            };
+            let one = MultiHeadAttention::new(&cfg, reference, vb.pp("attn"))?;
+            let run = |mha: &MultiHeadAttention| -> anyhow::Result<Tensor> {
+                let mut cache = KvCache::new();
+                if prefill > 0 {
+                    mha.forward_with(&cached, &Default::default(), Some(&mut cache))?;
+                    recorded.take();
+                }
+                Ok(mha
+                    .forward_with(&x, &Default::default(), Some(&mut cache))?
+                    .output)
+            };
+            let got = run(&blocked)?;
+            if dev.is_cpu() {
+                assert_eq!(recorded.take(), calls, "{name}: queries per call");
+            }
+            assert_close(&got, &run(&one)?, 1e-5, name)?;
         }
-        assert_close(&got, &one.forward(&x)?, 1e-5, name)?;
     }
     Ok(())
 }

@@ -467,13 +467,17 @@ impl Chunk<'_> {
     }
 
     /// The query block a fused core's rows of answers (`heads` batch items × heads of them)
-    /// are predicted to fill, at least the logits' block: from the answers for
-    /// two and for three queries in the middle of the chunk and at its end, where relative
-    /// rows are widest (both clips in reach, or every key seen). At each place, rows as wide
-    /// for three queries as for two are taken to be as wide for any number, and rows that
-    /// widen to widen by at most a column per query, as a span of relative distances does
-    /// (Shaw's short of its clip). `None` for chunks of fewer than four queries, and for
-    /// answers that are not rows per query read through a shift.
+    /// are predicted to fill, at least the logits' block: from the answers for two and for
+    /// three queries at two places, where a relative row is widest: the query that sits
+    /// mid-way along the keys (key − query distances as far both ways, so both clips in
+    /// reach first; the chunk's middle when nothing is cached) and the chunk's end (every key
+    /// seen, for causal rows that stop at distance 0). At each place, rows as wide for three
+    /// queries as for two are taken to be as wide for any number, and rows that widen, to
+    /// widen by at most a column per query, as a span of relative distances does (Shaw's
+    /// short of its clip). The first block's answers are computed at the predicted size, so
+    /// an encoding that errs from this passes the budget once, until the caller shrinks the
+    /// blocks to the first block's rows. `None` for chunks of fewer than four queries, and
+    /// for answers that are not rows per query read through a shift.
     ///
     /// # Errors
     /// The encoding's, for any probe.
@@ -492,8 +496,13 @@ impl Chunk<'_> {
         };
         // (width for two queries, whether three take more) at each place.
         let mut probes = Vec::with_capacity(2);
-        for start in [(t - 3) / 2, t - 3] {
-            let (Some(two), Some(three)) = (width(start, 2)?, width(start, 3)?) else {
+        // Query t − (tk + 1)/2 (t ≤ tk) has as many keys before it as after it.
+        let middle = t.saturating_sub(tk.div_ceil(2)).min(t - 3);
+        for start in [middle, t - 3] {
+            let Some(two) = width(start, 2)? else {
+                return Ok(None);
+            };
+            let Some(three) = width(start, 3)? else {
                 return Ok(None);
             };
             probes.push((two, three > two));
