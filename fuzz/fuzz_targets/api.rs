@@ -2576,14 +2576,23 @@ fn forward(
         let mut spare_cache = spare.next();
         let got = match m.forward_with(&x, &o, spare_cache.as_mut().filter(|_| before.is_some())) {
             Ok(g) => g,
-            // Returned weights are `(B, H, T, Tk)` whole, which the budget may refuse where
-            // the first path's query blocks fit it.
+            // Returned weights are `(B, H, T, Tk)` whole, and a fixed query block's logits are
+            // checked against the budget whatever the path (the fused cores never take them,
+            // the others do): either may pass the budget where the first path's automatic
+            // blocks fit it.
             Err(e)
-                if weights
-                    && [xb.max(1), cfg.num_heads, xt, tk]
+                if [
+                    weights.then_some(xt),
+                    m.config().query_block.map(|n| n.clamp(1, xt.max(1))),
+                ]
+                .into_iter()
+                .flatten()
+                .any(|rows| {
+                    [xb.max(1), cfg.num_heads, rows, tk]
                         .iter()
                         .try_fold(1usize, |n, &d| n.checked_mul(d))
-                        .is_none_or(|n| n > BUDGET) =>
+                        .is_none_or(|n| n > BUDGET)
+                }) =>
             {
                 check_err(&e, label);
                 return;
