@@ -40,7 +40,7 @@ use super::fused_softmax::{add_shifted_row, read_storage, TermGuards};
 use crate::error::{Error, Result};
 use crate::graft::{graft_through, GraftBackward};
 use crate::limits::check_elements;
-use crate::plug::relative::{add_indexed_sums, add_shifted_sums_from};
+use crate::plug::relative::add_indexed_sums;
 
 /// How the backward cuts its work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -786,7 +786,7 @@ impl Ctx<'_> {
                             let i = i0 + li;
                             match columns {
                                 TileColumns::Shift(shift) => {
-                                    add_shifted_sums_from(row, i, *shift, j0, srow)
+                                    self.pass.add_shifted_sums_best(row, (i, *shift, j0), srow)
                                 }
                                 TileColumns::Index(index, ib) => {
                                     let columns = index_row(index, *ib, (task.b, i, j0, n), tq, tk);
@@ -838,7 +838,9 @@ impl Ctx<'_> {
                             let at = (hrow * tr + rrow) * tw;
                             let dst = &mut part[at..at + tw];
                             match self.spec.terms[term.index].relative {
-                                Some((shift, _)) => add_shifted_sums_from(dsrow, i, shift, j0, dst),
+                                Some((shift, _)) => {
+                                    self.pass.add_shifted_sums_best(dsrow, (i, shift, j0), dst)
+                                }
                                 None if tw == 1 => dst[0] += dsrow.iter().sum::<f32>(),
                                 None => {
                                     for (x, y) in dst[j0..j0 + n].iter_mut().zip(dsrow) {
