@@ -773,8 +773,169 @@ fn learned_term_gradients(dtype: DType, tol: f64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Another encoding's answers, with the queries and the row width of every `logits_bias` call.
+#[derive(Debug)]
+struct Recorded {
+    inner: Box<dyn candle_posenc::plug::PositionalEncoding>,
+    calls: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+impl candle_posenc::plug::PositionalEncoding for Recorded {
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        ctx: &candle_posenc::plug::AttentionContext,
+    ) -> candle_posenc::Result<Option<candle_posenc::plug::LogitsBias>> {
+        use candle_posenc::plug::LogitsBias;
+        let bias = self.inner.logits_bias(q, ctx)?;
+        let width = match &bias {
+            Some(LogitsBias::Relative(r)) => r.width(),
+            Some(LogitsBias::Dense(t)) => t.dims().last().copied().unwrap_or(0),
+            None => 0,
+        };
+        self.calls.lock().expect("calls").push((ctx.q_len, width));
+        Ok(bias)
+    }
+
+    fn value_term(
+        &self,
+        ctx: &candle_posenc::plug::AttentionContext,
+    ) -> candle_posenc::Result<Option<candle_posenc::plug::RelativeValues>> {
+        self.inner.value_term(ctx)
+    }
+}
+
+/// Causal Shaw rows widen along the chunk (a query sees distances back to its clip), so the
+/// kernels' query blocks are sized where the rows are widest, not by the first block's: every
+/// hook call's rows (and, in training, the backward's two value-term rows of `2k + 1` columns
+/// per query beside them) stay within the logits budget, where sizing by the first block would
+/// pass it about 30-fold in inference and by a quarter in training. The output, and in
+/// training every gradient, equals the f64 CPU block's (in one query block).
+fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
+    use candle_nn::{VarBuilder, VarMap};
+    use candle_posenc::{MultiHeadAttention, ShawRelativePosition};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_fused_kernel(true);
+    let (gpu, cpu) = (Device::new_cuda(0)?, Device::Cpu);
+    let (heads, head_dim, k, len) = (2, 64, 100, 1024);
+    let d_model = heads * head_dim;
+    let shaw = ShawConfig::new(head_dim, k);
+    // Four queries' f32 logits.
+    let budget = 4 * heads * len * 4;
+    let attn = AttentionConfig::new(d_model, heads).with_causal(true);
+    let start = VarMap::new();
+    let vb = VarBuilder::from_varmap(&start, DType::F32, &cpu);
+    ShawRelativePosition::new(&shaw, vb.pp("enc"))?;
+    MultiHeadAttention::new(&attn, None, vb.pp("attn"))?;
+    for var in start.all_vars() {
+        let noise = Tensor::randn(0f32, 0.3, var.shape(), &cpu)?;
+        var.set(
+            &(var.as_tensor() + noise)?
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?,
+        )?;
+    }
+    let values = common::zoo::named_tensors(&start)?;
+    let x = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+    let probe = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?;
+    for train in [false, true] {
+        // (output, gradients of every variable, the hook's calls, kernel launches)
+        type Side = (Tensor, Vec<Tensor>, Vec<(usize, usize)>, u64);
+        let side = |dev: &Device, dtype: DType, budget: usize| -> anyhow::Result<Side> {
+            let varmap = VarMap::new();
+            let mut vars = Vec::new();
+            {
+                let mut data = varmap
+                    .data()
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("varmap lock"))?;
+                for (name, t) in &values {
+                    let t = t.to_dtype(dtype)?.to_device(dev)?;
+                    let var = candle_core::Var::from_tensor(&t)?;
+                    vars.push(var.as_tensor().clone());
+                    data.insert(name.clone(), var);
+                }
+            }
+            let vb = match train {
+                true => VarBuilder::from_varmap(&varmap, dtype, dev),
+                false => VarBuilder::from_tensors(
+                    vars.iter()
+                        .zip(&values)
+                        .map(|(v, (name, _))| (name.clone(), v.detach()))
+                        .collect(),
+                    dtype,
+                    dev,
+                ),
+            };
+            let recorded = std::sync::Arc::new(Recorded {
+                inner: Box::new(ShawRelativePosition::new(&shaw, vb.pp("enc"))?),
+                calls: Default::default(),
+            });
+            let mha = MultiHeadAttention::new(
+                &attn.clone().with_logits_budget(budget),
+                Some(recorded.clone()),
+                vb.pp("attn"),
+            )?;
+            let opts = AttentionOptions {
+                train,
+                ..Default::default()
+            };
+            let before = kernel_launches();
+            let out = mha
+                .forward_with(&x.to_dtype(dtype)?.to_device(dev)?, &opts, None)?
+                .output;
+            let grads = match train {
+                true => {
+                    let probe = probe.to_device(dev)?;
+                    let loss = (out.to_dtype(DType::F32)? * probe)?.sum_all()?;
+                    let grads = loss.backward()?;
+                    vars.iter()
+                        .zip(&values)
+                        .map(|(v, (name, _))| {
+                            let g = grads
+                                .get(v)
+                                .ok_or_else(|| anyhow::anyhow!("{name} gets no gradient"))?;
+                            Ok(g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?)
+                        })
+                        .collect::<anyhow::Result<_>>()?
+                }
+                false => Vec::new(),
+            };
+            let launches = kernel_launches() - before;
+            let out = out.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+            let calls = std::mem::take(&mut *recorded.calls.lock().expect("calls"));
+            Ok((out, grads, calls, launches))
+        };
+        let (out, grads, calls, launches) = side(&gpu, DType::BF16, budget)?;
+        let what = format!("causal Shaw k = {k}, train {train}");
+        assert!(launches >= 1, "{what}: took candle's ops");
+        // The backward keeps two f32 rows of 2k + 1 columns per query for the value term.
+        let beside = if train { 2 * (2 * k + 1) } else { 0 };
+        let queries: usize = calls.iter().skip(4).map(|&(n, _)| n).sum();
+        assert_eq!(queries, len, "{what}: blocks {calls:?}");
+        for &(n, width) in &calls {
+            let bytes = heads * n * (width + beside) * 4;
+            assert!(
+                bytes <= budget,
+                "{what}: {n} queries of {width} columns: {bytes} bytes, {calls:?}"
+            );
+        }
+        let (want, want_grads, _, _) = side(&cpu, DType::F64, usize::MAX)?;
+        close(&out, &want, &what)?;
+        for ((name, _), (got, want)) in values.iter().zip(grads.iter().zip(&want_grads)) {
+            // P and dS are rounded to bf16 for their products (about 2^-8 each).
+            close_within(got, want, 3e-2, &format!("{what}: {name}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// The tests, named `cuda::…` so that the GPU runner's filter finds them.
 mod cuda {
+    #[test]
+    fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
+        super::shaw_rows_fit_the_budget()
+    }
     #[test]
     fn training_with_a_learned_mask() -> anyhow::Result<()> {
         super::training_with_a_learned_mask()

@@ -184,12 +184,19 @@ impl Chunk<'_> {
         // fully masked, so dropping the hidden keys changes nothing); otherwise every key.
         let trim_keys = self.causal && self.padding.is_none() && self.attn_mask.is_none();
         let mut spans = blocks_of(t, tk, self.block, trim_keys);
-        // The fused CPU cores allocate no logits: answers with a row per query (Shaw's) size
-        // their blocks instead (below). Predicted from the answers for two and three queries,
-        // that size is the first block's, so that its answers, which decide the path, are not
-        // computed once for the logits' block and again for the rows'.
+        // The fused cores (CPU and CUDA) allocate no logits: answers with a row per query
+        // (Shaw's) size their blocks instead (below). Predicted from the answers for two and
+        // three queries, that size is the first block's, so that its answers, which decide the
+        // path, are not computed once for the logits' block and again for the rows', and rows
+        // that widen along the chunk (causal ones) are sized where they are widest.
         let predicted = match (path, spans.len() > 1) {
-            (Path::Fused | Path::FusedTrain, true) => self.predicted_block(b * h, trim_keys)?,
+            (Path::Fused | Path::FusedTrain, true) => {
+                self.predicted_block(path, b * h, trim_keys)?
+            }
+            #[cfg(feature = "cuda")]
+            (Path::CudaFused | Path::CudaTrain, true) => {
+                self.predicted_block(path, b * h, trim_keys)?
+            }
             _ => None,
         };
         if let Some(block) = predicted {
@@ -249,15 +256,10 @@ impl Chunk<'_> {
         let fused = matches!(path, Path::Fused | Path::FusedTrain);
         #[cfg(feature = "cuda")]
         let fused = fused || matches!(path, Path::CudaFused | Path::CudaTrain);
-        // The CUDA backward keeps two `(B, H, Tq, W)` f32 tensors for a value term (dO · a,
-        // and the weights its columns gather): rows per query, whatever the bias.
-        #[cfg(feature = "cuda")]
-        let value_rows = match (path, first.as_ref()) {
-            (Path::CudaTrain, Some((_, Some(v)))) => v.table().dim(0)?.saturating_mul(2),
-            _ => 0,
+        let value_rows = match first.as_ref() {
+            Some(answers) => value_rows(path, answers)?,
+            None => 0,
         };
-        #[cfg(not(feature = "cuda"))]
-        let value_rows = 0;
         let width = match first.as_ref() {
             Some(answers) => match per_query_width(answers) {
                 Some(w) => Some(w),
@@ -466,8 +468,9 @@ impl Chunk<'_> {
             .min(self.q.dim(2).unwrap_or(0))
     }
 
-    /// The query block a fused core's rows of answers (`heads` batch items × heads of them)
-    /// are predicted to fill, at least the logits' block: from the answers for two and for
+    /// The query block a fused core's rows of answers (`heads` batch items × heads of them,
+    /// with the columns `path` keeps beside them, [`value_rows`]) are predicted to fill, at
+    /// least the logits' block: from the answers for two and for
     /// three queries at two places, where a relative row is widest: the query that sits
     /// mid-way along the keys (key − query distances as far both ways, so both clips in
     /// reach first; the chunk's middle when nothing is cached) and the chunk's end (every key
@@ -481,7 +484,7 @@ impl Chunk<'_> {
     ///
     /// # Errors
     /// The encoding's, for any probe.
-    fn predicted_block(&self, heads: usize, trim_keys: bool) -> Result<Option<usize>> {
+    fn predicted_block(&self, path: Path, heads: usize, trim_keys: bool) -> Result<Option<usize>> {
         let (t, tk) = (self.q.dim(2)?, self.k.dim(2)?);
         if t < 4 {
             return Ok(None);
@@ -492,7 +495,10 @@ impl Chunk<'_> {
                 false => tk,
             };
             let answers = self.answers((start, n, kv))?;
-            Ok(per_query_width(&answers).filter(|_| !shared_answers(&answers)))
+            let extra = value_rows(path, &answers)?;
+            Ok(per_query_width(&answers)
+                .filter(|_| !shared_answers(&answers))
+                .map(|w| w.saturating_add(extra)))
         };
         // (width for two queries, whether three take more) at each place.
         let mut probes = Vec::with_capacity(2);
@@ -659,6 +665,22 @@ fn per_query_width((bias, values): &Answers) -> Option<usize> {
         .as_ref()
         .is_none_or(|v| matches!(v.columns(), Columns::Shift(_)))
         .then_some(width)
+}
+
+/// Columns per query that `path` keeps beside an encoding's answers: the CUDA backward keeps
+/// two `(B, H, Tq, W)` f32 tensors for a value term of `W` columns (dO · a, and the weights
+/// its columns gather), whatever the bias; every other path, none.
+///
+/// # Errors
+/// A value table without a first dimension.
+fn value_rows(path: Path, (_, values): &Answers) -> Result<usize> {
+    #[cfg(feature = "cuda")]
+    if let (Path::CudaTrain, Some(v)) = (path, values) {
+        return Ok(v.table().dim(0)?.saturating_mul(2));
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (path, values);
+    Ok(0)
 }
 
 /// Whether the fused backward gives every gradient an encoding's answers want: a tracked
