@@ -17,7 +17,8 @@
 //!     # forwards from T = 1k to 32k, drawn beside `pytorch_baseline.py --lengths --json`'s
 //! cargo bench --features cuda --bench attention -- --only cuda
 //!     # on GPU 0: the fused CUDA kernels against candle's ops (bf16), inference and
-//!     # training steps, beside `pytorch_baseline.py --device cuda`
+//!     # training steps, beside `pytorch_baseline.py --device cuda`; then a training step
+//!     # at T = 16384 and 65536 (B1) with the device memory it took
 //! ```
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
@@ -225,6 +226,7 @@ fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
         json,
     )?;
     cuda_training(dev, quick, json)?;
+    cuda_long_training(dev, quick, json)?;
     set_fused_kernel(false);
     Ok(())
 }
@@ -305,14 +307,7 @@ fn cuda_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
         let probe = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
         for causal in [true, false] {
             for name in ["none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"] {
-                let varmap = candle_nn::VarMap::new();
-                let tvb = VarBuilder::from_varmap(&varmap, DType::BF16, dev);
-                let trained = cases(d_model, heads, head_dim, t, dev, &tvb)?;
-                let case = trained
-                    .iter()
-                    .find(|c| c.name == name)
-                    .context("CUDA training case")?;
-                let mha = block(case, causal, d_model, heads, &tvb)?;
+                let (_varmap, mha) = trained_block(name, causal, (heads, head_dim, t), dev)?;
                 let xv = candle_core::Var::from_tensor(&x)?;
                 let opts = AttentionOptions {
                     train: true,
@@ -333,6 +328,100 @@ fn cuda_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Forward and backward at long context through the fused kernels: one training step, B1 H16
+/// D64 bf16, causal, at T = 16384 and 65536, with the device memory the step took beyond what
+/// was in use before it (the driver's free memory, sampled every millisecond on a second
+/// thread). Beyond the weights it is O(T): four times the length takes about four times the
+/// memory, where `(B, H, T, T)` f32 logits would take sixteen (275 GB at 65536, past any GPU).
+#[cfg(feature = "cuda")]
+fn cuda_long_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
+    use candle_core::DType;
+    use candle_posenc::attention::cuda::set_fused_kernel;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let (heads, head_dim) = (16, 64);
+    let d_model = heads * head_dim;
+    let lengths: &[usize] = if quick { &[4096] } else { &[16384, 65536] };
+    let ctx = dev.as_cuda_device()?.cuda_stream().context().clone();
+    println!(
+        "\nCUDA training step at long context, fused kernels, bf16, B1 H{heads} D{head_dim}, causal"
+    );
+    println!(
+        "{:<18} {:>6} {:>10} {:>14} {:>9}",
+        "encoding", "T", "seconds", "device MiB", "TFLOP/s"
+    );
+    set_fused_kernel(true);
+    for name in ["none", "alibi", "t5", "shaw_k64"] {
+        for &t in lengths {
+            let (_varmap, mha) = trained_block(name, true, (heads, head_dim, t), dev)?;
+            let opts = AttentionOptions {
+                train: true,
+                ..Default::default()
+            };
+            let input = |t: usize| -> Result<Tensor> {
+                Ok(Tensor::randn(0f32, 1.0, (1, t, d_model), dev)?.to_dtype(DType::BF16)?)
+            };
+            // The kernels compiled and the pools warmed on a short step first.
+            let short = input(256)?;
+            train_step(
+                &mha,
+                &candle_core::Var::from_tensor(&short)?,
+                &short,
+                &opts,
+                dev,
+            )?;
+            let (xv, probe) = (candle_core::Var::from_tensor(&input(t)?)?, input(t)?);
+            dev.synchronize()?;
+            let (free_before, _) = ctx.mem_get_info()?;
+            let least_free = AtomicUsize::new(free_before);
+            let done = AtomicBool::new(false);
+            let start = std::time::Instant::now();
+            std::thread::scope(|s| -> Result<()> {
+                s.spawn(|| {
+                    while !done.load(Ordering::Relaxed) {
+                        if let Ok((free, _)) = ctx.mem_get_info() {
+                            least_free.fetch_min(free, Ordering::Relaxed);
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                });
+                let step = train_step(&mha, &xv, &probe, &opts, dev);
+                done.store(true, Ordering::Relaxed);
+                step
+            })?;
+            let seconds = start.elapsed().as_secs_f64();
+            let mib = (free_before - least_free.into_inner()) as f64 / (1u64 << 20) as f64;
+            let flop = 3.5 * 4.0 * (heads * t * t * head_dim) as f64 / 2.0;
+            let rate = flop / seconds / 1e12;
+            println!("{name:<18} {t:>6} {seconds:>10.3} {mib:>14.0} {rate:>9.1}");
+            json_line(json, &format!(
+                "\"bench\":\"cuda_long_training\",\"encoding\":\"{name}\",\"t\":{t},\"seconds\":{seconds:.4},\"device_mib\":{mib:.1},\"tflops\":{rate:.2}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The bf16 block of the case `name` on `dev` with its weights (the encoding's too) in a
+/// fresh `VarMap`, for training steps: `heads` of `head_dim`, tables for `t` positions.
+#[cfg(feature = "cuda")]
+fn trained_block(
+    name: &str,
+    causal: bool,
+    (heads, head_dim, t): (usize, usize, usize),
+    dev: &Device,
+) -> Result<(candle_nn::VarMap, MultiHeadAttention)> {
+    let varmap = candle_nn::VarMap::new();
+    let tvb = VarBuilder::from_varmap(&varmap, candle_core::DType::BF16, dev);
+    let d_model = heads * head_dim;
+    let trained = cases(d_model, heads, head_dim, t, dev, &tvb)?;
+    let case = trained
+        .iter()
+        .find(|c| c.name == name)
+        .with_context(|| format!("CUDA training case {name}"))?;
+    let mha = block(case, causal, d_model, heads, &tvb)?;
+    Ok((varmap, mha))
 }
 
 /// One row of the CUDA tables: candle's ops (`a`) against the kernels (`b`), and the rate of
