@@ -333,10 +333,12 @@ fn cuda_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
 /// Forward and backward at long context through the fused kernels: one training step, B1 H16
 /// D64 bf16, causal, at T = 16384 and 65536, with the device memory the step took beyond what
 /// was in use before it (the driver's free memory, sampled every millisecond on a second
-/// thread). Beyond the weights it is O(T): four times the length takes about four times the
+/// thread, so a spike shorter than that can be missed; candle's stream-ordered pool returns
+/// freed memory at each synchronisation, so the figure is the step's own). Beyond the weights it is O(T): four times the length takes about four times the
 /// memory, where `(B, H, T, T)` f32 logits would take sixteen (275 GB at 65536, past any GPU).
 #[cfg(feature = "cuda")]
 fn cuda_long_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
+    use candle_core::cuda_backend::cudarc;
     use candle_core::DType;
     use candle_posenc::attention::cuda::set_fused_kernel;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -362,7 +364,7 @@ fn cuda_long_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
             let input = |t: usize| -> Result<Tensor> {
                 Ok(Tensor::randn(0f32, 1.0, (1, t, d_model), dev)?.to_dtype(DType::BF16)?)
             };
-            // The kernels compiled and the pools warmed on a short step first.
+            // The kernels compiled on a short step first.
             let short = input(256)?;
             train_step(
                 &mha,
@@ -377,19 +379,36 @@ fn cuda_long_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
             let least_free = AtomicUsize::new(free_before);
             let done = AtomicBool::new(false);
             let start = std::time::Instant::now();
-            std::thread::scope(|s| -> Result<()> {
-                s.spawn(|| {
+            let sampled = std::thread::scope(|s| -> Result<()> {
+                // Sets `done` however the step ends (an error or a panic too).
+                struct Done<'a>(&'a AtomicBool);
+                impl Drop for Done<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(true, Ordering::Relaxed);
+                    }
+                }
+                // The context made current once; then the driver's query alone, whose error
+                // is returned (`CudaContext::mem_get_info` would clear the context's recorded
+                // error, which the step's thread reads).
+                let sampler = s.spawn(|| -> Result<()> {
+                    ctx.bind_to_thread()?;
                     while !done.load(Ordering::Relaxed) {
-                        if let Ok((free, _)) = ctx.mem_get_info() {
-                            least_free.fetch_min(free, Ordering::Relaxed);
-                        }
+                        let (free, _) = cudarc::driver::result::mem_get_info()?;
+                        least_free.fetch_min(free, Ordering::Relaxed);
                         std::thread::sleep(std::time::Duration::from_millis(1));
                     }
+                    Ok(())
                 });
-                let step = train_step(&mha, &xv, &probe, &opts, dev);
-                done.store(true, Ordering::Relaxed);
-                step
-            })?;
+                let step = {
+                    let _done = Done(&done);
+                    train_step(&mha, &xv, &probe, &opts, dev)
+                };
+                let sampled = sampler
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("the memory sampler panicked"))?;
+                step.and(sampled)
+            });
+            sampled?;
             let seconds = start.elapsed().as_secs_f64();
             let mib = (free_before - least_free.into_inner()) as f64 / (1u64 << 20) as f64;
             let flop = 3.5 * 4.0 * (heads * t * t * head_dim) as f64 / 2.0;

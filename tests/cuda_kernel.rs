@@ -773,11 +773,12 @@ fn learned_term_gradients(dtype: DType, tol: f64) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Another encoding's answers, with the queries and the row width of every `logits_bias` call.
+/// Another encoding's answers, with the queries, the row width and the value table's width of
+/// every query block it is asked for (`logits_bias`, then `value_term`).
 #[derive(Debug)]
 struct Recorded {
     inner: Box<dyn candle_posenc::plug::PositionalEncoding>,
-    calls: std::sync::Mutex<Vec<(usize, usize)>>,
+    calls: std::sync::Mutex<Vec<(usize, usize, usize)>>,
 }
 
 impl candle_posenc::plug::PositionalEncoding for Recorded {
@@ -793,7 +794,10 @@ impl candle_posenc::plug::PositionalEncoding for Recorded {
             Some(LogitsBias::Dense(t)) => t.dims().last().copied().unwrap_or(0),
             None => 0,
         };
-        self.calls.lock().expect("calls").push((ctx.q_len, width));
+        self.calls
+            .lock()
+            .expect("calls")
+            .push((ctx.q_len, width, 0));
         Ok(bias)
     }
 
@@ -801,15 +805,19 @@ impl candle_posenc::plug::PositionalEncoding for Recorded {
         &self,
         ctx: &candle_posenc::plug::AttentionContext,
     ) -> candle_posenc::Result<Option<candle_posenc::plug::RelativeValues>> {
-        self.inner.value_term(ctx)
+        let values = self.inner.value_term(ctx)?;
+        if let (Some(v), Some(last)) = (&values, self.calls.lock().expect("calls").last_mut()) {
+            last.2 = v.width();
+        }
+        Ok(values)
     }
 }
 
 /// Causal Shaw rows widen along the chunk (a query sees distances back to its clip), so the
 /// kernels' query blocks are sized where the rows are widest, not by the first block's: every
-/// hook call's rows (and, in training, the backward's two value-term rows of `2k + 1` columns
-/// per query beside them) stay within the logits budget, where sizing by the first block would
-/// pass it about 30-fold in inference and by a quarter in training. The output, and in
+/// hook call's rows (and, in training, the backward's two value-term rows per query beside
+/// them, as wide as the value table cut to the rows' span) stay within the logits budget,
+/// where sizing by the first block would pass it about 12-fold in both. The output, and in
 /// training every gradient, equals the f64 CPU block's (in one query block).
 fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
     use candle_nn::{VarBuilder, VarMap};
@@ -820,8 +828,8 @@ fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
     let (heads, head_dim, k, len) = (2, 64, 100, 1024);
     let d_model = heads * head_dim;
     let shaw = ShawConfig::new(head_dim, k);
-    // Four queries' f32 logits.
-    let budget = 4 * heads * len * 4;
+    // Eight queries' bf16 logits (the logits' own blocks; 32 KiB).
+    let budget = 8 * heads * len * 2;
     let attn = AttentionConfig::new(d_model, heads).with_causal(true);
     let start = VarMap::new();
     let vb = VarBuilder::from_varmap(&start, DType::F32, &cpu);
@@ -840,7 +848,7 @@ fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
     let probe = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?;
     for train in [false, true] {
         // (output, gradients of every variable, the hook's calls, kernel launches)
-        type Side = (Tensor, Vec<Tensor>, Vec<(usize, usize)>, u64);
+        type Side = (Tensor, Vec<Tensor>, Vec<(usize, usize, usize)>, u64);
         let side = |dev: &Device, dtype: DType, budget: usize| -> anyhow::Result<Side> {
             let varmap = VarMap::new();
             let mut vars = Vec::new();
@@ -909,15 +917,15 @@ fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
         let (out, grads, calls, launches) = side(&gpu, DType::BF16, budget)?;
         let what = format!("causal Shaw k = {k}, train {train}");
         assert!(launches >= 1, "{what}: took candle's ops");
-        // The backward keeps two f32 rows of 2k + 1 columns per query for the value term.
-        let beside = if train { 2 * (2 * k + 1) } else { 0 };
-        let queries: usize = calls.iter().skip(4).map(|&(n, _)| n).sum();
+        let queries: usize = calls.iter().skip(4).map(|&(n, _, _)| n).sum();
         assert_eq!(queries, len, "{what}: blocks {calls:?}");
-        for &(n, width) in &calls {
+        for &(n, width, values) in &calls {
+            // The backward keeps two f32 rows per query as wide as the value table.
+            let beside = if train { 2 * values } else { 0 };
             let bytes = heads * n * (width + beside) * 4;
             assert!(
                 bytes <= budget,
-                "{what}: {n} queries of {width} columns: {bytes} bytes, {calls:?}"
+                "{what}: {n} queries of {width} + {beside} columns: {bytes} bytes, {calls:?}"
             );
         }
         let (want, want_grads, _, _) = side(&cpu, DType::F64, usize::MAX)?;

@@ -193,8 +193,11 @@ impl Chunk<'_> {
             (Path::Fused | Path::FusedTrain, true) => {
                 self.predicted_block(path, b * h, trim_keys)?
             }
+            // (A training path with dropout takes candle's ops below: no probes.)
             #[cfg(feature = "cuda")]
-            (Path::CudaFused | Path::CudaTrain, true) => {
+            (Path::CudaFused | Path::CudaTrain, true)
+                if !(path == Path::CudaTrain && self.train && self.dropout > 0.0) =>
+            {
                 self.predicted_block(path, b * h, trim_keys)?
             }
             _ => None,
@@ -477,7 +480,8 @@ impl Chunk<'_> {
     /// seen, for causal rows that stop at distance 0). At each place, rows as wide for three
     /// queries as for two are taken to be as wide for any number, and rows that widen, to
     /// widen by at most a column per query, as a span of relative distances does (Shaw's
-    /// short of its clip). The first block's answers are computed at the predicted size, so
+    /// short of its clip); the columns beside them grow by the step they take from two
+    /// queries to three. The first block's answers are computed at the predicted size, so
     /// an encoding that errs from this passes the budget once, until the caller shrinks the
     /// blocks to the first block's rows. `None` for chunks of fewer than four queries, and
     /// for answers that are not rows per query read through a shift.
@@ -489,36 +493,44 @@ impl Chunk<'_> {
         if t < 4 {
             return Ok(None);
         }
-        let width = |start: usize, n: usize| -> Result<Option<usize>> {
+        // (the rows' width, the columns kept beside them) for n queries at `start`.
+        let width = |start: usize, n: usize| -> Result<Option<(usize, usize)>> {
             let kv = match trim_keys {
                 true => (start + n + tk - t).min(tk),
                 false => tk,
             };
             let answers = self.answers((start, n, kv))?;
-            let extra = value_rows(path, &answers)?;
+            let beside = value_rows(path, &answers)?;
             Ok(per_query_width(&answers)
                 .filter(|_| !shared_answers(&answers))
-                .map(|w| w.saturating_add(extra)))
+                .map(|w| (w, beside)))
         };
-        // (width for two queries, whether three take more) at each place.
+        // At each place: the width for two queries, whether the rows widen for three, and by
+        // how much the columns beside them widen (a value table cut to the rows' span widens
+        // with them, by its exact step).
         let mut probes = Vec::with_capacity(2);
         // Query t − (tk + 1)/2 (t ≤ tk) has as many keys before it as after it.
         let middle = t.saturating_sub(tk.div_ceil(2)).min(t - 3);
         for start in [middle, t - 3] {
-            let Some(two) = width(start, 2)? else {
+            let Some((two, beside_two)) = width(start, 2)? else {
                 return Ok(None);
             };
-            let Some(three) = width(start, 3)? else {
+            let Some((three, beside_three)) = width(start, 3)? else {
                 return Ok(None);
             };
-            probes.push((two, three > two));
+            let step = beside_three.saturating_sub(beside_two);
+            probes.push((two.saturating_add(beside_two), three > two, step));
         }
         let fits = |n: usize| {
             let width = probes
                 .iter()
-                .map(|&(two, widens)| match widens {
-                    true => two.saturating_add(n.saturating_sub(2)),
-                    false => two,
+                .map(|&(two, widens, step)| {
+                    let more = n.saturating_sub(2);
+                    let beside = more.saturating_mul(step);
+                    match widens {
+                        true => two.saturating_add(more).saturating_add(beside),
+                        false => two.saturating_add(beside),
+                    }
                 })
                 .max()
                 .unwrap_or(0);
