@@ -23,6 +23,9 @@
 //!
 //! Run it on a quiet machine: a build or test beside it skews the figures by 2x or more.
 //! Peak memory is read from `VmHWM` in `/proc/self/status` of a child process per case (Linux).
+// Products of tensors this file lays out itself (clippy.toml sends the library's through
+// src/matmul.rs).
+#![allow(clippy::disallowed_methods)]
 
 mod common;
 #[path = "../examples/common/plot.rs"]

@@ -17,6 +17,9 @@
 //!
 //! Every tensor comes from the crate's own modules (the sinusoidal and learned encodings added to
 //! zeros, the rotary embedding applied to ones, ALiBi's and T5's bias builders).
+// Products of tensors this file lays out itself (clippy.toml sends the library's through
+// src/matmul.rs).
+#![allow(clippy::disallowed_methods)]
 
 #[allow(dead_code)]
 #[path = "common/plot.rs"]

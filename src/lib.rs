@@ -86,6 +86,7 @@ mod error;
 mod graft;
 pub mod hf;
 pub mod limits;
+mod matmul;
 pub mod plug;
 pub mod positions;
 pub mod relative;

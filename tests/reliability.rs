@@ -1,16 +1,16 @@
 //! Classes of bad input found by an outside probe, each tested as a class: empty batches, ids
 //! past `u32`, masks of the wrong kind (including on empty chunks), dtypes outside the four the
-//! crate computes in, and distances at the ends of `i64`.
+//! crate computes in, distances at the ends of `i64`, and inputs in any memory layout.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, ClippedBiasConfig, ClippedRelativeBias, Error, KvCache,
-    LearnedConfig, LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention, Positions,
-    QkLayout, RopeConfig, RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition, T5Config,
-    T5RelativeBias, YarnScaling,
+    AttentionConfig, AttentionOptions, ClippedBiasConfig, ClippedRelativeBias, EncodingConfig,
+    Error, KvCache, LatentConfig, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling,
+    MultiHeadAttention, Positions, QkLayout, QkNormConfig, RopeConfig, RopeScaling,
+    RotaryEmbedding, ShawConfig, ShawRelativePosition, T5Config, T5RelativeBias, YarnScaling,
 };
 use common::zoo;
 
@@ -655,6 +655,103 @@ fn half_precision_rotations_stay_in_range(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The layouts a caller's `(B, T, D)` input may come in, each with the same values as `x`:
+/// features and tokens swapped in memory (a `(B, D, T)` tensor transposed), batch and tokens
+/// swapped, every axis reversed, features narrowed from a wider tensor, one sequence broadcast
+/// over the batch.
+fn layouts_of(x: &Tensor) -> anyhow::Result<Vec<(&'static str, Tensor)>> {
+    let (b, t, d) = x.dims3()?;
+    let swapped = |a: usize, c: usize| -> anyhow::Result<Tensor> {
+        Ok(x.transpose(a, c)?.contiguous()?.transpose(a, c)?)
+    };
+    Ok(vec![
+        ("tokens-features", swapped(1, 2)?),
+        ("batch-tokens", swapped(0, 1)?),
+        (
+            "reversed",
+            x.permute((2, 1, 0))?.contiguous()?.permute((2, 1, 0))?,
+        ),
+        ("narrowed", Tensor::cat(&[x, x], 2)?.narrow(2, d, d)?),
+        (
+            "broadcast",
+            x.narrow(0, 0, 1)?.contiguous()?.broadcast_as((b, t, d))?,
+        ),
+    ])
+}
+
+/// An input in any memory layout gives what its contiguous copy gives, for every encoding,
+/// with plain, grouped-with-bias, query/key-normed, keys-as-values and latent projections, in
+/// every float dtype, frozen and tracked, one token or several. (candle 0.11's CPU product read
+/// a `(B, D, T)` input transposed to `(B, T, D)` at the wrong places when its weight was
+/// broadcast over the batch: f64 and half-precision blocks, latent attention in every dtype and
+/// tracked blocks with query/key norms were off by up to 8, with no error; an outside probe
+/// found it.)
+fn inputs_in_any_layout(dev: &Device) -> anyhow::Result<()> {
+    let (d_model, heads) = (32, 4);
+    let blocks = [
+        AttentionConfig::new(d_model, heads).with_causal(true),
+        AttentionConfig::new(d_model, heads)
+            .with_kv_heads(2)
+            .with_bias(true),
+        AttentionConfig::new(d_model, heads).with_qk_norm(Some(QkNormConfig::new())),
+        AttentionConfig::new(d_model, heads).with_k_eq_v(true),
+        AttentionConfig::new(d_model, heads)
+            .with_causal(true)
+            .with_latent(Some(LatentConfig::new(Some(12), 10, 4, 6))),
+    ];
+    let opts = AttentionOptions::default();
+    for (i, config) in zoo::configs(d_model, heads, d_model / heads)
+        .iter()
+        .enumerate()
+    {
+        for block in &blocks {
+            // (Latent attention rotates its own decoupled features: no encoding beside it.)
+            if block.latent.is_some() && !matches!(config, EncodingConfig::None) {
+                continue;
+            }
+            let (_, varmap) = zoo::attention(config, block, DType::F32, dev)?;
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+            let tracked =
+                MultiHeadAttention::new(block, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
+            for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                let frozen = zoo::attention_from(config, block, &varmap, dtype, dev)?;
+                let mut blocks = vec![("frozen", &frozen)];
+                if dtype == DType::F32 {
+                    blocks.push(("tracked", &tracked));
+                }
+                for (b, t) in [(2, 5), (3, 1)] {
+                    let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(dtype)?;
+                    for (layout, view) in layouts_of(&x)? {
+                        let copy = view.contiguous()?;
+                        for (kind, mha) in &blocks {
+                            let want = mha.forward_with(&copy, &opts, None)?.output;
+                            let got = mha.forward_with(&view, &opts, None)?.output;
+                            let scale = want
+                                .to_dtype(DType::F64)?
+                                .abs()?
+                                .max_all()?
+                                .to_scalar::<f64>()?
+                                .max(1.0);
+                            let tol = match dtype {
+                                DType::F64 => 1e-12,
+                                DType::F32 => 1e-5,
+                                _ => 1e-2,
+                            } * scale;
+                            let what = format!(
+                                "{} {:?} {dtype:?} {kind} B{b} T{t} {layout}",
+                                zoo::label(i, config),
+                                block
+                            );
+                            common::assert_close(&got, &want, tol, &what)?;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
     half_precision_rotations_stay_in_range,
     empty_batches_of_huge_chunks,
@@ -666,5 +763,6 @@ device_tests!(
     one_dtype_rule_for_every_table,
     t5_buckets_at_the_ends_of_i64,
     bucket_methods_check_their_configuration,
-    configurations_that_cannot_give_finite_output
+    configurations_that_cannot_give_finite_output,
+    inputs_in_any_layout
 );

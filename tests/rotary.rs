@@ -3,6 +3,9 @@
 //! GPT-J interleaved), xPos against rotary-embedding-torch, gradients against torch autograd and
 //! finite differences, properties, the attention block with a KV cache, config parsing, and bad
 //! input.
+// Products of tensors this file lays out itself (clippy.toml sends the library's through
+// src/matmul.rs).
+#![allow(clippy::disallowed_methods)]
 
 mod common;
 

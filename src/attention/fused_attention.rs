@@ -827,6 +827,7 @@ mod tests {
 
     use super::*;
     use crate::attention::mask::{apply_keep_mask, keep_mask};
+    use crate::matmul::matmul;
 
     /// The core against candle ops, for tiles of 1 to all rows: grouped heads, strided keys and
     /// values, a dense and a relative bias, relative values, padding (batch item 0 has its first
@@ -869,7 +870,7 @@ mod tests {
                         .broadcast_as((b, hkv, h / hkv, tk, d))?
                         .reshape((b, h, tk, d))?)
                 };
-                let mut s = q.matmul(&rep(&k)?.t()?)?.broadcast_add(&dense)?;
+                let mut s = matmul(&q, &rep(&k)?.t()?)?.broadcast_add(&dense)?;
                 s = s.broadcast_add(&relative.to_dense(tq, tk)?)?;
                 let rule = match causal {
                     Some(first) => RowRule::causal(first),
@@ -879,7 +880,7 @@ mod tests {
                     s = apply_keep_mask(&s, &keep)?;
                 }
                 let p = candle_nn::ops::softmax(&s, D::Minus1)?;
-                let want = (p.matmul(&rep(&v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?;
+                let want = (matmul(&p, &rep(&v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?;
                 for (tile, key_tile) in [(1, 17), (3, 1), (5, 4), (13, 5), (13, 17)] {
                     let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
                     Core {
@@ -919,10 +920,8 @@ mod tests {
         let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
         let rule = RowRule::causal(tk - tq);
         let keep = keep_mask(&rule, None, b, tq, tk, &dev)?.ok_or(anyhow::anyhow!("mask"))?;
-        let s = apply_keep_mask(&q.matmul(&k.t()?)?, &keep)?;
-        let want = candle_nn::ops::softmax(&s, D::Minus1)?
-            .matmul(&v)?
-            .transpose(1, 2)?;
+        let s = apply_keep_mask(&matmul(&q, &k.t()?)?, &keep)?;
+        let want = matmul(&candle_nn::ops::softmax(&s, D::Minus1)?, &v)?.transpose(1, 2)?;
         for (tile, key_tile) in [(1, 12), (2, 1), (4, 5), (9, 3)] {
             let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;
             let core = Core {
@@ -1075,9 +1074,9 @@ mod tests {
         ];
         for rule in &rules {
             for pad in [None, Some(&padding)] {
-                let s = q.matmul(&k.t()?)?.contiguous()?;
+                let s = matmul(&q, &k.t()?)?.contiguous()?;
                 bias_mask_softmax_in_place(&s, &[], &[&relative], pad, rule)?;
-                let want = (s.matmul(&v)? + values.weighted_sum(&s)?)?.transpose(1, 2)?;
+                let want = (matmul(&s, &v)? + values.weighted_sum(&s)?)?.transpose(1, 2)?;
                 let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
                 for (tile, key_tile) in [(19, 1), (3, 4), (4, 7), (19, 31), (1, 1024)] {
                     let out = Tensor::zeros((b, tq, h, d), DType::F32, &dev)?;

@@ -888,6 +888,7 @@ mod tests {
     use crate::attention::dropout::Dropout;
     use crate::attention::fused_softmax::RowRule;
     use crate::attention::mask::{apply_keep_mask, keep_mask};
+    use crate::matmul::matmul;
     use crate::plug::{Columns, RelativeBias, RelativeValues};
 
     /// The operands of one check: every tensor a gradient can reach is a `Var`.
@@ -985,7 +986,7 @@ mod tests {
                 .broadcast_as((b, hkv, h / hkv, tk, d))?
                 .reshape((b, h, tk, d))?)
         };
-        let mut s = c.q.matmul(&rep(&c.k)?.t()?)?;
+        let mut s = matmul(&c.q, &rep(&c.k)?.t()?)?;
         if let Some(cap) = rule.softcap {
             let cap = f64::from(cap);
             s = ((s / cap)?.tanh()? * cap)?;
@@ -1015,7 +1016,7 @@ mod tests {
             let factors = factors.to_dtype(p.dtype())?;
             p = (p * factors)?;
         }
-        Ok((p.matmul(&rep(&c.v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?)
+        Ok((matmul(&p, &rep(&c.v)?)? + values.weighted_sum(&p)?)?.transpose(1, 2)?)
     }
 
     /// The gradients of `Σ out · probe` with respect to every variable, by name.

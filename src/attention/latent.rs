@@ -25,13 +25,14 @@
 //! Reference: DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient
 //! Mixture-of-Experts Language Model" (multi-head latent attention, decoupled RoPE).
 
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::{linear_b, linear_no_bias, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::qk_norm::rms_normalized;
 use crate::error::{check_normal_f32, Error, Result};
 use crate::limits::check_elements;
+use crate::matmul::linear;
 
 /// Settings of [`AttentionConfig::latent`](super::AttentionConfig::latent): the ranks and head
 /// widths of multi-head latent attention. The block's `head_dim` is `rope_dim + nope_dim` (the
@@ -266,22 +267,24 @@ impl LatentProjections {
         let (h, d, rope) = (self.heads, self.head_dim, self.config.rope_dim);
         let (nope, dv) = (d - rope, self.config.v_head_dim);
         let q = match &self.query {
-            Query::Direct(q) => q.forward(x)?,
-            Query::LowRank { a, norm, b } => b.forward(&self.rms(&a.forward(x)?, norm)?)?,
+            Query::Direct(q) => linear(q, x)?,
+            Query::LowRank { a, norm, b } => linear(b, &self.rms(&linear(a, x)?, norm)?)?,
         };
         // HF's head layout is [nope ‖ rope]; the block's is [rope ‖ nope].
         let q = q.reshape((b, t, h, d))?;
         let q = Tensor::cat(&[q.narrow(3, nope, rope)?, q.narrow(3, 0, nope)?], 3)?;
-        let kv = self.kv_a.forward(x)?;
+        let kv = linear(&self.kv_a, x)?;
         let latent = kv.narrow(2, 0, self.config.kv_lora_rank)?;
         let k_rope = kv
             .narrow(2, self.config.kv_lora_rank, rope)?
             .reshape((b, t, 1, rope))?
             .broadcast_as((b, t, h, rope))?;
-        let kv = self
-            .kv_b
-            .forward(&self.rms(&latent, &self.kv_norm)?)?
-            .reshape((b, t, h, nope + dv))?;
+        let kv = linear(&self.kv_b, &self.rms(&latent, &self.kv_norm)?)?.reshape((
+            b,
+            t,
+            h,
+            nope + dv,
+        ))?;
         let k = Tensor::cat(&[&k_rope, &kv.narrow(3, 0, nope)?], 3)?;
         let v = kv.narrow(3, nope, dv)?;
         let v = match d - dv {

@@ -19,7 +19,7 @@
 
 use std::cell::RefCell;
 
-use candle_core::{CpuStorage, DType, Module, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Storage, Tensor};
 use candle_nn::Linear;
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -27,6 +27,7 @@ use rayon::prelude::*;
 use super::fused_attention::{product, product_parallel};
 use super::widen::Widen;
 use crate::error::Result;
+use crate::matmul;
 
 /// Rows (tokens) up to which the projections run as one pass over all their weights.
 pub(crate) const FEW_ROWS: usize = 4;
@@ -50,10 +51,10 @@ pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
             .bias()
             .is_none_or(|b| b.dtype() == DType::F32 && b.device().is_cpu() && !b.track_op());
     let (Some(&features), Ok((out, inner))) = (x.dims().last(), w.dims2()) else {
-        return Ok(linear.forward(x)?);
+        return matmul::linear(linear, x);
     };
     if !direct || features != inner || x.rank() < 2 {
-        return Ok(linear.forward(x)?);
+        return matmul::linear(linear, x);
     }
     let x = x.contiguous()?;
     let w = w.contiguous()?;
@@ -79,11 +80,11 @@ pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
             candle_core::Storage::Cpu(candle_core::CpuStorage::F32(wd)),
         ) = (&*xs, &*ws)
         else {
-            return Ok(linear.forward(&x)?);
+            return matmul::linear(linear, &x);
         };
         let (xo, wo) = (x.layout().start_offset(), w.layout().start_offset());
         if xd.len() < xo + rows * inner || wd.len() < wo + out * inner {
-            return Ok(linear.forward(&x)?);
+            return matmul::linear(linear, &x);
         }
         // SAFETY: x holds rows × in values from xo and W out × in from wo (checked above),
         // both contiguous; y holds rows × out; `Wᵀ` is read with column stride `in`.
@@ -326,7 +327,7 @@ mod tests {
                 Tensor::randn(0f32, 1.0, (3, 7, 40), &dev)?,
                 Tensor::randn(0f32, 1.0, (7, 3, 40), &dev)?.transpose(0, 1)?,
             ] {
-                let want = linear.forward(&x)?;
+                let want = matmul::linear(&linear, &x)?;
                 let got = project(&linear, &x)?;
                 assert_eq!(got.dims(), want.dims());
                 let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -365,7 +366,7 @@ mod tests {
                 for (layer, y) in layers.iter().zip(&ys) {
                     let exact = {
                         let w = layer.weight().to_dtype(DType::F64)?;
-                        let y = x.to_dtype(DType::F64)?.broadcast_matmul(&w.t()?)?;
+                        let y = matmul::broadcast_matmul(&x.to_dtype(DType::F64)?, &w.t()?)?;
                         match layer.bias() {
                             Some(b) => y.broadcast_add(&b.to_dtype(DType::F64)?)?,
                             None => y,

@@ -14,6 +14,7 @@ use super::blocks::{Block, LogitTerms};
 use super::fused_softmax;
 use super::mask::{apply_keep_mask, keep_mask};
 use crate::error::Result;
+use crate::matmul::matmul;
 use crate::plug::RelativeValues;
 
 /// The weights and output of one block, both `(B, H, n, ·)`. `row_pass` runs bias, masks and
@@ -28,7 +29,7 @@ pub(crate) fn attend(
     differentiable: bool,
     dropout: f32,
 ) -> Result<(Tensor, Tensor)> {
-    let mut scores = part.q.matmul(&part.k.t()?)?;
+    let mut scores = matmul(&part.q, &part.k.t()?)?;
     let rule = &part.rule;
     let probs = if row_pass {
         fused_softmax::bias_mask_softmax_in_place(
@@ -90,7 +91,7 @@ pub(crate) fn attend(
     } else {
         probs.clone()
     };
-    let mut out = dropped.matmul(&part.v)?;
+    let mut out = matmul(&dropped, &part.v)?;
     if let Some(values) = values {
         out = (out + values.weighted_sum(&dropped)?)?;
     }

@@ -22,6 +22,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::graft::{graft, GraftBackward};
 use crate::limits::check_elements;
+use crate::matmul::broadcast_matmul;
 
 /// How each (query, key) pair picks its column of a relative term; see the module docs.
 #[derive(Debug, Clone)]
@@ -398,9 +399,7 @@ impl RelativeValues {
         // each other's range: a bf16 table read in f16 could turn a zero weight's term into
         // 0 · ∞ = NaN), rounded once to the weights' dtype.
         let compute = product_dtype(probs.dtype(), self.table.dtype());
-        let out = sums
-            .to_dtype(compute)?
-            .broadcast_matmul(&self.table.to_dtype(compute)?)?;
+        let out = broadcast_matmul(&sums.to_dtype(compute)?, &self.table.to_dtype(compute)?)?;
         Ok(out.to_dtype(probs.dtype())?)
     }
 }

@@ -32,6 +32,7 @@ use crate::positions::Positions;
 use super::{clipped_row, query_dims, relative_buckets};
 use crate::error::{check_float, Error, Result};
 use crate::limits::check_elements;
+use crate::matmul::broadcast_matmul;
 use crate::plug::relative::product_dtype;
 use crate::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
@@ -255,9 +256,7 @@ impl ShawRelativePosition {
         // not hold each other's range, and a table read in q's dtype could turn a zero
         // feature's term into 0 · ∞ = NaN.
         let compute = product_dtype(q.dtype(), keys.dtype());
-        let out = q
-            .to_dtype(compute)?
-            .broadcast_matmul(&keys.to_dtype(compute)?.t()?)?;
+        let out = broadcast_matmul(&q.to_dtype(compute)?, &keys.to_dtype(compute)?.t()?)?;
         Ok(out.to_dtype(q.dtype())?)
     }
 

@@ -27,6 +27,7 @@ use super::{BackwardBuffers, CudaCore, LaunchOp};
 use crate::attention::fused_training::padded_dims;
 use crate::error::Result;
 use crate::graft::{graft_through, GraftBackward};
+use crate::matmul::matmul;
 
 /// What the links share: the forward's launch (with its statistics), its output, and the
 /// gradients of the last backward pass until each link takes its own.
@@ -69,7 +70,7 @@ impl Shared {
                     .transpose(1, 2)?
                     .contiguous()?
                     .reshape((b * h * tq, d))?;
-                let dp = rows.matmul(&table.detach().t()?)?;
+                let dp = matmul(&rows, &table.detach().t()?)?;
                 Some((rows, dp.reshape((b, h, tq, table.dim(0)?))?))
             }
             None => None,
@@ -111,7 +112,7 @@ impl Shared {
             (self.table_dtype, &op.value_weights, &value_rows)
         {
             let width = weights.dim(3)?;
-            let da = weights.reshape((b * h * tq, width))?.t()?.matmul(rows)?;
+            let da = matmul(&weights.reshape((b * h * tq, width))?.t()?, rows)?;
             grads.push(Some(da.to_dtype(dtype)?));
         }
         Ok(grads)
