@@ -1,11 +1,17 @@
 //! Learned absolute encoding and its interpolation: parity with PyTorch (indexing,
-//! `F.interpolate(mode="linear", align_corners=False)` and its autograd), bad input.
+//! `F.interpolate(mode="linear", align_corners=False)` and its autograd), a fixed stretch that
+//! decodes as one forward, bad input.
 
 mod common;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use candle_posenc::{Error, Interpolation, LearnedConfig, LearnedPositionalEncoding, Positions};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, Error, Interpolation, KvCache, LearnedConfig,
+    LearnedPositionalEncoding, MultiHeadAttention, Positions,
+};
 use common::{assert_close, fixture, get};
 
 fn from_fixture(
@@ -90,12 +96,29 @@ fn interpolation_gradients(dev: &Device) -> anyhow::Result<()> {
 fn fixed_interpolation_length(dev: &Device) -> anyhow::Result<()> {
     let (pe, _) = from_fixture(dev, Interpolation::ToLength(16))?;
     let stretched = pe.interpolated(16)?;
-    // Every decoding step past max_len reads the same stretched table.
+    // Every decoding step reads the same stretched table, before max_len (8) and past it, and
+    // so does a whole chunk: a position means the same in each (steps below max_len used to
+    // read the unstretched table, so a cached decoder saw them move; an outside probe found
+    // it).
     let x = Tensor::zeros((1, 1, 6), DType::F32, dev)?;
-    for p in [8usize, 12, 15] {
+    for p in [0usize, 3, 7, 8, 12, 15] {
         let y = pe.forward_with_positions(&x, &Positions::Offset(p), false)?;
         assert_close(&y.squeeze(0)?, &stretched.narrow(0, p, 1)?, 0.0, "step")?;
     }
+    for (start, len) in [(0, 5), (2, 6), (0, 16)] {
+        let chunk = Tensor::zeros((1, len, 6), DType::F32, dev)?;
+        let y = pe.forward_with_positions(&chunk, &Positions::Offset(start), false)?;
+        let want = stretched.narrow(0, start, len)?;
+        assert_close(&y.squeeze(0)?, &want, 0.0, "chunk")?;
+    }
+    assert!(
+        (stretched.narrow(0, 0, 8)? - pe.weight())?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?
+            > 1e-3,
+        "the stretched rows below max_len differ from the table's"
+    );
     let err = pe
         .forward_with_positions(&x, &Positions::Offset(16), false)
         .unwrap_err();
@@ -240,11 +263,36 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A causal block whose encoding is the table stretched to a fixed length decodes token by
+/// token, through a KV cache and past `max_len`, to what one forward over the sequence gives.
+fn fixed_length_decodes_as_one_forward(dev: &Device) -> anyhow::Result<()> {
+    let (pe, _) = from_fixture(dev, Interpolation::ToLength(16))?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let attn = MultiHeadAttention::new(
+        &AttentionConfig::new(6, 2).with_causal(true),
+        Some(Arc::new(pe)),
+        vb,
+    )?;
+    let x = Tensor::randn(0f32, 1.0, (2, 12, 6), dev)?;
+    let full = attn.forward(&x)?;
+    let mut cache = KvCache::new();
+    let opts = AttentionOptions::default();
+    let mut steps = Vec::new();
+    for t in 0..12 {
+        let step = attn.forward_with(&x.narrow(1, t, 1)?, &opts, Some(&mut cache))?;
+        steps.push(step.output);
+    }
+    assert_close(&Tensor::cat(&steps, 1)?, &full, 1e-5, "decoded")?;
+    Ok(())
+}
+
 device_tests!(
     forward_parity,
     interpolation_parity,
     interpolation_gradients,
     fixed_interpolation_length,
+    fixed_length_decodes_as_one_forward,
     varbuilder_init_and_names,
     gradients_reach_the_table,
     bad_input,

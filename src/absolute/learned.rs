@@ -40,9 +40,10 @@ pub enum Interpolation {
     /// largest id + 1), as the seeds do. Each length gets its own stretch, so a cached decoder
     /// would see positions move between steps: use [`Interpolation::ToLength`] there.
     ToSequenceLength,
-    /// Stretch the table once to this many positions whenever a position past `max_len` is
-    /// needed; positions keep their meaning across decoding steps. Positions past this length
-    /// are an error.
+    /// Stretch the table once to this many positions and read every position from the
+    /// stretched table, those below `max_len` included, so a position means the same in every
+    /// chunk and decoding step (a length of `max_len` is the table itself). Positions at or past
+    /// this length are an error.
     ToLength(usize),
 }
 
@@ -273,8 +274,11 @@ impl LearnedPositionalEncoding {
     /// The table that serves positions `0..end`, per the interpolation mode.
     fn table_for(&self, end: usize) -> Result<Tensor> {
         let max_len = self.config.max_len;
-        if end <= max_len {
-            return Ok(self.weight.clone());
+        match self.config.interpolation {
+            // One stretched table for every chunk, whatever its end.
+            Interpolation::ToLength(n) if end <= n => return self.interpolated(n),
+            _ if end <= max_len => return Ok(self.weight.clone()),
+            _ => {}
         }
         match self.config.interpolation {
             Interpolation::Off => Err(Error::PositionOutOfRange {
@@ -292,7 +296,6 @@ impl LearnedPositionalEncoding {
                 }
                 self.interpolated(end)
             }
-            Interpolation::ToLength(n) if end <= n => self.interpolated(n),
             Interpolation::ToLength(n) => Err(Error::PositionOutOfRange {
                 table: "interpolated learned positional",
                 position: end - 1,
