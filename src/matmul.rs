@@ -41,7 +41,10 @@ pub(crate) fn matmul(lhs: &Tensor, rhs: &Tensor) -> Result<Tensor> {
 }
 
 /// `lhs · rhs` with their batch dimensions broadcast to each other, as
-/// `Tensor::broadcast_matmul` (the broadcast right-hand side is read in place, not copied).
+/// `Tensor::broadcast_matmul`. An operand broadcast over all its batch dimensions at once (a
+/// table against a batch of queries) is read in place; one whose batch dimensions no single
+/// stride steps through (broadcast over some and not others) is copied, as candle's product
+/// reads a batch through one stride.
 ///
 /// # Shapes
 /// `lhs (…, m, k)`, `rhs (…, k, n)`, batch dimensions broadcastable → `(…, m, n)`.
@@ -58,9 +61,15 @@ pub(crate) fn broadcast_matmul(lhs: &Tensor, rhs: &Tensor) -> Result<Tensor> {
     let (r_batch, r_mat) = r.split_at(r.len() - 2);
     let batch = Shape::from(l_batch).broadcast_shape_binary_op(&r_batch.into(), "matmul")?;
     let shape = |mat: &[usize]| Shape::from([batch.dims(), mat].concat());
+    let one_stride = |t: Tensor| -> Result<Tensor> {
+        match batch_stride(&t).is_some() {
+            true => Ok(t),
+            false => Ok(t.contiguous()?),
+        }
+    };
     matmul(
-        &lhs.broadcast_as(shape(l_mat))?,
-        &rhs.broadcast_as(shape(r_mat))?,
+        &one_stride(lhs.broadcast_as(shape(l_mat))?)?,
+        &one_stride(rhs.broadcast_as(shape(r_mat))?)?,
     )
 }
 
@@ -86,6 +95,29 @@ fn batch_broadcast(t: &Tensor) -> bool {
         .iter()
         .zip(&t.stride()[..batch])
         .any(|(&d, &s)| d > 1 && s == 0)
+}
+
+/// The one stride that steps through every matrix of `t`'s batch, if there is one: its batch
+/// dimensions of more than one matrix nest, each outer stride the inner one times the inner
+/// size (all 0 for a batch broadcast whole).
+fn batch_stride(t: &Tensor) -> Option<usize> {
+    let batch = t.rank().saturating_sub(2);
+    let mut dims = t.dims()[..batch]
+        .iter()
+        .zip(&t.stride()[..batch])
+        .filter(|(&d, _)| d > 1)
+        .rev();
+    let Some((&d, &s)) = dims.next() else {
+        return Some(0);
+    };
+    let mut step = s.checked_mul(d)?;
+    for (&d, &s) in dims {
+        if s != step {
+            return None;
+        }
+        step = s.checked_mul(d)?;
+    }
+    Some(s)
 }
 
 /// `t` with row-major strides: a view when its elements are already in that order (candle's
@@ -187,6 +219,38 @@ mod tests {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Rank-4 operands broadcast over one batch dimension and not the other (which no single
+    /// stride steps through) on either side, and a table against a rank-4 batch.
+    #[test]
+    fn partial_broadcasts() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let randn = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, &dev);
+        let cases = [
+            (randn(&[2, 3, 4, 5])?, randn(&[1, 3, 5, 6])?),
+            (randn(&[1, 3, 4, 5])?, randn(&[2, 3, 5, 6])?),
+            (randn(&[2, 1, 4, 5])?, randn(&[2, 3, 5, 6])?),
+            (randn(&[2, 3, 4, 5])?, randn(&[2, 1, 5, 6])?),
+            (randn(&[2, 3, 5, 4])?.transpose(2, 3)?, randn(&[5, 6])?),
+            (randn(&[3, 4, 5])?, randn(&[2, 1, 5, 6])?),
+        ];
+        for (lhs, rhs) in cases {
+            let (l, r) = (lhs.dims().to_vec(), rhs.dims().to_vec());
+            let shape = [2, 3];
+            let full = |t: &Tensor| -> candle_core::Result<Tensor> {
+                let mat = &t.dims()[t.rank() - 2..];
+                t.broadcast_as([&shape[..], mat].concat())
+            };
+            let want = reference(
+                &full(&lhs)?.reshape((6, 4, 5))?,
+                &full(&rhs)?.reshape((6, 5, 6))?,
+            )?;
+            let got = broadcast_matmul(&lhs, &rhs)?.reshape((6, 4, 6))?;
+            let d = max_diff(&got, &want)?;
+            assert!(d < 1e-4, "{l:?} · {r:?}: {d}");
         }
         Ok(())
     }
