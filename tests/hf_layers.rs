@@ -13,11 +13,12 @@ use candle_posenc::checkpoint::Checkpoint;
 use candle_posenc::encoding::EncodingConfig;
 use candle_posenc::hf::{HfAttentionConfig, HfFamily};
 use candle_posenc::positions::{PositionIds, Positions};
+use candle_posenc::relative::alibi::{AlibiConfig, AlibiSlopes};
 use candle_posenc::rotary::RopeLayout;
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 47] = [
+const FAMILIES: [&str; 49] = [
     "llama",
     "mistral",
     "qwen2",
@@ -35,6 +36,8 @@ const FAMILIES: [&str; 47] = [
     "t5",
     "t5_decoder",
     "mpt",
+    "mpt_bias_max16",
+    "mpt_no_alibi",
     "mistral_window",
     "gemma2.0",
     "gemma2.1",
@@ -92,6 +95,23 @@ fn layer(ckpt: &Checkpoint, tag: &str) -> anyhow::Result<(HfAttentionConfig, Mul
 
 fn ckpt_device(ckpt: &Checkpoint) -> &Device {
     ckpt.tensors().values().next().expect("tensors").device()
+}
+
+/// How far the block built from `config` with the tensors of fixture `tag` is from HF's
+/// output for that layer (positions 0..T, no padding).
+fn distance_from_hf(
+    ckpt: &Checkpoint,
+    tag: &str,
+    config: &HfAttentionConfig,
+) -> anyhow::Result<f64> {
+    let prefix = &ckpt.metadata()[&format!("{tag}.prefix")];
+    let vb = ckpt.var_builder(DType::F32, ckpt_device(ckpt));
+    let block = config.load(vb.pp(format!("{tag}/{prefix}")))?;
+    let x = get(ckpt.tensors(), &format!("{tag}.x"));
+    let got = block
+        .forward_with(x, &AttentionOptions::default(), None)?
+        .output;
+    common::max_abs_diff(&got, get(ckpt.tensors(), &format!("{tag}.out")))
 }
 
 /// Every family's layer equals HF's on every path: the fused core, the row pass (weights
@@ -618,12 +638,6 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
                 .to_string(),
             "attn_config.qk_ln",
         ),
-        (
-            r#"{"model_type": "mpt", "d_model": 32, "n_heads": 4,
-                "attn_config": {"alibi": true, "alibi_bias_max": -1.0}}"#
-                .to_string(),
-            "attn_config.alibi_bias_max",
-        ),
         (r#"{"model_type": "llama", "num_attention_heads": 4}"#.to_string(), "hidden_size"),
         (format!("{{{llama}, \"num_key_value_heads\": 3}}"), "num_key_value_heads"),
         (format!("{{{llama}, \"num_key_value_heads\": \"2\"}}"), "num_key_value_heads"),
@@ -995,7 +1009,39 @@ fn every_family_trains_as_hf(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// MPT as HF's `MptModel` computes it: ALiBi with MPT's slopes and the largest exponent 8,
+/// whatever `attn_config.alibi_bias_max` and `attn_config.alibi` say (HF reads neither).
+fn mpt_alibi_as_hf_builds_it(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let hf_slopes =
+        EncodingConfig::Alibi(AlibiConfig::new(6).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }));
+    for tag in ["mpt", "mpt_bias_max16", "mpt_no_alibi"] {
+        let config = HfAttentionConfig::from_json(&ckpt.metadata()[tag])?;
+        assert_eq!(config.encoding, hf_slopes, "{tag}");
+        let d = distance_from_hf(&ckpt, tag, &config)?;
+        assert!(d < 1e-5, "{tag}: {d}");
+    }
+    // The files' own readings (MosaicML's) are not what HF computes: the fixtures tell them
+    // apart.
+    let mut honoured = HfAttentionConfig::from_json(&ckpt.metadata()["mpt_bias_max16"])?;
+    honoured.encoding =
+        EncodingConfig::Alibi(AlibiConfig::new(6).with_slopes(AlibiSlopes::Mpt { max_bias: 16.0 }));
+    assert!(distance_from_hf(&ckpt, "mpt_bias_max16", &honoured)? > 1e-2);
+    let mut none = HfAttentionConfig::from_json(&ckpt.metadata()["mpt_no_alibi"])?;
+    none.encoding = EncodingConfig::None;
+    assert!(distance_from_hf(&ckpt, "mpt_no_alibi", &none)? > 1e-2);
+    // A value HF would not accept for its own slopes is not read either.
+    let odd = r#"{"model_type": "mpt", "d_model": 32, "n_heads": 4,
+        "attn_config": {"alibi": false, "alibi_bias_max": -1.0}}"#;
+    assert_eq!(
+        HfAttentionConfig::from_json(odd)?.encoding,
+        EncodingConfig::Alibi(AlibiConfig::new(4).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }))
+    );
+    Ok(())
+}
+
 device_tests!(
+    mpt_alibi_as_hf_builds_it,
     layer_indices_past_the_model,
     fields_changed_after_parsing_are_checked,
     every_family_matches_hf,

@@ -48,7 +48,10 @@ pub enum HfFamily {
     /// no softmax scaling.
     T5,
     /// `mpt`: fused `Wqkv` (rows `[q; k; v]`), `out_proj`, no biases; ALiBi with MPT's slopes
-    /// (`attn_config.alibi`), or no encoding in the block (learned positions at the input).
+    /// and the largest exponent 8, as HF's `MptModel` builds it: HF reads neither
+    /// `attn_config.alibi` nor `attn_config.alibi_bias_max`, and neither does the loader
+    /// (MosaicML's original code honours both; for another exponent, build the
+    /// [`AlibiConfig`] with [`AlibiSlopes::Mpt`] yourself).
     Mpt,
     /// `modernbert`: fused `Wqkv` (rows `[q; k; v]`), `Wo`; bidirectional; RoPE with a global
     /// θ on full-attention layers and a local θ on sliding ones, which see `local_attention / 2`
@@ -112,9 +115,11 @@ impl HfFamily {
 ///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
 ///   (`attn_logit_softcapping`, 50 by default), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
-///   interleaved rotary), ALiBi (BLOOM; MPT's `attn_config.alibi` with its own slopes and
-///   `alibi_bias_max`; Falcon's `alibi` with its bfloat16 rounding, [`AlibiSlopes::Falcon`]), T5's `relative_attention_num_buckets` and
-///   `relative_attention_max_distance`, none for GPT-2 (and MPT without ALiBi);
+///   interleaved rotary), ALiBi (BLOOM; MPT always, with its own slopes and the largest
+///   exponent 8, since HF's `MptModel` ignores `attn_config.alibi` and
+///   `attn_config.alibi_bias_max`; Falcon's `alibi` with its bfloat16 rounding,
+///   [`AlibiSlopes::Falcon`]), T5's `relative_attention_num_buckets` and
+///   `relative_attention_max_distance`, none for GPT-2;
 /// - MPT's `attn_config.softmax_scale`;
 /// - DeepSeek V2/V3's multi-head latent attention (see [`HfFamily::DeepSeek`]: ranks and head
 ///   widths, RoPE over `qk_rope_head_dim`, YaRN's `mscale_all_dim` in the scale);
@@ -489,21 +494,12 @@ impl HfAttentionConfig {
                     head_dim: attention.head_dim,
                 }))
             }
-            HfFamily::Mpt if attn_config.bool("alibi")?.unwrap_or(false) => {
-                let max_bias = attn_config.f64("alibi_bias_max")?.unwrap_or(8.0);
-                let alibi = AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias });
-                alibi.validate().map_err(|e| match e {
-                    Error::InvalidConfig {
-                        value, expected, ..
-                    } => problem(
-                        "attn_config.alibi_bias_max",
-                        format!("gives max_bias = {value}, expected {expected}"),
-                    ),
-                    other => other,
-                })?;
-                EncodingConfig::Alibi(alibi)
-            }
-            HfFamily::Mpt => EncodingConfig::None,
+            // HF's MptModel builds its ALiBi with the default largest exponent, 8, whatever
+            // `attn_config.alibi_bias_max` says, and applies it whatever `attn_config.alibi`
+            // says (it has no learned position table); MosaicML's own code honours both.
+            HfFamily::Mpt => EncodingConfig::Alibi(
+                AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }),
+            ),
             HfFamily::T5 => {
                 let mut t5 = T5Config::new(heads);
                 if let Some(n) = top.usize("relative_attention_num_buckets")? {
