@@ -18,7 +18,7 @@ use candle_posenc::rotary::RopeLayout;
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 49] = [
+const FAMILIES: [&str; 50] = [
     "llama",
     "mistral",
     "qwen2",
@@ -43,6 +43,7 @@ const FAMILIES: [&str; 49] = [
     "gemma2.1",
     "gemma3.0",
     "gemma3.1",
+    "gemma3_softcap.1",
     "gpt_oss.0",
     "gpt_oss.1",
     "mistral_window.padded",
@@ -1040,7 +1041,46 @@ fn mpt_alibi_as_hf_builds_it(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Gemma 3 has no logit soft cap, whatever `attn_logit_softcapping` says (HF's
+/// `Gemma3Attention` does not pass it on); Gemma 2 keeps its cap.
+fn gemma3_has_no_soft_cap(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let text = &ckpt.metadata()["gemma3_softcap.1"];
+    assert!(text.contains("\"attn_logit_softcapping\": 2.0"), "{text}");
+    let config = HfAttentionConfig::from_json_layer(text, 1)?;
+    assert_eq!(config.attention.logit_softcap, None);
+    assert!(distance_from_hf(&ckpt, "gemma3_softcap.1", &config)? < 1e-5);
+    // The cap the file names would move the output far from HF's.
+    let mut capped = config.clone();
+    capped.attention = capped.attention.with_logit_softcap(Some(2.0));
+    assert!(distance_from_hf(&ckpt, "gemma3_softcap.1", &capped)? > 1e-2);
+    // Not read at all, so not refused either; Gemma 2's is read, checked, 50 by default.
+    let base =
+        r#""hidden_size": 32, "num_attention_heads": 4, "head_dim": 8, "num_hidden_layers": 1"#;
+    let cap = |json: String| -> anyhow::Result<Option<f64>> {
+        Ok(HfAttentionConfig::from_json(&json)?.attention.logit_softcap)
+    };
+    assert_eq!(
+        cap(format!(
+            r#"{{"model_type": "gemma3_text", {base}, "attn_logit_softcapping": -5.0}}"#
+        ))?,
+        None
+    );
+    assert_eq!(
+        cap(format!(r#"{{"model_type": "gemma2", {base}}}"#))?,
+        Some(50.0)
+    );
+    assert_eq!(
+        HfAttentionConfig::from_json_layer(&ckpt.metadata()["gemma2.1"], 1)?
+            .attention
+            .logit_softcap,
+        Some(5.0)
+    );
+    Ok(())
+}
+
 device_tests!(
+    gemma3_has_no_soft_cap,
     mpt_alibi_as_hf_builds_it,
     layer_indices_past_the_model,
     fields_changed_after_parsing_are_checked,

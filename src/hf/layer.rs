@@ -113,7 +113,8 @@ impl HfFamily {
 /// - sliding windows (`sliding_window` with its class default: Mistral, Phi-3, and per layer
 ///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
 ///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
-///   (`attn_logit_softcapping`, 50 by default), gpt-oss's sink logits;
+///   (`attn_logit_softcapping`, 50 by default; Gemma 3's attention ignores the key, as HF's
+///   `Gemma3Attention` does), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
 ///   interleaved rotary), ALiBi (BLOOM; MPT always, with its own slopes and the largest
 ///   exponent 8, since HF's `MptModel` ignores `attn_config.alibi` and
@@ -386,13 +387,12 @@ impl HfAttentionConfig {
             let scalar = top.f64("query_pre_attn_scalar")?.unwrap_or(256.0);
             attention = attention.with_softmax_scale(1.0 / scalar.sqrt());
             keys.set("softmax_scale", "query_pre_attn_scalar");
-            let default_cap = if model_type == "gemma2" {
-                Some(50.0)
-            } else {
-                None
-            };
+        }
+        // Gemma 2's attention caps its logits; Gemma 3's (and Gemma 4's) never passes
+        // `attn_logit_softcapping` to its attention function, so a cap in the file is not read.
+        if model_type == "gemma2" {
             let cap = match top.map.get("attn_logit_softcapping") {
-                None => default_cap,
+                None => Some(50.0),
                 Some(_) => top.f64("attn_logit_softcapping")?,
             };
             attention = attention.with_logit_softcap(cap);
