@@ -116,7 +116,9 @@ impl HfFamily {
 ///   (`attn_logit_softcapping`, 50 by default; Gemma 3's attention ignores the key, as HF's
 ///   `Gemma3Attention` does), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
-///   interleaved rotary), ALiBi (BLOOM; MPT always, with its own slopes and the largest
+///   interleaved rotary; partial only where the model's HF code reads it: Phi-3, GPT-NeoX,
+///   GPT-J, while the Llama-style families rotate the whole head whatever
+///   `partial_rotary_factor` says and refuse one that would shorten a scaled RoPE's table), ALiBi (BLOOM; MPT always, with its own slopes and the largest
 ///   exponent 8, since HF's `MptModel` ignores `attn_config.alibi` and
 ///   `attn_config.alibi_bias_max`; Falcon's `alibi` with its bfloat16 rounding,
 ///   [`AlibiSlopes::Falcon`]), T5's `relative_attention_num_buckets` and
@@ -709,7 +711,8 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
     map.insert("model_type".into(), Value::from("llama"));
     map.insert("head_dim".into(), Value::from(rope_dim));
     map.insert("rope_interleave".into(), Value::from(interleaved));
-    map.remove("partial_rotary_factor");
+    // (A partial_rotary_factor is read as HF's DeepSeek reads it: not at all with the default
+    // RoPE, refused where it would shorten a scaled RoPE's table.)
     let mut rope =
         RopeConfig::from_hf_json(&Value::Object(map).to_string()).map_err(|e| match e {
             // The head width given to the rotary settings is qk_rope_head_dim.
