@@ -16,11 +16,12 @@ use candle_posenc::checkpoint::Checkpoint;
 use candle_posenc::encoding::EncodingConfig;
 use candle_posenc::hf::{HfAttentionConfig, HfFamily};
 use candle_posenc::positions::{PositionIds, Positions};
-use candle_posenc::rotary::RopeLayout;
+use candle_posenc::relative::alibi::{AlibiConfig, AlibiSlopes};
+use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 47] = [
+const FAMILIES: [&str; 52] = [
     "llama",
     "mistral",
     "qwen2",
@@ -29,6 +30,8 @@ const FAMILIES: [&str; 47] = [
     "gemma",
     "phi3",
     "gpt_neox",
+    "llama_partial",
+    "neox_pct",
     "bloom",
     "gpt2",
     "gptj",
@@ -38,11 +41,14 @@ const FAMILIES: [&str; 47] = [
     "t5",
     "t5_decoder",
     "mpt",
+    "mpt_bias_max16",
+    "mpt_no_alibi",
     "mistral_window",
     "gemma2.0",
     "gemma2.1",
     "gemma3.0",
     "gemma3.1",
+    "gemma3_softcap.1",
     "gpt_oss.0",
     "gpt_oss.1",
     "mistral_window.padded",
@@ -95,6 +101,23 @@ fn layer(ckpt: &Checkpoint, tag: &str) -> anyhow::Result<(HfAttentionConfig, Mul
 
 fn ckpt_device(ckpt: &Checkpoint) -> &Device {
     ckpt.tensors().values().next().expect("tensors").device()
+}
+
+/// How far the block built from `config` with the tensors of fixture `tag` is from HF's
+/// output for that layer (positions 0..T, no padding).
+fn distance_from_hf(
+    ckpt: &Checkpoint,
+    tag: &str,
+    config: &HfAttentionConfig,
+) -> anyhow::Result<f64> {
+    let prefix = &ckpt.metadata()[&format!("{tag}.prefix")];
+    let vb = ckpt.var_builder(DType::F32, ckpt_device(ckpt));
+    let block = config.load(vb.pp(format!("{tag}/{prefix}")))?;
+    let x = get(ckpt.tensors(), &format!("{tag}.x"));
+    let got = block
+        .forward_with(x, &AttentionOptions::default(), None)?
+        .output;
+    common::max_abs_diff(&got, get(ckpt.tensors(), &format!("{tag}.out")))
 }
 
 /// Every family's layer equals HF's on every path: the fused core, the row pass (weights
@@ -621,12 +644,6 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
                 .to_string(),
             "attn_config.qk_ln",
         ),
-        (
-            r#"{"model_type": "mpt", "d_model": 32, "n_heads": 4,
-                "attn_config": {"alibi": true, "alibi_bias_max": -1.0}}"#
-                .to_string(),
-            "attn_config.alibi_bias_max",
-        ),
         (r#"{"model_type": "llama", "num_attention_heads": 4}"#.to_string(), "hidden_size"),
         (format!("{{{llama}, \"num_key_value_heads\": 3}}"), "num_key_value_heads"),
         (format!("{{{llama}, \"num_key_value_heads\": \"2\"}}"), "num_key_value_heads"),
@@ -998,7 +1015,232 @@ fn every_family_trains_as_hf(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// MPT as HF's `MptModel` computes it: ALiBi with MPT's slopes and the largest exponent 8,
+/// whatever `attn_config.alibi_bias_max` and `attn_config.alibi` say (HF reads neither).
+fn mpt_alibi_as_hf_builds_it(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let hf_slopes =
+        EncodingConfig::Alibi(AlibiConfig::new(6).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }));
+    for tag in ["mpt", "mpt_bias_max16", "mpt_no_alibi"] {
+        let config = HfAttentionConfig::from_json(&ckpt.metadata()[tag])?;
+        assert_eq!(config.encoding, hf_slopes, "{tag}");
+        let d = distance_from_hf(&ckpt, tag, &config)?;
+        assert!(d < 1e-5, "{tag}: {d}");
+    }
+    // The files' own readings (MosaicML's) are not what HF computes: the fixtures tell them
+    // apart.
+    let mut honoured = HfAttentionConfig::from_json(&ckpt.metadata()["mpt_bias_max16"])?;
+    honoured.encoding =
+        EncodingConfig::Alibi(AlibiConfig::new(6).with_slopes(AlibiSlopes::Mpt { max_bias: 16.0 }));
+    assert!(distance_from_hf(&ckpt, "mpt_bias_max16", &honoured)? > 1e-2);
+    let mut none = HfAttentionConfig::from_json(&ckpt.metadata()["mpt_no_alibi"])?;
+    none.encoding = EncodingConfig::None;
+    assert!(distance_from_hf(&ckpt, "mpt_no_alibi", &none)? > 1e-2);
+    // A value HF would not accept for its own slopes is not read either.
+    let odd = r#"{"model_type": "mpt", "d_model": 32, "n_heads": 4,
+        "attn_config": {"alibi": false, "alibi_bias_max": -1.0}}"#;
+    assert_eq!(
+        HfAttentionConfig::from_json(odd)?.encoding,
+        EncodingConfig::Alibi(AlibiConfig::new(4).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }))
+    );
+    Ok(())
+}
+
+/// Gemma 3 has no logit soft cap, whatever `attn_logit_softcapping` says (HF's
+/// `Gemma3Attention` does not pass it on); Gemma 2 keeps its cap.
+fn gemma3_has_no_soft_cap(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let text = &ckpt.metadata()["gemma3_softcap.1"];
+    assert!(text.contains("\"attn_logit_softcapping\": 2.0"), "{text}");
+    let config = HfAttentionConfig::from_json_layer(text, 1)?;
+    assert_eq!(config.attention.logit_softcap, None);
+    assert!(distance_from_hf(&ckpt, "gemma3_softcap.1", &config)? < 1e-5);
+    // The cap the file names would move the output far from HF's.
+    let mut capped = config.clone();
+    capped.attention = capped.attention.with_logit_softcap(Some(2.0));
+    assert!(distance_from_hf(&ckpt, "gemma3_softcap.1", &capped)? > 1e-2);
+    // Not read at all, so not refused either; Gemma 2's is read, checked, 50 by default.
+    let base =
+        r#""hidden_size": 32, "num_attention_heads": 4, "head_dim": 8, "num_hidden_layers": 1"#;
+    let cap = |json: String| -> anyhow::Result<Option<f64>> {
+        Ok(HfAttentionConfig::from_json(&json)?.attention.logit_softcap)
+    };
+    assert_eq!(
+        cap(format!(
+            r#"{{"model_type": "gemma3_text", {base}, "attn_logit_softcapping": -5.0}}"#
+        ))?,
+        None
+    );
+    assert_eq!(
+        cap(format!(r#"{{"model_type": "gemma2", {base}}}"#))?,
+        Some(50.0)
+    );
+    assert_eq!(
+        HfAttentionConfig::from_json_layer(&ckpt.metadata()["gemma2.1"], 1)?
+            .attention
+            .logit_softcap,
+        Some(5.0)
+    );
+    Ok(())
+}
+
+/// `partial_rotary_factor` as each model's HF code reads it: Llama-style models rotate the
+/// whole head with the default RoPE and fail on a factor that shortens a scaled RoPE's table
+/// (refused here); GPT-NeoX reads `rotary_pct`, not a top-level factor; Phi-3 honours it.
+fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let rotary_dim = |config: &HfAttentionConfig| match &config.encoding {
+        EncodingConfig::Rotary(r) => (r.head_dim, r.rotary_dim),
+        other => panic!("read as {other:?}"),
+    };
+    // The fixtures: the whole of Llama's 8-wide heads, half of GPT-NeoX's 16-wide ones.
+    for (tag, want, other) in [("llama_partial", (8, 8), 4), ("neox_pct", (16, 8), 16)] {
+        let config = HfAttentionConfig::from_json(&ckpt.metadata()[tag])?;
+        assert_eq!(rotary_dim(&config), want, "{tag}");
+        assert!(distance_from_hf(&ckpt, tag, &config)? < 1e-5, "{tag}");
+        // The other reading is far from HF's output.
+        let mut wrong = config.clone();
+        if let EncodingConfig::Rotary(r) = &mut wrong.encoding {
+            r.rotary_dim = other;
+        }
+        assert!(distance_from_hf(&ckpt, tag, &wrong)? > 1e-2, "{tag}");
+    }
+    // Every Llama-style model type the loader reads: the default RoPE ignores the factor
+    // (in rope_parameters or at the top level); a scaled one that it would shorten is
+    // refused under the factor's key; a factor giving the whole head is fine.
+    let whole_head = [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "olmo2",
+        "gpt_oss",
+        "smollm3",
+        "cohere2",
+        "llama4_text",
+        "gemma4_text",
+        "falcon",
+        "modernbert",
+        "pixtral",
+        "qwen2_vl_text",
+        "qwen2_5_vl_text",
+        "qwen3_vl_text",
+        "qwen3_vl_moe_text",
+    ];
+    let base = r#""hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64"#;
+    for model_type in whole_head {
+        let rope = |extra: &str| {
+            RopeConfig::from_hf_json(&format!(
+                r#"{{"model_type": "{model_type}", {base}, {extra}}}"#
+            ))
+        };
+        for extra in [
+            r#""rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}"#,
+            r#""partial_rotary_factor": 0.25, "rotary_pct": 0.5, "rotary_dim": 4"#,
+            r#""partial_rotary_factor": 1.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        ] {
+            let r = rope(extra)?;
+            assert_eq!((r.head_dim, r.rotary_dim), (16, 16), "{model_type} {extra}");
+        }
+        for (extra, key) in [
+            (
+                r#""rope_parameters": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}"#,
+                "rope_parameters.partial_rotary_factor",
+            ),
+            (
+                r#""partial_rotary_factor": 0.75, "rope_scaling": {"type": "dynamic", "factor": 2.0}"#,
+                "partial_rotary_factor",
+            ),
+        ] {
+            match rope(extra) {
+                Err(Error::HfConfig { key: got, .. }) => {
+                    assert_eq!(got, key, "{model_type} {extra}")
+                }
+                other => panic!("{model_type} {extra}: {other:?}"),
+            }
+        }
+    }
+    // The same through the layer reader: a Llama layer, a Qwen2-VL text model, and DeepSeek
+    // V3's rotary part (yarn, refused; default, the whole rotary part).
+    let llama = r#"{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 16}, "max_position_embeddings": 64}"#;
+    assert!(matches!(
+        HfAttentionConfig::from_json(llama),
+        Err(Error::HfConfig { key, .. }) if key == "rope_parameters.partial_rotary_factor"
+    ));
+    let qwen2_vl = r#"{"model_type": "qwen2_vl", "text_config": {"model_type": "qwen2_vl_text",
+        "hidden_size": 64, "num_attention_heads": 4, "partial_rotary_factor": 0.5,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}}"#;
+    assert_eq!(
+        rotary_dim(&HfAttentionConfig::from_json(qwen2_vl)?),
+        (16, 16)
+    );
+    let deepseek = |rope: &str| {
+        HfAttentionConfig::from_json(&format!(
+            r#"{{"model_type": "deepseek_v3", "hidden_size": 32, "num_attention_heads": 4,
+                "q_lora_rank": 12, "kv_lora_rank": 10, "qk_nope_head_dim": 4,
+                "qk_rope_head_dim": 8, "v_head_dim": 6, "max_position_embeddings": 64,
+                "partial_rotary_factor": 0.5, "rope_parameters": {rope}}}"#
+        ))
+    };
+    assert!(matches!(
+        deepseek(r#"{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}"#),
+        Err(Error::HfConfig { key, .. }) if key == "partial_rotary_factor"
+    ));
+    match deepseek(r#"{"rope_type": "default"}"#)?.encoding {
+        EncodingConfig::Rotary(r) => assert_eq!((r.head_dim, r.rotary_dim), (12, 8)),
+        other => panic!("DeepSeek read as {other:?}"),
+    }
+    // Phi-3 honours the factor with any RoPE, from the parameters or the top level; GPT-NeoX
+    // reads rope_parameters' factor, else rotary_pct, else 0.25; GPT-J reads rotary_dim.
+    let rope = |json: &str| -> anyhow::Result<(usize, usize)> {
+        let r = RopeConfig::from_hf_json(json)?;
+        Ok((r.head_dim, r.rotary_dim))
+    };
+    assert_eq!(
+        rope(&format!(
+            r#"{{"model_type": "phi3", {base}, "partial_rotary_factor": 0.5}}"#
+        ))?,
+        (16, 8)
+    );
+    assert_eq!(
+        rope(&format!(
+            r#"{{"model_type": "phi3", {base}, "rope_parameters": {{"rope_type": "default", "partial_rotary_factor": 0.25}}}}"#
+        ))?,
+        (16, 4)
+    );
+    let neox = |extra: &str| rope(&format!(r#"{{"model_type": "gpt_neox", {base}, {extra}}}"#));
+    assert_eq!(neox(r#""partial_rotary_factor": 1.0"#)?, (16, 4));
+    assert_eq!(
+        neox(r#""partial_rotary_factor": 1.0, "rotary_pct": 0.5"#)?,
+        (16, 8)
+    );
+    assert_eq!(
+        neox(
+            r#""rotary_pct": 0.5, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.75}"#
+        )?,
+        (16, 12)
+    );
+    let gptj = |extra: &str| {
+        rope(&format!(
+            r#"{{"model_type": "gptj", "n_embd": 64, "n_head": 4, {extra}}}"#
+        ))
+    };
+    assert_eq!(
+        gptj(r#""rotary_dim": 4, "partial_rotary_factor": 0.5"#)?,
+        (16, 4)
+    );
+    Ok(())
+}
+
 device_tests!(
+    partial_rotary_as_each_model_reads_it,
+    gemma3_has_no_soft_cap,
+    mpt_alibi_as_hf_builds_it,
     layer_indices_past_the_model,
     fields_changed_after_parsing_are_checked,
     every_family_matches_hf,

@@ -48,7 +48,10 @@ pub enum HfFamily {
     /// no softmax scaling.
     T5,
     /// `mpt`: fused `Wqkv` (rows `[q; k; v]`), `out_proj`, no biases; ALiBi with MPT's slopes
-    /// (`attn_config.alibi`), or no encoding in the block (learned positions at the input).
+    /// and the largest exponent 8, as HF's `MptModel` builds it: HF reads neither
+    /// `attn_config.alibi` nor `attn_config.alibi_bias_max`, and neither does the loader
+    /// (MosaicML's original code honours both; for another exponent, build the
+    /// [`AlibiConfig`] with [`AlibiSlopes::Mpt`] yourself).
     Mpt,
     /// `modernbert`: fused `Wqkv` (rows `[q; k; v]`), `Wo`; bidirectional; RoPE with a global
     /// θ on full-attention layers and a local θ on sliding ones, which see `local_attention / 2`
@@ -110,11 +113,16 @@ impl HfFamily {
 /// - sliding windows (`sliding_window` with its class default: Mistral, Phi-3, and per layer
 ///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
 ///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
-///   (`attn_logit_softcapping`, 50 by default), gpt-oss's sink logits;
+///   (`attn_logit_softcapping`, 50 by default; Gemma 3's attention ignores the key, as HF's
+///   `Gemma3Attention` does), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
-///   interleaved rotary), ALiBi (BLOOM; MPT's `attn_config.alibi` with its own slopes and
-///   `alibi_bias_max`; Falcon's `alibi` with its bfloat16 rounding, [`AlibiSlopes::Falcon`]), T5's `relative_attention_num_buckets` and
-///   `relative_attention_max_distance`, none for GPT-2 (and MPT without ALiBi);
+///   interleaved rotary; partial only where the model's HF code reads it: Phi-3, GPT-NeoX,
+///   GPT-J, while the Llama-style families rotate the whole head whatever
+///   `partial_rotary_factor` says and refuse one that would shorten a scaled RoPE's table), ALiBi (BLOOM; MPT always, with its own slopes and the largest
+///   exponent 8, since HF's `MptModel` ignores `attn_config.alibi` and
+///   `attn_config.alibi_bias_max`; Falcon's `alibi` with its bfloat16 rounding,
+///   [`AlibiSlopes::Falcon`]), T5's `relative_attention_num_buckets` and
+///   `relative_attention_max_distance`, none for GPT-2;
 /// - MPT's `attn_config.softmax_scale`;
 /// - DeepSeek V2/V3's multi-head latent attention (see [`HfFamily::DeepSeek`]: ranks and head
 ///   widths, RoPE over `qk_rope_head_dim`, YaRN's `mscale_all_dim` in the scale);
@@ -381,13 +389,12 @@ impl HfAttentionConfig {
             let scalar = top.f64("query_pre_attn_scalar")?.unwrap_or(256.0);
             attention = attention.with_softmax_scale(1.0 / scalar.sqrt());
             keys.set("softmax_scale", "query_pre_attn_scalar");
-            let default_cap = if model_type == "gemma2" {
-                Some(50.0)
-            } else {
-                None
-            };
+        }
+        // Gemma 2's attention caps its logits; Gemma 3's (and Gemma 4's) never passes
+        // `attn_logit_softcapping` to its attention function, so a cap in the file is not read.
+        if model_type == "gemma2" {
             let cap = match top.map.get("attn_logit_softcapping") {
-                None => default_cap,
+                None => Some(50.0),
                 Some(_) => top.f64("attn_logit_softcapping")?,
             };
             attention = attention.with_logit_softcap(cap);
@@ -489,21 +496,12 @@ impl HfAttentionConfig {
                     head_dim: attention.head_dim,
                 }))
             }
-            HfFamily::Mpt if attn_config.bool("alibi")?.unwrap_or(false) => {
-                let max_bias = attn_config.f64("alibi_bias_max")?.unwrap_or(8.0);
-                let alibi = AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias });
-                alibi.validate().map_err(|e| match e {
-                    Error::InvalidConfig {
-                        value, expected, ..
-                    } => problem(
-                        "attn_config.alibi_bias_max",
-                        format!("gives max_bias = {value}, expected {expected}"),
-                    ),
-                    other => other,
-                })?;
-                EncodingConfig::Alibi(alibi)
-            }
-            HfFamily::Mpt => EncodingConfig::None,
+            // HF's MptModel builds its ALiBi with the default largest exponent, 8, whatever
+            // `attn_config.alibi_bias_max` says, and applies it whatever `attn_config.alibi`
+            // says (it has no learned position table); MosaicML's own code honours both.
+            HfFamily::Mpt => EncodingConfig::Alibi(
+                AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }),
+            ),
             HfFamily::T5 => {
                 let mut t5 = T5Config::new(heads);
                 if let Some(n) = top.usize("relative_attention_num_buckets")? {
@@ -713,7 +711,8 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
     map.insert("model_type".into(), Value::from("llama"));
     map.insert("head_dim".into(), Value::from(rope_dim));
     map.insert("rope_interleave".into(), Value::from(interleaved));
-    map.remove("partial_rotary_factor");
+    // (A partial_rotary_factor is read as HF's DeepSeek reads it: not at all with the default
+    // RoPE, refused where it would shorten a scaled RoPE's table.)
     let mut rope =
         RopeConfig::from_hf_json(&Value::Object(map).to_string()).map_err(|e| match e {
             // The head width given to the rotary settings is qk_rope_head_dim.

@@ -15,7 +15,7 @@
 //! | `gptj` | `q_proj`, `k_proj`, `v_proj` | `out_proj` | RoPE on adjacent pairs |
 //! | `falcon` | `query_key_value`: `[q; k; v]` (multi-query), `(Hkv, H/Hkv + 2, D)` (new decoder architecture) or `(H, 3, D)` | `dense` | RoPE |
 //! | `t5` | `q`, `k`, `v` | `o` | T5 buckets (`relative_attention_bias`) |
-//! | `mpt` | `Wqkv`, rows `[q; k; v]` | `out_proj` | ALiBi with MPT's slopes (`attn_config.alibi`), or none |
+//! | `mpt` | `Wqkv`, rows `[q; k; v]` | `out_proj` | ALiBi with MPT's slopes, largest exponent 8 (HF reads neither `attn_config.alibi` nor `attn_config.alibi_bias_max`) |
 //! | `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` (their `text_config`) | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`) | `o_proj` | multimodal RoPE |
 //!
 //! Each family is checked against a layer of HF transformers' own module (`tests/hf_layers.rs`).

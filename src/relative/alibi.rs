@@ -93,7 +93,9 @@ pub enum AlibiSlopes {
     /// MPT's `gen_slopes`: `m_h = 2^(−max_bias·h/N)`, `h = 1..N`, `N` the smallest power of two
     /// `≥ n`; for `N ≠ n` the odd-indexed slopes, then the even-indexed ones, the first `n`.
     Mpt {
-        /// The largest exponent (MPT's `alibi_bias_max`, default 8).
+        /// The largest exponent (MPT's `alibi_bias_max`, default 8). MosaicML's code reads it
+        /// from `attn_config`; HF transformers' `MptModel` always uses 8, and so does
+        /// `HfAttentionConfig`'s reading of an MPT `config.json`.
         max_bias: f64,
     },
     /// Falcon's (Falcon-RW): BLOOM's slopes rounded to bfloat16, the per-key bias

@@ -6,9 +6,14 @@
 //! - `rope_theta` inside the parameters or at the top level (GPT-NeoX: `rotary_emb_base`),
 //!   default 10000;
 //! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
-//! - partial rotary from `partial_rotary_factor`, `rotary_pct` (GPT-NeoX) or `rotary_dim`
-//!   (GPT-J, CodeGen); GPT-NeoX without `rotary_pct` rotates 25% as its config class does;
-//!   with `rope_type: "proportional"` the factor is instead the fraction of frequencies that
+//! - partial rotary as the model's HF code reads it (the table at `PartialRotary`): Phi-3 from
+//!   `partial_rotary_factor`, GPT-NeoX from `rope_parameters.partial_rotary_factor` or
+//!   `rotary_pct` (25% without either, as its config class does), GPT-J from `rotary_dim`;
+//!   the Llama-style models HF's attention layers load (Llama, Mistral, Qwen, Gemma, ...)
+//!   rotate the whole head with the default RoPE whatever `partial_rotary_factor` says, and
+//!   a factor that shortens a scaled RoPE's table is refused there (HF's layer fails on it);
+//!   other or unnamed models read `partial_rotary_factor`, `rotary_pct` or `rotary_dim`; with
+//!   `rope_type: "proportional"` the factor is instead the fraction of frequencies that
 //!   rotate over the whole head;
 //! - multimodal RoPE's `mrope_section` and `mrope_interleaved` in the parameters (Qwen2-VL,
 //!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and Pixtral's
@@ -141,23 +146,80 @@ impl RopeConfig {
             Some(t) => t == "proportional",
             None => params.str("type")? == Some("proportional"),
         };
+        // Which keys make the rotation partial depends on the model's HF code (see
+        // `PartialRotary`).
+        let scaled = !matches!(
+            params
+                .str("rope_type")?
+                .or(params.str("type")?)
+                .unwrap_or("default"),
+            "default" | "mrope" | "axial"
+        );
+        let factor = || -> Result<Option<(f64, String)>> {
+            Ok(match params.f64("partial_rotary_factor")? {
+                Some(f) => Some((f, params.name("partial_rotary_factor"))),
+                None => top
+                    .f64("partial_rotary_factor")?
+                    .map(|f| (f, "partial_rotary_factor".to_string())),
+            })
+        };
         if !proportional {
-            if let Some(f) = params.f64("partial_rotary_factor")? {
-                config = config.with_partial_rotary_factor(f);
-                rotary_key = params.name("partial_rotary_factor");
-            } else if let Some(f) = top.f64("partial_rotary_factor")? {
-                config = config.with_partial_rotary_factor(f);
-                rotary_key = "partial_rotary_factor".into();
-            } else if let Some(f) = top.f64("rotary_pct")? {
-                config = config.with_partial_rotary_factor(f);
-                rotary_key = "rotary_pct".into();
-            } else if let Some(d) = top.usize("rotary_dim")? {
-                config = config.with_rotary_dim(d);
-                rotary_key = "rotary_dim".into();
-            } else if model_type == Some("gpt_neox") {
-                // GPTNeoXConfig's default rotary_pct.
-                config = config.with_partial_rotary_factor(0.25);
-                rotary_key = "model_type".into();
+            match PartialRotary::of(model_type) {
+                PartialRotary::AnyKey => {
+                    if let Some((f, key)) = factor()? {
+                        config = config.with_partial_rotary_factor(f);
+                        rotary_key = key;
+                    } else if let Some(f) = top.f64("rotary_pct")? {
+                        config = config.with_partial_rotary_factor(f);
+                        rotary_key = "rotary_pct".into();
+                    } else if let Some(d) = top.usize("rotary_dim")? {
+                        config = config.with_rotary_dim(d);
+                        rotary_key = "rotary_dim".into();
+                    }
+                }
+                PartialRotary::Factor => {
+                    if let Some((f, key)) = factor()? {
+                        config = config.with_partial_rotary_factor(f);
+                        rotary_key = key;
+                    }
+                }
+                PartialRotary::NeoX => {
+                    if let Some(f) = params.f64("partial_rotary_factor")? {
+                        config = config.with_partial_rotary_factor(f);
+                        rotary_key = params.name("partial_rotary_factor");
+                    } else if let Some(f) = top.f64("rotary_pct")? {
+                        config = config.with_partial_rotary_factor(f);
+                        rotary_key = "rotary_pct".into();
+                    } else {
+                        // GPTNeoXConfig's default rotary_pct.
+                        config = config.with_partial_rotary_factor(0.25);
+                        rotary_key = "model_type".into();
+                    }
+                }
+                PartialRotary::RotaryDim => {
+                    if let Some(d) = top.usize("rotary_dim")? {
+                        config = config.with_rotary_dim(d);
+                        rotary_key = "rotary_dim".into();
+                    }
+                }
+                PartialRotary::WholeHead if scaled => {
+                    // HF's shared scaled-RoPE functions honour the factor; the model's
+                    // rotation then multiplies the whole head by a shorter cos and fails.
+                    if let Some((f, key)) = factor()? {
+                        let rotary = RopeConfig::new(head_dim).with_partial_rotary_factor(f);
+                        // The table HF builds: one frequency per pair of the truncated width.
+                        let width = rotary.rotary_dim.div_ceil(2) * 2;
+                        if width != head_dim {
+                            return Err(problem(
+                                key,
+                                format!(
+                                    "is {f}: HF's scaled RoPE then gives {width} rotary features for a {head_dim}-wide head that this model's attention rotates whole (HF's layer fails on the file); expected a factor giving the whole head"
+                                ),
+                            ));
+                        }
+                    }
+                }
+                PartialRotary::WholeHead => {}
             }
         }
         if !config.rotary_dim.is_multiple_of(2) {
@@ -388,5 +450,40 @@ impl RopeConfig {
             other => other,
         })?;
         Ok(config)
+    }
+}
+
+/// How a model's HF code (transformers 5.24) reads the keys that make its rotation partial.
+///
+/// | `model_type` | reads | partial rotation |
+/// |---|---|---|
+/// | `phi3`, `phi4_multimodal` | `partial_rotary_factor` (parameters, then top level) | yes, any RoPE type (`apply_rotary_pos_emb` splits at the table's width) |
+/// | `gpt_neox` | `rope_parameters.partial_rotary_factor`, else `rotary_pct`, else 0.25 (a top-level `partial_rotary_factor` is not read) | yes, any RoPE type |
+/// | `gptj` | `rotary_dim` | yes |
+/// | `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text`, `falcon`, `modernbert`, `pixtral`, the Qwen2/2.5/3-VL text models (and DeepSeek V2/V3's rotary part) | nothing for the default RoPE: `compute_default_rope_parameters` takes the whole head | no: the whole head rotates; with a scaled type (`linear`, `dynamic`, `yarn`, `llama3`, `longrope`) the shared functions of `modeling_rope_utils` honour the factor and the model's rotation fails on the shorter table, so a factor that shortens it is refused; `proportional` reads it as a fraction of frequencies |
+/// | any other, or none | `partial_rotary_factor`, `rotary_pct`, `rotary_dim`, in that order | yes |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PartialRotary {
+    AnyKey,
+    Factor,
+    NeoX,
+    RotaryDim,
+    WholeHead,
+}
+
+impl PartialRotary {
+    fn of(model_type: Option<&str>) -> Self {
+        match model_type {
+            Some("phi3" | "phi4_multimodal") => Self::Factor,
+            Some("gpt_neox") => Self::NeoX,
+            Some("gptj") => Self::RotaryDim,
+            Some(
+                "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
+                | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" | "llama4_text" | "gemma4_text"
+                | "falcon" | "modernbert" | "pixtral" | "qwen2_vl_text" | "qwen2_5_vl_text"
+                | "qwen3_vl_text" | "qwen3_vl_moe_text",
+            ) => Self::WholeHead,
+            _ => Self::AnyKey,
+        }
     }
 }
