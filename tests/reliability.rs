@@ -7,10 +7,11 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, ClippedBiasConfig, ClippedRelativeBias, EncodingConfig,
-    Error, KvCache, LatentConfig, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling,
-    MultiHeadAttention, Positions, QkLayout, QkNormConfig, RopeConfig, RopeScaling,
-    RotaryEmbedding, ShawConfig, ShawRelativePosition, T5Config, T5RelativeBias, YarnScaling,
+    Alibi, AlibiConfig, AttentionConfig, AttentionOptions, ClippedBiasConfig, ClippedRelativeBias,
+    EncodingConfig, Error, KvCache, LatentConfig, LearnedConfig, LearnedPositionalEncoding,
+    LongRopeScaling, MultiHeadAttention, Positions, QkLayout, QkNormConfig, RopeConfig,
+    RopeScaling, RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
+    SinusoidalPositionalEncoding, T5Config, T5RelativeBias, YarnScaling,
 };
 use common::zoo;
 
@@ -752,6 +753,85 @@ fn inputs_in_any_layout(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every encoding's `Module::forward` refuses a non-float input with `Error::DType` (wrapped in
+/// candle's error, as `Module` returns it), on its natural input's shape: RoPE, sinusoidal and
+/// learned on `(B, T, D)`/`(B, H, T, D)`, ALiBi, T5 and the clipped bias on logits
+/// `(B, H, Tq, Tk)`, the block on `(B, T, d_model)`. (The bias modules took integer logits and
+/// rounded their bias away, ALiBi's slopes to 0; an outside probe found it.)
+fn modules_refuse_integer_inputs(dev: &Device) -> anyhow::Result<()> {
+    use candle_core::Module;
+    let vb = VarBuilder::zeros(DType::F32, dev);
+    let heads = 2;
+    let modules: Vec<(&str, Box<dyn Module>, Vec<usize>)> = vec![
+        (
+            "rope",
+            Box::new(RotaryEmbedding::new(&RopeConfig::new(8), dev)?),
+            vec![1, heads, 3, 8],
+        ),
+        (
+            "sinusoidal",
+            Box::new(SinusoidalPositionalEncoding::new(
+                &SinusoidalConfig::new(8),
+                dev,
+            )?),
+            vec![1, 3, 8],
+        ),
+        (
+            "learned",
+            Box::new(LearnedPositionalEncoding::new(
+                &LearnedConfig::new(8),
+                vb.pp("l"),
+            )?),
+            vec![1, 3, 8],
+        ),
+        (
+            "alibi",
+            Box::new(Alibi::new(&AlibiConfig::new(heads), dev)?),
+            vec![1, heads, 3, 3],
+        ),
+        (
+            "t5",
+            Box::new(T5RelativeBias::new(&T5Config::new(heads), vb.pp("t"))?),
+            vec![1, heads, 3, 3],
+        ),
+        (
+            "clipped",
+            Box::new(ClippedRelativeBias::new(
+                &ClippedBiasConfig::new(heads, 2),
+                vb.pp("c"),
+            )?),
+            vec![1, heads, 2, 3],
+        ),
+        (
+            "attention",
+            Box::new(MultiHeadAttention::new(
+                &AttentionConfig::new(8, heads),
+                None,
+                vb.pp("a"),
+            )?),
+            vec![1, 3, 8],
+        ),
+    ];
+    for (name, module, dims) in &modules {
+        for dtype in [DType::U8, DType::U32, DType::I64] {
+            let x = Tensor::ones(dims.as_slice(), dtype, dev)?;
+            // (candle's wrapper keeps only the error's text.)
+            match module.forward(&x) {
+                Err(candle_core::Error::Wrapped(e)) => {
+                    let text = e.to_string();
+                    let want = format!("has dtype {dtype:?}, expected ");
+                    assert!(text.contains(&want), "{name} on {dtype:?}: {text}");
+                }
+                other => panic!("{name} on {dtype:?}: {other:?}"),
+            }
+        }
+        // The same shape in f32 is accepted.
+        let x = Tensor::ones(dims.as_slice(), DType::F32, dev)?;
+        assert_eq!(module.forward(&x)?.dims(), dims.as_slice(), "{name}");
+    }
+    Ok(())
+}
+
 device_tests!(
     half_precision_rotations_stay_in_range,
     empty_batches_of_huge_chunks,
@@ -764,5 +844,6 @@ device_tests!(
     t5_buckets_at_the_ends_of_i64,
     bucket_methods_check_their_configuration,
     configurations_that_cannot_give_finite_output,
-    inputs_in_any_layout
+    inputs_in_any_layout,
+    modules_refuse_integer_inputs
 );

@@ -425,8 +425,10 @@ impl<C: RelativeBucketing> PositionalEncoding for BucketedRelativeBias<C> {
 }
 
 /// The positions of logits `(B, H, Tq, Tk)` read as a candle `Module` input: keys `0..Tk`, the
-/// queries the last `Tq` of them (as in decoding with a cache), so `Tq ≤ Tk`.
+/// queries the last `Tq` of them (as in decoding with a cache), so `Tq ≤ Tk`; the logits in a
+/// float dtype (integer ones would round the bias away).
 pub(crate) fn logits_positions(logits: &Tensor, heads: usize) -> Result<(usize, usize)> {
+    check_float("attention logits", logits.dtype())?;
     let (_, h, tq, tk) = logits.dims4().map_err(|_| Error::Rank {
         what: "attention logits",
         expected: 4,
