@@ -832,6 +832,81 @@ fn modules_refuse_integer_inputs(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A streaming cache moves tokens to new slots as it evicts: a block whose encoding adds
+/// positions to the input (sinusoidal, learned) refuses it, leaving the cache as it was, and
+/// every other encoding runs with it. (The input encodings kept each token at the slot it
+/// arrived at, and every token past the window arrived at the same one; an outside probe found
+/// it.)
+fn streaming_cache_refuses_input_encodings(dev: &Device) -> anyhow::Result<()> {
+    let (d_model, heads) = (16, 4);
+    let attn = AttentionConfig::new(d_model, heads).with_causal(true);
+    for (i, config) in zoo::configs(d_model, heads, d_model / heads)
+        .iter()
+        .enumerate()
+    {
+        let (mha, _vars) = zoo::attention(config, &attn, DType::F32, dev)?;
+        let mut cache = KvCache::streaming(1, 2);
+        let x = Tensor::randn(0f32, 1.0, (1, 1, d_model), dev)?;
+        let what = zoo::label(i, config);
+        let input = matches!(
+            config,
+            EncodingConfig::Sinusoidal(_) | EncodingConfig::Learned(_)
+        );
+        for _ in 0..5 {
+            match mha.forward_with(&x, &AttentionOptions::default(), Some(&mut cache)) {
+                Err(Error::InvalidConfig { name, .. }) if input => {
+                    assert_eq!(name, "KV cache", "{what}");
+                    assert!(cache.is_empty(), "{what}");
+                }
+                Ok(out) if !input => assert_eq!(out.output.dims(), &[1, 1, d_model], "{what}"),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        if !input {
+            assert_eq!(cache.len(), 3, "{what}");
+        }
+    }
+    Ok(())
+}
+
+/// Latent attention pads its values to the head width with zeros and cuts the padding before
+/// the output projection, so a value term (Shaw's, a custom encoding's) on a block whose
+/// `v_head_dim` is narrower than its heads is refused on every path, leaving a cache as it
+/// was; Shaw's keys alone run. (A table of the heads' width was accepted and its last columns
+/// silently dropped; an outside probe found it.)
+fn value_terms_need_full_width_values(dev: &Device) -> anyhow::Result<()> {
+    let latent = AttentionConfig::new(32, 4)
+        .with_causal(true)
+        .with_latent(Some(LatentConfig::new(Some(12), 10, 4, 6)));
+    let x = Tensor::randn(0f32, 1.0, (2, 5, 32), dev)?;
+    for values in [true, false] {
+        let shaw = EncodingConfig::Shaw(ShawConfig::new(8, 2).with_values(values));
+        let (frozen, varmap) = zoo::attention(&shaw, &latent, DType::F32, dev)?;
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let tracked = MultiHeadAttention::new(&latent, shaw.build(vb.pp("enc"))?, vb.pp("attn"))?;
+        for (train, return_weights) in [(false, false), (false, true), (true, false)] {
+            let opts = AttentionOptions {
+                train,
+                return_weights,
+                ..Default::default()
+            };
+            for mha in [&frozen, &tracked] {
+                let mut cache = KvCache::new();
+                let what = format!("values {values} train {train} weights {return_weights}");
+                match mha.forward_with(&x, &opts, Some(&mut cache)) {
+                    Err(Error::Shape { what: name, .. }) if values => {
+                        assert_eq!(name, "relative value table", "{what}");
+                        assert!(cache.is_empty(), "{what}");
+                    }
+                    Ok(out) if !values => assert_eq!(out.output.dims(), &[2, 5, 32], "{what}"),
+                    other => panic!("{what}: {other:?}"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
     half_precision_rotations_stay_in_range,
     empty_batches_of_huge_chunks,
@@ -845,5 +920,7 @@ device_tests!(
     bucket_methods_check_their_configuration,
     configurations_that_cannot_give_finite_output,
     inputs_in_any_layout,
-    modules_refuse_integer_inputs
+    modules_refuse_integer_inputs,
+    streaming_cache_refuses_input_encodings,
+    value_terms_need_full_width_values
 );

@@ -116,6 +116,9 @@ pub(crate) struct Chunk<'a> {
     pub(crate) k: Tensor,
     /// `(B, Hkv, Tk, D)`.
     pub(crate) v: Tensor,
+    /// The features of each value head that are values (latent attention pads its
+    /// `v_head_dim` to `D` with zeros, cut before the output projection); `D` otherwise.
+    pub(crate) value_dim: usize,
     pub(crate) q_positions: &'a Positions,
     pub(crate) k_positions: &'a Positions,
     /// Additive mask broadcast to `(B, H, T, Tk)`.
@@ -574,6 +577,19 @@ impl Chunk<'_> {
         let (bias, values) = (e.logits_bias(&q, &ctx)?, e.value_term(&ctx)?);
         if let Some(values) = &values {
             check_device("relative value table", values.table(), self.q.device())?;
+            // A table's rows past the values' own features would be added to their zero
+            // padding and cut with it.
+            if self.value_dim != d {
+                return Err(Error::shape(
+                    "relative value table",
+                    format!(
+                        "no value term on a block whose values are {} features wide, narrower \
+                         than its {d}-wide heads (latent attention's v_head_dim)",
+                        self.value_dim
+                    ),
+                    values.table().shape(),
+                ));
+            }
             values.check_block(b, n, kv, d)?;
         }
         Ok((bias, values))

@@ -103,6 +103,12 @@ impl KvCache {
     /// evicted and decoding equals the full forward. Positions are the cache's: a call gives
     /// none of its own. A padding mask covers the cached keys (after eviction) and the chunk.
     ///
+    /// Only rotations and biases follow the slots: a block whose encoding adds positions to
+    /// its input (sinusoidal, learned) refuses a streaming cache with
+    /// [`crate::Error::InvalidConfig`], since each key would keep the position it arrived at
+    /// and every token past the window would arrive at the same slot. Positions added before
+    /// the block (an embeddings layer) have the same problem.
+    ///
     /// # Example
     /// ```
     /// use candle_core::{DType, Device, Tensor};

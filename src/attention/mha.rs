@@ -203,7 +203,10 @@ impl MultiHeadAttention {
     ///
     /// With a cache, the chunk's keys and values are appended first and the queries attend to
     /// every cached key; feeding a sequence token by token gives the same outputs as one call on
-    /// the whole sequence. A call that returns an error leaves the cache as it was.
+    /// the whole sequence, except under a RoPE whose frequencies follow the call's length
+    /// (Dynamic NTK, LongRoPE past its original length), where cached keys keep the rotation of
+    /// the call that made them, as in HF transformers. A call that returns an error leaves the
+    /// cache as it was.
     ///
     /// # Shapes
     /// `x`: `(B, T, d_model)` → output `(B, T, d_model)`, weights `(B, H, T, T_keys)`.
@@ -260,7 +263,21 @@ impl MultiHeadAttention {
             .with_train(options.train)
             .with_sinks(cfg.sinks);
         let x = match enc {
-            Some(e) => self.check_input_hook(e.add_to_input(x, &ctx)?, x)?,
+            Some(e) => {
+                let added = self.check_input_hook(e.add_to_input(x, &ctx)?, x)?;
+                // A streaming cache moves its tokens to new slots as it evicts, and only keys
+                // and biases can follow them: a position added to the input stays in the
+                // token's key (every token past the window would arrive at the same slot).
+                if streaming && !shares_storage(&added, x) {
+                    return Err(Error::config(
+                        "KV cache",
+                        "streaming",
+                        "a plain cache with an encoding added to the input (sinusoidal, learned): \
+                         a streaming cache places tokens at slots that move as it evicts",
+                    ));
+                }
+                added
+            }
             None => x.clone(),
         };
         // Gradients are kept whenever anything upstream tracks them (the input, the weights, an
@@ -358,6 +375,10 @@ impl MultiHeadAttention {
             q,
             k,
             v,
+            value_dim: match &self.projections {
+                Projections::Latent(_) => cfg.latent.map_or(cfg.head_dim, |l| l.v_head_dim),
+                Projections::Separate { .. } => cfg.head_dim,
+            },
             q_positions: positions,
             k_positions: &k_positions,
             causal: cfg.causal,
