@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 52] = [
+const FAMILIES: [&str; 72] = [
     "llama",
     "mistral",
     "qwen2",
@@ -74,6 +74,27 @@ const FAMILIES: [&str; 52] = [
     "pixtral",
     "falcon_alibi",
     "falcon_alibi12",
+    // Minimal config.json files (sizes, heads, model_type): the rest from HF's class defaults.
+    "min.llama4_text",
+    "min.smollm3",
+    "min.gpt_oss",
+    "min.gemma3_text.5",
+    "min.gemma3_text.0",
+    "min.gemma2",
+    "min.mistral",
+    "min.qwen3",
+    "min.olmo2",
+    "min.cohere2",
+    "min.phi3",
+    "min.falcon",
+    "min.gpt_neox",
+    "min.modernbert.0",
+    "min.modernbert.1",
+    "min.deepseek_v3",
+    "min.mpt",
+    "min.t5",
+    "min.qwen2_vl",
+    "min.qwen3_vl",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
