@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 52] = [
+const FAMILIES: [&str; 72] = [
     "llama",
     "mistral",
     "qwen2",
@@ -74,6 +74,27 @@ const FAMILIES: [&str; 52] = [
     "pixtral",
     "falcon_alibi",
     "falcon_alibi12",
+    // Minimal config.json files (sizes, heads, model_type): the rest from HF's class defaults.
+    "min.llama4_text",
+    "min.smollm3",
+    "min.gpt_oss",
+    "min.gemma3_text.5",
+    "min.gemma3_text.0",
+    "min.gemma2",
+    "min.mistral",
+    "min.qwen3",
+    "min.olmo2",
+    "min.cohere2",
+    "min.phi3",
+    "min.falcon",
+    "min.gpt_neox",
+    "min.modernbert.0",
+    "min.modernbert.1",
+    "min.deepseek_v3",
+    "min.mpt",
+    "min.t5",
+    "min.qwen2_vl",
+    "min.qwen3_vl",
 ];
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -675,13 +696,28 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
             "num_hidden_layers",
         ),
         (
-            r#"{"model_type": "qwen3", "hidden_size": 32, "num_attention_heads": 4, "rms_norm_eps": 0.0}"#
+            r#"{"model_type": "qwen3", "hidden_size": 32, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "rms_norm_eps": 0.0}"#
                 .to_string(),
             "rms_norm_eps",
         ),
+        // Class defaults HF's module cannot run with: DeepSeek V3's 128 key/value heads for 4
+        // heads, GPT-J's 64 rotary features in 8-wide heads, Qwen2-VL's sections [16, 24, 24]
+        // for 8 frequencies.
         (
-            r#"{"model_type": "t5", "d_model": 32, "num_heads": 4}"#.to_string(),
-            "d_kv",
+            r#"{"model_type": "deepseek_v3", "hidden_size": 32, "num_attention_heads": 4}"#
+                .to_string(),
+            "num_key_value_heads",
+        ),
+        (
+            r#"{"model_type": "gptj", "n_embd": 32, "n_head": 4}"#.to_string(),
+            "rotary_dim",
+        ),
+        (
+            r#"{"model_type": "qwen2_vl", "text_config": {"hidden_size": 32,
+                "num_attention_heads": 2, "num_key_value_heads": 2}}"#
+                .to_string(),
+            "rope_parameters.mrope_section",
         ),
         (
             r#"{"model_type": "t5", "d_model": 32, "num_heads": 4, "d_kv": 8, "relative_attention_num_buckets": 1}"#
@@ -699,7 +735,7 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
             .attention
             .sliding_window)
     };
-    let base = r#""hidden_size": 32, "num_attention_heads": 4"#;
+    let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4"#;
     // Qwen's switch decides; off, the window is not used.
     let qwen =
         format!(r#"{{"model_type": "qwen2", {base}, "sliding_window": 8, "max_window_layers": 1"#);
@@ -715,6 +751,20 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
         window(&format!("{qwen}, \"use_sliding_window\": true}}"), 1)?,
         Some(8)
     );
+    // Switched on without a window or a first layer: the class defaults, 4096 from layer 28
+    // (Qwen2-VL's text model from layer 80; Qwen3-VL's has no window at all).
+    let qwen = format!(r#"{{"model_type": "qwen2", {base}, "use_sliding_window": true}}"#);
+    assert_eq!(window(&qwen, 27)?, None);
+    assert_eq!(window(&qwen, 28)?, Some(4096));
+    let vl = |t: &str| {
+        format!(
+            r#"{{"model_type": "{t}", "text_config": {{"hidden_size": 512, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "use_sliding_window": true}}}}"#
+        )
+    };
+    assert_eq!(window(&vl("qwen2_vl"), 79)?, None);
+    assert_eq!(window(&vl("qwen2_vl"), 80)?, Some(4096));
+    assert_eq!(window(&vl("qwen3_vl"), 80)?, None);
     // Mistral's class default is 4096; only an explicit null turns it off.
     assert_eq!(
         window(&format!(r#"{{"model_type": "mistral", {base}}}"#), 0)?,
@@ -1130,11 +1180,15 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "qwen3_vl_text",
         "qwen3_vl_moe_text",
     ];
+    // Heads of 128 (Cohere2's width over the heads, the others' head_dim), which the
+    // Qwen-VL text models' default sections fit.
+    let wide = r#""hidden_size": 512, "num_attention_heads": 4, "head_dim": 128,
+        "max_position_embeddings": 64"#;
     let base = r#""hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64"#;
     for model_type in whole_head {
         let rope = |extra: &str| {
             RopeConfig::from_hf_json(&format!(
-                r#"{{"model_type": "{model_type}", {base}, {extra}}}"#
+                r#"{{"model_type": "{model_type}", {wide}, {extra}}}"#
             ))
         };
         for extra in [
@@ -1142,8 +1196,16 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
             r#""partial_rotary_factor": 0.25, "rotary_pct": 0.5, "rotary_dim": 4"#,
             r#""partial_rotary_factor": 1.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
         ] {
+            // gpt-oss's class default is YaRN, which a top-level factor would shorten (below).
+            if model_type == "gpt_oss" && !extra.contains("rope_") {
+                continue;
+            }
             let r = rope(extra)?;
-            assert_eq!((r.head_dim, r.rotary_dim), (16, 16), "{model_type} {extra}");
+            assert_eq!(
+                (r.head_dim, r.rotary_dim),
+                (128, 128),
+                "{model_type} {extra}"
+            );
         }
         for (extra, key) in [
             (
@@ -1173,7 +1235,8 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         Err(Error::HfConfig { key, .. }) if key == "rope_parameters.partial_rotary_factor"
     ));
     let qwen2_vl = r#"{"model_type": "qwen2_vl", "text_config": {"model_type": "qwen2_vl_text",
-        "hidden_size": 64, "num_attention_heads": 4, "partial_rotary_factor": 0.5,
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "partial_rotary_factor": 0.5,
         "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}}"#;
     assert_eq!(
         rotary_dim(&HfAttentionConfig::from_json(qwen2_vl)?),
@@ -1182,7 +1245,7 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
     let deepseek = |rope: &str| {
         HfAttentionConfig::from_json(&format!(
             r#"{{"model_type": "deepseek_v3", "hidden_size": 32, "num_attention_heads": 4,
-                "q_lora_rank": 12, "kv_lora_rank": 10, "qk_nope_head_dim": 4,
+                "num_key_value_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 10, "qk_nope_head_dim": 4,
                 "qk_rope_head_dim": 8, "v_head_dim": 6, "max_position_embeddings": 64,
                 "partial_rotary_factor": 0.5, "rope_parameters": {rope}}}"#
         ))

@@ -8,6 +8,7 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use serde_json::Value;
 
+use super::defaults::{class_defaults, ClassDefaults, LOCAL_ROPE_THETA};
 use super::json::{first, parse_root, problem, Obj};
 use super::weights::{remap, QkvLayout, WeightLayout};
 use crate::attention::{
@@ -260,6 +261,8 @@ impl HfAttentionConfig {
             return read_latent(text, &top, model_type);
         }
         let kind = layer_kind(&top, model_type, layer)?;
+        // The class defaults of the file's own model_type (a Qwen-VL text model's, not Qwen's).
+        let defaults = defaults_of(&top)?;
         let mut keys = Keys::default();
         let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
         let (heads, heads_key) = first(
@@ -284,12 +287,8 @@ impl HfAttentionConfig {
             }
             HfFamily::Llama | HfFamily::Phi3 => {
                 keys.set("num_kv_heads", "num_key_value_heads");
-                let default = if model_type == "llama4_text" {
-                    8
-                } else {
-                    heads
-                };
-                top.usize("num_key_value_heads")?.unwrap_or(default)
+                top.usize("num_key_value_heads")?
+                    .unwrap_or(defaults.num_key_value_heads.unwrap_or(heads))
             }
             _ => heads,
         };
@@ -303,19 +302,17 @@ impl HfAttentionConfig {
         match top.usize(head_key)? {
             // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its rotary
             // embedding reads head_dim; a mismatch is refused below).
-            Some(_) if model_type == "pixtral" => {
+            // Cohere2's config class overwrites head_dim with hidden_size / heads.
+            Some(_) if model_type == "pixtral" || model_type == "cohere2" => {
                 keys.set("head_dim", format!("{} / {}", hidden_key, heads_key))
             }
             Some(d) => {
                 attention = attention.with_head_dim(d);
                 keys.set("head_dim", head_key);
             }
-            None if family == HfFamily::T5 => {
-                return Err(problem("d_kv", "is missing"));
-            }
-            // Llama4TextConfig's default.
-            None if model_type == "llama4_text" => {
-                attention = attention.with_head_dim(128);
+            // The class's default (T5's d_kv 64, Gemma's 256, Qwen3's 128, ...).
+            None if defaults.head_dim.is_some() && model_type != "cohere2" => {
+                attention = attention.with_head_dim(defaults.head_dim.unwrap_or(0));
                 keys.set("head_dim", head_key);
             }
             None => keys.set("head_dim", format!("{} / {}", hidden_key, heads_key)),
@@ -517,9 +514,10 @@ impl HfAttentionConfig {
             }
             _ if !uses_rope(&top, model_type, layer)? => EncodingConfig::None,
             _ => {
-                // Gemma 4's layers rotate over their own head width.
+                // Gemma 4's layers rotate over their own head width; Cohere2's over
+                // hidden_size / heads, whatever head_dim says.
                 let width = match model_type {
-                    "gemma4_text" => attention.head_dim,
+                    "gemma4_text" | "cohere2" => attention.head_dim,
                     _ => 0,
                 };
                 let rope = rope_of_layer(text, &top, model_type, kind, width)?;
@@ -701,6 +699,21 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
             "plus qk_rope_head_dim overflows a machine word",
         )
     })?;
+    // HF's latent attention repeats its keys num_attention_heads / num_key_value_heads times
+    // over keys that already have a head each: any other count than the heads fails there.
+    let kv_heads = top
+        .usize("num_key_value_heads")?
+        .or(class_defaults(Some(model_type)).num_key_value_heads)
+        .unwrap_or(heads);
+    if kv_heads != heads {
+        return Err(problem(
+            "num_key_value_heads",
+            format!(
+                "is {kv_heads}{}, but HF's latent attention needs it equal to num_attention_heads ({heads})",
+                if top.get("num_key_value_heads").is_none() { " (the class default)" } else { "" }
+            ),
+        ));
+    }
     let bias = top.bool("attention_bias")?.unwrap_or(false);
     let interleaved = match model_type {
         "deepseek_v2" => true,
@@ -769,7 +782,20 @@ fn text_model(text: &str) -> Result<Option<String>> {
     };
     match top.str("model_type")? {
         Some(t) if VISION_LANGUAGE.contains(&t) => match top.get("text_config") {
-            Some(Value::Object(inner)) => Ok(Some(Value::Object(inner.clone()).to_string())),
+            // A text_config without its model_type is the class's text config.
+            Some(Value::Object(inner)) => {
+                let mut inner = inner.clone();
+                if !inner.contains_key("model_type") {
+                    inner.insert("model_type".into(), Value::from(format!("{t}_text")));
+                }
+                Ok(Some(Value::Object(inner).to_string()))
+            }
+            // Qwen2-VL's and Qwen2.5-VL's classes read a flat file's keys as the text model's.
+            None if matches!(t, "qwen2_vl" | "qwen2_5_vl") => {
+                let mut flat = map.clone();
+                flat.insert("model_type".into(), Value::from(format!("{t}_text")));
+                Ok(Some(Value::Object(flat).to_string()))
+            }
             _ => Err(problem(
                 "text_config",
                 format!("is missing, expected the language model's configuration of `{t}`"),
@@ -859,14 +885,13 @@ fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
     if model_type == "modernbert" {
         return Ok(Some(top.usize("local_attention")?.unwrap_or(128) / 2));
     }
-    let default = match model_type {
-        "mistral" | "gemma2" | "gemma3_text" | "cohere2" => Some(4096),
-        "gemma4_text" => Some(512),
-        "gpt_oss" => Some(128),
-        _ => None,
-    };
+    let defaults = defaults_of(top)?;
+    // Qwen3-VL's text model has no sliding window, whatever the file says.
+    if defaults.mrope.is_some_and(|m| m.interleaved) {
+        return Ok(None);
+    }
     let window = match top.map.get("sliding_window") {
-        None => default,
+        None => defaults.sliding_window,
         Some(_) => top.usize("sliding_window")?,
     };
     Ok(match model_type {
@@ -902,7 +927,10 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
         };
     }
     let sliding = match model_type {
-        "qwen2" | "qwen3" => layer >= top.usize("max_window_layers")?.unwrap_or(28),
+        "qwen2" | "qwen3" => {
+            let first = defaults_of(top)?.max_window_layers;
+            layer >= top.usize("max_window_layers")?.unwrap_or(first)
+        }
         "smollm3" => !uses_rope(top, model_type, layer)?,
         "modernbert" => {
             let every = top.usize("global_attn_every_n_layers")?.unwrap_or(3).max(1);
@@ -1113,21 +1141,20 @@ fn rope_of_layer(
         }
         None if model_type == "modernbert" => {
             let (key, default) = match kind {
-                LayerKind::Sliding(_) => ("local_rope_theta", 10_000.0),
-                _ => ("global_rope_theta", 160_000.0),
+                LayerKind::Sliding(_) => ("local_rope_theta", LOCAL_ROPE_THETA),
+                _ => ("global_rope_theta", defaults_of(top)?.rope_theta),
             };
             let theta = top.f64(key)?.unwrap_or(default);
             map.insert("rope_theta".into(), Value::from(theta));
             map.remove("rope_parameters");
         }
-        None if model_type != "gemma3_text" => return RopeConfig::from_hf_json(text),
-        None if kind == LayerKind::Full => {
-            if top.get("rope_theta").is_none() {
-                map.insert("rope_theta".into(), Value::from(1_000_000.0));
-            }
+        None if model_type != "gemma3_text" && head_dim == 0 => {
+            return RopeConfig::from_hf_json(text)
         }
+        // (Gemma 3's full layers: the class's θ, from the table.)
+        None if model_type != "gemma3_text" || kind == LayerKind::Full => {}
         None => {
-            let local = top.f64("rope_local_base_freq")?.unwrap_or(10_000.0);
+            let local = top.f64("rope_local_base_freq")?.unwrap_or(LOCAL_ROPE_THETA);
             map.insert("rope_theta".into(), Value::from(local));
             map.remove("rope_scaling");
             map.remove("rope_parameters");
@@ -1153,4 +1180,9 @@ fn blame(err: Error, keys: &Keys) -> Error {
         }
         other => other,
     }
+}
+
+/// The configuration class's defaults for the file's own `model_type`.
+fn defaults_of(top: &Obj) -> Result<ClassDefaults> {
+    Ok(class_defaults(top.str("model_type")?))
 }

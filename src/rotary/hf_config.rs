@@ -25,8 +25,11 @@
 //!   level (which takes precedence; Phi-3 defaults it to 4096) or in the parameters, defaulting
 //!   to the former.
 //!
-//! Not read: per-model default thetas (HF falls back to a class default such as 500000 for
-//! Cohere when `rope_theta` is absent; here it is 10000), and per-layer-type parameters.
+//! Keys the file leaves out take the model's class defaults (the table in `hf::defaults`):
+//! `rope_theta` (10000 for most, Llama 4's 500000, SmolLM3's 2e6, the Qwen-VL text models'
+//! 1e6 and 500000, ...), `max_position_embeddings`, gpt-oss's YaRN parameters, the Qwen-VL
+//! text models' `mrope_section` (Qwen3-VL's always interleaved, as its HF code is), GPT-J's
+//! `rotary_dim` (64). Not read: per-layer-type parameters.
 
 use serde_json::Map;
 
@@ -34,6 +37,7 @@ use super::mrope::{AxialRope, MropeSection};
 use super::rope::{RopeConfig, RopeLayout};
 use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
+use crate::hf::defaults::{class_defaults, gpt_oss_rope, GPTJ_ROTARY_DIM};
 use crate::hf::json::{first, parse_root, problem, Obj};
 
 impl RopeConfig {
@@ -65,6 +69,7 @@ impl RopeConfig {
     pub fn from_hf_json(text: &str) -> Result<Self> {
         let map = &parse_root(text)?;
         let top = Obj { map, prefix: "" };
+        let defaults = class_defaults(top.str("model_type")?);
 
         // HF reads `rope_scaling` first when a file has both, unless it is null or empty
         // (`rope_scaling or rope_parameters`).
@@ -76,7 +81,12 @@ impl RopeConfig {
             (None, Some(v)) => ("rope_parameters", Some(v)),
             (None, None) => ("rope_parameters", None),
         };
-        let empty = Map::new();
+        // The class's own parameters when the file has none (gpt-oss's YaRN).
+        let empty = if defaults.yarn {
+            gpt_oss_rope()
+        } else {
+            Map::new()
+        };
         let params_map = match params_value {
             None => &empty,
             Some(v) => v
@@ -100,7 +110,12 @@ impl RopeConfig {
         }
 
         // Head size, and the key each derived setting came from (errors name those keys).
-        let (head_dim, head_key) = match top.usize("head_dim")? {
+        // Cohere2's config class overwrites head_dim with hidden_size / heads.
+        let head_dim_key = match top.str("model_type")? {
+            Some("cohere2") => None,
+            _ => top.usize("head_dim")?,
+        };
+        let (head_dim, head_key) = match head_dim_key.or(defaults.head_dim) {
             Some(d) => (d, "head_dim".to_string()),
             None => {
                 // Qwen2-VL's vision encoder keeps its width in `embed_dim` (`hidden_size` is
@@ -133,7 +148,7 @@ impl RopeConfig {
                 None => match (top.f64("rope_theta")?, neox_base) {
                     (Some(b), _) => (b, "rope_theta".to_string()),
                     (None, Some(b)) => (b, "rotary_emb_base".to_string()),
-                    (None, None) => (10_000.0, "rope_theta".to_string()),
+                    (None, None) => (defaults.rope_theta, "rope_theta".to_string()),
                 },
             },
         };
@@ -197,10 +212,10 @@ impl RopeConfig {
                     }
                 }
                 PartialRotary::RotaryDim => {
-                    if let Some(d) = top.usize("rotary_dim")? {
-                        config = config.with_rotary_dim(d);
-                        rotary_key = "rotary_dim".into();
-                    }
+                    // GPTJConfig's default when absent.
+                    let d = top.usize("rotary_dim")?.unwrap_or(GPTJ_ROTARY_DIM);
+                    config = config.with_rotary_dim(d);
+                    rotary_key = "rotary_dim".into();
                 }
                 PartialRotary::WholeHead if scaled => {
                     // HF's shared scaled-RoPE functions honour the factor; the model's
@@ -259,7 +274,9 @@ impl RopeConfig {
         }
         let max_pos = match top.usize("max_position_embeddings")? {
             Some(n) => Some(n),
-            None => top.usize("n_positions")?,
+            None => top
+                .usize("n_positions")?
+                .or(defaults.max_position_embeddings),
         };
         if let Some(n) = max_pos {
             config = config.with_max_position(n);
@@ -397,6 +414,9 @@ impl RopeConfig {
             };
             config = config.with_axial(Some(layout));
         }
+        if let (None, Some(section)) = (params.get("mrope_section"), defaults.mrope) {
+            config = config.with_mrope(Some(section));
+        }
         if let Some(list) = params.list("mrope_section")? {
             let bad = || {
                 problem(
@@ -413,7 +433,11 @@ impl RopeConfig {
                 })
                 .collect::<Result<_>>()?;
             let sections: [usize; 3] = ints.try_into().map_err(|_| bad())?;
-            let interleaved = params.bool("mrope_interleaved")?.unwrap_or(false);
+            // Qwen3-VL's HF code interleaves whatever `mrope_interleaved` says.
+            let interleaved = match defaults.mrope {
+                Some(m) if m.interleaved => true,
+                _ => params.bool("mrope_interleaved")?.unwrap_or(false),
+            };
             config = config.with_mrope(Some(
                 MropeSection::new(sections).with_interleaved(interleaved),
             ));

@@ -1,0 +1,219 @@
+//! What HF transformers' configuration classes (5.24) assume for the keys a `config.json`
+//! leaves out, one row per `model_type` the loader reads.
+//!
+//! A hand-written or trimmed `config.json` is read by HF through its model's config class,
+//! whose field defaults (and `__post_init__`, and `convert_rope_params_to_dict` /
+//! `standardize_rope_params` for the rotary settings) fill every absent key. The loader takes
+//! the same values from this table, so a minimal file gives the layer HF builds from it.
+//!
+//! | `model_type` | `rope_theta` | `num_key_value_heads` | `head_dim` | `max_position_embeddings` | other |
+//! |---|---|---|---|---|---|
+//! | `llama` | 10000 | heads | width / heads | 2048 | |
+//! | `mistral` | 10000 | 8 | width / heads | 131072 | `sliding_window` 4096 |
+//! | `qwen2` | 10000 | 32 | width / heads | 32768 | `sliding_window` 4096 and `max_window_layers` 28 when `use_sliding_window` |
+//! | `qwen3` | 10000 | 32 | 128 | 32768 | as Qwen2 |
+//! | `gemma` | 10000 | 16 | 256 | 8192 | |
+//! | `gemma2` | 10000 | 4 | 256 | 8192 | `sliding_window` 4096 |
+//! | `gemma3_text` | 1e6 (full layers), 10000 (`rope_local_base_freq`, sliding layers) | 4 | 256 | 131072 | `sliding_window` 4096 |
+//! | `olmo2` | 10000 | heads | width / heads | 2048 | |
+//! | `gpt_oss` | 150000 | 8 | 64 | 131072 | YaRN (factor 32, `beta_fast` 32, `beta_slow` 1, `truncate` false, original length 4096) when the file has no rotary parameters; `sliding_window` 128 |
+//! | `smollm3` | 2e6 | 4 | width / heads | 32768 | |
+//! | `cohere2` | 10000 | heads | always width / heads (a `head_dim` key is overwritten) | 8192 | `sliding_window` 4096 |
+//! | `llama4_text` | 500000 | 8 | 128 | 131072 | |
+//! | `gemma4_text` | as its own code reads it (not from this table) | 4 | 256 | 131072 | |
+//! | `phi3` | 10000 | heads | width / heads | 4096 | `original_max_position_embeddings` 4096 |
+//! | `qwen2_vl_text`, `qwen2_5_vl_text` | 1e6 | 8 | width / heads | 32768 | `mrope_section` [16, 24, 24]; `max_window_layers` 80 |
+//! | `qwen3_vl_text` | 500000 | 32 | 128 | 128000 | `mrope_section` [24, 20, 20], always interleaved; no sliding window |
+//! | `qwen3_vl_moe_text` | 500000 | 16 | width / heads | 128000 | as Qwen3-VL |
+//! | `gpt_neox` | 10000 (`rotary_emb_base`) | heads | width / heads | 2048 | `rotary_pct` 0.25 |
+//! | `falcon` | 10000 | 1 (`multi_query`) | width / heads | 2048 | |
+//! | `modernbert` | 160000 (`global_rope_theta`), 10000 (`local_rope_theta`) | heads | width / heads | 8192 | `local_attention` 128 |
+//! | `deepseek_v2` | 10000 | heads | (latent) | 2048 | |
+//! | `deepseek_v3` | 10000 | 128 (HF's attention needs it equal to the heads) | (latent) | 4096 | |
+//! | `gptj` | 10000 | heads | width / heads | 2048 (`n_positions`) | `rotary_dim` 64 |
+//! | `t5` | — | heads | 64 (`d_kv`) | — | 32 buckets, largest distance 128 |
+//! | others (`bloom`, `gpt2`, `mpt`, `pixtral`, none) | 10000 | heads | width / heads | — | |
+//!
+//! Sizes (`hidden_size`, `num_attention_heads`, T5's `d_model` and `num_heads`, ...) are
+//! required: their class defaults describe a full-size model, and a file that leaves them out
+//! is refused under the key rather than read as one.
+
+use crate::rotary::mrope::MropeSection;
+
+/// The defaults of one configuration class (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ClassDefaults {
+    /// `rope_theta` (the default θ of `default_theta` or of the class's default parameters).
+    pub(crate) rope_theta: f64,
+    /// `num_key_value_heads`; `None`: the number of attention heads.
+    pub(crate) num_key_value_heads: Option<usize>,
+    /// `head_dim`; `None`: the width over the heads.
+    pub(crate) head_dim: Option<usize>,
+    /// `max_position_embeddings`; `None` where the class has none that the rotary code reads.
+    pub(crate) max_position_embeddings: Option<usize>,
+    /// `sliding_window` when the key is absent (Qwen's only where `use_sliding_window`).
+    pub(crate) sliding_window: Option<usize>,
+    /// `max_window_layers` (Qwen's first layer with a window).
+    pub(crate) max_window_layers: usize,
+    /// `rope_parameters.mrope_section` when absent (the Qwen-VL text models).
+    pub(crate) mrope: Option<MropeSection>,
+    /// Whether the class's default rotary parameters are gpt-oss's YaRN.
+    pub(crate) yarn: bool,
+}
+
+const GENERIC: ClassDefaults = ClassDefaults {
+    rope_theta: 10_000.0,
+    num_key_value_heads: None,
+    head_dim: None,
+    max_position_embeddings: None,
+    sliding_window: None,
+    max_window_layers: 28,
+    mrope: None,
+    yarn: false,
+};
+
+/// The defaults of `model_type`'s configuration class (HF's own name, before the loader reads a
+/// vision-language text model as the text model it is).
+pub(crate) fn class_defaults(model_type: Option<&str>) -> ClassDefaults {
+    let d = GENERIC;
+    let max = |n: usize| Some(n);
+    match model_type.unwrap_or("") {
+        "llama" | "olmo2" | "gpt_neox" | "falcon" | "gptj" => ClassDefaults {
+            max_position_embeddings: max(2048),
+            ..d
+        },
+        "mistral" => ClassDefaults {
+            num_key_value_heads: Some(8),
+            max_position_embeddings: max(131_072),
+            sliding_window: Some(4096),
+            ..d
+        },
+        "qwen2" => ClassDefaults {
+            num_key_value_heads: Some(32),
+            max_position_embeddings: max(32_768),
+            sliding_window: Some(4096),
+            ..d
+        },
+        "qwen3" => ClassDefaults {
+            num_key_value_heads: Some(32),
+            head_dim: Some(128),
+            max_position_embeddings: max(32_768),
+            sliding_window: Some(4096),
+            ..d
+        },
+        "gemma" => ClassDefaults {
+            num_key_value_heads: Some(16),
+            head_dim: Some(256),
+            max_position_embeddings: max(8192),
+            ..d
+        },
+        "gemma2" => ClassDefaults {
+            num_key_value_heads: Some(4),
+            head_dim: Some(256),
+            max_position_embeddings: max(8192),
+            sliding_window: Some(4096),
+            ..d
+        },
+        "gemma3_text" => ClassDefaults {
+            rope_theta: 1_000_000.0,
+            num_key_value_heads: Some(4),
+            head_dim: Some(256),
+            max_position_embeddings: max(131_072),
+            sliding_window: Some(4096),
+            ..d
+        },
+        "gemma4_text" => ClassDefaults {
+            num_key_value_heads: Some(4),
+            head_dim: Some(256),
+            max_position_embeddings: max(131_072),
+            sliding_window: Some(512),
+            ..d
+        },
+        "gpt_oss" => ClassDefaults {
+            rope_theta: 150_000.0,
+            num_key_value_heads: Some(8),
+            head_dim: Some(64),
+            max_position_embeddings: max(131_072),
+            sliding_window: Some(128),
+            yarn: true,
+            ..d
+        },
+        "smollm3" => ClassDefaults {
+            rope_theta: 2_000_000.0,
+            num_key_value_heads: Some(4),
+            max_position_embeddings: max(32_768),
+            ..d
+        },
+        "cohere2" => ClassDefaults {
+            max_position_embeddings: max(8192),
+            sliding_window: Some(4096),
+            ..d
+        },
+        "llama4_text" => ClassDefaults {
+            rope_theta: 500_000.0,
+            num_key_value_heads: Some(8),
+            head_dim: Some(128),
+            max_position_embeddings: max(131_072),
+            ..d
+        },
+        "phi3" => ClassDefaults {
+            max_position_embeddings: max(4096),
+            ..d
+        },
+        "qwen2_vl_text" | "qwen2_5_vl_text" => ClassDefaults {
+            rope_theta: 1_000_000.0,
+            num_key_value_heads: Some(8),
+            max_position_embeddings: max(32_768),
+            sliding_window: Some(4096),
+            max_window_layers: 80,
+            mrope: Some(MropeSection::new([16, 24, 24])),
+            ..d
+        },
+        t @ ("qwen3_vl_text" | "qwen3_vl_moe_text") => ClassDefaults {
+            rope_theta: 500_000.0,
+            num_key_value_heads: Some(if t == "qwen3_vl_text" { 32 } else { 16 }),
+            head_dim: (t == "qwen3_vl_text").then_some(128),
+            max_position_embeddings: max(128_000),
+            mrope: Some(MropeSection::new([24, 20, 20]).with_interleaved(true)),
+            ..d
+        },
+        "modernbert" => ClassDefaults {
+            rope_theta: 160_000.0,
+            max_position_embeddings: max(8192),
+            ..d
+        },
+        "deepseek_v2" => ClassDefaults {
+            max_position_embeddings: max(2048),
+            ..d
+        },
+        "deepseek_v3" => ClassDefaults {
+            num_key_value_heads: Some(128),
+            max_position_embeddings: max(4096),
+            ..d
+        },
+        "t5" => ClassDefaults {
+            head_dim: Some(64),
+            ..d
+        },
+        _ => d,
+    }
+}
+
+/// The sliding layers' θ of the models with two (Gemma 3's `rope_local_base_freq`,
+/// ModernBERT's `local_rope_theta`).
+pub(crate) const LOCAL_ROPE_THETA: f64 = 10_000.0;
+
+/// gpt-oss's rotary parameters when its file has none (`GptOssConfig.__post_init__`).
+pub(crate) fn gpt_oss_rope() -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("rope_type".into(), "yarn".into());
+    m.insert("factor".into(), 32.0.into());
+    m.insert("beta_fast".into(), 32.0.into());
+    m.insert("beta_slow".into(), 1.0.into());
+    m.insert("truncate".into(), false.into());
+    m.insert("original_max_position_embeddings".into(), 4096.into());
+    m
+}
+
+/// GPT-J's `rotary_dim` when absent.
+pub(crate) const GPTJ_ROTARY_DIM: usize = 64;
