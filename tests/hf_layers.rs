@@ -471,6 +471,66 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
             "{err}"
         );
     }
+    // Llama 4 as its class reads what a published file may hold: an empty `no_rope_layers`
+    // (Llama 4 Scout's) is the default pattern, every fourth layer NoPE; a null chunk size
+    // without `layer_types` makes every layer a full-attention one.
+    let mut scout: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)?;
+    scout.insert("no_rope_layers".into(), serde_json::json!([]));
+    scout.insert("num_hidden_layers".into(), serde_json::json!(8));
+    scout.remove("layer_types");
+    scout.remove("no_rope_layer_interval");
+    let scout_text = serde_json::Value::Object(scout.clone()).to_string();
+    for layer in 0..8 {
+        let config = HfAttentionConfig::from_json_layer(&scout_text, layer)?;
+        let rope = layer % 4 != 3;
+        assert_eq!(config.encoding.kind() == "rotary", rope, "layer {layer}");
+        let chunk = config.attention.attention_chunk;
+        assert_eq!(chunk.is_some(), rope, "layer {layer}");
+    }
+    scout.insert("attention_chunk_size".into(), serde_json::Value::Null);
+    let unchunked = serde_json::Value::Object(scout.clone()).to_string();
+    for layer in 0..8 {
+        let config = HfAttentionConfig::from_json_layer(&unchunked, layer)?;
+        assert_eq!(config.attention.attention_chunk, None, "layer {layer}");
+    }
+    scout.insert(
+        "layer_types".into(),
+        serde_json::json!(vec!["chunked_attention"; 8]),
+    );
+    let err = HfAttentionConfig::from_json_layer(&serde_json::Value::Object(scout).to_string(), 0)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "attention_chunk_size"),
+        "{err}"
+    );
+    // A sliding-window pattern of 0 fails in Gemma 3's and Cohere2's classes (a layer's number
+    // modulo it): refused under its key. Gemma 4's class does not read the key.
+    for model_type in ["gemma3_text", "cohere2", "gemma4_text"] {
+        let text = format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 12,
+            "sliding_window": 16, "sliding_window_pattern": 0}}"#
+        );
+        let got = HfAttentionConfig::from_json_layer(&text, 0);
+        match model_type {
+            "gemma4_text" => {
+                let other = text.replace(
+                    "\"sliding_window_pattern\": 0",
+                    "\"sliding_window_pattern\": 2",
+                );
+                for layer in [0, 1, 5] {
+                    let a = HfAttentionConfig::from_json_layer(&text, layer)?.attention;
+                    let b = HfAttentionConfig::from_json_layer(&other, layer)?.attention;
+                    assert_eq!(a.sliding_window, b.sliding_window, "layer {layer}");
+                    assert_eq!(a.sliding_window.is_none(), layer == 5, "layer {layer}");
+                }
+            }
+            _ => assert!(
+                matches!(&got, Err(Error::HfConfig { key, .. }) if key == "sliding_window_pattern"),
+                "{model_type}: {got:?}"
+            ),
+        }
+    }
     // DeepSeek: latent attention, RoPE on the rope slice of each head (interleaved), YaRN's
     // mscale_all_dim squared in the scale; V2 without a query latent.
     let v3 = read("deepseek_v3", 0)?;

@@ -938,10 +938,18 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
         }
         "gemma3_text" | "cohere2" | "gemma4_text" => {
             let default = if model_type == "cohere2" { 4 } else { 6 };
-            let pattern = top
-                .usize("sliding_window_pattern")?
-                .unwrap_or(default)
-                .max(1);
+            // Gemma 4's class does not read the key (every sixth layer is full); the others
+            // take a layer's number modulo it, so 0 fails there.
+            let pattern = match model_type {
+                "gemma4_text" => default,
+                _ => top.usize("sliding_window_pattern")?.unwrap_or(default),
+            };
+            if pattern == 0 {
+                return Err(problem(
+                    "sliding_window_pattern",
+                    "is 0, expected at least 1 (every n-th layer is a full-attention one)",
+                ));
+            }
             // Gemma 4's last layer is always a full one.
             let last = model_type == "gemma4_text"
                 && top
@@ -977,9 +985,11 @@ fn llama4_layer_kind(top: &Obj, layer: usize) -> Result<LayerKind> {
     if !chunked {
         return Ok(LayerKind::Full);
     }
-    // An explicit null is not the default: HF's chunked mask then has no size.
+    // An explicit null is not the default: without `layer_types` HF's class then makes every
+    // layer a full-attention one; with them, its chunked mask has no size.
     let size = match top.map.get("attention_chunk_size") {
         None => 8192,
+        Some(Value::Null) if top.get("layer_types").is_none() => return Ok(LayerKind::Full),
         Some(_) => top.usize("attention_chunk_size")?.ok_or_else(|| {
             problem(
                 "attention_chunk_size",
@@ -1055,7 +1065,13 @@ fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
     if !matches!(model_type, "smollm3" | "llama4_text") {
         return Ok(true);
     }
-    match layer_entry(top, "no_rope_layers", layer, "a list of 0 and 1")? {
+    // (A null list is the default pattern in both classes, as an absent one; Llama 4's takes
+    // an empty one as the default too: Llama 4 Scout's file has `"no_rope_layers": []`.)
+    let entry = match top.get("no_rope_layers") {
+        Some(Value::Array(a)) if a.is_empty() && model_type == "llama4_text" => None,
+        _ => layer_entry(top, "no_rope_layers", layer, "a list of 0 and 1")?,
+    };
+    match entry {
         Some(entry) => match entry.as_u64() {
             Some(0) => Ok(false),
             Some(1) => Ok(true),
