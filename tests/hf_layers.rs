@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 72] = [
+const FAMILIES: [&str; 74] = [
     "llama",
     "mistral",
     "qwen2",
@@ -80,6 +80,8 @@ const FAMILIES: [&str; 72] = [
     "min.gpt_oss",
     "min.gemma3_text.5",
     "min.gemma3_text.0",
+    "min.gemma4_text.0",
+    "min.gemma4_text.1",
     "min.gemma2",
     "min.mistral",
     "min.qwen3",
@@ -1360,6 +1362,117 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Gemma 4 as `Gemma4TextConfig.__post_init__` fills a file: full layers `global_head_dim`
+/// wide (512 by default), with `num_global_key_value_heads` only under `attention_k_eq_v`; a
+/// `per_layer_config` (zero-padded keys) instead, none when null; the last layer full; the
+/// class's per-type RoPE; nulls the class refuses refused under their keys.
+fn gemma4_as_its_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
+    let base = r#""model_type": "gemma4_text", "hidden_size": 16, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "num_hidden_layers": 2"#;
+    let read = |extra: &str, layer| {
+        HfAttentionConfig::from_json_layer(&format!("{{{base}{extra}}}"), layer)
+    };
+    let rope = |c: &HfAttentionConfig| match &c.encoding {
+        EncodingConfig::Rotary(r) => (r.head_dim, r.base, r.scaling.name()),
+        other => panic!("read as {other:?}"),
+    };
+    let (local, full) = (read("", 0)?, read("", 1)?);
+    assert_eq!(
+        (local.attention.head_dim, local.attention.sliding_window),
+        (256, Some(512))
+    );
+    assert_eq!(
+        (full.attention.head_dim, full.attention.sliding_window),
+        (512, None)
+    );
+    assert_eq!(rope(&local), (256, 10_000.0, "default"));
+    assert_eq!(rope(&full), (512, 1e6, "proportional"));
+    // A top-level θ is not read by the class.
+    assert_eq!(
+        rope(&read(r#", "rope_theta": 5.0"#, 1)?),
+        (512, 1e6, "proportional")
+    );
+    for (extra, want) in [
+        (r#", "global_head_dim": 32"#, (32, 2, false)),
+        (r#", "num_global_key_value_heads": 1"#, (512, 2, false)),
+        (
+            r#", "num_global_key_value_heads": 1, "attention_k_eq_v": true"#,
+            (512, 1, true),
+        ),
+        (r#", "attention_k_eq_v": true"#, (512, 2, true)),
+        (r#", "per_layer_config": null"#, (256, 2, false)),
+        (
+            r#", "per_layer_config": {"01": {"head_dim": 64}}"#,
+            (64, 2, false),
+        ),
+        // The last listed layer is full whatever its entry says.
+        (
+            r#", "layer_types": ["sliding_attention", "sliding_attention"]"#,
+            (512, 2, false),
+        ),
+    ] {
+        let a = read(extra, 1)?.attention;
+        assert_eq!((a.head_dim, a.num_kv_heads, a.k_eq_v), want, "{extra}");
+        assert_eq!(a.sliding_window, None, "{extra}");
+    }
+    // A file's own per-type parameters; a missing θ from the top level only where HF's scaled
+    // RoPE functions fill it.
+    let params = r#", "rope_parameters": {"full_attention": {"rope_type": "proportional",
+        "rope_theta": 100.0, "partial_rotary_factor": 0.5}, "sliding_attention": {"rope_type": "default"}},
+        "rope_theta": 50.0"#;
+    assert_eq!(rope(&read(params, 0)?), (256, 50.0, "default"));
+    assert_eq!(rope(&read(params, 1)?), (512, 100.0, "proportional"));
+    for (extra, layer, key) in [
+        (r#", "num_key_value_heads": null"#, 0, "num_key_value_heads"),
+        (r#", "head_dim": null"#, 0, "head_dim"),
+        (r#", "sliding_window": null"#, 0, "sliding_window"),
+        (r#", "global_head_dim": null"#, 1, "global_head_dim"),
+        (r#", "rope_scaling": null"#, 0, "rope_scaling"),
+        (
+            r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}"#,
+            0,
+            "rope_parameters",
+        ),
+        (
+            r#", "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1.0},
+            "sliding_attention": {"rope_type": "default"}}, "rope_theta": 50.0"#,
+            0,
+            "rope_parameters.sliding_attention.rope_theta",
+        ),
+        (
+            r#", "per_layer_config": {"2": {"head_dim": 64}}"#,
+            1,
+            "per_layer_config",
+        ),
+        (r#", "per_layer_config": {"x": {}}"#, 1, "per_layer_config"),
+        (
+            r#", "per_layer_config": {"1": {"head_dim": null}}"#,
+            1,
+            "per_layer_config.1.head_dim",
+        ),
+    ] {
+        let err = read(extra, layer).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{extra}: {err}"
+        );
+    }
+    // Full layers of different widths: HF builds one table per layer type and refuses it.
+    let err = HfAttentionConfig::from_json_layer(
+        r#"{"model_type": "gemma4_text", "hidden_size": 16, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "num_hidden_layers": 3,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "per_layer_config": {"0": {"head_dim": 32}}}"#,
+        0,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "per_layer_config"),
+        "{err}"
+    );
+    Ok(())
+}
+
 device_tests!(
     partial_rotary_as_each_model_reads_it,
     gemma3_has_no_soft_cap,
@@ -1375,4 +1488,5 @@ device_tests!(
     qk_norm_config_and_formula,
     extras_agree_on_every_path_with_padding_and_blocks,
     per_layer_settings,
+    gemma4_as_its_class_fills_it,
 );

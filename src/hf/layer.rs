@@ -9,6 +9,7 @@ use candle_nn::VarBuilder;
 use serde_json::Value;
 
 use super::defaults::{class_defaults, ClassDefaults, LOCAL_ROPE_THETA};
+use super::gemma4;
 use super::json::{first, parse_root, problem, Obj};
 use super::weights::{remap, QkvLayout, WeightLayout};
 use crate::attention::{
@@ -105,9 +106,12 @@ impl HfFamily {
 /// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`), OLMo 2
 ///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only), ε
 ///   from `rms_norm_eps`;
-/// - Gemma 4 (`gemma4_text`): `per_layer_config` head widths and KV heads, q/k norms, the
-///   values' scale-free norm, `attention_k_eq_v` on full layers, a scale of 1, per-layer RoPE
-///   over each layer's head width; KV-sharing layers and bidirectional attention are refused;
+/// - Gemma 4 (`gemma4_text`, as its class fills a file: see `hf::gemma4`): full layers
+///   `global_head_dim` wide (512) with `num_global_key_value_heads` under `attention_k_eq_v`,
+///   or a file's `per_layer_config`; the last layer full; the class's per-type RoPE (θ 10000
+///   on sliding layers, proportional over a quarter at 1e6 on full ones) unless the file
+///   nests its own; q/k norms, the values' scale-free norm, `attention_k_eq_v` on full layers,
+///   a scale of 1; KV-sharing layers and bidirectional attention are refused;
 /// - Llama 4's chunked attention on its RoPE layers (`attention_chunk_size`, or `layer_types`)
 ///   and its attention temperature on its NoPE layers (`attn_temperature_tuning`,
 ///   `attn_scale`, `floor_scale`);
@@ -244,6 +248,7 @@ impl HfAttentionConfig {
         refuse_unsupported(&top, model_type)?;
         check_layer(&top, layer)?;
         if model_type == "gemma4_text" {
+            gemma4::refuse_nulls(&top)?;
             let layers = top.usize("num_hidden_layers")?.unwrap_or(0);
             let shared = top.usize("num_kv_shared_layers")?.unwrap_or(0);
             // The last `shared` layers reuse earlier keys: layer + shared ≥ layers, without
@@ -320,27 +325,14 @@ impl HfAttentionConfig {
         // Gemma 4's per-layer overrides (its full-attention layers' wider heads and fewer KV
         // heads).
         if model_type == "gemma4_text" {
-            let overrides = top
-                .get("per_layer_config")
-                .and_then(Value::as_object)
-                .and_then(|m| m.get(&layer.to_string()))
-                .and_then(Value::as_object);
-            if let Some(o) = overrides {
-                let entry = Obj {
-                    map: o,
-                    prefix: "per_layer_config.",
-                };
-                if let Some(d) = entry.usize("head_dim")? {
-                    attention = attention.with_head_dim(d);
-                    keys.set("head_dim", format!("per_layer_config.{layer}.head_dim"));
-                }
-                if let Some(kv) = entry.usize("num_key_value_heads")? {
-                    attention = attention.with_kv_heads(kv);
-                    keys.set(
-                        "num_kv_heads",
-                        format!("per_layer_config.{layer}.num_key_value_heads"),
-                    );
-                }
+            let o = gemma4::overrides(&top, layer, kind)?;
+            if let Some((d, key)) = o.head_dim {
+                attention = attention.with_head_dim(d);
+                keys.set("head_dim", key);
+            }
+            if let Some((kv, key)) = o.kv_heads {
+                attention = attention.with_kv_heads(kv);
+                keys.set("num_kv_heads", key);
             }
         }
         // Biases.
@@ -858,7 +850,7 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
 /// Whether a layer attends to every key, through a sliding window of `w` keys, or within
 /// chunks of `c` keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LayerKind {
+pub(super) enum LayerKind {
     Full,
     Sliding(usize),
     Chunked(usize),
@@ -904,7 +896,7 @@ fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
 
 /// The kind of layer `layer`: from `layer_types` where the model reads it, else from the
 /// model's default pattern.
-fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
+pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
     if model_type == "llama4_text" {
         return llama4_layer_kind(top, layer);
     }
@@ -915,6 +907,14 @@ fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
         return Ok(LayerKind::Sliding(w));
     }
     if let Some(entry) = layer_entry(top, "layer_types", layer, "a list of layer types")? {
+        // Gemma 4's class makes the last listed layer a full one, whatever its entry says.
+        let listed = top
+            .get("layer_types")
+            .and_then(Value::as_array)
+            .map(Vec::len);
+        if model_type == "gemma4_text" && listed.and_then(|n| n.checked_sub(1)) == Some(layer) {
+            return Ok(LayerKind::Full);
+        }
         return match entry.as_str() {
             Some("full_attention") => Ok(LayerKind::Full),
             Some("sliding_attention") => Ok(LayerKind::Sliding(w)),
@@ -1150,6 +1150,11 @@ fn rope_of_layer(
     if head_dim > 0 {
         map.insert("head_dim".into(), Value::from(head_dim));
     }
+    // Gemma 4's class fills its own per-type parameters and never reads the flat keys.
+    let nested = match model_type {
+        "gemma4_text" => Some(gemma4::rope_entry(top, kind)?),
+        _ => nested,
+    };
     match nested {
         Some(entry) => {
             map.insert("rope_parameters".into(), entry);

@@ -21,6 +21,7 @@
 //! Each family is checked against a layer of HF transformers' own module (`tests/hf_layers.rs`).
 
 pub(crate) mod defaults;
+mod gemma4;
 pub(crate) mod json;
 pub mod layer;
 mod weights;
