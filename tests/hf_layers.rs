@@ -1473,6 +1473,65 @@ fn gemma4_as_its_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An explicit null as each HF class reads it: `num_key_value_heads` the heads where the class
+/// types it `int | None` (Qwen2's default would be 32), refused where the field is a plain int
+/// (Mistral, Gemma); `head_dim` the width over the heads for Llama and Mistral, refused where
+/// the class or its attention fails on it (Qwen3, Qwen2); Falcon's file may not set
+/// `head_dim` at all (a read-only property of its class).
+fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
+    let read = |model_type: &str, extra: &str| {
+        HfAttentionConfig::from_json(&format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4,
+            "num_hidden_layers": 1{extra}}}"#
+        ))
+    };
+    for model_type in [
+        "llama", "qwen2", "qwen3", "olmo2", "cohere2", "phi3", "smollm3",
+    ] {
+        let a = read(
+            model_type,
+            r#", "num_key_value_heads": null, "head_dim": 8"#,
+        )?
+        .attention;
+        assert_eq!(a.num_kv_heads, 4, "{model_type}");
+    }
+    let dsv3 = read(
+        "deepseek_v3",
+        r#", "num_key_value_heads": null, "q_lora_rank": 8, "kv_lora_rank": 8"#,
+    )?;
+    assert_eq!(dsv3.attention.num_kv_heads, 4);
+    for model_type in ["llama", "mistral"] {
+        let a = read(
+            model_type,
+            r#", "head_dim": null, "num_key_value_heads": 2"#,
+        )?
+        .attention;
+        assert_eq!(a.head_dim, 8, "{model_type}");
+    }
+    for (model_type, extra, key) in [
+        (
+            "mistral",
+            r#", "num_key_value_heads": null"#,
+            "num_key_value_heads",
+        ),
+        (
+            "gemma",
+            r#", "num_key_value_heads": null"#,
+            "num_key_value_heads",
+        ),
+        ("qwen3", r#", "head_dim": null"#, "head_dim"),
+        ("qwen2", r#", "head_dim": null"#, "head_dim"),
+        ("falcon", r#", "head_dim": 8"#, "head_dim"),
+    ] {
+        let err = read(model_type, extra).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{model_type} {extra}: {err}"
+        );
+    }
+    Ok(())
+}
+
 device_tests!(
     partial_rotary_as_each_model_reads_it,
     gemma3_has_no_soft_cap,
@@ -1489,4 +1548,5 @@ device_tests!(
     extras_agree_on_every_path_with_padding_and_blocks,
     per_layer_settings,
     gemma4_as_its_class_fills_it,
+    nulls_as_each_class_reads_them,
 );

@@ -26,7 +26,7 @@
 //! | `qwen3_vl_text` | 500000 | 32 | 128 | 128000 | `mrope_section` [24, 20, 20], always interleaved; no sliding window |
 //! | `qwen3_vl_moe_text` | 500000 | 16 | width / heads | 128000 | as Qwen3-VL |
 //! | `gpt_neox` | 10000 (`rotary_emb_base`) | heads | width / heads | 2048 | `rotary_pct` 0.25 |
-//! | `falcon` | 10000 | 1 (`multi_query`) | width / heads | 2048 | |
+//! | `falcon` | 10000 | 1 (`multi_query`) | always width / heads (a `head_dim` key is refused: the class property has no setter) | 2048 | |
 //! | `modernbert` | 160000 (`global_rope_theta`), 10000 (`local_rope_theta`) | heads | width / heads | 8192 | `local_attention` 128 |
 //! | `deepseek_v2` | 10000 | heads | (latent) | 2048 | |
 //! | `deepseek_v3` | 10000 | 128 (HF's attention needs it equal to the heads) | (latent) | 4096 | |

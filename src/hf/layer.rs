@@ -292,8 +292,19 @@ impl HfAttentionConfig {
             }
             HfFamily::Llama | HfFamily::Phi3 => {
                 keys.set("num_kv_heads", "num_key_value_heads");
-                top.usize("num_key_value_heads")?
-                    .unwrap_or(defaults.num_key_value_heads.unwrap_or(heads))
+                match top.map.get("num_key_value_heads") {
+                    // The classes typed `int | None` replace a null with the heads; the others
+                    // refuse it.
+                    Some(Value::Null)
+                        if null_is_derived(top.str("model_type")?, "num_key_value_heads") =>
+                    {
+                        heads
+                    }
+                    Some(Value::Null) => return Err(null_refused("num_key_value_heads")),
+                    _ => top
+                        .usize("num_key_value_heads")?
+                        .unwrap_or(defaults.num_key_value_heads.unwrap_or(heads)),
+                }
             }
             _ => heads,
         };
@@ -304,6 +315,20 @@ impl HfAttentionConfig {
         } else {
             "head_dim"
         };
+        if family == HfFamily::Falcon && top.map.contains_key("head_dim") {
+            // FalconConfig's head_dim is a read-only property (hidden_size / heads): HF fails
+            // to load a file that sets it.
+            return Err(problem(
+                "head_dim",
+                "is set, but HF's FalconConfig derives it as hidden_size / num_attention_heads and fails to load a file that gives it; leave the key out",
+            ));
+        }
+        if matches!(family, HfFamily::Llama | HfFamily::Phi3)
+            && top.map.get("head_dim").is_some_and(Value::is_null)
+            && !null_is_derived(top.str("model_type")?, "head_dim")
+        {
+            return Err(null_refused("head_dim"));
+        }
         match top.usize(head_key)? {
             // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its rotary
             // embedding reads head_dim; a mismatch is refused below).
@@ -693,10 +718,14 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
     })?;
     // HF's latent attention repeats its keys num_attention_heads / num_key_value_heads times
     // over keys that already have a head each: any other count than the heads fails there.
-    let kv_heads = top
-        .usize("num_key_value_heads")?
-        .or(class_defaults(Some(model_type)).num_key_value_heads)
-        .unwrap_or(heads);
+    // (A null is the heads, as the classes' __post_init__ makes it.)
+    let kv_heads = match top.map.get("num_key_value_heads") {
+        Some(Value::Null) => heads,
+        _ => top
+            .usize("num_key_value_heads")?
+            .or(class_defaults(Some(model_type)).num_key_value_heads)
+            .unwrap_or(heads),
+    };
     if kv_heads != heads {
         return Err(problem(
             "num_key_value_heads",
@@ -1201,6 +1230,44 @@ fn blame(err: Error, keys: &Keys) -> Error {
         }
         other => other,
     }
+}
+
+/// Whether HF's class for `model_type` (the file's own) replaces a `null` at `key` with the
+/// derived value (`num_key_value_heads`: the heads; `head_dim`: the width over the heads)
+/// rather than failing on it (a typed field, or a model that then computes with `None`).
+fn null_is_derived(model_type: Option<&str>, key: &str) -> bool {
+    let model_type = model_type.unwrap_or("");
+    match key {
+        "num_key_value_heads" => matches!(
+            model_type,
+            "llama"
+                | "qwen2"
+                | "qwen3"
+                | "olmo2"
+                | "smollm3"
+                | "cohere2"
+                | "phi3"
+                | "qwen2_vl_text"
+                | "qwen2_5_vl_text"
+                | "qwen3_vl_text"
+                | "deepseek_v2"
+                | "deepseek_v3"
+                | "pixtral"
+        ),
+        "head_dim" => matches!(
+            model_type,
+            "llama" | "mistral" | "qwen3_vl_moe_text" | "pixtral"
+        ),
+        _ => false,
+    }
+}
+
+/// A `null` that the model's HF class refuses.
+fn null_refused(key: &str) -> Error {
+    problem(
+        key,
+        "is null, which this model's HF configuration class refuses (or fails on); leave the key out for the class default",
+    )
 }
 
 /// The configuration class's defaults for the file's own `model_type`.
