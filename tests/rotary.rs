@@ -1539,6 +1539,44 @@ fn rope_mixed_matches_timm(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A null θ where θ is read is refused under its key (HF's classes pass it to the rotary code,
+/// which fails on it); GPT-NeoX reads `rotary_emb_base` and not `rope_theta`, and an absent
+/// θ is the class's default.
+fn null_rope_theta(_dev: &Device) -> anyhow::Result<()> {
+    let sizes = r#""hidden_size": 64, "num_attention_heads": 4"#;
+    for (json, key) in [
+        (
+            format!(r#"{{"model_type": "llama", {sizes}, "rope_theta": null}}"#),
+            "rope_theta",
+        ),
+        (
+            format!(
+                r#"{{"model_type": "llama", {sizes}, "rope_theta": 500000.0,
+                "rope_parameters": {{"rope_type": "default", "rope_theta": null}}}}"#
+            ),
+            "rope_parameters.rope_theta",
+        ),
+        (
+            format!(
+                r#"{{"model_type": "qwen2", {sizes}, "rope_theta": null,
+                "rope_scaling": {{"rope_type": "linear", "factor": 2.0}}}}"#
+            ),
+            "rope_theta",
+        ),
+    ] {
+        let (got, problem) = hf_error(&json);
+        assert_eq!(got, key, "{json}");
+        assert!(problem.contains("null"), "{problem}");
+    }
+    let neox = format!(
+        r#"{{"model_type": "gpt_neox", {sizes}, "rope_theta": null, "rotary_emb_base": 500.0}}"#
+    );
+    assert_eq!(RopeConfig::from_hf_json(&neox)?.base, 500.0);
+    let absent = format!(r#"{{"model_type": "smollm3", {sizes}}}"#);
+    assert_eq!(RopeConfig::from_hf_json(&absent)?.base, 2e6);
+    Ok(())
+}
+
 device_tests!(
     rope_mixed_matches_timm,
     dynamic_rows_from_the_first_position,
@@ -1547,6 +1585,7 @@ device_tests!(
     proportional_matches_hf,
     owned_rotation_matches,
     hf_config_json,
+    null_rope_theta,
     frequencies_match_hf,
     cos_sin_match_hf,
     rotations_match_hf,

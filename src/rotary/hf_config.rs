@@ -140,6 +140,24 @@ impl RopeConfig {
         };
 
         let model_type = top.str("model_type")?;
+        // An explicit null θ where θ is read: HF's classes pass it on and its rotary code
+        // computes with None and fails (GPT-NeoX reads `rotary_emb_base` instead).
+        let null = |o: &Obj, key: &str| o.map.get(key).is_some_and(|v| v.is_null());
+        let null_theta = match (null(&params, "rope_theta"), params.get("rope_theta")) {
+            (true, _) => Some(params.name("rope_theta")),
+            (false, Some(_)) => None,
+            (false, None) if null(&top, "rope_theta") && model_type != Some("gpt_neox") => {
+                Some("rope_theta".to_string())
+            }
+            (false, None) => None,
+        };
+        if let Some(key) = null_theta {
+            return Err(problem(
+                key,
+                "is null, expected a positive θ (HF's rotary code fails on a null one; leave \
+                 the key out for the model's default)",
+            ));
+        }
         let (base, base_key) = match (model_type, top.f64("rotary_emb_base")?) {
             // GPT-NeoX's own key wins there.
             (Some("gpt_neox"), Some(b)) => (b, "rotary_emb_base".to_string()),
