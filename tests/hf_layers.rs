@@ -505,6 +505,16 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         matches!(&err, Error::HfConfig { key, .. } if key == "attention_chunk_size"),
         "{err}"
     );
+    // Cohere2's class sets head_dim to the width over the heads and then takes a file's own
+    // (its attention and rotary embedding read it).
+    let cohere = r#"{"model_type": "cohere2", "hidden_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 4}"#;
+    let config = HfAttentionConfig::from_json_layer(cohere, 0)?;
+    assert_eq!(config.attention.head_dim, 16);
+    match &config.encoding {
+        EncodingConfig::Rotary(r) => assert_eq!(r.head_dim, 16),
+        other => panic!("Cohere2's sliding layer read as {other:?}"),
+    }
     // A sliding-window pattern of 0 fails in Gemma 3's and Cohere2's classes (a layer's number
     // modulo it): refused under its key. Gemma 4's class does not read the key.
     for model_type in ["gemma3_text", "cohere2", "gemma4_text"] {

@@ -18,7 +18,7 @@
 //! | `olmo2` | 10000 | heads | width / heads | 2048 | |
 //! | `gpt_oss` | 150000 | 8 | 64 | 131072 | YaRN (factor 32, `beta_fast` 32, `beta_slow` 1, `truncate` false, original length 4096) when the file has no rotary parameters; `sliding_window` 128 |
 //! | `smollm3` | 2e6 | 4 | width / heads | 32768 | |
-//! | `cohere2` | 10000 | heads | always width / heads (a `head_dim` key is overwritten) | 8192 | `sliding_window` 4096 |
+//! | `cohere2` | 10000 | heads | width / heads (the class sets it, then a file's `head_dim` replaces it) | 8192 | `sliding_window` 4096 |
 //! | `llama4_text` | 500000 | 8 | 128 | 131072 | |
 //! | `gemma4_text` | per layer type (`rope_parameters`, read in `hf::gemma4`): 10000 on sliding layers, proportional RoPE over a quarter of the frequencies at 1e6 on full ones; a top-level `rope_theta` is not read | 4; full layers `num_global_key_value_heads` under `attention_k_eq_v` | 256; full layers `global_head_dim` 512 | 131072 | `sliding_window` 512; every sixth layer and the last one full; `per_layer_config` replaces the full layers' widths |
 //! | `phi3` | 10000 | heads | width / heads | 4096 | `original_max_position_embeddings` 4096 |

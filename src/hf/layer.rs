@@ -332,8 +332,7 @@ impl HfAttentionConfig {
         match top.usize(head_key)? {
             // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its rotary
             // embedding reads head_dim; a mismatch is refused below).
-            // Cohere2's config class overwrites head_dim with hidden_size / heads.
-            Some(_) if model_type == "pixtral" || model_type == "cohere2" => {
+            Some(_) if model_type == "pixtral" => {
                 keys.set("head_dim", format!("{} / {}", hidden_key, heads_key))
             }
             Some(d) => {
@@ -341,7 +340,7 @@ impl HfAttentionConfig {
                 keys.set("head_dim", head_key);
             }
             // The class's default (T5's d_kv 64, Gemma's 256, Qwen3's 128, ...).
-            None if defaults.head_dim.is_some() && model_type != "cohere2" => {
+            None if defaults.head_dim.is_some() => {
                 attention = attention.with_head_dim(defaults.head_dim.unwrap_or(0));
                 keys.set("head_dim", head_key);
             }
@@ -531,10 +530,9 @@ impl HfAttentionConfig {
             }
             _ if !uses_rope(&top, model_type, layer)? => EncodingConfig::None,
             _ => {
-                // Gemma 4's layers rotate over their own head width; Cohere2's over
-                // hidden_size / heads, whatever head_dim says.
+                // Gemma 4's layers rotate over their own head width.
                 let width = match model_type {
-                    "gemma4_text" | "cohere2" => attention.head_dim,
+                    "gemma4_text" => attention.head_dim,
                     _ => 0,
                 };
                 let rope = rope_of_layer(text, &top, model_type, kind, width)?;

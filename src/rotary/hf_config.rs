@@ -110,12 +110,7 @@ impl RopeConfig {
         }
 
         // Head size, and the key each derived setting came from (errors name those keys).
-        // Cohere2's config class overwrites head_dim with hidden_size / heads.
-        let head_dim_key = match top.str("model_type")? {
-            Some("cohere2") => None,
-            _ => top.usize("head_dim")?,
-        };
-        let (head_dim, head_key) = match head_dim_key.or(defaults.head_dim) {
+        let (head_dim, head_key) = match top.usize("head_dim")?.or(defaults.head_dim) {
             Some(d) => (d, "head_dim".to_string()),
             None => {
                 // Qwen2-VL's vision encoder keeps its width in `embed_dim` (`hidden_size` is
