@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 74] = [
+const FAMILIES: [&str; 75] = [
     "llama",
     "mistral",
     "qwen2",
@@ -72,6 +72,7 @@ const FAMILIES: [&str; 74] = [
     "gemma4.1",
     "gemma4.1.padded",
     "pixtral",
+    "pixtral_default",
     "falcon_alibi",
     "falcon_alibi12",
     // Minimal config.json files (sizes, heads, model_type): the rest from HF's class defaults.
@@ -1246,7 +1247,6 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "gemma4_text",
         "falcon",
         "modernbert",
-        "pixtral",
         "qwen2_vl_text",
         "qwen2_5_vl_text",
         "qwen3_vl_text",
@@ -1542,7 +1542,44 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// RoPE settings as each HF config class fills them in when the file leaves them out or
+/// gives them elsewhere.
+fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::rotary::mrope::AxialRope;
+    // Pixtral: a missing or "default" type is axial; any other type is refused.
+    let pixtral = |rope: &str| {
+        RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "pixtral", "hidden_size": 32, "num_attention_heads": 4{rope}}}"#
+        ))
+    };
+    for rope in [
+        "",
+        r#", "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}"#,
+        r#", "rope_scaling": {"type": "default"}"#,
+    ] {
+        assert_eq!(pixtral(rope)?.axial, Some(AxialRope::EvenOdd), "{rope}");
+    }
+    for (rope, key) in [
+        (
+            r#", "rope_parameters": {"rope_type": "linear", "factor": 2.0}"#,
+            "rope_parameters.rope_type",
+        ),
+        (
+            r#", "rope_scaling": {"type": "mrope"}"#,
+            "rope_scaling.type",
+        ),
+    ] {
+        let err = pixtral(rope).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{rope}: {err}"
+        );
+    }
+    Ok(())
+}
+
 device_tests!(
+    rope_as_each_class_fills_it,
     partial_rotary_as_each_model_reads_it,
     gemma3_has_no_soft_cap,
     mpt_alibi_as_hf_builds_it,

@@ -16,8 +16,9 @@
 //!   `rope_type: "proportional"` the factor is instead the fraction of frequencies that
 //!   rotate over the whole head;
 //! - multimodal RoPE's `mrope_section` and `mrope_interleaved` in the parameters (Qwen2-VL,
-//!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and Pixtral's
-//!   `rope_type: "axial"` (axial 2-D RoPE over the patch grid);
+//!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and `rope_type: "axial"`
+//!   (axial 2-D RoPE over the patch grid), which Pixtral's config class also makes of a
+//!   missing or `default` type;
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5, Llama 4 rotate
 //!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is read by
 //!   `HfAttentionConfig` (its rotary part alone is not a whole head);
@@ -299,6 +300,21 @@ impl RopeConfig {
             Some(t) => t,
             None => params.str("type")?.unwrap_or("default"),
         };
+        // Pixtral's config class turns a missing or "default" type into its own default,
+        // "axial" (`default_rope_type`, applied by `standardize_rope_params`), and its rotary
+        // embedding fails on any other type.
+        let rope_type = match (model_type, rope_type) {
+            (Some("pixtral"), "default" | "axial") => "axial",
+            (Some("pixtral"), other) => {
+                return Err(problem(
+                    type_key(&params),
+                    format!(
+                        "is `{other}`, but Pixtral's vision encoder has only axial 2-D RoPE (HF's PixtralVisionRotaryEmbedding fails on any other type); leave it out or give `axial`"
+                    ),
+                ))
+            }
+            (_, t) => t,
+        };
         // Qwen2-VL's older files name multimodal RoPE as a type; its frequencies are plain.
         // Pixtral's vision encoder names its axial 2-D RoPE "axial".
         let axial = rope_type == "axial";
@@ -314,11 +330,7 @@ impl RopeConfig {
         } else {
             rope_type
         };
-        let type_key = params.name(if params.get("rope_type").is_some() {
-            "rope_type"
-        } else {
-            "type"
-        });
+        let type_key = type_key(&params);
         let max_pos_required = || top.required("max_position_embeddings", max_pos);
         let original = || -> Result<usize> {
             match top.usize("original_max_position_embeddings")? {
@@ -488,6 +500,15 @@ impl RopeConfig {
         })?;
         Ok(config)
     }
+}
+
+/// The key a parameters object names its RoPE type under (`rope_type`, or the older `type`).
+fn type_key(params: &Obj) -> String {
+    params.name(if params.get("rope_type").is_some() {
+        "rope_type"
+    } else {
+        "type"
+    })
 }
 
 /// How a model's HF code (transformers 5.24) reads the keys that make its rotation partial.
