@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 75] = [
+const FAMILIES: [&str; 78] = [
     "llama",
     "mistral",
     "qwen2",
@@ -91,6 +91,9 @@ const FAMILIES: [&str; 75] = [
     "min.phi3",
     "min.falcon",
     "min.gpt_neox",
+    "neox_theta.params",
+    "neox_theta.base",
+    "neox_theta.top",
     "min.modernbert.0",
     "min.modernbert.1",
     "min.deepseek_v3",
@@ -1575,6 +1578,32 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             "{rope}: {err}"
         );
     }
+    // GPT-NeoX: the parameters' θ, else rotary_emb_base, else 10000; never a top-level
+    // rope_theta; a null rotary_emb_base (with no θ in the parameters) is refused.
+    let neox = |extra: &str| {
+        RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "gpt_neox", "hidden_size": 32, "num_attention_heads": 4{extra}}}"#
+        ))
+    };
+    for (extra, base) in [
+        (
+            r#", "rotary_emb_base": 300.0, "rope_parameters": {"rope_theta": 50.0}"#,
+            50.0,
+        ),
+        (r#", "rotary_emb_base": 300.0, "rope_theta": 100.0"#, 300.0),
+        (r#", "rope_theta": 100.0"#, 10000.0),
+        (
+            r#", "rotary_emb_base": null, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 70.0}"#,
+            70.0,
+        ),
+    ] {
+        assert_eq!(neox(extra)?.base, base, "{extra}");
+    }
+    let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "rotary_emb_base"),
+        "{err}"
+    );
     Ok(())
 }
 

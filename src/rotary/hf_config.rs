@@ -3,8 +3,8 @@
 //! Reads, as HF transformers does:
 //! - `rope_parameters` (transformers ≥ 5) or `rope_scaling` (older files), with the type under
 //!   `rope_type` or `type` (`su` is LongRoPE's old name); absent or `null` means plain RoPE;
-//! - `rope_theta` inside the parameters or at the top level (GPT-NeoX: `rotary_emb_base`),
-//!   default 10000;
+//! - `rope_theta` inside the parameters or at the top level, default 10000 (GPT-NeoX: the
+//!   parameters' θ, else `rotary_emb_base`, else 10000; a top-level `rope_theta` is not read);
 //! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
 //! - partial rotary as the model's HF code reads it (the table at `PartialRotary`): Phi-3 from
 //!   `partial_rotary_factor`, GPT-NeoX from `rope_parameters.partial_rotary_factor` or
@@ -154,18 +154,32 @@ impl RopeConfig {
                  the key out for the model's default)",
             ));
         }
-        let (base, base_key) = match (model_type, top.f64("rotary_emb_base")?) {
-            // GPT-NeoX's own key wins there.
-            (Some("gpt_neox"), Some(b)) => (b, "rotary_emb_base".to_string()),
-            (_, neox_base) => match params.f64("rope_theta")? {
-                Some(b) => (b, params.name("rope_theta")),
-                None => match (top.f64("rope_theta")?, neox_base) {
-                    (Some(b), _) => (b, "rope_theta".to_string()),
-                    (None, Some(b)) => (b, "rotary_emb_base".to_string()),
-                    (None, None) => (defaults.rope_theta, "rope_theta".to_string()),
+        let (base, base_key) =
+            match (model_type, top.f64("rotary_emb_base")?) {
+                // GPTNeoXConfig.convert_rope_params_to_dict only fills a θ the parameters lack,
+                // from `rotary_emb_base` or its default (a null one reaches the rotary code and
+                // fails there), and never reads a top-level `rope_theta`.
+                (Some("gpt_neox"), neox_base) => match params.f64("rope_theta")? {
+                    Some(b) => (b, params.name("rope_theta")),
+                    None if null(&top, "rotary_emb_base") => return Err(problem(
+                        "rotary_emb_base",
+                        "is null, expected a positive θ (HF's rotary code fails on a null one; \
+                         leave the key out for the default 10000)",
+                    )),
+                    None => (
+                        neox_base.unwrap_or(defaults.rope_theta),
+                        "rotary_emb_base".to_string(),
+                    ),
                 },
-            },
-        };
+                (_, neox_base) => match params.f64("rope_theta")? {
+                    Some(b) => (b, params.name("rope_theta")),
+                    None => match (top.f64("rope_theta")?, neox_base) {
+                        (Some(b), _) => (b, "rope_theta".to_string()),
+                        (None, Some(b)) => (b, "rotary_emb_base".to_string()),
+                        (None, None) => (defaults.rope_theta, "rope_theta".to_string()),
+                    },
+                },
+            };
 
         let mut config = RopeConfig::new(head_dim).with_base(base);
         let mut rotary_key = head_key.clone();
