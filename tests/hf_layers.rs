@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 78] = [
+const FAMILIES: [&str; 79] = [
     "llama",
     "mistral",
     "qwen2",
@@ -94,6 +94,7 @@ const FAMILIES: [&str; 78] = [
     "neox_theta.params",
     "neox_theta.base",
     "neox_theta.top",
+    "gptj_theta",
     "min.modernbert.0",
     "min.modernbert.1",
     "min.deepseek_v3",
@@ -1598,6 +1599,17 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
         ),
     ] {
         assert_eq!(neox(extra)?.base, base, "{extra}");
+    }
+    // GPT-J: θ 10000 and no scaling, whatever the file says.
+    for extra in [
+        r#""rope_theta": 100.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}"#,
+        r#""rope_theta": null, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5.0}"#,
+    ] {
+        let gptj = RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "gptj", "n_embd": 32, "n_head": 4, "rotary_dim": 4, {extra}}}"#
+        ))?;
+        assert_eq!(gptj.base, 10000.0, "{extra}");
+        assert_eq!(gptj.scaling, candle_posenc::RopeScaling::None, "{extra}");
     }
     let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
     assert!(

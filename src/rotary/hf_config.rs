@@ -4,7 +4,8 @@
 //! - `rope_parameters` (transformers ≥ 5) or `rope_scaling` (older files), with the type under
 //!   `rope_type` or `type` (`su` is LongRoPE's old name); absent or `null` means plain RoPE;
 //! - `rope_theta` inside the parameters or at the top level, default 10000 (GPT-NeoX: the
-//!   parameters' θ, else `rotary_emb_base`, else 10000; a top-level `rope_theta` is not read);
+//!   parameters' θ, else `rotary_emb_base`, else 10000; a top-level `rope_theta` is not read;
+//!   GPT-J: always 10000, and neither `rope_parameters` nor `rope_scaling` is read);
 //! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
 //! - partial rotary as the model's HF code reads it (the table at `PartialRotary`): Phi-3 from
 //!   `partial_rotary_factor`, GPT-NeoX from `rope_parameters.partial_rotary_factor` or
@@ -38,7 +39,7 @@ use super::mrope::{AxialRope, MropeSection};
 use super::rope::{RopeConfig, RopeLayout};
 use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
-use crate::hf::defaults::{class_defaults, gpt_oss_rope, GPTJ_ROTARY_DIM};
+use crate::hf::defaults::{class_defaults, gpt_oss_rope, GPTJ_ROPE_THETA, GPTJ_ROTARY_DIM};
 use crate::hf::json::{first, parse_root, problem, Obj};
 
 impl RopeConfig {
@@ -77,7 +78,11 @@ impl RopeConfig {
         let scaling = top
             .get("rope_scaling")
             .filter(|v| !(v.is_null() || v.as_object().is_some_and(|m| m.is_empty())));
+        // GPT-J's attention builds its table with θ 10000 and no scaling
+        // (`create_sinusoidal_positions` in modeling_gptj.py) whatever the file says.
+        let gptj = top.str("model_type")? == Some("gptj");
         let (params_key, params_value) = match (scaling, top.get("rope_parameters")) {
+            _ if gptj => ("rope_parameters", None),
             (Some(v), _) => ("rope_scaling", Some(v)),
             (None, Some(v)) => ("rope_parameters", Some(v)),
             (None, None) => ("rope_parameters", None),
@@ -142,7 +147,9 @@ impl RopeConfig {
         let null_theta = match (null(&params, "rope_theta"), params.get("rope_theta")) {
             (true, _) => Some(params.name("rope_theta")),
             (false, Some(_)) => None,
-            (false, None) if null(&top, "rope_theta") && model_type != Some("gpt_neox") => {
+            (false, None)
+                if null(&top, "rope_theta") && !matches!(model_type, Some("gpt_neox" | "gptj")) =>
+            {
                 Some("rope_theta".to_string())
             }
             (false, None) => None,
@@ -156,6 +163,7 @@ impl RopeConfig {
         }
         let (base, base_key) =
             match (model_type, top.f64("rotary_emb_base")?) {
+                (Some("gptj"), _) => (GPTJ_ROPE_THETA, "model_type".to_string()),
                 // GPTNeoXConfig.convert_rope_params_to_dict only fills a θ the parameters lack,
                 // from `rotary_emb_base` or its default (a null one reaches the rotary code and
                 // fails there), and never reads a top-level `rope_theta`.
