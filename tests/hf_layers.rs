@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 79] = [
+const FAMILIES: [&str; 81] = [
     "llama",
     "mistral",
     "qwen2",
@@ -95,6 +95,8 @@ const FAMILIES: [&str; 79] = [
     "neox_theta.base",
     "neox_theta.top",
     "gptj_theta",
+    "llama4_yarn",
+    "llama4_longrope",
     "min.modernbert.0",
     "min.modernbert.1",
     "min.deepseek_v3",
@@ -1610,6 +1612,23 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
         ))?;
         assert_eq!(gptj.base, 10000.0, "{extra}");
         assert_eq!(gptj.scaling, candle_posenc::RopeScaling::None, "{extra}");
+    }
+    // Llama 4 with q/k norms: the rotation's attention factor s is taken out and the norm's
+    // ε divided by s² (the norm after a scaled rotation, as HF applies it).
+    let llama4 = HfAttentionConfig::from_json(
+        r#"{"model_type": "llama4_text", "hidden_size": 16, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 1, "rms_norm_eps": 0.1,
+        "max_position_embeddings": 64, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 16, "attention_factor": 2.0}}"#,
+    )?;
+    let eps = llama4.attention.qk_norm.map(|n| n.eps);
+    assert!((eps.unwrap_or(0.0) - 0.025).abs() < 1e-15, "{eps:?}");
+    match &llama4.encoding {
+        EncodingConfig::Rotary(r) => assert!(matches!(
+            &r.scaling,
+            candle_posenc::RopeScaling::Yarn(y) if y.attention_factor == Some(1.0)
+        )),
+        other => panic!("{other:?}"),
     }
     let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
     assert!(

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::plug::PositionalEncoding;
 use crate::relative::alibi::{AlibiConfig, AlibiSlopes};
 use crate::relative::t5::T5Config;
+use crate::rotary::scaling::RopeScaling;
 use crate::rotary::RopeConfig;
 
 /// The model families whose attention layers load from HF names, chosen by `model_type`.
@@ -104,8 +105,9 @@ impl HfFamily {
 /// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
 ///   (1), and Gemma 2 and 3 (`query_pre_attn_scalar^-1/2`);
 /// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`), OLMo 2
-///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only), ε
-///   from `rms_norm_eps`;
+///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only,
+///   after the rotation, so a RoPE attention factor s cancels: the block's norm takes ε/s² and
+///   its rotation factor 1), ε from `rms_norm_eps`;
 /// - Gemma 4 (`gemma4_text`, as its class fills a file: see `hf::gemma4`): full layers
 ///   `global_head_dim` wide (512) with `num_global_key_value_heads` under `attention_k_eq_v`,
 ///   or a file's `per_layer_config`; the last layer full; the class's per-type RoPE (θ 10000
@@ -545,6 +547,35 @@ impl HfAttentionConfig {
                         ),
                     ));
                 }
+                let mut rope = rope;
+                // Llama 4 scales its rotation by the RoPE type's attention factor s and then
+                // L2-normalises q and k (modeling_llama4.py), which takes s back out:
+                // norm(s·R q) = R q / sqrt(mean(q²) + ε/s²), a rotation is norm-preserving.
+                // The block normalises before rotating, so the same is a norm with ε/s² and a
+                // rotation with factor 1.
+                if model_type == "llama4_text" {
+                    if let Some(norm) = attention.qk_norm.as_mut() {
+                        let s = rope
+                            .scaling
+                            .frequencies(rope.rotary_dim, rope.base, 0)?
+                            .attention_factor;
+                        if s != 1.0 {
+                            norm.eps /= s * s;
+                            match &mut rope.scaling {
+                                RopeScaling::Yarn(y) => y.attention_factor = Some(1.0),
+                                RopeScaling::LongRope(l) => l.attention_factor = Some(1.0),
+                                other => {
+                                    return Err(problem(
+                                        "rope_parameters",
+                                        format!(
+                                            "gives the attention factor {s} with {other:?}, which this loader cannot cancel against Llama 4's q/k norm"
+                                        ),
+                                    ))
+                                }
+                            }
+                        }
+                    }
+                }
                 EncodingConfig::Rotary(rope)
             }
         };
@@ -757,7 +788,7 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
     rope.head_dim = head_dim;
     // YaRN's mscale_all_dim sharpens the softmax.
     let mut scale = 1.0 / (head_dim as f64).sqrt();
-    if let crate::rotary::RopeScaling::Yarn(y) = &rope.scaling {
+    if let RopeScaling::Yarn(y) = &rope.scaling {
         if let Some(all) = y.mscale_all_dim {
             if y.factor > 1.0 {
                 let m = 0.1 * all * y.factor.ln() + 1.0;
