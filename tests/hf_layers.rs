@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 81] = [
+const FAMILIES: [&str; 85] = [
     "llama",
     "mistral",
     "qwen2",
@@ -97,6 +97,10 @@ const FAMILIES: [&str; 81] = [
     "gptj_theta",
     "llama4_yarn",
     "llama4_longrope",
+    "gemma3_types.0",
+    "gemma3_types.1",
+    "modernbert_types.0",
+    "modernbert_types.1",
     "min.modernbert.0",
     "min.modernbert.1",
     "min.deepseek_v3",
@@ -1629,6 +1633,83 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             candle_posenc::RopeScaling::Yarn(y) if y.attention_factor == Some(1.0)
         )),
         other => panic!("{other:?}"),
+    }
+    // Gemma 3 and ModernBERT fill each layer type's entry: θ per type, a missing entry is the
+    // default RoPE, flat keys beside the entries are not read, rope_scaling is merged.
+    let typed = |model_type: &str, layer: usize, extra: &str| -> anyhow::Result<RopeConfig> {
+        let c = HfAttentionConfig::from_json_layer(
+            &format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
+                "sliding_window": 3, "sliding_window_pattern": 2,
+                "global_attn_every_n_layers": 2{extra}}}"#
+            ),
+            layer,
+        )?;
+        match c.encoding {
+            EncodingConfig::Rotary(r) => Ok(r),
+            other => panic!("{other:?}"),
+        }
+    };
+    // (Gemma 3: layer 0 slides, layer 1 is full; ModernBERT: layer 0 global, layer 1 local.)
+    let gemma3 = r#", "rope_theta": 100.0, "rope_local_base_freq": 70.0,
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 9.0,
+            "full_attention": {"rope_type": "default"}}"#;
+    assert_eq!(typed("gemma3_text", 0, gemma3)?.base, 70.0);
+    let full = typed("gemma3_text", 1, gemma3)?;
+    assert_eq!(
+        (full.base, &full.scaling),
+        (100.0, &candle_posenc::RopeScaling::None)
+    );
+    let scaled = r#", "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 3.0},
+            "sliding_attention": {"rope_type": "default"}}"#;
+    let full = typed("gemma3_text", 1, scaled)?;
+    assert_eq!(full.base, 3.0);
+    assert_eq!(
+        full.scaling,
+        candle_posenc::RopeScaling::Linear { factor: 4.0 }
+    );
+    let slide = typed("gemma3_text", 0, scaled)?;
+    assert_eq!(
+        (slide.base, &slide.scaling),
+        (10000.0, &candle_posenc::RopeScaling::None)
+    );
+    let local = typed("modernbert", 1, scaled)?;
+    assert_eq!(local.base, 10000.0);
+    assert_eq!(
+        local.scaling,
+        candle_posenc::RopeScaling::Linear { factor: 4.0 }
+    );
+    assert_eq!(
+        typed(
+            "modernbert",
+            0,
+            r#", "rope_theta": 5.0, "global_rope_theta": 40.0"#
+        )?
+        .base,
+        40.0
+    );
+    for (model_type, extra, key) in [
+        (
+            "modernbert",
+            r#", "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "rope_parameters": {"full_attention": {"rope_type": "default"}}"#,
+            "rope_parameters",
+        ),
+        (
+            "gemma3_text",
+            r#", "rope_local_base_freq": null"#,
+            "rope_local_base_freq",
+        ),
+        (
+            "modernbert",
+            r#", "global_rope_theta": null"#,
+            "global_rope_theta",
+        ),
+    ] {
+        let err = typed(model_type, 0, extra).unwrap_err().to_string();
+        assert!(err.contains(key), "{model_type} {extra}: {err}");
     }
     let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
     assert!(

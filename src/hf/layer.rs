@@ -1180,10 +1180,16 @@ fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
     Ok(None)
 }
 
-/// The rotary configuration of a layer of `kind`: `rope_parameters` nested by layer type
-/// (Gemma 3, ModernBERT), or the flat keys older files have: Gemma 3's `rope_local_base_freq`
-/// on sliding layers (10000 by default) and a global θ of 1e6 by default; ModernBERT's
-/// `global_rope_theta` (160000) and `local_rope_theta` (10000).
+/// The rotary configuration of a layer of `kind`.
+///
+/// Gemma 3 and ModernBERT keep one entry per layer type (`rope_parameters.full_attention`,
+/// `.sliding_attention`), which their classes fill as `convert_rope_params_to_dict` does: a
+/// missing or null entry is the default RoPE, flat keys beside the entries are not read, an
+/// older `rope_scaling` is merged into the full entry (Gemma 3) or both (ModernBERT), and an
+/// entry without `rope_theta` takes the type's θ: Gemma 3's `rope_theta` (1e6) on full
+/// layers and `rope_local_base_freq` (10000) on sliding ones, ModernBERT's
+/// `global_rope_theta` (160000) and `local_rope_theta` (10000). Other models' nested entries
+/// take the top-level θ or the class's (the shared `convert_rope_params_to_dict`).
 ///
 /// `head_dim` (when not 0) replaces the file's `head_dim` for this layer (Gemma 4's full layers
 /// are wider).
@@ -1199,47 +1205,84 @@ fn rope_of_layer(
         LayerKind::Sliding(_) => "sliding_attention",
         LayerKind::Chunked(_) => "chunked_attention",
     };
-    let nested = top
-        .get("rope_parameters")
-        .and_then(Value::as_object)
-        .and_then(|p| p.get(type_name))
-        .cloned();
     let mut map = top.map.clone();
     if head_dim > 0 {
         map.insert("head_dim".into(), Value::from(head_dim));
     }
-    // Gemma 4's class fills its own per-type parameters and never reads the flat keys.
-    let nested = match model_type {
+    let entry = match model_type {
+        // Gemma 4's class fills its own per-type parameters and never reads the flat keys.
         "gemma4_text" => Some(gemma4::rope_entry(top, kind)?),
-        _ => nested,
+        "gemma3_text" | "modernbert" => Some(per_type_entry(top, model_type, kind, type_name)?),
+        _ => top
+            .get("rope_parameters")
+            .and_then(Value::as_object)
+            .and_then(|p| p.get(type_name))
+            .cloned(),
     };
-    match nested {
+    match entry {
         Some(entry) => {
             map.insert("rope_parameters".into(), entry);
             map.remove("rope_scaling");
         }
-        None if model_type == "modernbert" => {
-            let (key, default) = match kind {
-                LayerKind::Sliding(_) => ("local_rope_theta", LOCAL_ROPE_THETA),
-                _ => ("global_rope_theta", defaults_of(top)?.rope_theta),
-            };
-            let theta = top.f64(key)?.unwrap_or(default);
-            map.insert("rope_theta".into(), Value::from(theta));
-            map.remove("rope_parameters");
-        }
-        None if model_type != "gemma3_text" && head_dim == 0 => {
-            return RopeConfig::from_hf_json(text)
-        }
-        // (Gemma 3's full layers: the class's θ, from the table.)
-        None if model_type != "gemma3_text" || kind == LayerKind::Full => {}
-        None => {
-            let local = top.f64("rope_local_base_freq")?.unwrap_or(LOCAL_ROPE_THETA);
-            map.insert("rope_theta".into(), Value::from(local));
-            map.remove("rope_scaling");
-            map.remove("rope_parameters");
-        }
+        None if head_dim == 0 => return RopeConfig::from_hf_json(text),
+        None => {}
     }
     RopeConfig::from_hf_json(&Value::Object(map).to_string())
+}
+
+/// Gemma 3's or ModernBERT's parameters for the layer type `type_name`, as their classes'
+/// `convert_rope_params_to_dict` fill them (see [`rope_of_layer`]).
+///
+/// # Errors
+/// [`Error::HfConfig`] naming `rope_parameters` when a `rope_scaling` is to be merged into an
+/// entry the file lacks (HF's class fails on it), and naming a θ key that is null.
+fn per_type_entry(top: &Obj, model_type: &str, kind: LayerKind, type_name: &str) -> Result<Value> {
+    let sliding = matches!(kind, LayerKind::Sliding(_));
+    let params = top.get("rope_parameters");
+    let scaling = top.get("rope_scaling");
+    // The entries the class merges an old rope_scaling into.
+    let merged: &[&str] = match model_type {
+        "gemma3_text" => &["full_attention"],
+        _ => &["full_attention", "sliding_attention"],
+    };
+    if let (Some(scaling), Some(params)) = (scaling, params) {
+        for name in merged {
+            if !params.get(name).is_some_and(Value::is_object) {
+                return Err(problem(
+                    "rope_parameters",
+                    format!(
+                        "has no `{name}` entry to merge rope_scaling ({scaling}) into (HF's config class fails on the file); give the entry or leave rope_scaling out"
+                    ),
+                ));
+            }
+        }
+    }
+    let mut entry = match params.and_then(|p| p.get(type_name)) {
+        Some(Value::Object(m)) => m.clone(),
+        _ => serde_json::Map::from_iter([("rope_type".to_string(), Value::from("default"))]),
+    };
+    if let Some(Value::Object(extra)) = scaling.filter(|_| merged.contains(&type_name)) {
+        for (k, v) in extra {
+            entry.insert(k.clone(), v.clone());
+        }
+    }
+    if !entry.contains_key("rope_theta") {
+        let (key, default) = match (model_type, sliding) {
+            ("gemma3_text", false) => ("rope_theta", defaults_of(top)?.rope_theta),
+            ("gemma3_text", true) => ("rope_local_base_freq", LOCAL_ROPE_THETA),
+            (_, false) => ("global_rope_theta", defaults_of(top)?.rope_theta),
+            (_, true) => ("local_rope_theta", LOCAL_ROPE_THETA),
+        };
+        if top.map.get(key).is_some_and(Value::is_null) {
+            return Err(problem(
+                key,
+                "is null, expected a positive θ (HF's rotary code fails on a null one; leave the key out for the class default)",
+            ));
+        }
+        let theta = top.f64(key)?.unwrap_or(default);
+        entry.insert("rope_theta".into(), Value::from(theta));
+    }
+    Ok(Value::Object(entry))
 }
 
 /// An out-of-range value reported under the `config.json` key it came from.
