@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 85] = [
+const FAMILIES: [&str; 86] = [
     "llama",
     "mistral",
     "qwen2",
@@ -101,6 +101,7 @@ const FAMILIES: [&str; 85] = [
     "gemma3_types.1",
     "modernbert_types.0",
     "modernbert_types.1",
+    "smollm3_window.0",
     "min.modernbert.0",
     "min.modernbert.1",
     "min.deepseek_v3",
@@ -1710,6 +1711,79 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
     ] {
         let err = typed(model_type, 0, extra).unwrap_err().to_string();
         assert!(err.contains(key), "{model_type} {extra}: {err}");
+    }
+    // Sliding layers: SmolLM3 masks a listed one with sliding_window whatever
+    // use_sliding_window says (its default pattern needs the switch); Qwen2/3 null the window
+    // without the switch, and a listed sliding layer without a window is refused, as HF's mask
+    // fails on it.
+    let windowed = |model_type: &str, extra: &str| {
+        HfAttentionConfig::from_json_layer(
+            &format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2{extra}}}"#
+            ),
+            0,
+        )
+        .map(|c| c.attention.sliding_window)
+    };
+    let listed = r#", "layer_types": ["sliding_attention", "full_attention"]"#;
+    for (model_type, extra, want) in [
+        (
+            "smollm3",
+            r#", "use_sliding_window": false, "sliding_window": 3"#,
+            Some(3),
+        ),
+        ("smollm3", r#", "sliding_window": 3"#, Some(3)),
+        (
+            "qwen2",
+            r#", "use_sliding_window": true, "sliding_window": 3"#,
+            Some(3),
+        ),
+        (
+            "qwen3",
+            r#", "use_sliding_window": true, "sliding_window": 3"#,
+            Some(3),
+        ),
+    ] {
+        assert_eq!(
+            windowed(model_type, &format!("{extra}{listed}"))?,
+            want,
+            "{model_type} {extra}"
+        );
+    }
+    // SmolLM3's default pattern (layer 3 of 4 is NoPE) slides only under the switch.
+    for (switch, want) in [("false", None), ("true", Some(3))] {
+        let text = format!(
+            r#"{{"model_type": "smollm3", "hidden_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_hidden_layers": 4, "sliding_window": 3,
+            "use_sliding_window": {switch}}}"#
+        );
+        let got = HfAttentionConfig::from_json_layer(&text, 3)?
+            .attention
+            .sliding_window;
+        assert_eq!(got, want, "{switch}");
+    }
+    for (model_type, extra) in [
+        ("smollm3", r#", "use_sliding_window": false"#),
+        (
+            "smollm3",
+            r#", "use_sliding_window": true, "sliding_window": null"#,
+        ),
+        (
+            "qwen2",
+            r#", "use_sliding_window": false, "sliding_window": 3"#,
+        ),
+        ("qwen3", r#", "sliding_window": 3"#),
+        ("gemma2", r#", "sliding_window": null"#),
+        ("gemma3_text", r#", "sliding_window": null"#),
+        ("gpt_oss", r#", "sliding_window": null"#),
+        ("cohere2", r#", "sliding_window": null"#),
+    ] {
+        let err = windowed(model_type, &format!("{extra}{listed}")).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
+            "{model_type} {extra}: {err}"
+        );
     }
     let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
     assert!(

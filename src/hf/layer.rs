@@ -945,7 +945,10 @@ fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
         Some(_) => top.usize("sliding_window")?,
     };
     Ok(match model_type {
-        "qwen2" | "qwen3" | "smollm3" if top.bool("use_sliding_window")? != Some(true) => None,
+        // Qwen2's and Qwen3's classes null the window unless use_sliding_window; SmolLM3's
+        // keeps it, and its model masks the listed sliding layers with it whatever the switch
+        // says (modeling_smollm3.py), the switch only shaping its default layer types.
+        "qwen2" | "qwen3" if top.bool("use_sliding_window")? != Some(true) => None,
         "mistral" | "phi3" => window,
         m if LAYERED.contains(&m) => window,
         _ => None,
@@ -958,11 +961,9 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
     if model_type == "llama4_text" {
         return llama4_layer_kind(top, layer);
     }
-    let Some(w) = window_size(top, model_type)? else {
-        return Ok(LayerKind::Full);
-    };
+    let window = window_size(top, model_type)?;
     if !LAYERED.contains(&model_type) {
-        return Ok(LayerKind::Sliding(w));
+        return Ok(window.map_or(LayerKind::Full, LayerKind::Sliding));
     }
     if let Some(entry) = layer_entry(top, "layer_types", layer, "a list of layer types")? {
         // Gemma 4's class makes the last listed layer a full one, whatever its entry says.
@@ -975,7 +976,19 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
         }
         return match entry.as_str() {
             Some("full_attention") => Ok(LayerKind::Full),
-            Some("sliding_attention") => Ok(LayerKind::Sliding(w)),
+            // HF's sliding-window mask fails without a window.
+            Some("sliding_attention") => window.map(LayerKind::Sliding).ok_or_else(|| {
+                problem(
+                    "layer_types",
+                    format!(
+                        "gives layer {layer} sliding attention, but the model has no window (sliding_window is null or absent{}; HF's sliding-window mask fails without one)",
+                        match model_type {
+                            "qwen2" | "qwen3" => ", or use_sliding_window is not true",
+                            _ => "",
+                        }
+                    ),
+                )
+            }),
             _ => Err(problem(
                 "layer_types",
                 format!(
@@ -984,12 +997,18 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
             )),
         };
     }
+    let Some(w) = window else {
+        return Ok(LayerKind::Full);
+    };
     let sliding = match model_type {
         "qwen2" | "qwen3" => {
             let first = defaults_of(top)?.max_window_layers;
             layer >= top.usize("max_window_layers")?.unwrap_or(first)
         }
-        "smollm3" => !uses_rope(top, model_type, layer)?,
+        // SmolLM3's class makes its NoPE layers sliding only under use_sliding_window.
+        "smollm3" => {
+            top.bool("use_sliding_window")? == Some(true) && !uses_rope(top, model_type, layer)?
+        }
         "modernbert" => {
             let every = top.usize("global_attn_every_n_layers")?.unwrap_or(3).max(1);
             !layer.is_multiple_of(every)
