@@ -1785,6 +1785,17 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             "{model_type} {extra}: {err}"
         );
     }
+    // The same from the default pattern: these classes' layer 0 slides whatever the window.
+    for model_type in ["gemma2", "gemma3_text", "gpt_oss", "cohere2"] {
+        let err = windowed(model_type, r#", "sliding_window": null"#).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "sliding_window"),
+            "{model_type}: {err}"
+        );
+    }
+    // (Qwen2's default pattern needs a window: every layer is full without one.)
+    let qwen2 = r#", "use_sliding_window": true, "sliding_window": null, "max_window_layers": 0"#;
+    assert_eq!(windowed("qwen2", qwen2)?, None);
     let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
     assert!(
         matches!(&err, Error::HfConfig { key, .. } if key == "rotary_emb_base"),

@@ -997,9 +997,6 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
             )),
         };
     }
-    let Some(w) = window else {
-        return Ok(LayerKind::Full);
-    };
     let sliding = match model_type {
         "qwen2" | "qwen3" => {
             let first = defaults_of(top)?.max_window_layers;
@@ -1036,11 +1033,21 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
         }
         _ => !every_nth(layer, 2), // Gemma 2, gpt-oss
     };
-    Ok(if sliding {
-        LayerKind::Sliding(w)
-    } else {
-        LayerKind::Full
-    })
+    match (sliding, window) {
+        (false, _) => Ok(LayerKind::Full),
+        (true, Some(w)) => Ok(LayerKind::Sliding(w)),
+        // These classes' default layer types slide whatever the window is, and HF's
+        // sliding-window mask fails without one.
+        (true, None) if matches!(model_type, "gemma2" | "gemma3_text" | "gpt_oss" | "cohere2") => {
+            Err(problem(
+                "sliding_window",
+                format!(
+                    "is null, but layer {layer} is a sliding-window layer of {model_type}'s default pattern (HF's sliding-window mask fails without a window); give a window or layer_types"
+                ),
+            ))
+        }
+        (true, None) => Ok(LayerKind::Full),
+    }
 }
 
 /// A Llama 4 layer: chunked attention (`attention_chunk_size`, 8192 by default) on its RoPE
