@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 74] = [
+const FAMILIES: [&str; 86] = [
     "llama",
     "mistral",
     "qwen2",
@@ -72,6 +72,7 @@ const FAMILIES: [&str; 74] = [
     "gemma4.1",
     "gemma4.1.padded",
     "pixtral",
+    "pixtral_default",
     "falcon_alibi",
     "falcon_alibi12",
     // Minimal config.json files (sizes, heads, model_type): the rest from HF's class defaults.
@@ -90,6 +91,17 @@ const FAMILIES: [&str; 74] = [
     "min.phi3",
     "min.falcon",
     "min.gpt_neox",
+    "neox_theta.params",
+    "neox_theta.base",
+    "neox_theta.top",
+    "gptj_theta",
+    "llama4_yarn",
+    "llama4_longrope",
+    "gemma3_types.0",
+    "gemma3_types.1",
+    "modernbert_types.0",
+    "modernbert_types.1",
+    "smollm3_window.0",
     "min.modernbert.0",
     "min.modernbert.1",
     "min.deepseek_v3",
@@ -1246,7 +1258,6 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "gemma4_text",
         "falcon",
         "modernbert",
-        "pixtral",
         "qwen2_vl_text",
         "qwen2_5_vl_text",
         "qwen3_vl_text",
@@ -1542,7 +1553,259 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// RoPE settings as each HF config class fills them in when the file leaves them out or
+/// gives them elsewhere.
+fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::rotary::mrope::AxialRope;
+    // Pixtral: a missing or "default" type is axial; any other type is refused.
+    let pixtral = |rope: &str| {
+        RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "pixtral", "hidden_size": 32, "num_attention_heads": 4{rope}}}"#
+        ))
+    };
+    for rope in [
+        "",
+        r#", "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}"#,
+        r#", "rope_scaling": {"type": "default"}"#,
+    ] {
+        assert_eq!(pixtral(rope)?.axial, Some(AxialRope::EvenOdd), "{rope}");
+    }
+    for (rope, key) in [
+        (
+            r#", "rope_parameters": {"rope_type": "linear", "factor": 2.0}"#,
+            "rope_parameters.rope_type",
+        ),
+        (
+            r#", "rope_scaling": {"type": "mrope"}"#,
+            "rope_scaling.type",
+        ),
+    ] {
+        let err = pixtral(rope).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{rope}: {err}"
+        );
+    }
+    // GPT-NeoX: the parameters' θ, else rotary_emb_base, else 10000; never a top-level
+    // rope_theta; a null rotary_emb_base (with no θ in the parameters) is refused.
+    let neox = |extra: &str| {
+        RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "gpt_neox", "hidden_size": 32, "num_attention_heads": 4{extra}}}"#
+        ))
+    };
+    for (extra, base) in [
+        (
+            r#", "rotary_emb_base": 300.0, "rope_parameters": {"rope_theta": 50.0}"#,
+            50.0,
+        ),
+        (r#", "rotary_emb_base": 300.0, "rope_theta": 100.0"#, 300.0),
+        (r#", "rope_theta": 100.0"#, 10000.0),
+        (
+            r#", "rotary_emb_base": null, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 70.0}"#,
+            70.0,
+        ),
+    ] {
+        assert_eq!(neox(extra)?.base, base, "{extra}");
+    }
+    // GPT-J: θ 10000 and no scaling, whatever the file says.
+    for extra in [
+        r#""rope_theta": 100.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}"#,
+        r#""rope_theta": null, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5.0}"#,
+    ] {
+        let gptj = RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "gptj", "n_embd": 32, "n_head": 4, "rotary_dim": 4, {extra}}}"#
+        ))?;
+        assert_eq!(gptj.base, 10000.0, "{extra}");
+        assert_eq!(gptj.scaling, candle_posenc::RopeScaling::None, "{extra}");
+    }
+    // Llama 4 with q/k norms: the rotation's attention factor s is taken out and the norm's
+    // ε divided by s² (the norm after a scaled rotation, as HF applies it).
+    let llama4 = HfAttentionConfig::from_json(
+        r#"{"model_type": "llama4_text", "hidden_size": 16, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 1, "rms_norm_eps": 0.1,
+        "max_position_embeddings": 64, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 16, "attention_factor": 2.0}}"#,
+    )?;
+    let eps = llama4.attention.qk_norm.map(|n| n.eps);
+    assert!((eps.unwrap_or(0.0) - 0.025).abs() < 1e-15, "{eps:?}");
+    match &llama4.encoding {
+        EncodingConfig::Rotary(r) => assert!(matches!(
+            &r.scaling,
+            candle_posenc::RopeScaling::Yarn(y) if y.attention_factor == Some(1.0)
+        )),
+        other => panic!("{other:?}"),
+    }
+    // Gemma 3 and ModernBERT fill each layer type's entry: θ per type, a missing entry is the
+    // default RoPE, flat keys beside the entries are not read, rope_scaling is merged.
+    let typed = |model_type: &str, layer: usize, extra: &str| -> anyhow::Result<RopeConfig> {
+        let c = HfAttentionConfig::from_json_layer(
+            &format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
+                "sliding_window": 3, "sliding_window_pattern": 2,
+                "global_attn_every_n_layers": 2{extra}}}"#
+            ),
+            layer,
+        )?;
+        match c.encoding {
+            EncodingConfig::Rotary(r) => Ok(r),
+            other => panic!("{other:?}"),
+        }
+    };
+    // (Gemma 3: layer 0 slides, layer 1 is full; ModernBERT: layer 0 global, layer 1 local.)
+    let gemma3 = r#", "rope_theta": 100.0, "rope_local_base_freq": 70.0,
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 9.0,
+            "full_attention": {"rope_type": "default"}}"#;
+    assert_eq!(typed("gemma3_text", 0, gemma3)?.base, 70.0);
+    let full = typed("gemma3_text", 1, gemma3)?;
+    assert_eq!(
+        (full.base, &full.scaling),
+        (100.0, &candle_posenc::RopeScaling::None)
+    );
+    let scaled = r#", "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 3.0},
+            "sliding_attention": {"rope_type": "default"}}"#;
+    let full = typed("gemma3_text", 1, scaled)?;
+    assert_eq!(full.base, 3.0);
+    assert_eq!(
+        full.scaling,
+        candle_posenc::RopeScaling::Linear { factor: 4.0 }
+    );
+    let slide = typed("gemma3_text", 0, scaled)?;
+    assert_eq!(
+        (slide.base, &slide.scaling),
+        (10000.0, &candle_posenc::RopeScaling::None)
+    );
+    let local = typed("modernbert", 1, scaled)?;
+    assert_eq!(local.base, 10000.0);
+    assert_eq!(
+        local.scaling,
+        candle_posenc::RopeScaling::Linear { factor: 4.0 }
+    );
+    assert_eq!(
+        typed(
+            "modernbert",
+            0,
+            r#", "rope_theta": 5.0, "global_rope_theta": 40.0"#
+        )?
+        .base,
+        40.0
+    );
+    for (model_type, extra, key) in [
+        (
+            "modernbert",
+            r#", "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "rope_parameters": {"full_attention": {"rope_type": "default"}}"#,
+            "rope_parameters",
+        ),
+        (
+            "gemma3_text",
+            r#", "rope_local_base_freq": null"#,
+            "rope_local_base_freq",
+        ),
+        (
+            "modernbert",
+            r#", "global_rope_theta": null"#,
+            "global_rope_theta",
+        ),
+    ] {
+        let err = typed(model_type, 0, extra).unwrap_err().to_string();
+        assert!(err.contains(key), "{model_type} {extra}: {err}");
+    }
+    // Sliding layers: SmolLM3 masks a listed one with sliding_window whatever
+    // use_sliding_window says (its default pattern needs the switch); Qwen2/3 null the window
+    // without the switch, and a listed sliding layer without a window is refused, as HF's mask
+    // fails on it.
+    let windowed = |model_type: &str, extra: &str| {
+        HfAttentionConfig::from_json_layer(
+            &format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2{extra}}}"#
+            ),
+            0,
+        )
+        .map(|c| c.attention.sliding_window)
+    };
+    let listed = r#", "layer_types": ["sliding_attention", "full_attention"]"#;
+    for (model_type, extra, want) in [
+        (
+            "smollm3",
+            r#", "use_sliding_window": false, "sliding_window": 3"#,
+            Some(3),
+        ),
+        ("smollm3", r#", "sliding_window": 3"#, Some(3)),
+        (
+            "qwen2",
+            r#", "use_sliding_window": true, "sliding_window": 3"#,
+            Some(3),
+        ),
+        (
+            "qwen3",
+            r#", "use_sliding_window": true, "sliding_window": 3"#,
+            Some(3),
+        ),
+    ] {
+        assert_eq!(
+            windowed(model_type, &format!("{extra}{listed}"))?,
+            want,
+            "{model_type} {extra}"
+        );
+    }
+    // SmolLM3's default pattern (layer 3 of 4 is NoPE) slides only under the switch.
+    for (switch, want) in [("false", None), ("true", Some(3))] {
+        let text = format!(
+            r#"{{"model_type": "smollm3", "hidden_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_hidden_layers": 4, "sliding_window": 3,
+            "use_sliding_window": {switch}}}"#
+        );
+        let got = HfAttentionConfig::from_json_layer(&text, 3)?
+            .attention
+            .sliding_window;
+        assert_eq!(got, want, "{switch}");
+    }
+    for (model_type, extra) in [
+        ("smollm3", r#", "use_sliding_window": false"#),
+        (
+            "smollm3",
+            r#", "use_sliding_window": true, "sliding_window": null"#,
+        ),
+        (
+            "qwen2",
+            r#", "use_sliding_window": false, "sliding_window": 3"#,
+        ),
+        ("qwen3", r#", "sliding_window": 3"#),
+        ("gemma2", r#", "sliding_window": null"#),
+        ("gemma3_text", r#", "sliding_window": null"#),
+        ("gpt_oss", r#", "sliding_window": null"#),
+        ("cohere2", r#", "sliding_window": null"#),
+    ] {
+        let err = windowed(model_type, &format!("{extra}{listed}")).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
+            "{model_type} {extra}: {err}"
+        );
+    }
+    // The same from the default pattern: these classes' layer 0 slides whatever the window.
+    for model_type in ["gemma2", "gemma3_text", "gpt_oss", "cohere2"] {
+        let err = windowed(model_type, r#", "sliding_window": null"#).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "sliding_window"),
+            "{model_type}: {err}"
+        );
+    }
+    // (Qwen2's default pattern needs a window: every layer is full without one.)
+    let qwen2 = r#", "use_sliding_window": true, "sliding_window": null, "max_window_layers": 0"#;
+    assert_eq!(windowed("qwen2", qwen2)?, None);
+    let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "rotary_emb_base"),
+        "{err}"
+    );
+    Ok(())
+}
+
 device_tests!(
+    rope_as_each_class_fills_it,
     partial_rotary_as_each_model_reads_it,
     gemma3_has_no_soft_cap,
     mpt_alibi_as_hf_builds_it,

@@ -30,7 +30,7 @@
 //! | `modernbert` | 160000 (`global_rope_theta`), 10000 (`local_rope_theta`) | heads | width / heads | 8192 | `local_attention` 128 |
 //! | `deepseek_v2` | 10000 | heads | (latent) | 2048 | |
 //! | `deepseek_v3` | 10000 | 128 (HF's attention needs it equal to the heads) | (latent) | 4096 | |
-//! | `gptj` | 10000 | heads | width / heads | 2048 (`n_positions`) | `rotary_dim` 64 |
+//! | `gptj` | 10000, fixed (no θ or scaling key is read) | heads | width / heads | 2048 (`n_positions`) | `rotary_dim` 64 |
 //! | `t5` | — | heads | 64 (`d_kv`) | — | 32 buckets, largest distance 128 |
 //! | others (`bloom`, `gpt2`, `mpt`, `pixtral`, none) | 10000 | heads | width / heads | — | |
 //!
@@ -217,3 +217,7 @@ pub(crate) fn gpt_oss_rope() -> serde_json::Map<String, serde_json::Value> {
 
 /// GPT-J's `rotary_dim` when absent.
 pub(crate) const GPTJ_ROTARY_DIM: usize = 64;
+
+/// GPT-J's θ, fixed in its HF code (`create_sinusoidal_positions` in modeling_gptj.py reads
+/// no θ or scaling from the config).
+pub(crate) const GPTJ_ROPE_THETA: f64 = 10000.0;

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::plug::PositionalEncoding;
 use crate::relative::alibi::{AlibiConfig, AlibiSlopes};
 use crate::relative::t5::T5Config;
+use crate::rotary::scaling::RopeScaling;
 use crate::rotary::RopeConfig;
 
 /// The model families whose attention layers load from HF names, chosen by `model_type`.
@@ -104,8 +105,9 @@ impl HfFamily {
 /// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
 ///   (1), and Gemma 2 and 3 (`query_pre_attn_scalar^-1/2`);
 /// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`), OLMo 2
-///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only), ε
-///   from `rms_norm_eps`;
+///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only,
+///   after the rotation, so a RoPE attention factor s cancels: the block's norm takes ε/s² and
+///   its rotation factor 1), ε from `rms_norm_eps`;
 /// - Gemma 4 (`gemma4_text`, as its class fills a file: see `hf::gemma4`): full layers
 ///   `global_head_dim` wide (512) with `num_global_key_value_heads` under `attention_k_eq_v`,
 ///   or a file's `per_layer_config`; the last layer full; the class's per-type RoPE (θ 10000
@@ -545,6 +547,35 @@ impl HfAttentionConfig {
                         ),
                     ));
                 }
+                let mut rope = rope;
+                // Llama 4 scales its rotation by the RoPE type's attention factor s and then
+                // L2-normalises q and k (modeling_llama4.py), which takes s back out:
+                // norm(s·R q) = R q / sqrt(mean(q²) + ε/s²), a rotation is norm-preserving.
+                // The block normalises before rotating, so the same is a norm with ε/s² and a
+                // rotation with factor 1.
+                if model_type == "llama4_text" {
+                    if let Some(norm) = attention.qk_norm.as_mut() {
+                        let s = rope
+                            .scaling
+                            .frequencies(rope.rotary_dim, rope.base, 0)?
+                            .attention_factor;
+                        if s != 1.0 {
+                            norm.eps /= s * s;
+                            match &mut rope.scaling {
+                                RopeScaling::Yarn(y) => y.attention_factor = Some(1.0),
+                                RopeScaling::LongRope(l) => l.attention_factor = Some(1.0),
+                                other => {
+                                    return Err(problem(
+                                        "rope_parameters",
+                                        format!(
+                                            "gives the attention factor {s} with {other:?}, which this loader cannot cancel against Llama 4's q/k norm"
+                                        ),
+                                    ))
+                                }
+                            }
+                        }
+                    }
+                }
                 EncodingConfig::Rotary(rope)
             }
         };
@@ -757,7 +788,7 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
     rope.head_dim = head_dim;
     // YaRN's mscale_all_dim sharpens the softmax.
     let mut scale = 1.0 / (head_dim as f64).sqrt();
-    if let crate::rotary::RopeScaling::Yarn(y) = &rope.scaling {
+    if let RopeScaling::Yarn(y) = &rope.scaling {
         if let Some(all) = y.mscale_all_dim {
             if y.factor > 1.0 {
                 let m = 0.1 * all * y.factor.ln() + 1.0;
@@ -914,7 +945,10 @@ fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
         Some(_) => top.usize("sliding_window")?,
     };
     Ok(match model_type {
-        "qwen2" | "qwen3" | "smollm3" if top.bool("use_sliding_window")? != Some(true) => None,
+        // Qwen2's and Qwen3's classes null the window unless use_sliding_window; SmolLM3's
+        // keeps it, and its model masks the listed sliding layers with it whatever the switch
+        // says (modeling_smollm3.py), the switch only shaping its default layer types.
+        "qwen2" | "qwen3" if top.bool("use_sliding_window")? != Some(true) => None,
         "mistral" | "phi3" => window,
         m if LAYERED.contains(&m) => window,
         _ => None,
@@ -927,11 +961,9 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
     if model_type == "llama4_text" {
         return llama4_layer_kind(top, layer);
     }
-    let Some(w) = window_size(top, model_type)? else {
-        return Ok(LayerKind::Full);
-    };
+    let window = window_size(top, model_type)?;
     if !LAYERED.contains(&model_type) {
-        return Ok(LayerKind::Sliding(w));
+        return Ok(window.map_or(LayerKind::Full, LayerKind::Sliding));
     }
     if let Some(entry) = layer_entry(top, "layer_types", layer, "a list of layer types")? {
         // Gemma 4's class makes the last listed layer a full one, whatever its entry says.
@@ -944,7 +976,19 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
         }
         return match entry.as_str() {
             Some("full_attention") => Ok(LayerKind::Full),
-            Some("sliding_attention") => Ok(LayerKind::Sliding(w)),
+            // HF's sliding-window mask fails without a window.
+            Some("sliding_attention") => window.map(LayerKind::Sliding).ok_or_else(|| {
+                problem(
+                    "layer_types",
+                    format!(
+                        "gives layer {layer} sliding attention, but the model has no window (sliding_window is null or absent{}; HF's sliding-window mask fails without one)",
+                        match model_type {
+                            "qwen2" | "qwen3" => ", or use_sliding_window is not true",
+                            _ => "",
+                        }
+                    ),
+                )
+            }),
             _ => Err(problem(
                 "layer_types",
                 format!(
@@ -958,7 +1002,10 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
             let first = defaults_of(top)?.max_window_layers;
             layer >= top.usize("max_window_layers")?.unwrap_or(first)
         }
-        "smollm3" => !uses_rope(top, model_type, layer)?,
+        // SmolLM3's class makes its NoPE layers sliding only under use_sliding_window.
+        "smollm3" => {
+            top.bool("use_sliding_window")? == Some(true) && !uses_rope(top, model_type, layer)?
+        }
         "modernbert" => {
             let every = top.usize("global_attn_every_n_layers")?.unwrap_or(3).max(1);
             !layer.is_multiple_of(every)
@@ -986,11 +1033,21 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
         }
         _ => !every_nth(layer, 2), // Gemma 2, gpt-oss
     };
-    Ok(if sliding {
-        LayerKind::Sliding(w)
-    } else {
-        LayerKind::Full
-    })
+    match (sliding, window) {
+        (false, _) => Ok(LayerKind::Full),
+        (true, Some(w)) => Ok(LayerKind::Sliding(w)),
+        // These classes' default layer types slide whatever the window is, and HF's
+        // sliding-window mask fails without one.
+        (true, None) if matches!(model_type, "gemma2" | "gemma3_text" | "gpt_oss" | "cohere2") => {
+            Err(problem(
+                "sliding_window",
+                format!(
+                    "is null, but layer {layer} is a sliding-window layer of {model_type}'s default pattern (HF's sliding-window mask fails without a window); give a window or layer_types"
+                ),
+            ))
+        }
+        (true, None) => Ok(LayerKind::Full),
+    }
 }
 
 /// A Llama 4 layer: chunked attention (`attention_chunk_size`, 8192 by default) on its RoPE
@@ -1149,10 +1206,16 @@ fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
     Ok(None)
 }
 
-/// The rotary configuration of a layer of `kind`: `rope_parameters` nested by layer type
-/// (Gemma 3, ModernBERT), or the flat keys older files have: Gemma 3's `rope_local_base_freq`
-/// on sliding layers (10000 by default) and a global θ of 1e6 by default; ModernBERT's
-/// `global_rope_theta` (160000) and `local_rope_theta` (10000).
+/// The rotary configuration of a layer of `kind`.
+///
+/// Gemma 3 and ModernBERT keep one entry per layer type (`rope_parameters.full_attention`,
+/// `.sliding_attention`), which their classes fill as `convert_rope_params_to_dict` does: a
+/// missing or null entry is the default RoPE, flat keys beside the entries are not read, an
+/// older `rope_scaling` is merged into the full entry (Gemma 3) or both (ModernBERT), and an
+/// entry without `rope_theta` takes the type's θ: Gemma 3's `rope_theta` (1e6) on full
+/// layers and `rope_local_base_freq` (10000) on sliding ones, ModernBERT's
+/// `global_rope_theta` (160000) and `local_rope_theta` (10000). Other models' nested entries
+/// take the top-level θ or the class's (the shared `convert_rope_params_to_dict`).
 ///
 /// `head_dim` (when not 0) replaces the file's `head_dim` for this layer (Gemma 4's full layers
 /// are wider).
@@ -1168,47 +1231,84 @@ fn rope_of_layer(
         LayerKind::Sliding(_) => "sliding_attention",
         LayerKind::Chunked(_) => "chunked_attention",
     };
-    let nested = top
-        .get("rope_parameters")
-        .and_then(Value::as_object)
-        .and_then(|p| p.get(type_name))
-        .cloned();
     let mut map = top.map.clone();
     if head_dim > 0 {
         map.insert("head_dim".into(), Value::from(head_dim));
     }
-    // Gemma 4's class fills its own per-type parameters and never reads the flat keys.
-    let nested = match model_type {
+    let entry = match model_type {
+        // Gemma 4's class fills its own per-type parameters and never reads the flat keys.
         "gemma4_text" => Some(gemma4::rope_entry(top, kind)?),
-        _ => nested,
+        "gemma3_text" | "modernbert" => Some(per_type_entry(top, model_type, kind, type_name)?),
+        _ => top
+            .get("rope_parameters")
+            .and_then(Value::as_object)
+            .and_then(|p| p.get(type_name))
+            .cloned(),
     };
-    match nested {
+    match entry {
         Some(entry) => {
             map.insert("rope_parameters".into(), entry);
             map.remove("rope_scaling");
         }
-        None if model_type == "modernbert" => {
-            let (key, default) = match kind {
-                LayerKind::Sliding(_) => ("local_rope_theta", LOCAL_ROPE_THETA),
-                _ => ("global_rope_theta", defaults_of(top)?.rope_theta),
-            };
-            let theta = top.f64(key)?.unwrap_or(default);
-            map.insert("rope_theta".into(), Value::from(theta));
-            map.remove("rope_parameters");
-        }
-        None if model_type != "gemma3_text" && head_dim == 0 => {
-            return RopeConfig::from_hf_json(text)
-        }
-        // (Gemma 3's full layers: the class's θ, from the table.)
-        None if model_type != "gemma3_text" || kind == LayerKind::Full => {}
-        None => {
-            let local = top.f64("rope_local_base_freq")?.unwrap_or(LOCAL_ROPE_THETA);
-            map.insert("rope_theta".into(), Value::from(local));
-            map.remove("rope_scaling");
-            map.remove("rope_parameters");
-        }
+        None if head_dim == 0 => return RopeConfig::from_hf_json(text),
+        None => {}
     }
     RopeConfig::from_hf_json(&Value::Object(map).to_string())
+}
+
+/// Gemma 3's or ModernBERT's parameters for the layer type `type_name`, as their classes'
+/// `convert_rope_params_to_dict` fill them (see [`rope_of_layer`]).
+///
+/// # Errors
+/// [`Error::HfConfig`] naming `rope_parameters` when a `rope_scaling` is to be merged into an
+/// entry the file lacks (HF's class fails on it), and naming a θ key that is null.
+fn per_type_entry(top: &Obj, model_type: &str, kind: LayerKind, type_name: &str) -> Result<Value> {
+    let sliding = matches!(kind, LayerKind::Sliding(_));
+    let params = top.get("rope_parameters");
+    let scaling = top.get("rope_scaling");
+    // The entries the class merges an old rope_scaling into.
+    let merged: &[&str] = match model_type {
+        "gemma3_text" => &["full_attention"],
+        _ => &["full_attention", "sliding_attention"],
+    };
+    if let (Some(scaling), Some(params)) = (scaling, params) {
+        for name in merged {
+            if !params.get(name).is_some_and(Value::is_object) {
+                return Err(problem(
+                    "rope_parameters",
+                    format!(
+                        "has no `{name}` entry to merge rope_scaling ({scaling}) into (HF's config class fails on the file); give the entry or leave rope_scaling out"
+                    ),
+                ));
+            }
+        }
+    }
+    let mut entry = match params.and_then(|p| p.get(type_name)) {
+        Some(Value::Object(m)) => m.clone(),
+        _ => serde_json::Map::from_iter([("rope_type".to_string(), Value::from("default"))]),
+    };
+    if let Some(Value::Object(extra)) = scaling.filter(|_| merged.contains(&type_name)) {
+        for (k, v) in extra {
+            entry.insert(k.clone(), v.clone());
+        }
+    }
+    if !entry.contains_key("rope_theta") {
+        let (key, default) = match (model_type, sliding) {
+            ("gemma3_text", false) => ("rope_theta", defaults_of(top)?.rope_theta),
+            ("gemma3_text", true) => ("rope_local_base_freq", LOCAL_ROPE_THETA),
+            (_, false) => ("global_rope_theta", defaults_of(top)?.rope_theta),
+            (_, true) => ("local_rope_theta", LOCAL_ROPE_THETA),
+        };
+        if top.map.get(key).is_some_and(Value::is_null) {
+            return Err(problem(
+                key,
+                "is null, expected a positive θ (HF's rotary code fails on a null one; leave the key out for the class default)",
+            ));
+        }
+        let theta = top.f64(key)?.unwrap_or(default);
+        entry.insert("rope_theta".into(), Value::from(theta));
+    }
+    Ok(Value::Object(entry))
 }
 
 /// An out-of-range value reported under the `config.json` key it came from.

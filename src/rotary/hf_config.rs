@@ -3,8 +3,9 @@
 //! Reads, as HF transformers does:
 //! - `rope_parameters` (transformers ≥ 5) or `rope_scaling` (older files), with the type under
 //!   `rope_type` or `type` (`su` is LongRoPE's old name); absent or `null` means plain RoPE;
-//! - `rope_theta` inside the parameters or at the top level (GPT-NeoX: `rotary_emb_base`),
-//!   default 10000;
+//! - `rope_theta` inside the parameters or at the top level, default 10000 (GPT-NeoX: the
+//!   parameters' θ, else `rotary_emb_base`, else 10000; a top-level `rope_theta` is not read;
+//!   GPT-J: always 10000, and neither `rope_parameters` nor `rope_scaling` is read);
 //! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
 //! - partial rotary as the model's HF code reads it (the table at `PartialRotary`): Phi-3 from
 //!   `partial_rotary_factor`, GPT-NeoX from `rope_parameters.partial_rotary_factor` or
@@ -16,8 +17,9 @@
 //!   `rope_type: "proportional"` the factor is instead the fraction of frequencies that
 //!   rotate over the whole head;
 //! - multimodal RoPE's `mrope_section` and `mrope_interleaved` in the parameters (Qwen2-VL,
-//!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and Pixtral's
-//!   `rope_type: "axial"` (axial 2-D RoPE over the patch grid);
+//!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and `rope_type: "axial"`
+//!   (axial 2-D RoPE over the patch grid), which Pixtral's config class also makes of a
+//!   missing or `default` type;
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5, Llama 4 rotate
 //!   adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is read by
 //!   `HfAttentionConfig` (its rotary part alone is not a whole head);
@@ -37,7 +39,7 @@ use super::mrope::{AxialRope, MropeSection};
 use super::rope::{RopeConfig, RopeLayout};
 use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
-use crate::hf::defaults::{class_defaults, gpt_oss_rope, GPTJ_ROTARY_DIM};
+use crate::hf::defaults::{class_defaults, gpt_oss_rope, GPTJ_ROPE_THETA, GPTJ_ROTARY_DIM};
 use crate::hf::json::{first, parse_root, problem, Obj};
 
 impl RopeConfig {
@@ -76,7 +78,11 @@ impl RopeConfig {
         let scaling = top
             .get("rope_scaling")
             .filter(|v| !(v.is_null() || v.as_object().is_some_and(|m| m.is_empty())));
+        // GPT-J's attention builds its table with θ 10000 and no scaling
+        // (`create_sinusoidal_positions` in modeling_gptj.py) whatever the file says.
+        let gptj = top.str("model_type")? == Some("gptj");
         let (params_key, params_value) = match (scaling, top.get("rope_parameters")) {
+            _ if gptj => ("rope_parameters", None),
             (Some(v), _) => ("rope_scaling", Some(v)),
             (None, Some(v)) => ("rope_parameters", Some(v)),
             (None, None) => ("rope_parameters", None),
@@ -141,7 +147,9 @@ impl RopeConfig {
         let null_theta = match (null(&params, "rope_theta"), params.get("rope_theta")) {
             (true, _) => Some(params.name("rope_theta")),
             (false, Some(_)) => None,
-            (false, None) if null(&top, "rope_theta") && model_type != Some("gpt_neox") => {
+            (false, None)
+                if null(&top, "rope_theta") && !matches!(model_type, Some("gpt_neox" | "gptj")) =>
+            {
                 Some("rope_theta".to_string())
             }
             (false, None) => None,
@@ -153,18 +161,33 @@ impl RopeConfig {
                  the key out for the model's default)",
             ));
         }
-        let (base, base_key) = match (model_type, top.f64("rotary_emb_base")?) {
-            // GPT-NeoX's own key wins there.
-            (Some("gpt_neox"), Some(b)) => (b, "rotary_emb_base".to_string()),
-            (_, neox_base) => match params.f64("rope_theta")? {
-                Some(b) => (b, params.name("rope_theta")),
-                None => match (top.f64("rope_theta")?, neox_base) {
-                    (Some(b), _) => (b, "rope_theta".to_string()),
-                    (None, Some(b)) => (b, "rotary_emb_base".to_string()),
-                    (None, None) => (defaults.rope_theta, "rope_theta".to_string()),
+        let (base, base_key) =
+            match (model_type, top.f64("rotary_emb_base")?) {
+                (Some("gptj"), _) => (GPTJ_ROPE_THETA, "model_type".to_string()),
+                // GPTNeoXConfig.convert_rope_params_to_dict only fills a θ the parameters lack,
+                // from `rotary_emb_base` or its default (a null one reaches the rotary code and
+                // fails there), and never reads a top-level `rope_theta`.
+                (Some("gpt_neox"), neox_base) => match params.f64("rope_theta")? {
+                    Some(b) => (b, params.name("rope_theta")),
+                    None if null(&top, "rotary_emb_base") => return Err(problem(
+                        "rotary_emb_base",
+                        "is null, expected a positive θ (HF's rotary code fails on a null one; \
+                         leave the key out for the default 10000)",
+                    )),
+                    None => (
+                        neox_base.unwrap_or(defaults.rope_theta),
+                        "rotary_emb_base".to_string(),
+                    ),
                 },
-            },
-        };
+                (_, neox_base) => match params.f64("rope_theta")? {
+                    Some(b) => (b, params.name("rope_theta")),
+                    None => match (top.f64("rope_theta")?, neox_base) {
+                        (Some(b), _) => (b, "rope_theta".to_string()),
+                        (None, Some(b)) => (b, "rotary_emb_base".to_string()),
+                        (None, None) => (defaults.rope_theta, "rope_theta".to_string()),
+                    },
+                },
+            };
 
         let mut config = RopeConfig::new(head_dim).with_base(base);
         let mut rotary_key = head_key.clone();
@@ -299,6 +322,21 @@ impl RopeConfig {
             Some(t) => t,
             None => params.str("type")?.unwrap_or("default"),
         };
+        // Pixtral's config class turns a missing or "default" type into its own default,
+        // "axial" (`default_rope_type`, applied by `standardize_rope_params`), and its rotary
+        // embedding fails on any other type.
+        let rope_type = match (model_type, rope_type) {
+            (Some("pixtral"), "default" | "axial") => "axial",
+            (Some("pixtral"), other) => {
+                return Err(problem(
+                    type_key(&params),
+                    format!(
+                        "is `{other}`, but Pixtral's vision encoder has only axial 2-D RoPE (HF's PixtralVisionRotaryEmbedding fails on any other type); leave it out or give `axial`"
+                    ),
+                ))
+            }
+            (_, t) => t,
+        };
         // Qwen2-VL's older files name multimodal RoPE as a type; its frequencies are plain.
         // Pixtral's vision encoder names its axial 2-D RoPE "axial".
         let axial = rope_type == "axial";
@@ -314,11 +352,7 @@ impl RopeConfig {
         } else {
             rope_type
         };
-        let type_key = params.name(if params.get("rope_type").is_some() {
-            "rope_type"
-        } else {
-            "type"
-        });
+        let type_key = type_key(&params);
         let max_pos_required = || top.required("max_position_embeddings", max_pos);
         let original = || -> Result<usize> {
             match top.usize("original_max_position_embeddings")? {
@@ -488,6 +522,15 @@ impl RopeConfig {
         })?;
         Ok(config)
     }
+}
+
+/// The key a parameters object names its RoPE type under (`rope_type`, or the older `type`).
+fn type_key(params: &Obj) -> String {
+    params.name(if params.get("rope_type").is_some() {
+        "rope_type"
+    } else {
+        "type"
+    })
 }
 
 /// How a model's HF code (transformers 5.24) reads the keys that make its rotation partial.
