@@ -1506,6 +1506,43 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
             "num_hidden_layers": 1{extra}}}"#
         ))
     };
+    // Keys the classes type without a null (or compute with) are refused under their name when
+    // null; where a class has no such field, or replaces the null, the key reads as absent.
+    for (model_type, key, refused) in [
+        ("llama", "attention_bias", true),
+        ("qwen3", "attention_bias", true),
+        ("gemma2", "query_pre_attn_scalar", true),
+        ("gemma3_text", "sliding_window_pattern", true),
+        ("cohere2", "sliding_window_pattern", true),
+        ("qwen2", "use_sliding_window", true),
+        ("qwen3", "max_window_layers", true),
+        ("smollm3", "use_sliding_window", true),
+        ("qwen2", "attention_bias", false),
+        ("mistral", "attention_bias", false),
+        ("gemma2", "sliding_window_pattern", false),
+        ("phi3", "sliding_window", false),
+    ] {
+        let extra = format!(r#", "num_key_value_heads": 4, "{key}": null"#);
+        match read(model_type, &extra) {
+            Err(Error::HfConfig { key: got, problem }) if refused => {
+                assert_eq!(got, key, "{model_type}");
+                assert!(problem.contains("null"), "{problem}");
+            }
+            Ok(_) if !refused => {}
+            other => panic!("{model_type} with {key} null: {other:?}"),
+        }
+    }
+    let neox = |extra: &str| {
+        RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4{extra}}}"#
+        ))
+    };
+    assert!(matches!(
+        neox(r#", "rotary_pct": null"#),
+        Err(Error::HfConfig { key, .. }) if key == "rotary_pct"
+    ));
+    let nested = r#", "rotary_pct": null, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}"#;
+    assert_eq!(neox(nested)?.rotary_dim, 8);
     for model_type in [
         "llama", "qwen2", "qwen3", "olmo2", "cohere2", "phi3", "smollm3",
     ] {

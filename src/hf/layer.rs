@@ -248,6 +248,7 @@ impl HfAttentionConfig {
             )
         })?;
         refuse_unsupported(&top, model_type)?;
+        refuse_typed_nulls(&top, model_type)?;
         check_layer(&top, layer)?;
         if model_type == "gemma4_text" {
             gemma4::refuse_nulls(&top)?;
@@ -864,6 +865,41 @@ fn canonical(model_type: &str) -> &str {
         "qwen3_vl_text" | "qwen3_vl_moe_text" => "qwen3",
         other => other,
     }
+}
+
+/// Refuses an explicit null at a key that HF's config class for `model_type` types without
+/// one (transformers 5.24's strict fields refuse such a file) or computes with (Gemma 3's and
+/// Cohere2's `sliding_window_pattern`), rather than reading it as absent and taking the
+/// default. (Keys whose null the classes replace, or that they do not have, are read as
+/// absent; `num_key_value_heads` and `head_dim` are handled where they are read.)
+fn refuse_typed_nulls(top: &Obj, model_type: &str) -> Result<()> {
+    let keys: &[&str] = match model_type {
+        "llama" | "gemma" | "olmo2" | "gpt_oss" | "llama4_text" | "gemma4_text"
+        | "qwen3_vl_text" | "qwen3_vl_moe_text" => &["attention_bias"],
+        "cohere2" => &["attention_bias", "sliding_window_pattern"],
+        "gemma2" => &["attention_bias", "query_pre_attn_scalar"],
+        "gemma3_text" => &[
+            "attention_bias",
+            "query_pre_attn_scalar",
+            "sliding_window_pattern",
+        ],
+        "qwen2" => &["use_sliding_window", "max_window_layers"],
+        "qwen3" => &["attention_bias", "use_sliding_window", "max_window_layers"],
+        "smollm3" => &["attention_bias", "use_sliding_window"],
+        _ => &[],
+    };
+    for &key in keys {
+        if top.map.get(key).is_some_and(Value::is_null) {
+            return Err(problem(
+                key,
+                format!(
+                    "is null, which HF's configuration of {model_type} refuses or cannot compute \
+                     with; leave the key out for its default"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Refuses the settings that would change HF's answer and that the block does not have.

@@ -241,6 +241,12 @@ impl RopeConfig {
                     } else if let Some(f) = top.f64("rotary_pct")? {
                         config = config.with_partial_rotary_factor(f);
                         rotary_key = "rotary_pct".into();
+                    } else if top.map.get("rotary_pct").is_some_and(|v| v.is_null()) {
+                        // GPTNeoXConfig takes the null as the factor and fails on it.
+                        return Err(problem(
+                            "rotary_pct",
+                            "is null, expected a fraction of the head (HF's GPT-NeoX fails on a null one; leave the key out for 0.25)",
+                        ));
                     } else {
                         // GPTNeoXConfig's default rotary_pct.
                         config = config.with_partial_rotary_factor(0.25);
