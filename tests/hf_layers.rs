@@ -1822,6 +1822,35 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             "{model_type} {extra}: {err}"
         );
     }
+    // HF builds the sliding mask for the whole model as soon as one layer slides, so the full
+    // layer of such a file is refused too.
+    for model_type in ["qwen3", "gemma2"] {
+        let text = format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2,
+            "sliding_window": null{listed}}}"#
+        );
+        let err = HfAttentionConfig::from_json_layer(&text, 1).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
+            "{model_type}: {err}"
+        );
+    }
+    // Qwen2-VL's attention splits hidden_size evenly and its rotation reads head_dim: a file
+    // where they differ fails in HF and is refused here, one where they agree reads.
+    for (head_dim, ok) in [(8, true), (12, false)] {
+        let text = format!(
+            r#"{{"model_type": "qwen2_vl", "text_config": {{"hidden_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": {head_dim},
+            "num_hidden_layers": 1, "rope_parameters": {{"rope_type": "default",
+            "mrope_section": [1, 1, 2]}}}}}}"#
+        );
+        match HfAttentionConfig::from_json(&text) {
+            Ok(c) if ok => assert_eq!(c.attention.head_dim, 8),
+            Err(Error::HfConfig { key, .. }) if !ok => assert_eq!(key, "head_dim"),
+            other => panic!("head_dim {head_dim}: {other:?}"),
+        }
+    }
     // The same from the default pattern: these classes' layer 0 slides whatever the window.
     for model_type in ["gemma2", "gemma3_text", "gpt_oss", "cohere2"] {
         let err = windowed(model_type, r#", "sliding_window": null"#).unwrap_err();

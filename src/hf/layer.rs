@@ -332,6 +332,25 @@ impl HfAttentionConfig {
         {
             return Err(null_refused("head_dim"));
         }
+        // Qwen2-VL's and Qwen2.5-VL's attention splits hidden_size evenly while their rotary
+        // embedding reads head_dim, so HF fails on a file where the two differ.
+        if matches!(
+            top.str("model_type")?,
+            Some("qwen2_vl_text" | "qwen2_5_vl_text")
+        ) {
+            if let Some(d) = top.usize(head_key)? {
+                if heads == 0 || d.checked_mul(heads) != Some(hidden) {
+                    return Err(problem(
+                        head_key,
+                        format!(
+                            "is {d}, but this model's attention splits {hidden_key} ({hidden}) \
+                             evenly over {heads_key} ({heads}) and its rotation reads {head_key}: \
+                             HF fails unless they agree"
+                        ),
+                    ));
+                }
+            }
+        }
         match top.usize(head_key)? {
             // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its rotary
             // embedding reads head_dim; a mismatch is refused below).
@@ -1011,20 +1030,31 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
             return Ok(LayerKind::Full);
         }
         return match entry.as_str() {
+            Some("full_attention" | "sliding_attention") if window.is_none() => {
+                // HF's sliding-window mask fails without a window, and the model builds it
+                // for every layer as soon as any layer slides: a full layer of such a file
+                // is refused too.
+                let slides = |v: &Value| v.as_str() == Some("sliding_attention");
+                match top
+                    .get("layer_types")
+                    .and_then(Value::as_array)
+                    .and_then(|types| types.iter().position(slides))
+                {
+                    None => Ok(LayerKind::Full),
+                    Some(first) => Err(problem(
+                        "layer_types",
+                        format!(
+                            "gives layer {first} sliding attention, but the model has no window (sliding_window is null or absent{}; HF's sliding-window mask fails without one)",
+                            match model_type {
+                                "qwen2" | "qwen3" => ", or use_sliding_window is not true",
+                                _ => "",
+                            }
+                        ),
+                    )),
+                }
+            }
             Some("full_attention") => Ok(LayerKind::Full),
-            // HF's sliding-window mask fails without a window.
-            Some("sliding_attention") => window.map(LayerKind::Sliding).ok_or_else(|| {
-                problem(
-                    "layer_types",
-                    format!(
-                        "gives layer {layer} sliding attention, but the model has no window (sliding_window is null or absent{}; HF's sliding-window mask fails without one)",
-                        match model_type {
-                            "qwen2" | "qwen3" => ", or use_sliding_window is not true",
-                            _ => "",
-                        }
-                    ),
-                )
-            }),
+            Some("sliding_attention") => Ok(window.map_or(LayerKind::Full, LayerKind::Sliding)),
             _ => Err(problem(
                 "layer_types",
                 format!(
