@@ -1851,14 +1851,35 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             other => panic!("head_dim {head_dim}: {other:?}"),
         }
     }
-    // The same from the default pattern: these classes' layer 0 slides whatever the window.
+    // The same from the default pattern: these classes' layer 0 slides whatever the window, and
+    // their full layer 1 is refused with it.
     for model_type in ["gemma2", "gemma3_text", "gpt_oss", "cohere2"] {
         let err = windowed(model_type, r#", "sliding_window": null"#).unwrap_err();
         assert!(
             matches!(&err, Error::HfConfig { key, .. } if key == "sliding_window"),
             "{model_type}: {err}"
         );
+        let text = format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 4,
+            "sliding_window_pattern": 2, "sliding_window": null}}"#
+        );
+        let err = HfAttentionConfig::from_json_layer(&text, 1).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "sliding_window"),
+            "{model_type} layer 1: {err}"
+        );
     }
+    // (Gemma 3 with a pattern of 1 has no sliding layer, and needs no window.)
+    let all_full = r#"{"model_type": "gemma3_text", "hidden_size": 16, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2,
+        "sliding_window_pattern": 1, "sliding_window": null}"#;
+    assert_eq!(
+        HfAttentionConfig::from_json_layer(all_full, 1)?
+            .attention
+            .sliding_window,
+        None
+    );
     // (Qwen2's default pattern needs a window: every layer is full without one.)
     let qwen2 = r#", "use_sliding_window": true, "sliding_window": null, "max_window_layers": 0"#;
     assert_eq!(windowed("qwen2", qwen2)?, None);

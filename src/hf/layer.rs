@@ -1099,12 +1099,19 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
         }
         _ => !every_nth(layer, 2), // Gemma 2, gpt-oss
     };
+    let default_slides = matches!(model_type, "gemma2" | "gemma3_text" | "gpt_oss" | "cohere2");
     match (sliding, window) {
+        // HF builds the sliding mask for the whole model as soon as one layer slides, so a
+        // full layer is refused when the first one (the first to slide in these patterns)
+        // has no window.
+        (false, None) if default_slides && layer != 0 => {
+            layer_kind(top, model_type, 0).map(|_| LayerKind::Full)
+        }
         (false, _) => Ok(LayerKind::Full),
         (true, Some(w)) => Ok(LayerKind::Sliding(w)),
         // These classes' default layer types slide whatever the window is, and HF's
         // sliding-window mask fails without one.
-        (true, None) if matches!(model_type, "gemma2" | "gemma3_text" | "gpt_oss" | "cohere2") => {
+        (true, None) if default_slides => {
             Err(problem(
                 "sliding_window",
                 format!(
