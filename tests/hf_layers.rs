@@ -1532,6 +1532,40 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
             other => panic!("{model_type} with {key} null: {other:?}"),
         }
     }
+    // A width the heads do not divide, where the class's validate_architecture refuses it
+    // whatever head_dim says; Mistral's class has no such check.
+    for (model_type, refused) in [
+        ("llama", true),
+        ("gemma2", true),
+        ("gpt_neox", true),
+        ("deepseek_v2", true),
+        ("mistral", false),
+    ] {
+        let text = format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 30, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "head_dim": 8, "num_hidden_layers": 1,
+            "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4, "kv_lora_rank": 8}}"#
+        );
+        match HfAttentionConfig::from_json(&text) {
+            Err(Error::HfConfig { key, .. }) if refused => {
+                assert_eq!(key, "num_attention_heads", "{model_type}")
+            }
+            Ok(_) if !refused => {}
+            other => panic!("{model_type}: {other:?}"),
+        }
+    }
+    // Phi-3's configuration takes LongRoPE or no scaling.
+    let phi3 = |kind: &str| {
+        RopeConfig::from_hf_json(&format!(
+            r#"{{"model_type": "phi3", "hidden_size": 32, "num_attention_heads": 4,
+            "rope_parameters": {{"rope_type": "{kind}", "factor": 2.0}}}}"#
+        ))
+    };
+    assert!(matches!(
+        phi3("linear"),
+        Err(Error::HfConfig { key, .. }) if key == "rope_parameters.rope_type"
+    ));
+    assert!(phi3("default").is_ok());
     let neox = |extra: &str| {
         RopeConfig::from_hf_json(&format!(
             r#"{{"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4{extra}}}"#

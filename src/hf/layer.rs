@@ -279,6 +279,7 @@ impl HfAttentionConfig {
         )?;
         keys.set("d_model", hidden_key);
         keys.set("num_heads", heads_key);
+        check_even_split(model_type, (hidden, hidden_key), (heads, heads_key))?;
         let mut attention = AttentionConfig::new(hidden, heads).with_causal(true);
         // Key/value heads.
         let kv_heads = match family {
@@ -737,6 +738,7 @@ fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionCon
     let mut keys = Keys::default();
     let (hidden, hidden_key) = first(top, &["hidden_size"])?;
     let (heads, heads_key) = first(top, &["num_attention_heads"])?;
+    check_even_split(model_type, (hidden, hidden_key), (heads, heads_key))?;
     keys.set("d_model", hidden_key);
     keys.set("num_heads", heads_key);
     let size =
@@ -884,6 +886,29 @@ fn canonical(model_type: &str) -> &str {
         "qwen3_vl_text" | "qwen3_vl_moe_text" => "qwen3",
         other => other,
     }
+}
+
+/// Refuses a width that the heads do not divide where HF's config class for `model_type`
+/// refuses it (its `validate_architecture`), whatever `head_dim` says.
+fn check_even_split(
+    model_type: &str,
+    (hidden, hidden_key): (usize, &str),
+    (heads, heads_key): (usize, &str),
+) -> Result<()> {
+    let checked = matches!(
+        model_type,
+        "llama" | "gemma2" | "gemma3_text" | "gpt_neox" | "deepseek_v2"
+    );
+    if checked && (heads == 0 || !hidden.is_multiple_of(heads)) {
+        return Err(problem(
+            heads_key,
+            format!(
+                "is {heads}, which does not divide {hidden_key} ({hidden}); HF's configuration \
+                 of {model_type} refuses the file"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses an explicit null at a key that HF's config class for `model_type` types without

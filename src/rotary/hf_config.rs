@@ -193,6 +193,22 @@ impl RopeConfig {
         let mut rotary_key = head_key.clone();
         // Proportional RoPE reads partial_rotary_factor as the fraction of frequencies that
         // rotate; the whole head is its rotary dimension.
+        // Phi-3's configuration refuses every scaling but LongRoPE.
+        if model_type == Some("phi3") {
+            let kind = params.str("rope_type")?.or(params.str("type")?);
+            if let Some(kind) = kind.filter(|k| !matches!(*k, "default" | "longrope")) {
+                let key = match params.str("rope_type")? {
+                    Some(_) => params.name("rope_type"),
+                    None => params.name("type"),
+                };
+                return Err(problem(
+                    key,
+                    format!(
+                        "is {kind}, but HF's Phi-3 configuration takes only longrope or default"
+                    ),
+                ));
+            }
+        }
         let proportional = match params.str("rope_type")? {
             Some(t) => t == "proportional",
             None => params.str("type")? == Some("proportional"),
