@@ -21,7 +21,7 @@ use candle_posenc::rotary::{RopeConfig, RopeLayout};
 use candle_posenc::Error;
 use common::{assert_close, get};
 
-const FAMILIES: [&str; 86] = [
+const FAMILIES: [&str; 87] = [
     "llama",
     "mistral",
     "qwen2",
@@ -34,6 +34,7 @@ const FAMILIES: [&str; 86] = [
     "neox_pct",
     "bloom",
     "gpt2",
+    "gpt2_inverse.1",
     "gptj",
     "falcon_mqa",
     "falcon_gqa",
@@ -301,6 +302,22 @@ fn configs_read_as_hf_does(dev: &Device) -> anyhow::Result<()> {
         other => panic!("T5 read as {other:?}"),
     }
     assert_eq!(read("gpt2")?.encoding, EncodingConfig::None);
+    // GPT-2's layers scaled by their number: one layer at a time, layer 1 at half the scale.
+    let inverse = &ckpt.metadata()["gpt2_inverse.1"];
+    let err = HfAttentionConfig::from_json(inverse).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "scale_attn_by_inverse_layer_idx"),
+        "{err}"
+    );
+    let (l0, l1) = (
+        HfAttentionConfig::from_json_layer(inverse, 0)?
+            .attention
+            .softmax_scale,
+        HfAttentionConfig::from_json_layer(inverse, 1)?
+            .attention
+            .softmax_scale,
+    );
+    assert_eq!((l0, l1), (1.0 / 8f64.sqrt(), 0.5 / 8f64.sqrt()));
     assert_eq!(read("bloom")?.encoding.kind(), "alibi");
     match read("gpt_neox")?.encoding {
         EncodingConfig::Rotary(r) => assert_eq!(r.rotary_dim, 4, "rotary_pct 0.5 of 8"),

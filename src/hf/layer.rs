@@ -103,7 +103,8 @@ impl HfFamily {
 ///   has biases on q, k and v but not on the output, BLOOM and GPT-2 on all four, Mistral,
 ///   Phi-3, GPT-J and T5 on none;
 /// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
-///   (1), and Gemma 2 and 3 (`query_pre_attn_scalar^-1/2`);
+///   (1), and Gemma 2 and 3 (`query_pre_attn_scalar^-1/2`); GPT-2's layer `i` divides it by
+///   `i + 1` with `scale_attn_by_inverse_layer_idx`;
 /// - query/key RMS norms: Qwen3 (per head), Gemma 3 (per head, scale `1 + w`), OLMo 2
 ///   (over all heads) and Llama 4 (`use_qk_norm`: per head, no scale, RoPE layers only,
 ///   after the rotation, so a RoPE attention factor s cancels: the block's norm takes ε/s² and
@@ -417,6 +418,12 @@ impl HfAttentionConfig {
             || (family == HfFamily::Gpt2 && !flag("scale_attn_weights", true)?)
         {
             attention = attention.with_softmax_scale(1.0);
+        }
+        // GPT-2's scale_attn_by_inverse_layer_idx divides layer i's logits by i + 1 as well.
+        if family == HfFamily::Gpt2 && flag("scale_attn_by_inverse_layer_idx", false)? {
+            let scale = attention.softmax_scale / (layer as f64 + 1.0);
+            attention = attention.with_softmax_scale(scale);
+            keys.set("softmax_scale", "scale_attn_by_inverse_layer_idx");
         }
         if matches!(family, HfFamily::T5 | HfFamily::ModernBert) || model_type == "pixtral" {
             attention = attention.with_causal(false);
@@ -976,12 +983,6 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
             "bidirectional attention over some or all tokens",
         ));
     }
-    if model_type == "gpt2" && top.bool("scale_attn_by_inverse_layer_idx")? == Some(true) {
-        return Err(unsupported(
-            "scale_attn_by_inverse_layer_idx",
-            "a softmax scale that depends on the layer",
-        ));
-    }
     Ok(())
 }
 
@@ -1272,6 +1273,13 @@ fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
 /// The key that makes layers differ (`layer_types`, or the one their default pattern comes
 /// from), if they do.
 fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
+    // GPT-2's layers scaled by their number differ unless there is one.
+    if model_type == "gpt2"
+        && top.bool("scale_attn_by_inverse_layer_idx")? == Some(true)
+        && first(top, &["n_layer", "num_hidden_layers"]).map_or(true, |(n, _)| n > 1)
+    {
+        return Ok(Some("scale_attn_by_inverse_layer_idx"));
+    }
     let windows = window_size(top, model_type)?.is_some();
     if !LAYERED.contains(&model_type)
         || !(windows || matches!(model_type, "smollm3" | "llama4_text"))
