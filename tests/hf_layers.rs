@@ -1571,6 +1571,14 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
             other => panic!("{model_type}: {other:?}"),
         }
     }
+    // OLMo 2's HF code has no clip_qkv (its class drops OLMo's): the key changes nothing.
+    let olmo2 = |extra: &str| {
+        HfAttentionConfig::from_json(&format!(
+            r#"{{"model_type": "olmo2", "hidden_size": 32, "num_attention_heads": 4,
+            "num_hidden_layers": 1{extra}}}"#
+        ))
+    };
+    assert_eq!(olmo2(r#", "clip_qkv": 0.5"#)?, olmo2("")?);
     // Phi-3's configuration takes LongRoPE or no scaling.
     let phi3 = |kind: &str| {
         RopeConfig::from_hf_json(&format!(

@@ -136,8 +136,10 @@ impl HfFamily {
 ///   widths, RoPE over `qk_rope_head_dim`, YaRN's `mscale_all_dim` in the scale);
 ///
 /// Settings the block does not have yet are refused rather than ignored: linear layer types
-/// (and chunked ones outside Llama 4), OLMo's `clip_qkv`, GPT-2's per-layer scaling. A file whose
-/// layers differ (sliding and full) is read one layer at a time.
+/// (and chunked ones outside Llama 4), MPT's `attn_config.clip_qkv` and `qk_ln`. (A top-level
+/// `clip_qkv` is read by none of these models' HF code, OLMo 2's included, and is ignored.) A
+/// file whose layers differ (sliding and full, or GPT-2's scale per layer) is read one layer at
+/// a time.
 ///
 /// Decoders are causal; ModernBERT and Pixtral's vision encoder (`pixtral`, axial 2-D RoPE
 /// over multimodal positions) are not; T5 reads as its encoder's self-attention
@@ -961,9 +963,6 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
             format!("asks for {what}, which the attention block does not support yet"),
         )
     };
-    if top.get("clip_qkv").is_some() {
-        return Err(unsupported("clip_qkv", "a clamp of the projections"));
-    }
     if model_type == "mpt" {
         if let Some(Value::Object(a)) = top.get("attn_config") {
             if a.get("clip_qkv").is_some_and(|v| !v.is_null()) {
