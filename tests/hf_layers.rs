@@ -1870,10 +1870,6 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             r#", "use_sliding_window": false, "sliding_window": 3"#,
         ),
         ("qwen3", r#", "sliding_window": 3"#),
-        ("gemma2", r#", "sliding_window": null"#),
-        ("gemma3_text", r#", "sliding_window": null"#),
-        ("gpt_oss", r#", "sliding_window": null"#),
-        ("cohere2", r#", "sliding_window": null"#),
     ] {
         let err = windowed(model_type, &format!("{extra}{listed}")).unwrap_err();
         assert!(
@@ -1883,7 +1879,7 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
     }
     // HF builds the sliding mask for the whole model as soon as one layer slides, so the full
     // layer of such a file is refused too.
-    for model_type in ["qwen3", "gemma2"] {
+    for model_type in ["qwen3", "smollm3"] {
         let text = format!(
             r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
             "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2,
@@ -1910,35 +1906,48 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             other => panic!("head_dim {head_dim}: {other:?}"),
         }
     }
-    // The same from the default pattern: these classes' layer 0 slides whatever the window, and
-    // their full layer 1 is refused with it.
+    // Gemma 2's and 3's, gpt-oss's and Cohere2's models build a sliding-window mask whatever
+    // their layers are, which fails without a window: a null one is refused on every layer,
+    // listed or by the default pattern, all full (a pattern of 1) included.
     for model_type in ["gemma2", "gemma3_text", "gpt_oss", "cohere2"] {
-        let err = windowed(model_type, r#", "sliding_window": null"#).unwrap_err();
-        assert!(
-            matches!(&err, Error::HfConfig { key, .. } if key == "sliding_window"),
-            "{model_type}: {err}"
-        );
-        let text = format!(
-            r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 4,
-            "sliding_window_pattern": 2, "sliding_window": null}}"#
-        );
-        let err = HfAttentionConfig::from_json_layer(&text, 1).unwrap_err();
-        assert!(
-            matches!(&err, Error::HfConfig { key, .. } if key == "sliding_window"),
-            "{model_type} layer 1: {err}"
-        );
+        for (extra, layer) in [
+            (listed, 0),
+            (listed, 1),
+            ("", 0),
+            (r#", "sliding_window_pattern": 1"#, 1),
+            (
+                r#", "layer_types": ["full_attention", "full_attention"]"#,
+                1,
+            ),
+        ] {
+            let text = format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2,
+                "sliding_window": null{extra}}}"#
+            );
+            let err = HfAttentionConfig::from_json_layer(&text, layer).unwrap_err();
+            assert!(
+                matches!(&err, Error::HfConfig { key, .. } if key == "sliding_window"),
+                "{model_type} {extra} layer {layer}: {err}"
+            );
+        }
     }
-    // (Gemma 3 with a pattern of 1 has no sliding layer, and needs no window.)
-    let all_full = r#"{"model_type": "gemma3_text", "hidden_size": 16, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2,
-        "sliding_window_pattern": 1, "sliding_window": null}"#;
-    assert_eq!(
-        HfAttentionConfig::from_json_layer(all_full, 1)?
-            .attention
-            .sliding_window,
-        None
-    );
+    // A null pattern is refused only where the class would compute layer types from it.
+    let pattern = |extra: &str| {
+        HfAttentionConfig::from_json_layer(
+            &format!(
+                r#"{{"model_type": "gemma3_text", "hidden_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2,
+                "sliding_window_pattern": null{extra}}}"#
+            ),
+            0,
+        )
+    };
+    assert!(matches!(
+        pattern(""),
+        Err(Error::HfConfig { key, .. }) if key == "sliding_window_pattern"
+    ));
+    assert!(pattern(listed).is_ok());
     // (Qwen2's default pattern needs a window: every layer is full without one.)
     let qwen2 = r#", "use_sliding_window": true, "sliding_window": null, "max_window_layers": 0"#;
     assert_eq!(windowed("qwen2", qwen2)?, None);

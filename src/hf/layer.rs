@@ -927,21 +927,30 @@ fn check_even_split(
 /// absent; `num_key_value_heads` and `head_dim` are handled where they are read.)
 fn refuse_typed_nulls(top: &Obj, model_type: &str) -> Result<()> {
     let keys: &[&str] = match model_type {
-        "llama" | "gemma" | "olmo2" | "gpt_oss" | "llama4_text" | "gemma4_text"
-        | "qwen3_vl_text" | "qwen3_vl_moe_text" => &["attention_bias"],
-        "cohere2" => &["attention_bias", "sliding_window_pattern"],
-        "gemma2" => &["attention_bias", "query_pre_attn_scalar"],
+        "llama" | "gemma" | "olmo2" | "llama4_text" | "gemma4_text" | "qwen3_vl_text"
+        | "qwen3_vl_moe_text" => &["attention_bias"],
+        // (These four build a sliding-window mask for every model, which fails without a
+        // window, whatever the layers are.)
+        "gpt_oss" => &["attention_bias", "sliding_window"],
+        "cohere2" => &["attention_bias", "sliding_window_pattern", "sliding_window"],
+        "gemma2" => &["attention_bias", "query_pre_attn_scalar", "sliding_window"],
         "gemma3_text" => &[
             "attention_bias",
             "query_pre_attn_scalar",
             "sliding_window_pattern",
+            "sliding_window",
         ],
         "qwen2" => &["use_sliding_window", "max_window_layers"],
         "qwen3" => &["attention_bias", "use_sliding_window", "max_window_layers"],
         "smollm3" => &["attention_bias", "use_sliding_window"],
         _ => &[],
     };
+    // (The pattern is read only to build layer_types the file does not give.)
+    let listed = top.get("layer_types").is_some();
     for &key in keys {
+        if key == "sliding_window_pattern" && listed {
+            continue;
+        }
         if top.map.get(key).is_some_and(Value::is_null) {
             return Err(problem(
                 key,
@@ -1124,28 +1133,11 @@ pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<La
         }
         _ => !every_nth(layer, 2), // Gemma 2, gpt-oss
     };
-    let default_slides = matches!(model_type, "gemma2" | "gemma3_text" | "gpt_oss" | "cohere2");
-    match (sliding, window) {
-        // HF builds the sliding mask for the whole model as soon as one layer slides, so a
-        // full layer is refused when the first one (the first to slide in these patterns)
-        // has no window.
-        (false, None) if default_slides && layer != 0 => {
-            layer_kind(top, model_type, 0).map(|_| LayerKind::Full)
-        }
-        (false, _) => Ok(LayerKind::Full),
-        (true, Some(w)) => Ok(LayerKind::Sliding(w)),
-        // These classes' default layer types slide whatever the window is, and HF's
-        // sliding-window mask fails without one.
-        (true, None) if default_slides => {
-            Err(problem(
-                "sliding_window",
-                format!(
-                    "is null, but layer {layer} is a sliding-window layer of {model_type}'s default pattern (HF's sliding-window mask fails without a window); give a window or layer_types"
-                ),
-            ))
-        }
-        (true, None) => Ok(LayerKind::Full),
-    }
+    // (Gemma 2's and 3's, gpt-oss's and Cohere2's null window is refused with the file.)
+    Ok(match (sliding, window) {
+        (true, Some(w)) => LayerKind::Sliding(w),
+        _ => LayerKind::Full,
+    })
 }
 
 /// A Llama 4 layer: chunked attention (`attention_chunk_size`, 8192 by default) on its RoPE
