@@ -276,8 +276,10 @@ impl RopeConfig {
                     rotary_key = "rotary_dim".into();
                 }
                 PartialRotary::WholeHead if scaled => {
-                    // HF's shared scaled-RoPE functions honour the factor; the model's
-                    // rotation then multiplies the whole head by a shorter cos and fails.
+                    // HF's shared scaled-RoPE functions honour the factor, and the model's
+                    // rotation then multiplies the whole head by a shorter table: most fail on
+                    // it, and where a broadcast lets one run (LongRoPE's factors, Llama 4's
+                    // complex product) the rotation is not a RoPE this crate builds.
                     if let Some((f, key)) = factor()? {
                         let rotary = RopeConfig::new(head_dim).with_partial_rotary_factor(f);
                         // The table HF builds: one frequency per pair of the truncated width.
@@ -286,7 +288,7 @@ impl RopeConfig {
                             return Err(problem(
                                 key,
                                 format!(
-                                    "is {f}: HF's scaled RoPE then gives {width} rotary features for a {head_dim}-wide head that this model's attention rotates whole (HF's layer fails on the file); expected a factor giving the whole head"
+                                    "is {f}: HF's scaled RoPE then gives {width} rotary features for a {head_dim}-wide head that this model's attention rotates whole, which HF's layer fails on or broadcasts into a rotation this crate does not build; expected a factor giving the whole head"
                                 ),
                             ));
                         }
