@@ -276,11 +276,13 @@ impl LearnedPositionalEncoding {
         let max_len = self.config.max_len;
         match self.config.interpolation {
             // One stretched table for every chunk, whatever its end.
-            Interpolation::ToLength(n) if end <= n => return self.interpolated(n),
-            _ if end <= max_len => return Ok(self.weight.clone()),
-            _ => {}
-        }
-        match self.config.interpolation {
+            Interpolation::ToLength(n) if end <= n => self.interpolated(n),
+            Interpolation::ToLength(n) => Err(Error::PositionOutOfRange {
+                table: "interpolated learned positional",
+                position: end - 1,
+                len: n,
+            }),
+            _ if end <= max_len => Ok(self.weight.clone()),
             Interpolation::Off => Err(Error::PositionOutOfRange {
                 table: "learned positional",
                 position: end - 1,
@@ -296,11 +298,6 @@ impl LearnedPositionalEncoding {
                 }
                 self.interpolated(end)
             }
-            Interpolation::ToLength(n) => Err(Error::PositionOutOfRange {
-                table: "interpolated learned positional",
-                position: end - 1,
-                len: n,
-            }),
         }
     }
 

@@ -375,10 +375,8 @@ impl MultiHeadAttention {
             q,
             k,
             v,
-            value_dim: match &self.projections {
-                Projections::Latent(_) => cfg.latent.map_or(cfg.head_dim, |l| l.v_head_dim),
-                Projections::Separate { .. } => cfg.head_dim,
-            },
+            // (Latent attention's values are v_head_dim wide, padded to the heads.)
+            value_dim: cfg.latent.map_or(cfg.head_dim, |l| l.v_head_dim),
             q_positions: positions,
             k_positions: &k_positions,
             causal: cfg.causal,
