@@ -38,22 +38,18 @@ pub(super) struct Overrides {
     pub(super) kv_heads: Option<(usize, String)>,
 }
 
-/// Refuses the keys whose `null` the class rejects, and `rope_scaling`.
-pub(super) fn refuse_nulls(top: &Obj) -> Result<()> {
-    for key in [
-        "num_key_value_heads",
-        "head_dim",
-        "sliding_window",
-        "global_head_dim",
-        "attention_k_eq_v",
-    ] {
-        if top.map.get(key).is_some_and(Value::is_null) {
-            return Err(problem(
-                key,
-                "is null, which Gemma4TextConfig refuses (the field is typed); leave the key out for the class default",
-            ));
-        }
-    }
+/// The typed fields whose `null` the class refuses (see `layer::refuse_typed_nulls`).
+pub(super) const TYPED_FIELDS: [&str; 6] = [
+    "attention_bias",
+    "num_key_value_heads",
+    "head_dim",
+    "sliding_window",
+    "global_head_dim",
+    "attention_k_eq_v",
+];
+
+/// Refuses `rope_scaling`, which replaces the nested parameters.
+pub(super) fn refuse_rope_scaling(top: &Obj) -> Result<()> {
     if top.map.contains_key("rope_scaling") {
         return Err(problem(
             "rope_scaling",

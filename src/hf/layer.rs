@@ -254,7 +254,7 @@ impl HfAttentionConfig {
         refuse_typed_nulls(&top, model_type)?;
         check_layer(&top, layer)?;
         if model_type == "gemma4_text" {
-            gemma4::refuse_nulls(&top)?;
+            gemma4::refuse_rope_scaling(&top)?;
             let layers = top.usize("num_hidden_layers")?.unwrap_or(0);
             let shared = top.usize("num_kv_shared_layers")?.unwrap_or(0);
             // The last `shared` layers reuse earlier keys: layer + shared ≥ layers, without
@@ -927,8 +927,10 @@ fn check_even_split(
 /// absent; `num_key_value_heads` and `head_dim` are handled where they are read.)
 fn refuse_typed_nulls(top: &Obj, model_type: &str) -> Result<()> {
     let keys: &[&str] = match model_type {
-        "llama" | "gemma" | "olmo2" | "llama4_text" | "gemma4_text" | "qwen3_vl_text"
-        | "qwen3_vl_moe_text" => &["attention_bias"],
+        "llama" | "gemma" | "olmo2" | "llama4_text" | "qwen3_vl_text" | "qwen3_vl_moe_text" => {
+            &["attention_bias"]
+        }
+        "gemma4_text" => &gemma4::TYPED_FIELDS,
         // (These four build a sliding-window mask for every model, which fails without a
         // window, whatever the layers are.)
         "gpt_oss" => &["attention_bias", "sliding_window"],
