@@ -15,13 +15,14 @@
 
 #pragma once
 
-#include <ucontext.h>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
 #endif
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <utility>
@@ -37,38 +38,95 @@ struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 
-// The running thread's and block's indices: every CUDA thread is a fiber (ucontext) of one OS
+// The running thread's and block's indices: every CUDA thread is a fiber of one OS
 // thread, switched only at barriers, so plain globals hold the running one's.
 inline Dim3 threadIdx, blockIdx, gridDim, blockDim;
 
 namespace emu {
 
+// Fibers switch by saving the callee-saved registers on the running stack and loading the
+// other fiber's stack pointer (x86-64 System V): ucontext's swapcontext also saves the
+// signal mask, a system call per switch, and under AddressSanitizer clears the shadow of the
+// whole new stack, which together made up most of the emulator's time.
+extern "C" void posenc_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .globl posenc_emu_switch
+  .type posenc_emu_switch, @function
+posenc_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $16, %rsp
+  stmxcsr 8(%rsp)
+  fnstcw (%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr 8(%rsp)
+  fldcw (%rsp)
+  addq $16, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size posenc_emu_switch, .-posenc_emu_switch
+)");
+
 struct Barrier;
 
 struct Fiber {
-  ucontext_t ctx;
+  void* sp = nullptr;
   std::vector<char> stack;
   unsigned idx = 0;
   bool done = false;
   // The barrier this thread waits at, and the generation it waits to see pass.
   const Barrier* waiting = nullptr;
   unsigned waiting_for = 0;
+  // Not done, and not waiting at a barrier that has yet to pass (kept with `ready_in_warp`).
+  bool runnable = false;
 };
 
 inline std::vector<Fiber> fibers;
-inline ucontext_t main_ctx;
+inline void* main_sp = nullptr;
 inline unsigned current = 0;
 inline const std::function<void()>* body = nullptr;
+#if defined(__SANITIZE_ADDRESS__)
+// The launching thread's own stack, learnt at the first switch into a fiber.
+inline const void* main_stack_bottom = nullptr;
+inline size_t main_stack_size = 0;
+#endif
+
+// Switches from the stack whose pointer is saved in `*save` to `load`, whose stack spans
+// `bottom .. bottom + size`; `leaving` is true when the running fiber never resumes.
+inline void switch_stack(void** save, void* load, const void* bottom, size_t size, bool leaving) {
+#if defined(__SANITIZE_ADDRESS__)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(leaving ? nullptr : &fake, bottom, size);
+  posenc_emu_switch(save, load);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  (void)bottom, (void)size, (void)leaving;
+  posenc_emu_switch(save, load);
+#endif
+}
 
 inline void switch_to(unsigned to) {
   const unsigned from = current;
   current = to;
   threadIdx = {to, 0, 0};
-  swapcontext(&fibers[from].ctx, &fibers[to].ctx);
+  switch_stack(&fibers[from].sp, fibers[to].sp, fibers[to].stack.data(), fibers[to].stack.size(),
+               false);
 }
 
 struct Barrier {
   unsigned count, arrived = 0, generation = 0;
+  std::vector<unsigned> waiters;
   explicit Barrier(unsigned n) : count(n) {}
   void arrive_and_wait();
 };
@@ -80,30 +138,59 @@ struct Barrier {
 //   of the whole block, as far ahead of the others as a GPU could let it.
 inline unsigned long long seed = 0x9e3779b97f4a7c15ull;
 inline bool ranked = false;
-inline std::vector<unsigned> rank;  // per warp
+inline std::vector<unsigned> rank;     // per warp
+inline std::vector<unsigned> by_rank;  // the warps, first-ranked first
+// Runnable threads per warp, so that a choice skips warps with none.
+inline std::vector<unsigned> ready_in_warp;
 
 inline unsigned next_random() {
   seed = seed * 6364136223846793005ull + 1442695040888963407ull;
   return (unsigned)(seed >> 33);
 }
 
-inline bool ready(const Fiber& f) {
-  return !f.done && (f.waiting == nullptr || f.waiting->generation != f.waiting_for);
+inline void set_runnable(unsigned t, bool on) {
+  if (fibers[t].runnable == on) return;
+  fibers[t].runnable = on;
+  if (on)
+    ++ready_in_warp[t / 32];
+  else
+    --ready_in_warp[t / 32];
 }
 
-// Lets another thread run (the current one waits at a barrier).
+// The first runnable thread of warp `w` in the cyclic order that starts at `start`.
+inline unsigned first_in_warp(unsigned w, unsigned start) {
+  const unsigned lo = w * 32, hi = std::min<unsigned>(lo + 32, fibers.size());
+  const unsigned from = (start > lo && start < hi) ? start : lo;
+  for (unsigned t = from; t < hi; ++t)
+    if (fibers[t].runnable) return t;
+  for (unsigned t = lo; t < from; ++t)
+    if (fibers[t].runnable) return t;
+  return fibers.size();
+}
+
+// Lets another thread run (the current one waits at a barrier): at random, the first
+// runnable thread after a random start; ranked, the first such thread of the best-ranked warp
+// that has one.
 inline void yield() {
   const unsigned n = fibers.size();
-  unsigned best = n, best_rank = ~0u;
   const unsigned start = next_random() % n;
-  for (unsigned step = 0; step < n; ++step) {
-    const unsigned t = (start + step) % n;
-    if (t == current || !ready(fibers[t])) continue;
-    const unsigned r = ranked ? rank[t / 32] : 0;
-    if (r < best_rank) {
-      best = t;
-      best_rank = r;
-      if (!ranked) break;
+  unsigned best = n;
+  if (ranked) {
+    for (unsigned w : by_rank)
+      if (ready_in_warp[w] > 0) {
+        best = first_in_warp(w, start);
+        break;
+      }
+  } else {
+    for (unsigned step = 0; step < n && best == n; ++step) {
+      const unsigned t = (start + step) % n;
+      if (ready_in_warp[t / 32] == 0) {
+        // The rest of this warp has none either (at most the warp's last thread, or n).
+        const unsigned end = std::min<unsigned>((t / 32 + 1) * 32, n);
+        step += end - t - 1;
+        continue;
+      }
+      if (fibers[t].runnable) best = t;
     }
   }
   if (best < n) switch_to(best);
@@ -114,11 +201,15 @@ inline void Barrier::arrive_and_wait() {
   if (++arrived == count) {
     arrived = 0;
     ++generation;
+    for (unsigned t : waiters) set_runnable(t, true);
+    waiters.clear();
     return;
   }
   Fiber& me = fibers[current];
   me.waiting = this;
   me.waiting_for = g;
+  waiters.push_back(current);
+  set_runnable(current, false);
   while (generation == g) yield();
   fibers[current].waiting = nullptr;
 }
@@ -142,18 +233,51 @@ inline Block block;
 inline int lane() { return threadIdx.x % 32; }
 inline Warp& warp() { return *block.warps[threadIdx.x / 32]; }
 
-inline void entry() {
+// Where every fiber starts (entered by the switch's `ret`); it never returns.
+[[noreturn]] inline void entry() {
+#if defined(__SANITIZE_ADDRESS__)
+  // The first fiber ever entered is entered from the launch: the stack left is the launch's.
+  if (main_stack_bottom == nullptr)
+    __sanitizer_finish_switch_fiber(nullptr, &main_stack_bottom, &main_stack_size);
+  else
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
   (*body)();
   fibers[current].done = true;
-  // On to an unfinished thread; when none is left, back to the launch (uc_link).
+  set_runnable(current, false);
+  // On to an unfinished thread; when none is left, back to the launch.
+  void* discarded = nullptr;
   for (unsigned step = 1; step < fibers.size(); ++step) {
     const unsigned to = (current + step) % fibers.size();
     if (!fibers[to].done) {
       current = to;
       threadIdx = {to, 0, 0};
-      setcontext(&fibers[to].ctx);
+      switch_stack(&discarded, fibers[to].sp, fibers[to].stack.data(), fibers[to].stack.size(),
+                   true);
     }
   }
+#if defined(__SANITIZE_ADDRESS__)
+  switch_stack(&discarded, main_sp, main_stack_bottom, main_stack_size, true);
+#else
+  switch_stack(&discarded, main_sp, nullptr, 0, true);
+#endif
+  __builtin_unreachable();
+}
+
+// A fresh stack laid out as posenc_emu_switch leaves a suspended one: the control words, six
+// zeroed registers, and `entry` as the return address, 16-byte aligned as at a call.
+inline void* fresh_stack(std::vector<char>& stack) {
+  auto top = reinterpret_cast<uintptr_t>(stack.data() + stack.size()) & ~uintptr_t{15};
+  auto* slot = reinterpret_cast<uint64_t*>(top) - 2;  // the return address, 16-byte aligned
+  slot[0] = reinterpret_cast<uint64_t>(&entry);
+  slot[1] = 0;
+  uint64_t* sp = slot - 8;  // six registers and the 16 bytes of control words
+  for (int i = 0; i < 8; ++i) sp[i] = 0;
+  const uint32_t mxcsr = 0x1f80;  // the defaults: every exception masked, round to nearest
+  const uint16_t fcw = 0x037f;
+  std::memcpy(reinterpret_cast<char*>(sp) + 8, &mxcsr, 4);
+  std::memcpy(sp, &fcw, 2);
+  return sp;
 }
 
 // Runs `kernel` over the grid, `threads` threads per block (a multiple of 32), blocks in order.
@@ -177,23 +301,25 @@ inline void launch(Dim3 grid, unsigned threads, const std::function<void()>& ker
         rank.resize((threads + 31) / 32);
         for (unsigned w = 0; w < rank.size(); ++w) rank[w] = w;
         for (unsigned w = rank.size(); w > 1; --w) std::swap(rank[w - 1], rank[next_random() % w]);
+        by_rank.assign(rank.size(), 0);
+        for (unsigned w = 0; w < rank.size(); ++w) by_rank[rank[w]] = w;
+        ready_in_warp.assign(rank.size(), 0);
         for (unsigned t = 0; t < threads; ++t) {
           Fiber& f = fibers[t];
           f.idx = t;
           f.done = false;
           f.waiting = nullptr;
+          f.runnable = false;
+          set_runnable(t, true);
 #if defined(__SANITIZE_ADDRESS__)
           ASAN_UNPOISON_MEMORY_REGION(f.stack.data(), f.stack.size());
 #endif
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = f.stack.data();
-          f.ctx.uc_stack.ss_size = f.stack.size();
-          f.ctx.uc_link = &main_ctx;
-          makecontext(&f.ctx, entry, 0);
+          f.sp = fresh_stack(f.stack);
         }
         current = 0;
         threadIdx = {0, 0, 0};
-        swapcontext(&main_ctx, &fibers[0].ctx);
+        switch_stack(&main_sp, fibers[0].sp, fibers[0].stack.data(), fibers[0].stack.size(),
+                     false);
       }
   for (Warp* w : block.warps) delete w;
   block.warps.clear();
