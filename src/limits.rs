@@ -5,8 +5,13 @@
 //! allocation fails. Every table, parameter, cache and per-call tensor whose size follows from
 //! a configuration or an input is checked against one number, [`max_elements`] (by default
 //! [`MAX_ELEMENTS`]), with checked arithmetic first. A program that knows its memory sets the
-//! budget once with [`set_max_elements`].
+//! budget once with [`set_max_elements`]; code that wants another budget for its own calls
+//! only (a request handler, a test beside others) takes a [`BudgetScope`] on its thread.
+//!
+//! The crate checks every size on the thread that made the call, before it hands any work to
+//! other threads, so a scope covers everything its calls build.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::{Error, Result};
@@ -16,16 +21,61 @@ pub const MAX_ELEMENTS: usize = 1 << 31;
 
 static BUDGET: AtomicUsize = AtomicUsize::new(MAX_ELEMENTS);
 
-/// The most elements one table, parameter, cache buffer or intermediate tensor built by this
-/// crate may hold (process-wide).
-pub fn max_elements() -> usize {
-    BUDGET.load(Ordering::Relaxed)
+thread_local! {
+    /// The innermost [`BudgetScope`] of this thread, if any.
+    static SCOPED: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-/// Sets [`max_elements`] for the whole process (at least 1) and returns the previous budget.
-/// Objects built before keep what they hold; later checks use the new number.
+/// The most elements one table, parameter, cache buffer or intermediate tensor built by this
+/// crate may hold: this thread's [`BudgetScope`] if it has one, else the process's budget.
+pub fn max_elements() -> usize {
+    SCOPED
+        .with(Cell::get)
+        .unwrap_or_else(|| BUDGET.load(Ordering::Relaxed))
+}
+
+/// Sets the process's budget (at least 1) and returns the previous one. Objects built before
+/// keep what they hold; later checks use the new number, except on threads inside a
+/// [`BudgetScope`].
 pub fn set_max_elements(elements: usize) -> usize {
     BUDGET.swap(elements.max(1), Ordering::Relaxed)
+}
+
+/// A budget for the calls this thread makes while the value lives, in place of the process's
+/// (scopes nest; dropping one restores the budget that was in force when it was taken).
+///
+/// ```
+/// use candle_posenc::limits::{max_elements, BudgetScope, MAX_ELEMENTS};
+///
+/// {
+///     let _scope = BudgetScope::new(4096);
+///     assert_eq!(max_elements(), 4096);
+/// }
+/// assert_eq!(max_elements(), MAX_ELEMENTS);
+/// ```
+#[derive(Debug)]
+#[must_use = "the budget holds only while the scope lives"]
+pub struct BudgetScope {
+    previous: Option<usize>,
+    /// Scopes belong to the thread that took them.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl BudgetScope {
+    /// `elements` (at least 1) as this thread's budget until the scope is dropped.
+    pub fn new(elements: usize) -> Self {
+        let previous = SCOPED.with(|s| s.replace(Some(elements.max(1))));
+        Self {
+            previous,
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for BudgetScope {
+    fn drop(&mut self) {
+        SCOPED.with(|s| s.set(self.previous));
+    }
 }
 
 /// The product of `dims`, or [`Error::InvalidConfig`] naming `name = value` if it overflows or

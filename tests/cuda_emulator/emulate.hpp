@@ -48,6 +48,9 @@ namespace emu {
 // other fiber's stack pointer (x86-64 System V): ucontext's swapcontext also saves the
 // signal mask, a system call per switch, and under AddressSanitizer clears the shadow of the
 // whole new stack, which together made up most of the emulator's time.
+#if !defined(__x86_64__)
+#error "the emulator's fiber switch is written for x86-64"
+#endif
 extern "C" void posenc_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
   .text

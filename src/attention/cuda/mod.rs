@@ -102,8 +102,44 @@ pub fn set_fused_kernel(on: bool) {
     ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
 
-/// Whether the fused CUDA kernel is on ([`set_fused_kernel`]).
+thread_local! {
+    /// This thread's [`FusedKernelScope`], if any.
+    static SCOPED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// The fused CUDA kernel on or off for the calls this thread makes while the value lives, in
+/// place of [`set_fused_kernel`]'s process-wide setting (scopes nest; dropping one restores
+/// what was in force when it was taken). The block chooses its path on the calling thread.
+#[derive(Debug)]
+#[must_use = "the setting holds only while the scope lives"]
+pub struct FusedKernelScope {
+    previous: Option<bool>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl FusedKernelScope {
+    /// The kernel `on` (or off) on this thread until the scope is dropped.
+    pub fn new(on: bool) -> Self {
+        let previous = SCOPED.with(|s| s.replace(Some(on)));
+        Self {
+            previous,
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for FusedKernelScope {
+    fn drop(&mut self) {
+        SCOPED.with(|s| s.set(self.previous));
+    }
+}
+
+/// Whether the fused CUDA kernel is on: this thread's [`FusedKernelScope`] if it has one, else
+/// [`set_fused_kernel`]'s setting.
 pub fn fused_kernel() -> bool {
+    if let Some(on) = SCOPED.with(std::cell::Cell::get) {
+        return on;
+    }
     match ENABLED.load(Ordering::Relaxed) {
         0 => {
             let on = std::env::var("CANDLE_POSENC_CUDA_KERNEL").is_ok_and(|v| v == "1");
