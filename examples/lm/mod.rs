@@ -1,5 +1,5 @@
 //! The extrapolation experiment's pieces, shared by `examples/extrapolation.rs`,
-//! `examples/attention_demo.rs`, `examples/visualize.rs` and `tests/extrapolation.rs`: the
+//! `examples/attention_demo.rs`, `examples/visualize.rs` and `tests/it/examples/extrapolation.rs`: the
 //! synthetic copy task ([`data`]), character-level text ([`text`]), the small language model
 //! ([`model`]), training, copy-task evaluation and checkpoints ([`train`]), the text views
 //! ([`text_eval`]), and the text experiment's runs, tables and record ([`text_report`]).

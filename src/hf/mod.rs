@@ -18,7 +18,7 @@
 //! | `mpt` | `Wqkv`, rows `[q; k; v]` | `out_proj` | ALiBi with MPT's slopes, largest exponent 8 (HF reads neither `attn_config.alibi` nor `attn_config.alibi_bias_max`) |
 //! | `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` (their `text_config`) | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`) | `o_proj` | multimodal RoPE |
 //!
-//! Each family is checked against a layer of HF transformers' own module (`tests/hf_layers.rs`).
+//! Each family is checked against a layer of HF transformers' own module (`tests/it/hf/layers.rs`).
 
 pub(crate) mod defaults;
 mod gemma4;

@@ -81,18 +81,21 @@ const TILE: usize = 64;
 /// 0: not yet read from the environment; 1: off; 2: on.
 static ENABLED: AtomicU8 = AtomicU8::new(0);
 
-/// Launches of the crate's CUDA kernels, process-wide.
-static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    /// Launches of the crate's CUDA kernels by this thread's calls.
+    static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
 /// How many times the crate's CUDA kernels (the fused attention's query blocks, rotations in
-/// place) have run in this process: a test or a user can tell that a block took them.
+/// place) have run for calls made on this thread: a test or a user can tell that a block took
+/// them, whatever other threads do (kernels are launched on the calling thread).
 pub fn kernel_launches() -> u64 {
-    LAUNCHES.load(Ordering::Relaxed)
+    LAUNCHES.with(std::cell::Cell::get)
 }
 
 /// Counts one launch ([`kernel_launches`]).
 pub(crate) fn count_launch() {
-    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    LAUNCHES.with(|n| n.set(n.get() + 1));
 }
 
 /// Turns the fused CUDA kernel on or off for every block in this process (default: off, or

@@ -1,0 +1,3 @@
+//! Attention layers read from HF `config.json` files and HF tensor names, against HF transformers' own modules.
+
+mod layers;

@@ -1,0 +1,235 @@
+//! The size budget is one number a user reads and sets, and every size that follows from a
+//! configuration or an input obeys it at once. The budget is lowered for this test's thread
+//! only (`BudgetScope`), so the tests beside it keep the default; the process-wide setter is
+//! tested in a child process of its own.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::limits::{max_elements, set_max_elements, BudgetScope, MAX_ELEMENTS};
+use candle_posenc::plug::{Columns, RelativeBias};
+use candle_posenc::{
+    AttentionConfig, AttentionContext, AttentionOptions, Error, KvCache, LearnedConfig,
+    LearnedPositionalEncoding, MultiHeadAttention, PositionalEncoding, Positions, RopeConfig,
+    RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
+    SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
+};
+
+#[test]
+fn budget_is_one_number() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    assert_eq!(max_elements(), MAX_ELEMENTS);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4), None, vb.pp("a"))?;
+    let x = Tensor::zeros((1, 64, 16), DType::F32, &dev)?;
+    let weights = AttentionOptions {
+        return_weights: true,
+        ..Default::default()
+    };
+    mha.forward_with(&x, &weights, None)?;
+    let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 64), vb.pp("s"))?;
+    let t5 = T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?;
+    let ids = Positions::ids(&Tensor::zeros((8, 16), DType::U32, &dev)?)?;
+    let keys = Positions::ids(&Tensor::zeros((1, 64), DType::U32, &dev)?)?;
+    let at0 = Positions::Offset(0);
+    // One head 1024 wide on a model 1 wide: its projections fit in 4096 elements.
+    let wide = MultiHeadAttention::new(
+        &AttentionConfig::new(1, 1).with_head_dim(1024),
+        None,
+        vb.pp("w"),
+    )?;
+    let eight = Tensor::zeros((1, 8, 1), DType::F32, &dev)?;
+    wide.forward(&eight)?;
+    // An f64 block (candle's ops) of constant weights in query blocks of 16: 4 × 16 × 64
+    // logits at a time.
+    let blocked = MultiHeadAttention::new(
+        &AttentionConfig::new(16, 4).with_query_block(Some(16)),
+        None,
+        VarBuilder::zeros(DType::F64, &dev),
+    )?;
+    let x64 = Tensor::zeros((1, 64, 16), DType::F64, &dev)?;
+    let train = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+
+    let scope = BudgetScope::new(4096);
+    assert_eq!(max_elements(), 4096);
+    let refused: Vec<(&str, Error)> = vec![
+        (
+            "logits of 4 × 64 × 64",
+            mha.forward_with(&x, &weights, None).unwrap_err(),
+        ),
+        (
+            "logits of 4 × 64 × 64 that candle's ops keep for the backward (blocks of 4 × 16 × 64 \
+             fit, and run in inference)",
+            {
+                blocked.forward_with(&x64, &AttentionOptions::default(), None)?;
+                blocked.forward_with(&x64, &train, None).unwrap_err()
+            },
+        ),
+        (
+            "queries of 8 × 1024 (the logits of 8 × 8 fit)",
+            wide.forward_with(&eight, &AttentionOptions::default(), None)
+                .unwrap_err(),
+        ),
+        (
+            "a sinusoidal table of 512 × 16",
+            SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(16), &dev).unwrap_err(),
+        ),
+        (
+            "a learned table of 1024 × 16",
+            LearnedPositionalEncoding::new(&LearnedConfig::new(16).with_max_len(1024), vb.pp("l"))
+                .unwrap_err(),
+        ),
+        (
+            "RoPE tables for 4096 positions",
+            RotaryEmbedding::new(&RopeConfig::new(64).with_max_position(4096), &dev).unwrap_err(),
+        ),
+        (
+            "8192 position ids",
+            Positions::Offset(0).to_ids(8192, &dev).unwrap_err(),
+        ),
+        ("a KV cache of 1 × 4 × 2048 × 4", {
+            let mut cache = KvCache::with_capacity(1);
+            let opts = AttentionOptions::default();
+            let x = Tensor::zeros((1, 1, 16), DType::F32, &dev)?;
+            let mut err = None;
+            for _ in 0..2048 {
+                if let Err(e) = mha.forward_with(&x, &opts, Some(&mut cache)) {
+                    err = Some(e);
+                    break;
+                }
+            }
+            err.ok_or_else(|| anyhow::anyhow!("the cache grew past the budget"))?
+        }),
+        (
+            "distances of 8 sequences × 16 × 64 ids (16 × 64 alone fit)",
+            Positions::relative_distances(&ids, 16, &keys, 64, &dev).unwrap_err(),
+        ),
+        (
+            "T5 rows for 5000 keys",
+            t5.logits_bias(
+                &Tensor::zeros((1, 4, 1, 4), DType::F32, &dev)?,
+                &AttentionContext::new(&at0, 1, &at0, 5000),
+            )
+            .unwrap_err(),
+        ),
+        (
+            "Shaw's products of 2 × 4 × 16 × 129 (200 keys reach every distance)",
+            shaw.logits_bias(
+                &Tensor::zeros((2, 4, 16, 4), DType::F32, &dev)?,
+                &AttentionContext::new(&at0, 16, &at0, 200),
+            )
+            .unwrap_err(),
+        ),
+        (
+            "four projections of 64 × 64 (each alone fits)",
+            AttentionConfig::new(64, 4).validate().unwrap_err(),
+        ),
+        (
+            "positions of 2048 cached keys spread over a chunk's 8 sequences (2048 alone fit)",
+            Positions::Offset(0)
+                .extend(2048, &ids, 16, &dev)
+                .unwrap_err(),
+        ),
+        (
+            "relative rows viewed as 8 × 4 × 64 × 16 (the 8 × 4 × 64 × 1 bias fits)",
+            RelativeBias::new(
+                Tensor::zeros((1, 1, 1, 16), DType::F32, &dev)?.broadcast_as((8, 4, 64, 16))?,
+                Columns::Shift(0),
+            )?
+            .to_dense(64, 1)
+            .unwrap_err(),
+        ),
+    ];
+    // A table wider than the budget allows to spread over every query still gives its bias:
+    // nothing wider than the bias is built.
+    let table = Tensor::arange(0f32, 512.0, &dev)?.reshape((1, 1, 1, 512))?;
+    let map: Vec<u32> = (0..64u32).map(|n| n * 37 % 512).collect();
+    let wide = RelativeBias::new(
+        table,
+        Columns::Index(Tensor::from_vec(map.clone(), (8, 4, 2), &dev)?),
+    )?
+    .to_dense(4, 2)?;
+    assert_eq!(wide.dims(), &[8, 1, 4, 2]);
+    let got: Vec<f32> = wide.flatten_all()?.to_vec1()?;
+    assert_eq!(got, map.iter().map(|&c| c as f32).collect::<Vec<_>>());
+    // With no budget at all, validate's own arithmetic is checked: 2·num_heads + 2·num_kv_heads
+    // of 2^63 heads each (one feature wide, so every product before it fits).
+    let unlimited = BudgetScope::new(usize::MAX);
+    let mut heads = AttentionConfig::new(1, 1).with_kv_heads(1 << 63);
+    heads.num_heads = 1 << 63;
+    let err = heads.validate().unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::InvalidConfig {
+                name: "num_heads",
+                ..
+            }
+        ) && err.to_string().contains("within usize"),
+        "{err}"
+    );
+    drop(unlimited);
+    assert_eq!(max_elements(), 4096);
+    drop(scope);
+    assert_eq!(max_elements(), MAX_ELEMENTS);
+    for (what, err) in refused {
+        assert!(
+            matches!(err, Error::InvalidConfig { .. }) && err.to_string().contains("4096"),
+            "{what}: {err}"
+        );
+    }
+    mha.forward_with(&x, &weights, None)?;
+    Ok(())
+}
+
+/// `set_max_elements` sets the budget of every thread of the process (a scope still wins on
+/// its own thread) and returns the previous one. Process-wide, so it runs alone in a child.
+#[test]
+fn set_max_elements_is_process_wide() -> anyhow::Result<()> {
+    if !crate::common::alone() {
+        return crate::common::run_alone(concat!(
+            module_path!(),
+            "::set_max_elements_is_process_wide"
+        ));
+    }
+    assert_eq!(set_max_elements(4096), MAX_ELEMENTS);
+    let other = std::thread::spawn(max_elements).join().expect("thread");
+    assert_eq!((max_elements(), other), (4096, 4096));
+    {
+        let _scope = BudgetScope::new(1 << 20);
+        assert_eq!(max_elements(), 1 << 20);
+        let other = std::thread::spawn(max_elements).join().expect("thread");
+        assert_eq!(other, 4096);
+    }
+    assert_eq!(max_elements(), 4096);
+    // Another thread's call is held to it: logits of 4 × 64 × 64 pass 4096.
+    let refused = std::thread::spawn(|| -> anyhow::Result<bool> {
+        let dev = Device::Cpu;
+        let mha = MultiHeadAttention::new(
+            &AttentionConfig::new(16, 4),
+            None,
+            VarBuilder::zeros(DType::F32, &dev),
+        )?;
+        let x = Tensor::zeros((1, 64, 16), DType::F32, &dev)?;
+        let weights = AttentionOptions {
+            return_weights: true,
+            ..Default::default()
+        };
+        Ok(matches!(
+            mha.forward_with(&x, &weights, None),
+            Err(Error::InvalidConfig { .. })
+        ))
+    })
+    .join()
+    .expect("thread")?;
+    assert!(
+        refused,
+        "a call on another thread passed the process's budget"
+    );
+    assert_eq!(set_max_elements(0), 4096, "at least 1");
+    assert_eq!(set_max_elements(MAX_ELEMENTS), 1);
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! Bad input, non-finite values, integer paths, the size budget, and random use of the public API.
+
+mod api_fuzz;
+mod api_properties;
+mod bad_input;
+mod budget;
+mod integer_ops;
+mod non_finite;
+mod properties;
+mod reliability;
