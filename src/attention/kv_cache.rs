@@ -378,3 +378,41 @@ impl KvCache {
         Ok(())
     }
 }
+
+/// A call's KV cache, put back as it was when the guard drops uncommitted: a chunk that fails
+/// at any stage after the cache is opened leaves nothing of itself in the cache.
+pub(crate) struct CacheGuard<'c> {
+    cache: Option<&'c mut KvCache>,
+    mark: Option<(usize, Option<Positions>)>,
+}
+
+impl<'c> CacheGuard<'c> {
+    /// Opens `cache` (if any) for one chunk, remembering its state.
+    pub(crate) fn open(cache: Option<&'c mut KvCache>) -> Self {
+        let mark = cache.as_ref().map(|c| c.mark());
+        Self { cache, mark }
+    }
+
+    /// The cache, to append to.
+    pub(crate) fn get(&mut self) -> Option<&mut KvCache> {
+        self.cache.as_deref_mut()
+    }
+
+    /// Keeps the chunk: a streaming cache forgets what falls between its sinks and its window.
+    /// If that fails, the cache is put back.
+    pub(crate) fn commit(mut self) -> Result<()> {
+        if let Some(cache) = self.cache.as_deref_mut() {
+            cache.evict()?;
+        }
+        self.mark = None;
+        Ok(())
+    }
+}
+
+impl Drop for CacheGuard<'_> {
+    fn drop(&mut self) {
+        if let (Some(cache), Some(mark)) = (self.cache.as_deref_mut(), self.mark.take()) {
+            cache.restore(mark);
+        }
+    }
+}

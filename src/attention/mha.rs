@@ -31,7 +31,7 @@ use candle_nn::{linear_b, Linear, VarBuilder};
 
 use super::blocks::{Chunk, Path};
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
-use super::kv_cache::KvCache;
+use super::kv_cache::{CacheGuard, KvCache};
 use super::latent::LatentProjections;
 use super::linear_node::{self, Arrange};
 use super::mask::check_padding;
@@ -225,12 +225,50 @@ impl MultiHeadAttention {
         &self,
         x: &Tensor,
         options: &AttentionOptions,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
     ) -> Result<AttentionOutput> {
-        let cfg = &self.config;
-        let streaming = cache
-            .as_ref()
-            .is_some_and(|c| c.streaming_window().is_some());
+        let call = self.check_call(x, options, cache.as_deref())?;
+        if call.is_empty() {
+            return self.empty_output(call.full, x, options.return_weights);
+        }
+        let ctx = AttentionContext::chunk(&call.positions, call.t)
+            .with_causal(self.config.causal)
+            .with_train(options.train)
+            .with_sinks(self.config.sinks);
+        let x = self.add_positions(x, &ctx, call.streaming)?;
+        let differentiable = self.differentiable(&x, options);
+        let (q, k, v) = self.project(&x, differentiable)?;
+        let mut cache = CacheGuard::open(cache);
+        let (q, k, v, k_positions) = self.rotate_and_cache(q, k, v, &call, &ctx, cache.get())?;
+        let dtype = v.dtype();
+        let (q, k, v) = self.scale_queries(q, k, v, &call, differentiable, options)?;
+        let path = Path::choose(&q, &k, &v, differentiable, options.return_weights);
+        let chunk = self.chunk(
+            &call,
+            (q, k, v, dtype),
+            &k_positions,
+            differentiable,
+            options,
+        );
+        let attended = chunk.attend(path)?;
+        let heads = attended.out.to_dtype(dtype)?;
+        let output = self.merge_and_project(&heads, (call.b, call.t), differentiable)?;
+        cache.commit()?;
+        Ok(AttentionOutput {
+            output,
+            weights: attended.weights,
+        })
+    }
+
+    /// The first stage of a call: the input, positions, masks and the budget checked, before
+    /// anything is computed.
+    fn check_call(
+        &self,
+        x: &Tensor,
+        options: &AttentionOptions,
+        cache: Option<&KvCache>,
+    ) -> Result<Call> {
+        let streaming = cache.is_some_and(|c| c.streaming_window().is_some());
         if streaming && options.positions.is_some() {
             return Err(Error::config(
                 "positions",
@@ -238,14 +276,16 @@ impl MultiHeadAttention {
                 "none with a streaming KV cache, which places tokens at their cache slots",
             ));
         }
-        let next = Positions::Offset(cache.as_ref().map_or(0, |c| c.next_position()));
-        let positions = options.positions.unwrap_or(&next);
-        let (b, t) = self.check_input(x, positions)?;
-        let cached = cache.as_ref().map_or(0, |c| c.len());
+        let positions = match options.positions {
+            Some(p) => p.clone(),
+            None => Positions::Offset(cache.map_or(0, KvCache::next_position)),
+        };
+        let (b, t) = self.check_input(x, &positions)?;
+        let cached = cache.map_or(0, KvCache::len);
         let tk = cached.saturating_add(t);
         let block = self.check_logits(b, t, tk, options.return_weights)?;
         self.check_activations(b, t, tk)?;
-        let full = (b, cfg.num_heads, t, tk);
+        let full = (b, self.config.num_heads, t, tk);
         let attn_mask = self.attn_mask(options, full)?;
         let padding = options
             .padding_mask
@@ -254,131 +294,156 @@ impl MultiHeadAttention {
                 check_padding(p, b, tk)
             })
             .transpose()?;
-        if t == 0 || b == 0 {
-            return self.empty_output(full, x, options.return_weights);
-        }
-        let enc = self.encoding.as_deref();
-        let ctx = AttentionContext::chunk(positions, t)
-            .with_causal(cfg.causal)
-            .with_train(options.train)
-            .with_sinks(cfg.sinks);
-        let x = match enc {
-            Some(e) => {
-                let added = self.check_input_hook(e.add_to_input(x, &ctx)?, x)?;
-                // A streaming cache moves its tokens to new slots as it evicts, and only keys
-                // and biases can follow them: a position added to the input stays in the
-                // token's key (every token past the window would arrive at the same slot).
-                if streaming && !shares_storage(&added, x) {
-                    return Err(Error::config(
-                        "KV cache",
-                        "streaming",
-                        "a plain cache with an encoding added to the input (sinusoidal, learned): \
-                         a streaming cache places tokens at slots that move as it evicts",
-                    ));
-                }
-                added
-            }
-            None => x.clone(),
+        Ok(Call {
+            positions,
+            streaming,
+            b,
+            t,
+            cached,
+            full,
+            block,
+            attn_mask,
+            padding,
+        })
+    }
+
+    /// The input with the encoding's positions added (an input hook's answer, checked).
+    fn add_positions(&self, x: &Tensor, ctx: &AttentionContext, streaming: bool) -> Result<Tensor> {
+        let Some(e) = self.encoding.as_deref() else {
+            return Ok(x.clone());
         };
-        // Gradients are kept whenever anything upstream tracks them (the input, the weights, an
-        // encoding's parameters, a user's mask), whatever the entry point; only then do q, k
-        // and v stay in the graph. (The inference paths read a mask as a constant: a mask
-        // learned beside a frozen block would silently get no gradient.)
-        let differentiable = options.train
+        let added = self.check_input_hook(e.add_to_input(x, ctx)?, x)?;
+        // A streaming cache moves its tokens to new slots as it evicts, and only keys and
+        // biases can follow them: a position added to the input stays in the token's key
+        // (every token past the window would arrive at the same slot).
+        if streaming && !shares_storage(&added, x) {
+            return Err(Error::config(
+                "KV cache",
+                "streaming",
+                "a plain cache with an encoding added to the input (sinusoidal, learned): \
+                 a streaming cache places tokens at slots that move as it evicts",
+            ));
+        }
+        Ok(added)
+    }
+
+    /// Whether the call keeps gradients: whenever anything upstream tracks them (the input,
+    /// the weights, an encoding's parameters, a user's mask), whatever the entry point; only
+    /// then do q, k and v stay in the graph. (The inference paths read a mask as a constant:
+    /// a mask learned beside a frozen block would silently get no gradient.)
+    fn differentiable(&self, x: &Tensor, options: &AttentionOptions) -> bool {
+        options.train
             || x.track_op()
             || self.weights_track()
-            || options.attn_mask.is_some_and(Tensor::track_op);
-        let (q, k, v) = self.project(&x, differentiable)?;
-        let mark = cache.as_ref().map(|c| c.mark());
-        let (q, k, v, k_positions) = match (cache.as_deref_mut(), streaming) {
-            // A streaming cache holds its keys unrotated: all are rotated at their slots.
-            (Some(cache), true) => {
-                let (k, v, k_positions) = cache.append(&k, &v, positions)?;
-                let rotated = match enc {
+            || options.attn_mask.is_some_and(Tensor::track_op)
+    }
+
+    /// Queries and keys rotated, and the chunk's keys and values appended to the cache:
+    /// q `(B, H, T, D)`, every key and value `(B, Hkv, Tk, D)`, and the keys' positions. A
+    /// plain cache keeps rotated keys; a streaming one keeps them unrotated, and all of them
+    /// are rotated at their slots.
+    fn rotate_and_cache(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        call: &Call,
+        ctx: &AttentionContext,
+        cache: Option<&mut KvCache>,
+    ) -> Result<(Tensor, Tensor, Tensor, Positions)> {
+        let (b, t) = (call.b, call.t);
+        let enc = self.encoding.as_deref();
+        match cache {
+            Some(cache) if call.streaming => {
+                let (k, v, k_positions) = cache.append(&k, &v, &call.positions)?;
+                let (q, k) = match enc {
                     Some(e) => {
-                        let all = AttentionContext::new(positions, t, &k_positions, tk)
-                            .with_causal(cfg.causal)
-                            .with_train(options.train)
-                            .with_sinks(cfg.sinks);
+                        let tk = call.full.3;
+                        let all = AttentionContext::new(&call.positions, t, &k_positions, tk)
+                            .with_causal(self.config.causal)
+                            .with_train(ctx.train)
+                            .with_sinks(self.config.sinks);
                         // A copy: the rotation may run in place, and the cache keeps its keys
                         // unrotated.
-                        e.rotate(q, k.copy()?, &all)
-                            .and_then(|qk| self.check_rotated(qk, (b, t, tk)))
+                        self.check_rotated(e.rotate(q, k.copy()?, &all)?, (b, t, tk))?
                     }
-                    None => Ok((q, k)),
+                    None => (q, k),
                 };
-                match rotated {
-                    Ok((q, k)) => (q, k, v, k_positions),
-                    Err(e) => {
-                        if let Some(mark) = mark {
-                            cache.restore(mark);
-                        }
-                        return Err(e);
-                    }
-                }
+                Ok((q, k, v, k_positions))
             }
-            (cache, _) => {
+            cache => {
                 let (q, k) = match enc {
-                    Some(e) => self.check_rotated(e.rotate(q, k, &ctx)?, (b, t, t))?,
+                    Some(e) => self.check_rotated(e.rotate(q, k, ctx)?, (b, t, t))?,
                     None => (q, k),
                 };
                 match cache {
                     Some(cache) => {
-                        let (k, v, p) = cache.append(&k, &v, positions)?;
-                        (q, k, v, p)
+                        let (k, v, p) = cache.append(&k, &v, &call.positions)?;
+                        Ok((q, k, v, p))
                     }
-                    None => (q, k, v, positions.clone()),
+                    None => Ok((q, k, v, call.positions.clone())),
                 }
             }
+        }
+    }
+
+    /// Queries scaled (the temperature, then the softmax scale), and the operands of the core.
+    /// Half precision on the CPU runs the fused core in f32 when neither gradients nor
+    /// weights are wanted: the queries are widened, and the heads return to the block's dtype
+    /// before the output projection. Keys and values (the whole cache) are widened once when
+    /// many queries read them; a few queries (a decoding step) leave them as cached, and the
+    /// core widens each key tile as it reads it, so that a step reads the cache once and
+    /// allocates nothing that grows with it.
+    fn scale_queries(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        call: &Call,
+        differentiable: bool,
+        options: &AttentionOptions,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let cfg = &self.config;
+        let q = match &cfg.attention_temperature {
+            // The chunk's first query sits at key index `cached`.
+            Some(t) => t.apply(&q, call.cached)?,
+            None => q,
         };
-        let dtype = v.dtype();
-        let prepared = (|| -> Result<(Tensor, Tensor, Tensor)> {
-            let q = match &cfg.attention_temperature {
-                // The chunk's first query sits at key index `cached`.
-                Some(t) => t.apply(&q, cached)?,
-                None => q,
-            };
-            // Half precision on the CPU runs the fused core in f32 when neither gradients nor
-            // weights are wanted: the queries are widened, and the heads return to the block's
-            // dtype before the output projection. Keys and values (the whole cache) are widened
-            // once when many queries read them; a few queries (a decoding step) leave them as
-            // cached, and the core widens each key tile as it reads it, so that a step reads
-            // the cache once and allocates nothing that grows with it.
-            let widen = !differentiable
-                && !options.return_weights
-                && q.device().is_cpu()
-                && matches!(dtype, DType::BF16 | DType::F16);
-            Ok(match (widen, t <= DECODE_QUERIES) {
-                (true, false) => (
-                    (q.to_dtype(DType::F32)? * cfg.softmax_scale)?,
-                    k.to_dtype(DType::F32)?,
-                    v.to_dtype(DType::F32)?,
-                ),
-                (true, true) => ((q.to_dtype(DType::F32)? * cfg.softmax_scale)?, k, v),
-                (false, _) => ((q * cfg.softmax_scale)?, k, v),
-            })
-        })();
-        let (q, k, v) = match prepared {
-            Ok(qkv) => qkv,
-            Err(e) => {
-                // Nothing of this chunk stays in the cache.
-                if let (Some(cache), Some(mark)) = (cache, mark) {
-                    cache.restore(mark);
-                }
-                return Err(e);
-            }
-        };
-        let path = Path::choose(&q, &k, &v, differentiable, options.return_weights);
-        let attended = Chunk {
-            attn_mask,
-            padding,
+        let widen = !differentiable
+            && !options.return_weights
+            && q.device().is_cpu()
+            && matches!(v.dtype(), DType::BF16 | DType::F16);
+        Ok(match (widen, call.t <= DECODE_QUERIES) {
+            (true, false) => (
+                (q.to_dtype(DType::F32)? * cfg.softmax_scale)?,
+                k.to_dtype(DType::F32)?,
+                v.to_dtype(DType::F32)?,
+            ),
+            (true, true) => ((q.to_dtype(DType::F32)? * cfg.softmax_scale)?, k, v),
+            (false, _) => ((q * cfg.softmax_scale)?, k, v),
+        })
+    }
+
+    /// The chunk as the execution paths take it (`dtype`: the block's, before any widening).
+    fn chunk<'a>(
+        &'a self,
+        call: &'a Call,
+        (q, k, v, dtype): (Tensor, Tensor, Tensor, DType),
+        k_positions: &'a Positions,
+        differentiable: bool,
+        options: &AttentionOptions,
+    ) -> Chunk<'a> {
+        let cfg = &self.config;
+        Chunk {
+            attn_mask: call.attn_mask.clone(),
+            padding: call.padding.clone(),
             q,
             k,
             v,
             // (Latent attention's values are v_head_dim wide, padded to the heads.)
             value_dim: cfg.latent.map_or(cfg.head_dim, |l| l.v_head_dim),
-            q_positions: positions,
-            k_positions: &k_positions,
+            q_positions: &call.positions,
+            k_positions,
             causal: cfg.causal,
             window: cfg.sliding_window,
             chunk: cfg.attention_chunk,
@@ -390,43 +455,35 @@ impl MultiHeadAttention {
             dropout_seed: options
                 .dropout_seed
                 .unwrap_or_else(super::dropout::fresh_seed),
-            block,
+            block: call.block,
             logits_budget: cfg.logits_budget,
             return_weights: options.return_weights,
-            encoding: enc,
+            encoding: self.encoding.as_deref(),
             dtype,
         }
-        .attend(path)
-        .and_then(|attended| {
-            let out = attended.out.to_dtype(dtype)?;
-            let merged = match &self.projections {
-                Projections::Latent(latent) => latent.values_of(&out)?,
-                Projections::Separate { .. } => out,
-            };
-            // Training on the CPU in f32: the output projection as one node of the graph,
-            // reading the heads `(B, T, H, D)` as rows of H·D.
-            let node = match differentiable {
-                true => linear_node::linear(&self.o_proj, &merged, Arrange::Rows(vec![b, t]))?,
-                false => None,
-            };
-            let output = match node {
-                Some(output) => output,
-                None => projection::project(&self.o_proj, &merged.reshape((b, t, ()))?)?,
-            };
-            // A streaming cache forgets what falls between its sinks and its window.
-            if let Some(cache) = cache.as_deref_mut() {
-                cache.evict()?;
-            }
-            Ok((output, attended.weights))
-        })
-        .inspect_err(|_| {
-            // A chunk that fails (an encoding's answer, a mask) leaves the cache as it was.
-            if let (Some(cache), Some(mark)) = (cache, mark) {
-                cache.restore(mark);
-            }
-        });
-        let (output, weights) = attended?;
-        Ok(AttentionOutput { output, weights })
+    }
+
+    /// The heads of the core's output merged and projected to `(B, T, d_model)`.
+    fn merge_and_project(
+        &self,
+        heads: &Tensor,
+        (b, t): (usize, usize),
+        differentiable: bool,
+    ) -> Result<Tensor> {
+        let merged = match &self.projections {
+            Projections::Latent(latent) => latent.values_of(heads)?,
+            Projections::Separate { .. } => heads.clone(),
+        };
+        // Training on the CPU in f32: the output projection as one node of the graph, reading
+        // the heads `(B, T, H, D)` as rows of H·D.
+        let node = match differentiable {
+            true => linear_node::linear(&self.o_proj, &merged, Arrange::Rows(vec![b, t]))?,
+            false => None,
+        };
+        match node {
+            Some(output) => Ok(output),
+            None => projection::project(&self.o_proj, &merged.reshape((b, t, ()))?),
+        }
     }
 
     /// Checks `x` and its positions against the block; returns `(B, T)`.
@@ -746,6 +803,33 @@ impl MultiHeadAttention {
                 mask.shape(),
             )
         })?))
+    }
+}
+
+/// One call's settings, checked by [`MultiHeadAttention::check_call`] and read by the stages
+/// after it.
+struct Call {
+    /// The queries' positions (an offset after the cache's, unless given).
+    positions: Positions,
+    /// Whether the cache is a streaming one.
+    streaming: bool,
+    /// Sequences and queries.
+    b: usize,
+    t: usize,
+    /// Keys already in the cache.
+    cached: usize,
+    /// The logits' shape `(B, H, T, T_keys)`.
+    full: (usize, usize, usize, usize),
+    /// Queries per block of logits.
+    block: usize,
+    attn_mask: Option<Tensor>,
+    padding: Option<Tensor>,
+}
+
+impl Call {
+    /// No query or no sequence: nothing to compute, nothing to cache.
+    fn is_empty(&self) -> bool {
+        self.t == 0 || self.b == 0
     }
 }
 
