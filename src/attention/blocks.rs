@@ -63,6 +63,17 @@ impl Path {
         }
     }
 
+    /// Whether the path is a fused core (CPU or CUDA), which allocates no logits and reads
+    /// grouped KV heads in place.
+    fn is_fused(self) -> bool {
+        match self {
+            Path::Fused | Path::FusedTrain => true,
+            #[cfg(feature = "cuda")]
+            Path::CudaFused | Path::CudaTrain => true,
+            Path::RowPass | Path::Ops => false,
+        }
+    }
+
     /// The path for scaled, rotated `q`, `k` and `v`: plain ops whenever gradients are needed
     /// (`differentiable`, or any of them tracked by an encoding's parameters).
     pub(crate) fn choose(
@@ -176,13 +187,99 @@ pub(crate) struct Attended {
 /// An encoding's answers for one query block.
 type Answers = (Option<LogitsBias>, Option<RelativeValues>);
 
+/// What [`Chunk::attend`] settles before its first query block runs.
+struct Plan {
+    path: Path,
+    /// The query blocks, `(start, queries, keys seen)`.
+    spans: Vec<(usize, usize, usize)>,
+    /// The first block's answers, computed while the plan was made.
+    first: Option<Answers>,
+    /// Gradients flow: asked for, or the encoding's answers track them.
+    differentiable: bool,
+}
+
+/// Keys and values as a plan's path reads them, and what the blocks share.
+struct Operands {
+    k: Tensor,
+    v: Tensor,
+    /// The fused inference cores' output `(B, T, H, D)`, written block by block.
+    merged: Option<Tensor>,
+    /// The sinks' values, for the CPU paths.
+    host_sinks: Option<Vec<f32>>,
+}
+
+/// Whether an encoding's answers track gradients (learned biases or tables in a graph).
+fn tracks((bias, values): &Answers) -> bool {
+    let bias = match bias {
+        Some(LogitsBias::Dense(t)) => t.track_op(),
+        Some(LogitsBias::Relative(r)) => r.values().track_op(),
+        None => false,
+    };
+    bias || values.as_ref().is_some_and(|v| v.table().track_op())
+}
+
+/// The path once the first block's answers are known: answers that track gradients leave
+/// the inference paths for the fused training core where it gives them their gradients, and
+/// for candle's ops elsewhere.
+fn rechoose(path: Path, tracked: bool, first: Option<&Answers>) -> Path {
+    match (path, tracked) {
+        (Path::Fused | Path::FusedTrain, true) => match first.is_some_and(fused_grads) {
+            true => Path::FusedTrain,
+            false => Path::Ops,
+        },
+        // The CUDA backward gives dense terms, relative rows and a value table read through
+        // a shift their gradients (a value term's index map takes candle's ops below).
+        #[cfg(feature = "cuda")]
+        (Path::CudaTrain, true)
+            if first.is_some_and(|(bias, _)| match bias {
+                Some(LogitsBias::Relative(r)) => matches!(r.columns(), Columns::Shift(_)),
+                _ => true,
+            }) =>
+        {
+            Path::CudaTrain
+        }
+        (path, false) => path,
+        (_, true) => Path::Ops,
+    }
+}
+
 impl Chunk<'_> {
     /// Runs every query block on `path`, or on plain ops when the encoding's answers track
     /// gradients (learned biases or tables in a graph): the path is still chosen once, from
     /// the first block's answers.
     pub(crate) fn attend(&self, path: Path) -> Result<Attended> {
-        let (b, h, t, d) = self.q.dims4()?;
-        let (_, hkv, tk, _) = self.k.dims4()?;
+        let mut plan = self.plan(path)?;
+        let operands = self.operands(&plan)?;
+        let (mut outs, mut weights) = (Vec::new(), Vec::new());
+        for &span in &plan.spans {
+            let answers = match plan.first.take() {
+                Some(answers) => answers,
+                None => self.answers(span)?,
+            };
+            let out = self.run_block(&plan, &operands, span, answers, &mut weights)?;
+            outs.extend(out);
+        }
+        // The training cores return `(B, n, H, D)` per block, the ops `(B, H, n, D)`.
+        let token_major = plan.path == Path::FusedTrain;
+        #[cfg(feature = "cuda")]
+        let token_major = token_major || plan.path == Path::CudaTrain;
+        let out = match (operands.merged, token_major) {
+            (Some(merged), _) => merged,
+            (None, true) => cat(outs, 1)?,
+            (None, false) => cat(outs, 2)?.transpose(1, 2)?,
+        };
+        let weights = match weights.is_empty() {
+            true => None,
+            false => Some(cat(weights, 2)?),
+        };
+        Ok(Attended { out, weights })
+    }
+
+    /// The call's plan: the path after the first block's answers, the query blocks, and
+    /// whether gradients flow.
+    fn plan(&self, path: Path) -> Result<Plan> {
+        let (b, h, t, _) = self.q.dims4()?;
+        let tk = self.k.dim(2)?;
         // With a plain causal mask, block [s, s + n) sees keys 0..s + n + tk − t only (no row is
         // fully masked, so dropping the hidden keys changes nothing); otherwise every key.
         let trim_keys = self.causal && self.padding.is_none() && self.attn_mask.is_none();
@@ -208,73 +305,51 @@ impl Chunk<'_> {
         if let Some(block) = predicted {
             spans = blocks_of(t, tk, block, trim_keys);
         }
-        let mut first = match spans.first() {
+        let first = match spans.first() {
             Some(&span) => Some(self.answers(span)?),
             None => None,
         };
-        let tracked = first.as_ref().is_some_and(|(bias, values)| {
-            let bias = match bias {
-                Some(LogitsBias::Dense(t)) => t.track_op(),
-                Some(LogitsBias::Relative(r)) => r.values().track_op(),
-                None => false,
-            };
-            bias || values.as_ref().is_some_and(|v| v.table().track_op())
-        });
-        let path = match (path, tracked) {
-            (Path::Fused | Path::FusedTrain, true) => match first.as_ref().is_some_and(fused_grads)
-            {
-                true => Path::FusedTrain,
-                false => Path::Ops,
-            },
-            // The CUDA backward gives dense terms, relative rows and a value table read through
-            // a shift their gradients (a value term's index map takes candle's ops below).
-            #[cfg(feature = "cuda")]
-            (Path::CudaTrain, true)
-                if first.as_ref().is_some_and(|(bias, _)| match bias {
-                    Some(LogitsBias::Relative(r)) => matches!(r.columns(), Columns::Shift(_)),
-                    _ => true,
-                }) =>
-            {
-                Path::CudaTrain
-            }
-            (path, false) => path,
-            (_, true) => Path::Ops,
-        };
-        // The CUDA kernels read a value term only through a shift (an index map, for explicit
-        // ids, takes candle's ops); their backward draws no dropout.
+        let tracked = first.as_ref().is_some_and(tracks);
+        let path = rechoose(path, tracked, first.as_ref());
         #[cfg(feature = "cuda")]
-        let path = match path {
-            Path::CudaTrain if self.train && self.dropout > 0.0 => Path::Ops,
-            Path::CudaFused | Path::CudaTrain
-                if first.as_ref().is_some_and(|(_, v)| {
-                    v.as_ref()
-                        .is_some_and(|v| !matches!(v.columns(), Columns::Shift(_)))
-                }) =>
-            {
-                Path::Ops
-            }
-            path => path,
+        let path = self.cuda_rechoose(path, first.as_ref());
+        let mut plan = Plan {
+            path,
+            spans,
+            first,
+            differentiable: self.differentiable || tracked,
         };
-        // The fused core allocates no logits, so the budget's query blocks only bound the
-        // encoding's answers: when they do not grow with the queries (none, or one row shared
-        // by every query), the whole chunk is one block, and the core's tiles reuse each key
-        // tile across all its queries.
-        let fused = matches!(path, Path::Fused | Path::FusedTrain);
-        #[cfg(feature = "cuda")]
-        let fused = fused || matches!(path, Path::CudaFused | Path::CudaTrain);
-        let value_rows = match first.as_ref() {
-            Some(answers) => value_rows(path, answers)?,
+        self.fit_blocks(&mut plan, predicted.is_some(), trim_keys)?;
+        self.check_kept_logits(&plan)?;
+        Ok(plan)
+    }
+
+    /// The query blocks resized to what the path keeps of the first block's answers. The fused
+    /// core allocates no logits, so the budget's query blocks only bound the encoding's
+    /// answers: when they do not grow with the queries (none, or one row shared by every
+    /// query), the whole chunk is one block, and the core's tiles reuse each key tile across
+    /// all its queries.
+    fn fit_blocks(&self, plan: &mut Plan, mut predicted: bool, trim_keys: bool) -> Result<()> {
+        let (b, h, t, _) = self.q.dims4()?;
+        let tk = self.k.dim(2)?;
+        let fused = plan.path.is_fused();
+        let value_rows = match plan.first.as_ref() {
+            Some(answers) => value_rows(plan.path, answers)?,
             None => 0,
         };
-        let width = match first.as_ref() {
+        let width = match plan.first.as_ref() {
             Some(answers) => match per_query_width(answers) {
                 Some(w) => Some(w),
                 None => (value_rows > 0 && shared_answers(answers)).then_some(0),
             },
             None => None,
         };
-        let current = spans.first().map_or(0, |s| s.1);
-        let mut predicted = predicted.is_some();
+        let current = plan.spans.first().map_or(0, |s| s.1);
+        let resize = |plan: &mut Plan, block: usize| -> Result<()> {
+            plan.spans = blocks_of(t, tk, block, trim_keys);
+            plan.first = Some(self.answers(plan.spans[0])?);
+            Ok(())
+        };
         if predicted {
             match width.filter(|_| fused) {
                 // The first block's rows stand within the budget; past it (wider than the
@@ -282,50 +357,62 @@ impl Chunk<'_> {
                 Some(width) => {
                     let block = self.rows_block(b * h, width.saturating_add(value_rows));
                     if block < current {
-                        spans = blocks_of(t, tk, block, trim_keys);
-                        first = Some(self.answers(spans[0])?);
+                        resize(plan, block)?;
                     }
                 }
                 // No rows, or a path that keeps logits: back to the logits' blocks, and the
                 // rules below.
                 None => {
-                    spans = blocks_of(t, tk, self.block, trim_keys);
-                    first = Some(self.answers(spans[0])?);
+                    resize(plan, self.block)?;
                     predicted = false;
                 }
             }
         }
-        let unpredicted = fused && spans.len() > 1 && !predicted;
-        if unpredicted && value_rows == 0 && first.as_ref().is_some_and(shared_answers) {
-            spans = vec![(0, t, tk)];
-            first = Some(self.answers(spans[0])?);
+        let unpredicted = fused && plan.spans.len() > 1 && !predicted;
+        if unpredicted && value_rows == 0 && plan.first.as_ref().is_some_and(shared_answers) {
+            plan.spans = vec![(0, t, tk)];
+            plan.first = Some(self.answers(plan.spans[0])?);
         } else if let (true, Some(width)) = (unpredicted, width) {
             // Answers of a fixed width per query (Shaw's rows, a value term's rows in the CUDA
             // backward): blocks as large as the budget holds of them, not of logits the fused
             // cores never allocate (every block repacks every key).
             let block = self.rows_block(b * h, width.saturating_add(value_rows));
             if block > self.block {
-                spans = blocks_of(t, tk, block, trim_keys);
-                first = Some(self.answers(spans[0])?);
+                resize(plan, block)?;
             }
         }
-        let differentiable = self.differentiable || tracked;
-        // candle's ops keep every query block's logits (and their softmax's intermediates) for
-        // the backward, so a differentiable call on them holds its whole `(B, H, T, Tk)`: the
-        // query blocks bound its memory only in inference.
-        if differentiable && path == Path::Ops {
-            check_elements(
-                "sequence length",
-                t,
-                format!(
-                    "batch ({b}) × heads ({h}) × queries ({t}) × keys ({tk}) of the logits \
-                     that candle's ops keep for the backward (a differentiable call off the \
-                     fused paths)"
-                )
-                .as_str(),
-                &[b.max(1), h, t, tk],
-            )?;
+        Ok(())
+    }
+
+    /// candle's ops keep every query block's logits (and their softmax's intermediates) for
+    /// the backward, so a differentiable call on them holds its whole `(B, H, T, Tk)`: the
+    /// query blocks bound its memory only in inference.
+    fn check_kept_logits(&self, plan: &Plan) -> Result<()> {
+        if !(plan.differentiable && plan.path == Path::Ops) {
+            return Ok(());
         }
+        let (b, h, t, _) = self.q.dims4()?;
+        let tk = self.k.dim(2)?;
+        check_elements(
+            "sequence length",
+            t,
+            format!(
+                "batch ({b}) × heads ({h}) × queries ({t}) × keys ({tk}) of the logits \
+                 that candle's ops keep for the backward (a differentiable call off the \
+                 fused paths)"
+            )
+            .as_str(),
+            &[b.max(1), h, t, tk],
+        )?;
+        Ok(())
+    }
+
+    /// Keys and values as the plan's path reads them, the fused cores' output buffer, and the
+    /// sinks' values for the CPU paths.
+    fn operands(&self, plan: &Plan) -> Result<Operands> {
+        let (b, h, t, d) = self.q.dims4()?;
+        let hkv = self.k.dim(1)?;
+        let path = plan.path;
         // Half-precision keys and values next to f32 queries are read by the inference core
         // only; any other path gets them widened.
         let (k, v) = match (path, self.k.dtype() == self.q.dtype()) {
@@ -335,7 +422,7 @@ impl Chunk<'_> {
                 self.v.to_dtype(self.q.dtype())?,
             ),
         };
-        let (k, v) = match fused {
+        let (k, v) = match path.is_fused() {
             true => (k, v), // grouped heads read in place
             _ => (repeat_kv(&k, h / hkv)?, repeat_kv(&v, h / hkv)?),
         };
@@ -349,119 +436,151 @@ impl Chunk<'_> {
             )?),
             _ => None,
         };
-        let (mut outs, mut weights) = (Vec::new(), Vec::new());
-        // The sinks as values, read once, for the paths that run on the CPU.
         let host_sinks = match (path, self.sinks) {
             (Path::Fused | Path::FusedTrain | Path::RowPass, Some(s)) => {
                 Some(s.to_dtype(DType::F32)?.to_vec1::<f32>()?)
             }
             _ => None,
         };
-        for &(start, n, kv) in &spans {
-            let (bias, values) = match first.take() {
-                Some(answers) => answers,
-                None => self.answers((start, n, kv))?,
-            };
-            let part = Block {
-                q: narrowed(&self.q, 2, start, n, t)?,
-                k: narrowed(&k, 2, 0, kv, tk)?,
-                v: narrowed(&v, 2, 0, kv, tk)?,
-                padding: self.padding.as_ref(),
-                rule: RowRule {
-                    first: start + tk - t,
-                    causal: self.causal,
-                    window: self.window,
-                    chunk: self.chunk,
-                    softcap: self.softcap.map(|c| c as f32),
-                    sinks: host_sinks.clone(),
-                },
-                sinks: self.sinks,
-            };
-            let mask = self
-                .attn_mask
-                .as_ref()
-                .map(|m| narrowed(m, 2, start, n, t))
-                .transpose()?;
-            let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q, self.dtype)?;
-            let core = || fused_attention::Core {
-                q: &part.q,
-                k: &part.k,
-                v: &part.v,
-                dense: terms.dense.iter().collect(),
-                dense_masks: self.attn_mask.is_some(),
-                relative: terms.rows.iter().collect(),
-                padding: part.padding,
-                rule: &part.rule,
-                values: values.as_ref(),
-                tile: fused_attention::tile_rows(kv),
-                key_tile: fused_attention::KEY_TILE,
-            };
-            #[cfg(feature = "cuda")]
-            if matches!(path, Path::CudaFused | Path::CudaTrain) {
-                let cuda = super::cuda::CudaCore {
-                    q: &part.q,
-                    k: &part.k,
-                    v: &part.v,
-                    dense: &terms.dense,
-                    dense_masks: self.attn_mask.is_some(),
-                    relative: &terms.rows,
-                    padding: part.padding,
-                    rule: &part.rule,
-                    sinks: self.sinks,
-                    values: values.as_ref(),
-                };
-                match &merged {
-                    Some(merged) => cuda.write_into(merged, start)?,
-                    None => outs.push(super::cuda::training::attend(&cuda)?),
-                }
-                continue;
-            }
-            if let Some(merged) = &merged {
-                core().write_into(merged, start)?;
-            } else if path == Path::FusedTrain {
-                outs.push(
-                    fused_training::TrainCore {
-                        core: core(),
-                        sinks: self.sinks,
-                        tiles: fused_training::Tiles::default(),
-                        dropout: (self.train && self.dropout > 0.0).then_some(Dropout {
-                            p: self.dropout,
-                            seed: self.dropout_seed,
-                        }),
-                    }
-                    .attend()?,
-                );
-            } else {
-                let row_pass = path == Path::RowPass;
-                let dropout = if self.train { self.dropout } else { 0.0 };
-                let (probs, out) = unfused::attend(
-                    &part,
-                    &terms,
-                    values.as_ref(),
-                    row_pass,
-                    differentiable,
-                    dropout,
-                )?;
-                outs.push(out);
-                if self.return_weights {
-                    weights.push(pad_keys(probs, tk)?);
-                }
-            }
-        }
-        // The training cores return `(B, n, H, D)` per block, the ops `(B, H, n, D)`.
-        let token_major = path == Path::FusedTrain;
+        Ok(Operands {
+            k,
+            v,
+            merged,
+            host_sinks,
+        })
+    }
+
+    /// Runs the query block `(start, n, kv)` with its `answers` on the plan's path: written
+    /// into the merged output, or returned (and its weights pushed to `weights`).
+    fn run_block(
+        &self,
+        plan: &Plan,
+        operands: &Operands,
+        (start, n, kv): (usize, usize, usize),
+        (bias, values): Answers,
+        weights: &mut Vec<Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let (b, h, t, _) = self.q.dims4()?;
+        let tk = self.k.dim(2)?;
+        let path = plan.path;
+        let part = Block {
+            q: narrowed(&self.q, 2, start, n, t)?,
+            k: narrowed(&operands.k, 2, 0, kv, tk)?,
+            v: narrowed(&operands.v, 2, 0, kv, tk)?,
+            padding: self.padding.as_ref(),
+            rule: RowRule {
+                first: start + tk - t,
+                causal: self.causal,
+                window: self.window,
+                chunk: self.chunk,
+                softcap: self.softcap.map(|c| c as f32),
+                sinks: operands.host_sinks.clone(),
+            },
+            sinks: self.sinks,
+        };
+        let mask = self
+            .attn_mask
+            .as_ref()
+            .map(|m| narrowed(m, 2, start, n, t))
+            .transpose()?;
+        let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q, self.dtype)?;
         #[cfg(feature = "cuda")]
-        let token_major = token_major || path == Path::CudaTrain;
-        let out = match (merged, token_major) {
-            (Some(merged), _) => merged,
-            (None, true) => cat(outs, 1)?,
-            (None, false) => cat(outs, 2)?.transpose(1, 2)?,
+        if matches!(path, Path::CudaFused | Path::CudaTrain) {
+            return self.run_cuda_block(&part, &terms, values.as_ref(), operands, start);
+        }
+        let core = || fused_attention::Core {
+            q: &part.q,
+            k: &part.k,
+            v: &part.v,
+            dense: terms.dense.iter().collect(),
+            dense_masks: self.attn_mask.is_some(),
+            relative: terms.rows.iter().collect(),
+            padding: part.padding,
+            rule: &part.rule,
+            values: values.as_ref(),
+            tile: fused_attention::tile_rows(kv),
+            key_tile: fused_attention::KEY_TILE,
         };
-        let weights = match weights.is_empty() {
-            true => None,
-            false => Some(cat(weights, 2)?),
+        if let Some(merged) = &operands.merged {
+            core().write_into(merged, start)?;
+            return Ok(None);
+        }
+        if path == Path::FusedTrain {
+            let train = fused_training::TrainCore {
+                core: core(),
+                sinks: self.sinks,
+                tiles: fused_training::Tiles::default(),
+                dropout: (self.train && self.dropout > 0.0).then_some(Dropout {
+                    p: self.dropout,
+                    seed: self.dropout_seed,
+                }),
+            };
+            return Ok(Some(train.attend()?));
+        }
+        let row_pass = path == Path::RowPass;
+        let dropout = if self.train { self.dropout } else { 0.0 };
+        let (probs, out) = unfused::attend(
+            &part,
+            &terms,
+            values.as_ref(),
+            row_pass,
+            plan.differentiable,
+            dropout,
+        )?;
+        if self.return_weights {
+            weights.push(pad_keys(probs, tk)?);
+        }
+        Ok(Some(out))
+    }
+
+    /// The CUDA kernels read a value term only through a shift (an index map, for explicit
+    /// ids, takes candle's ops); their backward draws no dropout.
+    #[cfg(feature = "cuda")]
+    fn cuda_rechoose(&self, path: Path, first: Option<&Answers>) -> Path {
+        match path {
+            Path::CudaTrain if self.train && self.dropout > 0.0 => Path::Ops,
+            Path::CudaFused | Path::CudaTrain
+                if first.is_some_and(|(_, v)| {
+                    v.as_ref()
+                        .is_some_and(|v| !matches!(v.columns(), Columns::Shift(_)))
+                }) =>
+            {
+                Path::Ops
+            }
+            path => path,
+        }
+    }
+
+    /// A query block on the CUDA kernels: written into the merged output in inference,
+    /// returned in training.
+    #[cfg(feature = "cuda")]
+    fn run_cuda_block(
+        &self,
+        part: &Block,
+        terms: &LogitTerms,
+        values: Option<&RelativeValues>,
+        operands: &Operands,
+        start: usize,
+    ) -> Result<Option<Tensor>> {
+        let cuda = super::cuda::CudaCore {
+            q: &part.q,
+            k: &part.k,
+            v: &part.v,
+            dense: &terms.dense,
+            dense_masks: self.attn_mask.is_some(),
+            relative: &terms.rows,
+            padding: part.padding,
+            rule: &part.rule,
+            sinks: self.sinks,
+            values,
         };
-        Ok(Attended { out, weights })
+        match &operands.merged {
+            Some(merged) => {
+                cuda.write_into(merged, start)?;
+                Ok(None)
+            }
+            None => Ok(Some(super::cuda::training::attend(&cuda)?)),
+        }
     }
 
     /// Query rows per block for answers holding `width` values per query of each of `heads`
