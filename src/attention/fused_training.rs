@@ -605,18 +605,101 @@ struct Ctx<'a> {
 // SAFETY: the views only read storage held under read locks for the whole pass.
 unsafe impl Sync for Ctx<'_> {}
 
+/// One task's scratch buffers, sized for a tile and reused across its tiles.
+struct Scratch {
+    /// The tile's logits, then its weights.
+    s: Vec<f32>,
+    /// dP, then dS.
+    dp: Vec<f32>,
+    /// The raw logits (a soft cap only).
+    raw: Vec<f32>,
+    /// The weights after dropout (dropout only).
+    pd: Vec<f32>,
+    /// dO against the value table, rows × W.
+    g: Vec<f32>,
+    /// The key tile's keys and values transposed, (D, n): both products that read them as the
+    /// right-hand side for every query tile then read them in place instead of gathering them
+    /// column by column.
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+    /// The weights summed per value-table column, rows × W.
+    sums: Vec<f32>,
+}
+
+/// The key tile a task is on: keys `j0..j0 + n`, and where their rows and gradients are.
+struct KeyTile {
+    j0: usize,
+    n: usize,
+    kp: *const f32,
+    dkp: *mut f32,
+    dvp: *mut f32,
+}
+
+/// The query tile within a key tile: rows `i0..i0 + rows` of head `hi` (the `gi`-th of the
+/// task's group).
+#[derive(Clone, Copy)]
+struct QueryTile {
+    gi: usize,
+    hi: usize,
+    i0: usize,
+    rows: usize,
+    /// The first row's index in the statistics, `(b · H + hi) · Tq + i0`.
+    r0: usize,
+    /// dO's rows, `(B, Tq, H, D)` with row stride H·D.
+    dop: *const f32,
+}
+
 impl Ctx<'_> {
     /// One task: every key tile of its share, every head of its group, every query tile that
     /// sees the key tile.
     fn run(&self, task: Task, outs: Outs) -> candle_core::Result<Partial> {
         let (_, h, tq, tk, d) = self.spec.dims;
-        let [q, k, v] = self.views;
-        let group = self.group;
-        let hd = h * d;
+        let mut partial = self.partial()?;
+        let dq_base = match self.shares {
+            1 => outs
+                .dq
+                .0
+                .wrapping_add((task.b * h + task.hk * self.group) * tq * d),
+            _ => partial.dq.as_mut_ptr(),
+        };
+        let mut scratch = self.scratch();
+        let key_tiles = tk.div_ceil(self.tiles.keys);
+        for jt in (task.share..key_tiles).step_by(self.shares) {
+            let key = self.key_tile(&task, jt, &outs, &mut scratch);
+            for gi in 0..self.group {
+                let hi = task.hk * self.group + gi;
+                for i0 in (0..tq).step_by(self.tiles.rows) {
+                    let rows = self.tiles.rows.min(tq - i0);
+                    if self.spec.skip {
+                        let (lo, hi_key) = self.spec.rule.keys_seen(i0, i0 + rows, tk);
+                        if hi_key <= key.j0 || lo >= key.j0 + key.n {
+                            continue;
+                        }
+                    }
+                    let at = ((task.b * tq + i0) * h + hi) * d;
+                    let tile = QueryTile {
+                        gi,
+                        hi,
+                        i0,
+                        rows,
+                        r0: (task.b * h + hi) * tq + i0,
+                        dop: self.grad_o[at..].as_ptr(),
+                    };
+                    self.query_tile(&task, &key, tile, dq_base, &mut scratch, &mut partial);
+                }
+            }
+        }
+        Ok(partial)
+    }
+
+    /// The task's partial sums, zeroed: dQ when it does not own its heads', each gradient
+    /// term's, the value table's.
+    fn partial(&self) -> candle_core::Result<Partial> {
+        let (_, _, tq, _, d) = self.spec.dims;
         let mut partial = Partial {
             dq: match self.shares {
                 1 => Vec::new(),
-                _ => zeroed(group * tq * d, "fused training: partial dq")?,
+                _ => zeroed(self.group * tq * d, "fused training: partial dq")?,
             },
             terms: Vec::new(),
             table: match (self.want_table, self.values) {
@@ -628,255 +711,330 @@ impl Ctx<'_> {
         };
         for term in self.terms {
             let [_, th, tr, tw] = term.dims;
-            let heads = if th == 1 { 1 } else { group };
+            let heads = if th == 1 { 1 } else { self.group };
             partial.terms.push(zeroed(
                 heads * tr * tw,
                 "fused training: partial term gradient",
             )?);
         }
-        let dq_base = match self.shares {
-            1 => outs
-                .dq
-                .0
-                .wrapping_add((task.b * h + task.hk * group) * tq * d),
-            _ => partial.dq.as_mut_ptr(),
-        };
+        Ok(partial)
+    }
+
+    /// Scratch buffers for one task's tiles.
+    fn scratch(&self) -> Scratch {
+        let d = self.spec.dims.4;
+        let (rows, keys) = (self.tiles.rows, self.tiles.keys);
+        let tile = rows * keys;
         let width = self.values.map_or(0, |(_, _, w)| w);
-        let (tile_rows, tile_keys) = (self.tiles.rows, self.tiles.keys);
-        let softcap = self.spec.rule.softcap;
-        let mut s = vec![0f32; tile_rows * tile_keys];
-        let mut dp = vec![0f32; tile_rows * tile_keys];
-        let tile = tile_rows * tile_keys;
-        // The raw logits (soft cap) and the weights after dropout, when used.
-        let mut raw = vec![0f32; if softcap.is_some() { tile } else { 0 }];
-        let mut pd = vec![0f32; if self.spec.dropout.is_some() { tile } else { 0 }];
-        let mut g = vec![0f32; tile_rows * width];
-        // The key tile's keys and values transposed, (D, n): both products that read them
-        // as the right-hand side for every query tile then read them in place instead of
-        // gathering them column by column.
-        let mut kt = vec![0f32; d * tile_keys];
-        let mut vt = vec![0f32; d * tile_keys];
-        let mut sums = vec![0f32; tile_rows * width];
-        let key_tiles = tk.div_ceil(tile_keys);
-        for jt in (task.share..key_tiles).step_by(self.shares) {
-            let j0 = jt * tile_keys;
-            let n = tile_keys.min(tk - j0);
-            // SAFETY: b < B, hk < Hkv, j0 < Tk: the rows lie in the views (checked against
-            // storage in `View::new`).
-            let (kp, vp) = unsafe { (k.at(task.b, task.hk, j0), v.at(task.b, task.hk, j0)) };
-            let kv_row = ((task.b * (h / group) + task.hk) * tk + j0) * d;
-            // SAFETY: dk and dv are (B, Hkv, Tk, D) contiguous; this task owns keys j0..j0 + n.
-            let (dkp, dvp) = unsafe { (outs.dk.add(kv_row), outs.dv.add(kv_row)) };
-            for (src, stride, dst) in [(kp, k.strides[2], &mut kt), (vp, v.strides[2], &mut vt)] {
-                for j in 0..n {
-                    // SAFETY: key j0 + j's D features lie in the view (unit stride).
-                    let row = unsafe { std::slice::from_raw_parts(src.add(j * stride), d) };
-                    for (p, x) in row.iter().enumerate() {
-                        dst[p * n + j] = *x;
-                    }
+        Scratch {
+            s: vec![0f32; tile],
+            dp: vec![0f32; tile],
+            raw: vec![
+                0f32;
+                if self.spec.rule.softcap.is_some() {
+                    tile
+                } else {
+                    0
+                }
+            ],
+            pd: vec![0f32; if self.spec.dropout.is_some() { tile } else { 0 }],
+            g: vec![0f32; rows * width],
+            kt: vec![0f32; d * keys],
+            vt: vec![0f32; d * keys],
+            sums: vec![0f32; rows * width],
+        }
+    }
+
+    /// Key tile `jt` of the task: its keys and values transposed into the scratch buffers, and
+    /// where its rows and gradients are.
+    fn key_tile(&self, task: &Task, jt: usize, outs: &Outs, scratch: &mut Scratch) -> KeyTile {
+        let (_, h, _, tk, d) = self.spec.dims;
+        let [_, k, v] = self.views;
+        let j0 = jt * self.tiles.keys;
+        let n = self.tiles.keys.min(tk - j0);
+        // SAFETY: b < B, hk < Hkv, j0 < Tk: the rows lie in the views (checked against
+        // storage in `View::new`).
+        let (kp, vp) = unsafe { (k.at(task.b, task.hk, j0), v.at(task.b, task.hk, j0)) };
+        let kv_row = ((task.b * (h / self.group) + task.hk) * tk + j0) * d;
+        // SAFETY: dk and dv are (B, Hkv, Tk, D) contiguous; this task owns keys j0..j0 + n.
+        let (dkp, dvp) = unsafe { (outs.dk.add(kv_row), outs.dv.add(kv_row)) };
+        let targets = [
+            (kp, k.strides[2], &mut scratch.kt),
+            (vp, v.strides[2], &mut scratch.vt),
+        ];
+        for (src, stride, dst) in targets {
+            for j in 0..n {
+                // SAFETY: key j0 + j's D features lie in the view (unit stride).
+                let row = unsafe { std::slice::from_raw_parts(src.add(j * stride), d) };
+                for (p, x) in row.iter().enumerate() {
+                    dst[p * n + j] = *x;
                 }
             }
-            for gi in 0..group {
-                let hi = task.hk * group + gi;
-                for i0 in (0..tq).step_by(tile_rows) {
-                    let rows = tile_rows.min(tq - i0);
-                    if self.spec.skip {
-                        let (lo, hi_key) = self.spec.rule.keys_seen(i0, i0 + rows, tk);
-                        if hi_key <= j0 || lo >= j0 + n {
-                            continue;
-                        }
-                    }
-                    let r0 = (task.b * h + hi) * tq + i0;
-                    let do_at = ((task.b * tq + i0) * h + hi) * d;
-                    let dop = self.grad_o[do_at..].as_ptr();
-                    let s = &mut s[..rows * n];
-                    let dp = &mut dp[..rows * n];
-                    // SAFETY: q rows i0..i0 + rows of head hi, keys j0..j0 + n lie in their
-                    // views; s and dp are rows × n; dO rows are (B, Tq, H, D) with row stride
-                    // H·D, rows i0..i0 + rows of head hi in bounds.
-                    unsafe {
-                        let qp = q.at(task.b, hi, i0);
-                        product(
-                            (rows, n, d),
-                            (s.as_mut_ptr(), n, false),
-                            (qp, 1, q.strides[2]),
-                            (kt.as_ptr(), 1, n),
-                        );
-                        product(
-                            (rows, n, d),
-                            (dp.as_mut_ptr(), n, false),
-                            (dop, 1, hd),
-                            (vt.as_ptr(), 1, n),
-                        );
-                    }
-                    if softcap.is_some() {
-                        raw[..rows * n].copy_from_slice(s);
-                    }
-                    for (li, row) in s.chunks_exact_mut(n).enumerate() {
-                        let r = r0 + li;
-                        self.pass.recompute_best(
-                            r,
-                            row,
-                            j0,
-                            self.stats[2 * r],
-                            self.stats[2 * r + 1],
-                        );
-                    }
-                    // The relative value term's share of dP: dP_ij += dO_i · a[c(i, j)].
-                    if let Some((table, columns, w)) = self.values {
-                        let g = &mut g[..rows * w];
-                        // SAFETY: the table is W × D contiguous, g rows × W.
-                        unsafe {
-                            product(
-                                (rows, w, d),
-                                (g.as_mut_ptr(), w, false),
-                                (dop, 1, hd),
-                                (table.as_ptr(), d, 1),
-                            );
-                        }
-                        for (li, (dprow, grow)) in
-                            dp.chunks_exact_mut(n).zip(g.chunks_exact(w)).enumerate()
-                        {
-                            let i = i0 + li;
-                            match columns {
-                                TileColumns::Shift(shift) => {
-                                    add_shifted_row(grow, i, *shift, j0, dprow)
-                                }
-                                TileColumns::Index(index, ib) => {
-                                    let columns = index_row(index, *ib, (task.b, i, j0, n), tq, tk);
-                                    for (x, &c) in dprow.iter_mut().zip(columns) {
-                                        *x += grow[(c as usize).min(w - 1)];
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    // With dropout the products read α' = α ∘ f (f = 0 or 1 / (1 − ρ), drawn
-                    // again from the seed), so dα = dα' ∘ f.
-                    let weights: &[f32] = match &self.spec.dropout {
-                        Some(dropout) => {
-                            let pd = &mut pd[..rows * n];
-                            for (li, ((prow, dprow), drow)) in s
-                                .chunks_exact(n)
-                                .zip(dp.chunks_exact_mut(n))
-                                .zip(pd.chunks_exact_mut(n))
-                                .enumerate()
-                            {
-                                drow.fill(1.0);
-                                let pos = self.spec.rule.first + i0 + li;
-                                dropout.apply((task.b, hi, pos), j0, drow);
-                                for ((x, f), p) in dprow.iter_mut().zip(drow.iter_mut()).zip(prow) {
-                                    *x *= *f;
-                                    *f *= p;
-                                }
-                            }
-                            pd
-                        }
-                        None => s,
-                    };
-                    // da += Σ_i (Σ_{j: c(i, j) = c} α'_ij) dO_i.
-                    if let (Some((_, columns, w)), true) = (self.values, self.want_table) {
-                        let sums = &mut sums[..rows * w];
-                        sums.iter_mut().for_each(|x| *x = 0.0);
-                        for (li, (row, srow)) in weights
-                            .chunks_exact(n)
-                            .zip(sums.chunks_exact_mut(w))
-                            .enumerate()
-                        {
-                            let i = i0 + li;
-                            match columns {
-                                TileColumns::Shift(shift) => {
-                                    self.pass.add_shifted_sums_best(row, (i, *shift, j0), srow)
-                                }
-                                TileColumns::Index(index, ib) => {
-                                    let columns = index_row(index, *ib, (task.b, i, j0, n), tq, tk);
-                                    add_indexed_sums(row, columns, srow);
-                                }
-                            }
-                        }
-                        // SAFETY: sums is rows × W, the partial W × D.
-                        unsafe {
-                            product(
-                                (w, d, rows),
-                                (partial.table.as_mut_ptr(), d, true),
-                                (sums.as_ptr(), w, 1),
-                                (dop, 1, hd),
-                            );
-                        }
-                    }
-                    // dV_J += α'ᵀ dO_I.
-                    // SAFETY: dv rows j0..j0 + n are this task's; weights is rows × n.
-                    unsafe {
-                        product(
-                            (n, d, rows),
-                            (dvp, d, true),
-                            (weights.as_ptr(), n, 1),
-                            (dop, 1, hd),
-                        );
-                    }
-                    // dS = P ∘ (dP − δ), into dp.
-                    for (li, (prow, dprow)) in
-                        s.chunks_exact(n).zip(dp.chunks_exact_mut(n)).enumerate()
-                    {
-                        let r = r0 + li;
-                        if self.stats[2 * r] == f32::MIN {
-                            // A row masked whole: its weights are constants.
-                            dprow.iter_mut().for_each(|x| *x = 0.0);
-                            continue;
-                        }
-                        let dl = self.delta[r];
-                        for (x, p) in dprow.iter_mut().zip(prow) {
-                            *x = p * (*x - dl);
-                        }
-                    }
-                    for (term, part) in self.terms.iter().zip(partial.terms.iter_mut()) {
-                        let [_, th, tr, tw] = term.dims;
-                        let hrow = if th == 1 { 0 } else { gi };
-                        for (li, dsrow) in dp.chunks_exact(n).enumerate() {
-                            let i = i0 + li;
-                            let rrow = if tr == 1 { 0 } else { i };
-                            let at = (hrow * tr + rrow) * tw;
-                            let dst = &mut part[at..at + tw];
-                            match self.spec.terms[term.index].relative {
-                                Some((shift, _)) => {
-                                    self.pass.add_shifted_sums_best(dsrow, (i, shift, j0), dst)
-                                }
-                                None if tw == 1 => dst[0] += dsrow.iter().sum::<f32>(),
-                                None => {
-                                    for (x, y) in dst[j0..j0 + n].iter_mut().zip(dsrow) {
-                                        *x += y;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    if let Some(c) = softcap {
-                        for (x, r) in dp.iter_mut().zip(&raw[..rows * n]) {
-                            let t = (r / c).tanh();
-                            *x *= 1.0 - t * t;
-                        }
-                    }
-                    // SAFETY: this task's dQ rows (its own heads, or its partial buffer), dK
-                    // rows j0..j0 + n; dp is rows × n.
-                    unsafe {
-                        let dqp = dq_base.add((gi * tq + i0) * d);
-                        product(
-                            (rows, d, n),
-                            (dqp, d, true),
-                            (dp.as_ptr(), 1, n),
-                            (kp, 1, k.strides[2]),
-                        );
-                        product(
-                            (n, d, rows),
-                            (dkp, d, true),
-                            (dp.as_ptr(), n, 1),
-                            (q.at(task.b, hi, i0), 1, q.strides[2]),
-                        );
+        }
+        KeyTile {
+            j0,
+            n,
+            kp,
+            dkp,
+            dvp,
+        }
+    }
+
+    /// One query tile against one key tile: the weights recomputed, dP, and every gradient
+    /// the tile adds to (dV, the value table, the terms, dQ, dK).
+    fn query_tile(
+        &self,
+        task: &Task,
+        key: &KeyTile,
+        tile: QueryTile,
+        dq_base: *mut f32,
+        scratch: &mut Scratch,
+        partial: &mut Partial,
+    ) {
+        let (_, h, tq, _, d) = self.spec.dims;
+        let [q, k, _] = self.views;
+        let (rows, n) = (tile.rows, key.n);
+        let Scratch {
+            s,
+            dp,
+            raw,
+            pd,
+            g,
+            kt,
+            vt,
+            sums,
+        } = scratch;
+        let (s, dp) = (&mut s[..rows * n], &mut dp[..rows * n]);
+        // SAFETY: q rows i0..i0 + rows of head hi, keys j0..j0 + n lie in their views; s and dp
+        // are rows × n; dO rows are (B, Tq, H, D) with row stride H·D, rows i0..i0 + rows of
+        // head hi in bounds.
+        unsafe {
+            let qp = q.at(task.b, tile.hi, tile.i0);
+            product(
+                (rows, n, d),
+                (s.as_mut_ptr(), n, false),
+                (qp, 1, q.strides[2]),
+                (kt.as_ptr(), 1, n),
+            );
+            product(
+                (rows, n, d),
+                (dp.as_mut_ptr(), n, false),
+                (tile.dop, 1, h * d),
+                (vt.as_ptr(), 1, n),
+            );
+        }
+        if self.spec.rule.softcap.is_some() {
+            raw[..rows * n].copy_from_slice(s);
+        }
+        for (li, row) in s.chunks_exact_mut(n).enumerate() {
+            let r = tile.r0 + li;
+            let (m, inv) = (self.stats[2 * r], self.stats[2 * r + 1]);
+            self.pass.recompute_best(r, row, key.j0, m, inv);
+        }
+        self.value_term_into_dp(task, key, tile, g, dp);
+        let weights: &[f32] = match &self.spec.dropout {
+            Some(dropout) => {
+                let pd = &mut pd[..rows * n];
+                self.dropped_weights(dropout, task, key, tile, s, dp, pd);
+                pd
+            }
+            None => s,
+        };
+        self.table_gradient(task, key, tile, weights, sums, &mut partial.table);
+        // dV_J += α'ᵀ dO_I.
+        // SAFETY: dv rows j0..j0 + n are this task's; weights is rows × n.
+        unsafe {
+            product(
+                (n, d, rows),
+                (key.dvp, d, true),
+                (weights.as_ptr(), n, 1),
+                (tile.dop, 1, h * d),
+            );
+        }
+        self.scores_gradient(tile, s, dp);
+        self.term_gradients(key, tile, dp, &mut partial.terms);
+        if let Some(c) = self.spec.rule.softcap {
+            for (x, r) in dp.iter_mut().zip(&raw[..rows * n]) {
+                let t = (r / c).tanh();
+                *x *= 1.0 - t * t;
+            }
+        }
+        // SAFETY: this task's dQ rows (its own heads, or its partial buffer), dK rows
+        // j0..j0 + n; dp is rows × n.
+        unsafe {
+            let dqp = dq_base.add((tile.gi * tq + tile.i0) * d);
+            product(
+                (rows, d, n),
+                (dqp, d, true),
+                (dp.as_ptr(), 1, n),
+                (key.kp, 1, k.strides[2]),
+            );
+            product(
+                (n, d, rows),
+                (key.dkp, d, true),
+                (dp.as_ptr(), n, 1),
+                (q.at(task.b, tile.hi, tile.i0), 1, q.strides[2]),
+            );
+        }
+    }
+
+    /// The relative value term's share of dP: dP_ij += dO_i · a[c(i, j)].
+    fn value_term_into_dp(
+        &self,
+        task: &Task,
+        key: &KeyTile,
+        tile: QueryTile,
+        g: &mut [f32],
+        dp: &mut [f32],
+    ) {
+        let Some((table, columns, w)) = self.values else {
+            return;
+        };
+        let (_, h, tq, tk, d) = self.spec.dims;
+        let g = &mut g[..tile.rows * w];
+        // SAFETY: the table is W × D contiguous, g rows × W.
+        unsafe {
+            product(
+                (tile.rows, w, d),
+                (g.as_mut_ptr(), w, false),
+                (tile.dop, 1, h * d),
+                (table.as_ptr(), d, 1),
+            );
+        }
+        for (li, (dprow, grow)) in dp
+            .chunks_exact_mut(key.n)
+            .zip(g.chunks_exact(w))
+            .enumerate()
+        {
+            let i = tile.i0 + li;
+            match columns {
+                TileColumns::Shift(shift) => add_shifted_row(grow, i, *shift, key.j0, dprow),
+                TileColumns::Index(index, ib) => {
+                    let columns = index_row(index, *ib, (task.b, i, key.j0, key.n), tq, tk);
+                    for (x, &c) in dprow.iter_mut().zip(columns) {
+                        *x += grow[(c as usize).min(w - 1)];
                     }
                 }
             }
         }
-        Ok(partial)
+    }
+
+    /// With dropout the products read α' = α ∘ f (f = 0 or 1 / (1 − ρ), drawn again from the
+    /// seed), so dα = dα' ∘ f: `pd` becomes α', `dp` is scaled by f.
+    #[allow(clippy::too_many_arguments)]
+    fn dropped_weights(
+        &self,
+        dropout: &super::dropout::Dropout,
+        task: &Task,
+        key: &KeyTile,
+        tile: QueryTile,
+        s: &[f32],
+        dp: &mut [f32],
+        pd: &mut [f32],
+    ) {
+        let n = key.n;
+        for (li, ((prow, dprow), drow)) in s
+            .chunks_exact(n)
+            .zip(dp.chunks_exact_mut(n))
+            .zip(pd.chunks_exact_mut(n))
+            .enumerate()
+        {
+            drow.fill(1.0);
+            let pos = self.spec.rule.first + tile.i0 + li;
+            dropout.apply((task.b, tile.hi, pos), key.j0, drow);
+            for ((x, f), p) in dprow.iter_mut().zip(drow.iter_mut()).zip(prow) {
+                *x *= *f;
+                *f *= p;
+            }
+        }
+    }
+
+    /// The value table's gradient: da += Σ_i (Σ_{j: c(i, j) = c} α'_ij) dO_i.
+    fn table_gradient(
+        &self,
+        task: &Task,
+        key: &KeyTile,
+        tile: QueryTile,
+        weights: &[f32],
+        sums: &mut [f32],
+        table: &mut [f32],
+    ) {
+        let (Some((_, columns, w)), true) = (self.values, self.want_table) else {
+            return;
+        };
+        let (_, h, tq, tk, d) = self.spec.dims;
+        let sums = &mut sums[..tile.rows * w];
+        sums.iter_mut().for_each(|x| *x = 0.0);
+        for (li, (row, srow)) in weights
+            .chunks_exact(key.n)
+            .zip(sums.chunks_exact_mut(w))
+            .enumerate()
+        {
+            let i = tile.i0 + li;
+            match columns {
+                TileColumns::Shift(shift) => {
+                    self.pass
+                        .add_shifted_sums_best(row, (i, *shift, key.j0), srow)
+                }
+                TileColumns::Index(index, ib) => {
+                    let columns = index_row(index, *ib, (task.b, i, key.j0, key.n), tq, tk);
+                    add_indexed_sums(row, columns, srow);
+                }
+            }
+        }
+        // SAFETY: sums is rows × W, the partial W × D.
+        unsafe {
+            product(
+                (w, d, tile.rows),
+                (table.as_mut_ptr(), d, true),
+                (sums.as_ptr(), w, 1),
+                (tile.dop, 1, h * d),
+            );
+        }
+    }
+
+    /// dS = P ∘ (dP − δ), into `dp` (0 on a row masked whole, whose weights are constants).
+    fn scores_gradient(&self, tile: QueryTile, s: &[f32], dp: &mut [f32]) {
+        let n = s.len() / tile.rows.max(1);
+        for (li, (prow, dprow)) in s.chunks_exact(n).zip(dp.chunks_exact_mut(n)).enumerate() {
+            let r = tile.r0 + li;
+            if self.stats[2 * r] == f32::MIN {
+                dprow.iter_mut().for_each(|x| *x = 0.0);
+                continue;
+            }
+            let dl = self.delta[r];
+            for (x, p) in dprow.iter_mut().zip(prow) {
+                *x = p * (*x - dl);
+            }
+        }
+    }
+
+    /// Each tracked term's gradient, dS summed as the term is read: per shifted column, per
+    /// key, or whole.
+    fn term_gradients(&self, key: &KeyTile, tile: QueryTile, ds: &[f32], parts: &mut [Vec<f32>]) {
+        let n = key.n;
+        for (term, part) in self.terms.iter().zip(parts.iter_mut()) {
+            let [_, th, tr, tw] = term.dims;
+            let hrow = if th == 1 { 0 } else { tile.gi };
+            for (li, dsrow) in ds.chunks_exact(n).enumerate() {
+                let i = tile.i0 + li;
+                let rrow = if tr == 1 { 0 } else { i };
+                let at = (hrow * tr + rrow) * tw;
+                let dst = &mut part[at..at + tw];
+                match self.spec.terms[term.index].relative {
+                    Some((shift, _)) => {
+                        self.pass
+                            .add_shifted_sums_best(dsrow, (i, shift, key.j0), dst)
+                    }
+                    None if tw == 1 => dst[0] += dsrow.iter().sum::<f32>(),
+                    None => {
+                        for (x, y) in dst[key.j0..key.j0 + n].iter_mut().zip(dsrow) {
+                            *x += y;
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
