@@ -423,34 +423,11 @@ impl Backward {
         let (do_guard, o_guard) = (read_storage(&grad_o), read_storage(&o));
         let do_host = contiguous_f32(&do_guard, b * tq * h * d)?;
         let o_host = contiguous_f32(&o_guard, b * tq * h * d)?;
-        // δ_i = dO_i · O_i, per (b, h, i).
-        let mut delta = zeroed(b * h * tq, "fused training: row deltas")?;
-        delta.par_iter_mut().enumerate().for_each(|(r, x)| {
-            let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
-            let at = ((bi * tq + i) * h + hi) * d;
-            *x = do_host[at..at + d]
-                .iter()
-                .zip(&o_host[at..at + d])
-                .map(|(a, b)| a * b)
-                .sum();
-        });
+        let delta = row_deltas(do_host, o_host, spec.dims)?;
         let mut dq = zeroed(b * h * tq * d, "fused training: dq")?;
         let mut dk = zeroed(b * hkv * tk * d, "fused training: dk")?;
         let mut dv = zeroed(b * hkv * tk * d, "fused training: dv")?;
-        let key_tiles = tk.div_ceil(self.tiles.keys).max(1);
-        let threads = rayon::current_num_threads().max(1);
-        let shares = self
-            .tiles
-            .shares
-            .unwrap_or((2 * threads).div_ceil((b * hkv).max(1)))
-            .clamp(1, key_tiles);
-        let tasks: Vec<Task> = (0..b * hkv * shares)
-            .map(|n| Task {
-                b: n / (hkv * shares),
-                hk: (n / shares) % hkv,
-                share: n % shares,
-            })
-            .collect();
+        let (tasks, shares) = self.tasks(b, hkv);
         let outs = Outs {
             dq: OutPtr(dq.as_mut_ptr()),
             dk: OutPtr(dk.as_mut_ptr()),
@@ -476,26 +453,7 @@ impl Backward {
             .map(|g| g.view((b, tq, tk, d)))
             .transpose()?;
         let width = values.as_ref().map(|(_, w, _)| *w);
-        // Every task's partial sums at once, budgeted before any is allocated.
-        let per_task = self
-            .terms
-            .iter()
-            .map(|t| (if t.dims[1] == 1 { 1 } else { group }) * t.dims[2] * t.dims[3])
-            .chain([
-                if shares > 1 { group * tq * d } else { 0 },
-                match (self.table, width) {
-                    (Some(_), Some(w)) => w * d,
-                    _ => 0,
-                },
-            ])
-            .fold(0usize, usize::saturating_add);
-        check_elements(
-            "fused training partial sums",
-            format!("{} tasks × {per_task}", tasks.len()),
-            "the partial gradients of every task",
-            &[tasks.len(), per_task],
-        )
-        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        self.check_partials(tasks.len(), shares, group, width)?;
         let ctx = Ctx {
             spec,
             pass: &pass,
@@ -523,26 +481,7 @@ impl Backward {
                 }
             }
         }
-        let mut extras: Vec<Option<Tensor>> = vec![None; self.extras.len()];
-        for (nth, term) in self.terms.iter().enumerate() {
-            let [tb, th, tr, tw] = term.dims;
-            let mut grad = zeroed(tb * th * tr * tw, "fused training: term gradient")?;
-            for (task, p) in tasks.iter().zip(&partials) {
-                let part = &p.terms[nth];
-                let heads = if th == 1 { 1 } else { group };
-                let bb = if tb == 1 { 0 } else { task.b };
-                let h0 = if th == 1 { 0 } else { task.hk * group };
-                let base = (bb * th + h0) * tr * tw;
-                for (x, y) in grad[base..base + heads * tr * tw].iter_mut().zip(part) {
-                    *x += y;
-                }
-            }
-            let (dims, dtype) = &self.extras[term.extra];
-            extras[term.extra] = Some(
-                Tensor::from_vec(grad, dims.as_slice(), &candle_core::Device::Cpu)?
-                    .to_dtype(*dtype)?,
-            );
-        }
+        let mut extras = self.term_grads(&tasks, &partials, group)?;
         if let (Some(extra), Some(w)) = (self.table, width) {
             let mut grad = zeroed(w * d, "fused training: value table gradient")?;
             for p in &partials {
@@ -550,27 +489,11 @@ impl Backward {
                     *x += y;
                 }
             }
-            let (dims, dtype) = &self.extras[extra];
-            extras[extra] = Some(
-                Tensor::from_vec(grad, dims.as_slice(), &candle_core::Device::Cpu)?
-                    .to_dtype(*dtype)?,
-            );
+            extras[extra] = Some(self.extra(extra, grad)?);
         }
         if let (Some(extra), Some(sinks)) = (self.sinks, &spec.rule.sinks) {
-            // dsink_h = −Σ_{b, i} p_sink δ_i, p_sink = e^(sink − m_i) / l_i.
-            let mut grad = vec![0f64; h];
-            for (r, dl) in delta.iter().enumerate() {
-                let hi = (r / tq) % h;
-                let (m, inv) = (stats[2 * r], stats[2 * r + 1]);
-                let p = ((sinks[hi] - m) as f64).exp() * inv as f64;
-                grad[hi] -= p * *dl as f64;
-            }
-            let grad: Vec<f32> = grad.into_iter().map(|x| x as f32).collect();
-            let (dims, dtype) = &self.extras[extra];
-            extras[extra] = Some(
-                Tensor::from_vec(grad, dims.as_slice(), &candle_core::Device::Cpu)?
-                    .to_dtype(*dtype)?,
-            );
+            let grad = sink_grads(sinks, &stats, &delta, spec.dims);
+            extras[extra] = Some(self.extra(extra, grad)?);
         }
         let dev = candle_core::Device::Cpu;
         Ok(Grads {
@@ -582,6 +505,127 @@ impl Backward {
             extras,
         })
     }
+
+    /// The backward's tasks, one per sequence, KV head and share of the key tiles (enough
+    /// shares for twice the threads unless the tiles fix them), and the shares.
+    fn tasks(&self, b: usize, hkv: usize) -> (Vec<Task>, usize) {
+        let tk = self.spec.dims.3;
+        let key_tiles = tk.div_ceil(self.tiles.keys).max(1);
+        let threads = rayon::current_num_threads().max(1);
+        let shares = self
+            .tiles
+            .shares
+            .unwrap_or((2 * threads).div_ceil((b * hkv).max(1)))
+            .clamp(1, key_tiles);
+        let tasks = (0..b * hkv * shares)
+            .map(|n| Task {
+                b: n / (hkv * shares),
+                hk: (n / shares) % hkv,
+                share: n % shares,
+            })
+            .collect();
+        (tasks, shares)
+    }
+
+    /// Every task's partial sums at once, budgeted before any is allocated.
+    fn check_partials(
+        &self,
+        tasks: usize,
+        shares: usize,
+        group: usize,
+        width: Option<usize>,
+    ) -> candle_core::Result<()> {
+        let (_, _, tq, _, d) = self.spec.dims;
+        let per_task = self
+            .terms
+            .iter()
+            .map(|t| (if t.dims[1] == 1 { 1 } else { group }) * t.dims[2] * t.dims[3])
+            .chain([
+                if shares > 1 { group * tq * d } else { 0 },
+                match (self.table, width) {
+                    (Some(_), Some(w)) => w * d,
+                    _ => 0,
+                },
+            ])
+            .fold(0usize, usize::saturating_add);
+        check_elements(
+            "fused training partial sums",
+            format!("{tasks} tasks × {per_task}"),
+            "the partial gradients of every task",
+            &[tasks, per_task],
+        )
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        Ok(())
+    }
+
+    /// The tracked terms' gradients, their tasks' partial sums added in task order, at their
+    /// places among the extras (the other places `None`).
+    fn term_grads(
+        &self,
+        tasks: &[Task],
+        partials: &[Partial],
+        group: usize,
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let mut extras: Vec<Option<Tensor>> = vec![None; self.extras.len()];
+        for (nth, term) in self.terms.iter().enumerate() {
+            let [tb, th, tr, tw] = term.dims;
+            let mut grad = zeroed(tb * th * tr * tw, "fused training: term gradient")?;
+            for (task, p) in tasks.iter().zip(partials) {
+                let part = &p.terms[nth];
+                let heads = if th == 1 { 1 } else { group };
+                let bb = if tb == 1 { 0 } else { task.b };
+                let h0 = if th == 1 { 0 } else { task.hk * group };
+                let base = (bb * th + h0) * tr * tw;
+                for (x, y) in grad[base..base + heads * tr * tw].iter_mut().zip(part) {
+                    *x += y;
+                }
+            }
+            extras[term.extra] = Some(self.extra(term.extra, grad)?);
+        }
+        Ok(extras)
+    }
+
+    /// The gradient of extra `extra` as a tensor of its shape and dtype.
+    fn extra(&self, extra: usize, grad: Vec<f32>) -> candle_core::Result<Tensor> {
+        let (dims, dtype) = &self.extras[extra];
+        Tensor::from_vec(grad, dims.as_slice(), &candle_core::Device::Cpu)?.to_dtype(*dtype)
+    }
+}
+
+/// δ_i = dO_i · O_i, per (b, h, i), from dO and O `(B, Tq, H, D)`.
+fn row_deltas(
+    do_host: &[f32],
+    o_host: &[f32],
+    (b, h, tq, _, d): (usize, usize, usize, usize, usize),
+) -> candle_core::Result<Vec<f32>> {
+    let mut delta = zeroed(b * h * tq, "fused training: row deltas")?;
+    delta.par_iter_mut().enumerate().for_each(|(r, x)| {
+        let (bi, hi, i) = (r / (h * tq), (r / tq) % h, r % tq);
+        let at = ((bi * tq + i) * h + hi) * d;
+        *x = do_host[at..at + d]
+            .iter()
+            .zip(&o_host[at..at + d])
+            .map(|(a, b)| a * b)
+            .sum();
+    });
+    Ok(delta)
+}
+
+/// The sinks' gradient: dsink_h = −Σ_{b, i} p_sink δ_i, p_sink = e^(sink − m_i) / l_i.
+fn sink_grads(
+    sinks: &[f32],
+    stats: &[f32],
+    delta: &[f32],
+    (_, h, tq, _, _): (usize, usize, usize, usize, usize),
+) -> Vec<f32> {
+    let mut grad = vec![0f64; h];
+    for (r, dl) in delta.iter().enumerate() {
+        let hi = (r / tq) % h;
+        let (m, inv) = (stats[2 * r], stats[2 * r + 1]);
+        let p = ((sinks[hi] - m) as f64).exp() * inv as f64;
+        grad[hi] -= p * *dl as f64;
+    }
+    grad.into_iter().map(|x| x as f32).collect()
 }
 
 /// Everything the tasks read.
