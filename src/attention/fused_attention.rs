@@ -40,7 +40,7 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::fused_softmax::{read_storage, strided_terms, RowRule, Running, TermGuards};
+use super::fused_softmax::{read_storage, strided_terms, RowPass, RowRule, Running, TermGuards};
 use super::widen::Widen;
 use crate::error::{Error, Result};
 use crate::plug::relative::add_indexed_sums;
@@ -520,131 +520,207 @@ impl CoreSpec {
             (Operand::F32(k), true) => Some(transposed_keys(k, (b, hkv, tk, d))?),
             _ => None,
         };
+        let run = Run {
+            core: self,
+            q,
+            k,
+            v,
+            keys_t,
+            pass: &pass,
+            values: values.as_ref(),
+            group,
+            tile,
+            key_tile,
+            out,
+            t,
+            stats,
+        };
         (0..b * h * tiles).into_par_iter().for_each(|task| {
             let (bh, i0) = (task / tiles, (task % tiles) * tile);
-            let (bi, hi) = (bh / h, bh % h);
-            let rows = tile.min(tq - i0);
-            let r0 = (bi * h + hi) * tq + i0;
-            let (lo, hi_key) = match self.skip {
-                true => self.rule.keys_seen(i0, i0 + rows, tk),
-                false => (0, tk),
-            };
-            let width = values.as_ref().map_or(0, |(_, w, _)| *w);
-            SCRATCH.with_borrow_mut(|scratch| {
-                let Scratch {
-                    logits: s,
-                    acc,
-                    sums,
-                    running,
-                    keys: key_buf,
-                    values: value_buf,
-                } = scratch;
-                acc.resize(rows * d, 0.0);
-                sums.clear();
-                sums.resize(rows * width, 0.0);
-                running.clear();
-                running.extend((0..rows).map(|li| pass.running(r0 + li)));
-                for j0 in (lo..hi_key).step_by(key_tile) {
-                    let n = key_tile.min(hi_key - j0);
-                    s.resize(rows * n, 0.0);
-                    // SAFETY: bi < B, hi / group < Hkv, j0 < Tk; S is rows × n (resized
-                    // above), acc rows × D; the q rows, the k and v rows and the transposed keys
-                    // read lie in their views (i0 + rows ≤ Tq, j0 + n ≤ Tk), checked against
-                    // storage in `View::over` and by `transposed_keys`; the widened tiles are
-                    // not touched again until the next key tile.
-                    let at = (bi, hi / group, j0, n, d);
-                    let ((kp, k_rs), (vp, v_rs)) =
-                        unsafe { (k.rows(at, key_buf), v.rows(at, value_buf)) };
-                    let keys = match &keys_t {
-                        // The key tile (D, n) as a view of (D, Tk): read in place.
-                        Some(kt) => (
-                            kt[((bi * hkv + hi / group) * d) * tk + j0..].as_ptr(),
-                            1,
-                            tk,
-                        ),
-                        // (n, D) as stored: gemm gathers it column by column.
-                        None => (kp, k_rs, 1),
-                    };
-                    unsafe {
-                        product(
-                            (rows, n, d),
-                            (s.as_mut_ptr(), n, false),
-                            (q.at(bi, hi, i0), 1, q.strides[2]),
-                            keys,
-                        )
-                    };
-                    for (li, row) in s.chunks_exact_mut(n).enumerate() {
-                        let alpha = pass.online_best(r0 + li, row, j0, &mut running[li]);
-                        if let Some(dropout) = &self.dropout {
-                            // After the row's sum took every weight: only the products see
-                            // the dropped ones.
-                            dropout.apply((bi, hi, self.rule.first + i0 + li), j0, row);
-                        }
-                        let sums = &mut sums[li * width..(li + 1) * width];
-                        if alpha != 1.0 && j0 > lo {
-                            acc[li * d..(li + 1) * d]
-                                .iter_mut()
-                                .for_each(|x| *x *= alpha);
-                            sums.iter_mut().for_each(|x| *x *= alpha);
-                        }
-                        // A value term's sums per column, while the row is still in L1 (read
-                        // again after the tile's product, it comes from L2 or beyond).
-                        match values.as_ref().map(|(_, _, rule)| rule) {
-                            Some(TileColumns::Shift(shift)) => {
-                                pass.add_shifted_sums_best(row, (i0 + li, *shift, j0), sums)
-                            }
-                            Some(TileColumns::Index(index, ib)) => {
-                                let columns = index_row(index, *ib, (bi, i0 + li, j0, n), tq, tk);
-                                add_indexed_sums(row, columns, sums);
-                            }
-                            None => {}
-                        }
-                    }
-                    // SAFETY: as above.
-                    unsafe {
-                        product(
-                            (rows, d, n),
-                            (acc.as_mut_ptr(), d, j0 > lo),
-                            (s.as_ptr(), 1, n),
-                            (vp, 1, v_rs),
-                        )
-                    };
-                }
-                if let Some((table, width, _)) = &values {
-                    // The value term joins the accumulator before both are normalised:
-                    // acc += sums · table, in the thread's own rows rather than the output's.
-                    // SAFETY: sums is rows × W, the table W × D, acc rows × D.
-                    unsafe {
-                        product(
-                            (rows, d, *width),
-                            (acc.as_mut_ptr(), d, true),
-                            (sums.as_ptr(), 1, *width),
-                            (table.as_ptr(), 1, d),
-                        )
-                    };
-                }
-                let row0 = (bi * t + self.first_row + i0) * h + hi;
-                for (li, state) in running.iter().enumerate() {
-                    let inv = 1.0 / state.sum;
-                    if let Some(stats) = stats {
-                        // SAFETY: stats is (B, H, Tq, 2) contiguous (the caller's contract);
-                        // row r0 + li is this tile's own.
-                        unsafe {
-                            *stats.add(2 * (r0 + li)) = state.max;
-                            *stats.add(2 * (r0 + li) + 1) = inv;
-                        }
-                    }
-                    // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements (checked
-                    // above); this tile writes rows first_row + i0 .. + rows of head hi only.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(out.add((row0 + li * h) * d), d) };
-                    for (o, a) in dst.iter_mut().zip(&acc[li * d..(li + 1) * d]) {
-                        *o = a * inv;
-                    }
-                }
-            });
+            SCRATCH.with_borrow_mut(|scratch| run.query_tile(bh / h, bh % h, i0, scratch));
         });
         Ok(())
+    }
+}
+
+/// One call of the core, shared by its tasks: the operands read in place, the row pass, the
+/// value term and the tile sizes.
+struct Run<'a> {
+    core: &'a CoreSpec,
+    q: View,
+    k: Operand,
+    v: Operand,
+    /// The keys transposed, `(B, Hkv, D, Tk)`, when many query tiles read them.
+    keys_t: Option<Vec<f32>>,
+    pass: &'a RowPass<'a>,
+    values: Option<&'a (&'a [f32], usize, TileColumns<'a>)>,
+    group: usize,
+    tile: usize,
+    key_tile: usize,
+    out: OutPtr,
+    t: usize,
+    stats: Option<OutPtr>,
+}
+
+// SAFETY: the views only read storage held under read locks for the whole call, and every task
+// writes only its own rows of `out` and `stats`.
+unsafe impl Sync for Run<'_> {}
+
+impl Run<'_> {
+    /// The query tile `i0..` of head `hi` in sequence `bi`: an online softmax over its key
+    /// tiles, the value term, then its rows normalised into the output.
+    fn query_tile(&self, bi: usize, hi: usize, i0: usize, scratch: &mut Scratch) {
+        let (_, h, tq, tk, d) = self.core.dims;
+        let rows = self.tile.min(tq - i0);
+        let r0 = (bi * h + hi) * tq + i0;
+        let (lo, hi_key) = match self.core.skip {
+            true => self.core.rule.keys_seen(i0, i0 + rows, tk),
+            false => (0, tk),
+        };
+        let width = self.values.map_or(0, |(_, w, _)| *w);
+        scratch.acc.resize(rows * d, 0.0);
+        scratch.sums.clear();
+        scratch.sums.resize(rows * width, 0.0);
+        scratch.running.clear();
+        let pass = self.pass;
+        scratch
+            .running
+            .extend((0..rows).map(|li| pass.running(r0 + li)));
+        for j0 in (lo..hi_key).step_by(self.key_tile) {
+            let n = self.key_tile.min(hi_key - j0);
+            self.key_tile_step((bi, hi, i0, rows), (j0, n, lo), scratch);
+        }
+        self.finish((bi, hi, i0, rows), scratch);
+    }
+
+    /// Keys `j0..j0 + n` for the tile's `rows` queries: the logits, each row's online
+    /// softmax (rescaling what the row holds), and the weighted values added to it.
+    fn key_tile_step(
+        &self,
+        (bi, hi, i0, rows): (usize, usize, usize, usize),
+        (j0, n, lo): (usize, usize, usize),
+        scratch: &mut Scratch,
+    ) {
+        let (_, h, tq, tk, d) = self.core.dims;
+        let (q, hkv, group) = (&self.q, self.k_heads(), self.group);
+        let r0 = (bi * h + hi) * tq + i0;
+        let width = self.values.map_or(0, |(_, w, _)| *w);
+        let Scratch {
+            logits: s,
+            acc,
+            sums,
+            running,
+            keys: key_buf,
+            values: value_buf,
+        } = scratch;
+        s.resize(rows * n, 0.0);
+        // SAFETY: bi < B, hi / group < Hkv, j0 < Tk; S is rows × n (resized above), acc
+        // rows × D; the q rows, the k and v rows and the transposed keys read lie in their
+        // views (i0 + rows ≤ Tq, j0 + n ≤ Tk), checked against storage in `View::over` and by
+        // `transposed_keys`; the widened tiles are not touched again until the next key tile.
+        let at = (bi, hi / group, j0, n, d);
+        let ((kp, k_rs), (vp, v_rs)) =
+            unsafe { (self.k.rows(at, key_buf), self.v.rows(at, value_buf)) };
+        let keys = match &self.keys_t {
+            // The key tile (D, n) as a view of (D, Tk): read in place.
+            Some(kt) => (
+                kt[((bi * hkv + hi / group) * d) * tk + j0..].as_ptr(),
+                1,
+                tk,
+            ),
+            // (n, D) as stored: gemm gathers it column by column.
+            None => (kp, k_rs, 1),
+        };
+        unsafe {
+            product(
+                (rows, n, d),
+                (s.as_mut_ptr(), n, false),
+                (q.at(bi, hi, i0), 1, q.strides[2]),
+                keys,
+            )
+        };
+        for (li, row) in s.chunks_exact_mut(n).enumerate() {
+            let alpha = self.pass.online_best(r0 + li, row, j0, &mut running[li]);
+            if let Some(dropout) = &self.core.dropout {
+                // After the row's sum took every weight: only the products see the dropped
+                // ones.
+                dropout.apply((bi, hi, self.core.rule.first + i0 + li), j0, row);
+            }
+            let sums = &mut sums[li * width..(li + 1) * width];
+            if alpha != 1.0 && j0 > lo {
+                acc[li * d..(li + 1) * d]
+                    .iter_mut()
+                    .for_each(|x| *x *= alpha);
+                sums.iter_mut().for_each(|x| *x *= alpha);
+            }
+            // A value term's sums per column, while the row is still in L1 (read again after
+            // the tile's product, it comes from L2 or beyond).
+            match self.values.map(|(_, _, rule)| rule) {
+                Some(TileColumns::Shift(shift)) => {
+                    self.pass
+                        .add_shifted_sums_best(row, (i0 + li, *shift, j0), sums)
+                }
+                Some(TileColumns::Index(index, ib)) => {
+                    let columns = index_row(index, *ib, (bi, i0 + li, j0, n), tq, tk);
+                    add_indexed_sums(row, columns, sums);
+                }
+                None => {}
+            }
+        }
+        // SAFETY: as above.
+        unsafe {
+            product(
+                (rows, d, n),
+                (acc.as_mut_ptr(), d, j0 > lo),
+                (s.as_ptr(), 1, n),
+                (vp, 1, v_rs),
+            )
+        };
+    }
+
+    /// The tile's rows done: the value term joined to them, each row normalised into the
+    /// output, and its statistics kept when asked for.
+    fn finish(&self, (bi, hi, i0, rows): (usize, usize, usize, usize), scratch: &mut Scratch) {
+        let (_, h, tq, _, d) = self.core.dims;
+        let (acc, sums, running) = (&mut scratch.acc, &scratch.sums, &scratch.running);
+        if let Some((table, width, _)) = self.values {
+            // The value term joins the accumulator before both are normalised: acc +=
+            // sums · table, in the thread's own rows rather than the output's.
+            // SAFETY: sums is rows × W, the table W × D, acc rows × D.
+            unsafe {
+                product(
+                    (rows, d, *width),
+                    (acc.as_mut_ptr(), d, true),
+                    (sums.as_ptr(), 1, *width),
+                    (table.as_ptr(), 1, d),
+                )
+            };
+        }
+        let r0 = (bi * h + hi) * tq + i0;
+        let row0 = (bi * self.t + self.core.first_row + i0) * h + hi;
+        for (li, state) in running.iter().enumerate() {
+            let inv = 1.0 / state.sum;
+            if let Some(stats) = self.stats {
+                // SAFETY: stats is (B, H, Tq, 2) contiguous (the caller's contract); row
+                // r0 + li is this tile's own.
+                unsafe {
+                    *stats.add(2 * (r0 + li)) = state.max;
+                    *stats.add(2 * (r0 + li) + 1) = inv;
+                }
+            }
+            // SAFETY: out is (B, T, H, D) contiguous with b·t·h·d elements (checked by the
+            // caller); this tile writes rows first_row + i0 .. + rows of head hi only.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(self.out.add((row0 + li * h) * d), d) };
+            for (o, a) in dst.iter_mut().zip(&acc[li * d..(li + 1) * d]) {
+                *o = a * inv;
+            }
+        }
+    }
+
+    /// The KV heads.
+    fn k_heads(&self) -> usize {
+        self.core.dims.1 / self.group
     }
 }
 
