@@ -24,6 +24,7 @@ pub(crate) mod defaults;
 mod gemma4;
 pub(crate) mod json;
 pub mod layer;
+pub mod rope;
 mod weights;
 
 pub use layer::{HfAttentionConfig, HfFamily};

@@ -35,12 +35,12 @@
 
 use serde_json::Map;
 
-use super::mrope::{AxialRope, MropeSection};
-use super::rope::{RopeConfig, RopeLayout};
-use super::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
+use super::defaults::{class_defaults, gpt_oss_rope, GPTJ_ROPE_THETA, GPTJ_ROTARY_DIM};
+use super::json::{first, parse_root, problem, Obj};
 use crate::error::{Error, Result};
-use crate::hf::defaults::{class_defaults, gpt_oss_rope, GPTJ_ROPE_THETA, GPTJ_ROTARY_DIM};
-use crate::hf::json::{first, parse_root, problem, Obj};
+use crate::rotary::mrope::{AxialRope, MropeSection};
+use crate::rotary::rope::{RopeConfig, RopeLayout};
+use crate::rotary::scaling::{LongRopeScaling, RopeScaling, YarnScaling};
 
 impl RopeConfig {
     /// The rotary configuration of an HF model's `config.json` text (see the [module
