@@ -22,6 +22,8 @@ use serde_json::{Map, Value};
 
 use super::json::{problem, Obj};
 use super::layer::{layer_kind, LayerKind};
+use super::registry::ModelSpec;
+use crate::attention::AttentionConfig;
 use crate::error::Result;
 
 /// `global_head_dim` when absent.
@@ -48,15 +50,43 @@ pub(super) const TYPED_FIELDS: [&str; 6] = [
     "attention_k_eq_v",
 ];
 
-/// Refuses `rope_scaling`, which replaces the nested parameters.
-pub(super) fn refuse_rope_scaling(top: &Obj) -> Result<()> {
+/// Refuses `rope_scaling`, which replaces the nested parameters, and a layer that shares an
+/// earlier layer's keys and values (the last `num_kv_shared_layers`), which the block does not
+/// support yet.
+pub(super) fn check_layer(top: &Obj, layer: usize) -> Result<()> {
     if top.map.contains_key("rope_scaling") {
         return Err(problem(
             "rope_scaling",
             "replaces Gemma 4's per-layer-type rope_parameters, and HF's rotary embedding then fails; give rope_parameters nested by layer type instead",
         ));
     }
+    let layers = top.usize("num_hidden_layers")?.unwrap_or(0);
+    let shared = top.usize("num_kv_shared_layers")?.unwrap_or(0);
+    // The last `shared` layers reuse earlier keys: layer + shared ≥ layers, without the sum
+    // (both are the file's numbers).
+    if shared > 0 && layer >= layers.saturating_sub(shared) {
+        return Err(problem(
+            "num_kv_shared_layers",
+            format!(
+                "makes layer {layer} reuse the keys and values of an earlier layer, which the attention block does not support yet"
+            ),
+        ));
+    }
     Ok(())
+}
+
+/// The block settings of a Gemma 4 layer: q and k normalised (by the row's norm), the values
+/// too (a norm without a scale, ε from `rms_norm_eps`), no further scale, and the values
+/// taken from the key projection on full layers under `attention_k_eq_v`.
+pub(super) fn attention(
+    top: &Obj,
+    kind: LayerKind,
+    attention: AttentionConfig,
+) -> Result<AttentionConfig> {
+    Ok(attention
+        .with_softmax_scale(1.0)
+        .with_value_norm(Some(top.f64("rms_norm_eps")?.unwrap_or(1e-6)))
+        .with_k_eq_v(kind == LayerKind::Full && top.bool("attention_k_eq_v")?.unwrap_or(false)))
 }
 
 /// The head width and key/value heads of layer `layer` (of kind `kind`) where they differ
@@ -67,7 +97,12 @@ pub(super) fn refuse_rope_scaling(top: &Obj) -> Result<()> {
 /// layer index below `num_hidden_layers`, an entry that is not an object or has a null width
 /// or head count, or layers of one type with different widths or head counts (HF builds one
 /// rotary table per layer type and fails on them).
-pub(super) fn overrides(top: &Obj, layer: usize, kind: LayerKind) -> Result<Overrides> {
+pub(super) fn overrides(
+    top: &Obj,
+    spec: &ModelSpec,
+    layer: usize,
+    kind: LayerKind,
+) -> Result<Overrides> {
     let list = match top.map.get("per_layer_config") {
         None if kind == LayerKind::Full => {
             let head_dim = top.usize("global_head_dim")?.unwrap_or(GLOBAL_HEAD_DIM);
@@ -149,7 +184,7 @@ pub(super) fn overrides(top: &Obj, layer: usize, kind: LayerKind) -> Result<Over
     };
     for other in 0..layers {
         if other != layer
-            && layer_kind(top, "gemma4_text", other)? == kind
+            && layer_kind(top, spec, other)? == kind
             && values(&read(other)?) != values(&own)
         {
             return Err(problem(

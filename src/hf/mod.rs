@@ -24,7 +24,10 @@ pub(crate) mod defaults;
 mod gemma4;
 pub(crate) mod json;
 pub mod layer;
+mod llama4;
+mod registry;
 pub mod rope;
 mod weights;
 
 pub use layer::{HfAttentionConfig, HfFamily};
+pub use registry::model_types;
