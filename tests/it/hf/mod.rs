@@ -1,3 +1,4 @@
 //! Attention layers read from HF `config.json` files and HF tensor names, against HF transformers' own modules.
 
+mod docs;
 mod layers;
