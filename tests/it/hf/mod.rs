@@ -2,3 +2,4 @@
 
 mod docs;
 mod layers;
+mod registry;
