@@ -28,6 +28,7 @@
 //!
 //! Each family is checked against a layer of HF transformers' own module (`tests/it/hf/layers.rs`).
 
+mod deepseek;
 pub(crate) mod defaults;
 mod gemma4;
 pub(crate) mod json;
