@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value};
 
 use super::json::{problem, Obj};
-use super::layer::{layer_kind, LayerKind};
+use super::pattern::{layer_kind, LayerKind};
 use super::registry::ModelSpec;
 use crate::attention::AttentionConfig;
 use crate::error::Result;

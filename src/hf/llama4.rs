@@ -11,7 +11,8 @@
 use serde_json::Value;
 
 use super::json::{problem, Obj};
-use super::layer::{layer_entry, uses_rope, Keys, LayerKind};
+use super::layer::Keys;
+use super::pattern::{layer_entry, uses_rope, LayerKind};
 use super::registry::ModelSpec;
 use crate::attention::{AttentionConfig, AttentionTemperature, QkNormConfig};
 use crate::error::Result;

@@ -34,6 +34,7 @@ mod gemma4;
 pub(crate) mod json;
 pub mod layer;
 mod llama4;
+mod pattern;
 mod registry;
 pub mod rope;
 mod weights;
