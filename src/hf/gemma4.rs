@@ -104,19 +104,7 @@ pub(super) fn overrides(
     kind: LayerKind,
 ) -> Result<Overrides> {
     let list = match top.map.get("per_layer_config") {
-        None if kind == LayerKind::Full => {
-            let head_dim = top.usize("global_head_dim")?.unwrap_or(GLOBAL_HEAD_DIM);
-            let kv_heads = match top.bool("attention_k_eq_v")?.unwrap_or(false) {
-                true => top
-                    .usize("num_global_key_value_heads")?
-                    .map(|n| (n, "num_global_key_value_heads".to_string())),
-                false => None,
-            };
-            return Ok(Overrides {
-                head_dim: Some((head_dim, "global_head_dim".into())),
-                kv_heads,
-            });
-        }
+        None if kind == LayerKind::Full => return class_overrides(top),
         None | Some(Value::Null) => return Ok(Overrides::default()),
         Some(Value::Object(m)) => m,
         Some(other) => {
@@ -127,7 +115,52 @@ pub(super) fn overrides(
         }
     };
     let layers = top.usize("num_hidden_layers")?.unwrap_or(NUM_HIDDEN_LAYERS);
-    let mut entries: BTreeMap<usize, (&str, &Map<String, Value>)> = BTreeMap::new();
+    let entries = entries(list, layers)?;
+    let own = entry_overrides(&entries, layer)?;
+    let values = |o: &Overrides| {
+        (
+            o.head_dim.as_ref().map(|v| v.0),
+            o.kv_heads.as_ref().map(|v| v.0),
+        )
+    };
+    for other in 0..layers {
+        if other != layer
+            && layer_kind(top, spec, other)? == kind
+            && values(&entry_overrides(&entries, other)?) != values(&own)
+        {
+            return Err(problem(
+                "per_layer_config",
+                format!(
+                    "gives layers {layer} and {other}, of the same type, different head widths or key/value heads; HF builds one rotary table per layer type and refuses that"
+                ),
+            ));
+        }
+    }
+    Ok(own)
+}
+
+/// A full layer's overrides without `per_layer_config`: `global_head_dim`, and
+/// `num_global_key_value_heads` under `attention_k_eq_v`.
+fn class_overrides(top: &Obj) -> Result<Overrides> {
+    let head_dim = top.usize("global_head_dim")?.unwrap_or(GLOBAL_HEAD_DIM);
+    let kv_heads = match top.bool("attention_k_eq_v")?.unwrap_or(false) {
+        true => top
+            .usize("num_global_key_value_heads")?
+            .map(|n| (n, "num_global_key_value_heads".to_string())),
+        false => None,
+    };
+    Ok(Overrides {
+        head_dim: Some((head_dim, "global_head_dim".into())),
+        kv_heads,
+    })
+}
+
+/// A `per_layer_config` entry: its key as written, and its overrides.
+type Entry<'a> = (&'a str, &'a Map<String, Value>);
+
+/// The entries of `per_layer_config` by layer index, checked.
+fn entries(list: &Map<String, Value>, layers: usize) -> Result<BTreeMap<usize, Entry<'_>>> {
+    let mut entries = BTreeMap::new();
     for (key, value) in list {
         let index = key
             .trim()
@@ -158,44 +191,26 @@ pub(super) fn overrides(
         }
         entries.insert(index, (key.as_str(), entry));
     }
-    let read = |l: usize| -> Result<Overrides> {
-        let Some(&(key, entry)) = entries.get(&l) else {
-            return Ok(Overrides::default());
-        };
-        let prefix = format!("per_layer_config.{key}.");
-        let obj = Obj {
-            map: entry,
-            prefix: &prefix,
-        };
-        let at = |field: &str| -> Result<Option<(usize, String)>> {
-            Ok(obj.usize(field)?.map(|v| (v, obj.name(field))))
-        };
-        Ok(Overrides {
-            head_dim: at("head_dim")?,
-            kv_heads: at("num_key_value_heads")?,
-        })
+    Ok(entries)
+}
+
+/// The overrides `per_layer_config` gives layer `layer` (none without an entry).
+fn entry_overrides(entries: &BTreeMap<usize, Entry<'_>>, layer: usize) -> Result<Overrides> {
+    let Some(&(key, entry)) = entries.get(&layer) else {
+        return Ok(Overrides::default());
     };
-    let own = read(layer)?;
-    let values = |o: &Overrides| {
-        (
-            o.head_dim.as_ref().map(|v| v.0),
-            o.kv_heads.as_ref().map(|v| v.0),
-        )
+    let prefix = format!("per_layer_config.{key}.");
+    let obj = Obj {
+        map: entry,
+        prefix: &prefix,
     };
-    for other in 0..layers {
-        if other != layer
-            && layer_kind(top, spec, other)? == kind
-            && values(&read(other)?) != values(&own)
-        {
-            return Err(problem(
-                "per_layer_config",
-                format!(
-                    "gives layers {layer} and {other}, of the same type, different head widths or key/value heads; HF builds one rotary table per layer type and refuses that"
-                ),
-            ));
-        }
-    }
-    Ok(own)
+    let at = |field: &str| -> Result<Option<(usize, String)>> {
+        Ok(obj.usize(field)?.map(|v| (v, obj.name(field))))
+    };
+    Ok(Overrides {
+        head_dim: at("head_dim")?,
+        kv_heads: at("num_key_value_heads")?,
+    })
 }
 
 /// The rotary parameters of a layer of kind `kind`: its type's entry of `rope_parameters` (or
