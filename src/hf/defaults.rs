@@ -7,6 +7,7 @@
 //! the same values from this table (each row's `defaults` in `hf::registry`), so a minimal file
 //! gives the layer HF builds from it.
 //!
+//! <!-- family_types -->
 //! | `model_type` | `rope_theta` | `num_key_value_heads` | `head_dim` | `max_position_embeddings` | other |
 //! |---|---|---|---|---|---|
 //! | `llama` | 10000 | heads | width / heads | 2048 | |
@@ -34,6 +35,7 @@
 //! | `gptj` | 10000, fixed (no θ or scaling key is read) | heads | width / heads | 2048 (`n_positions`) | `rotary_dim` 64 |
 //! | `t5` | — | heads | 64 (`d_kv`) | — | 32 buckets, largest distance 128 |
 //! | others (`bloom`, `gpt2`, `mpt`, `pixtral`, none) | 10000 | heads | width / heads | — | |
+//! <!-- /family_types -->
 //!
 //! Sizes (`hidden_size`, `num_attention_heads`, T5's `d_model` and `num_heads`, ...) are
 //! required: their class defaults describe a full-size model, and a file that leaves them out

@@ -12,8 +12,11 @@
 //!   ├─ window, layers, rope_layers       which layers slide, chunk or skip RoPE
 //!   ├─ rope: RopeSpec                    θ source, partial rotary, pair layout, axial, per-type
 //!   ├─ typed_nulls, null_kv_heads, null_head_dim, even_split   what the class refuses
-//!   └─ quirks: Quirks                    Gemma 4 and Llama 4's own files
+//!   └─ quirks: Quirks                    Gemma 4's and Llama 4's steps (gemma4.rs, llama4.rs)
 //! ```
+//!
+//! DeepSeek's family reads its latent attention in `deepseek.rs`; the layer patterns the
+//! rows choose are in `pattern.rs`.
 //!
 //! A family that reads as Llama does (separate projections, `attention_bias`, RoPE over the
 //! whole head) is one row: `ModelSpec { model_type: "…", defaults: …, ..LLAMA_LIKE }`.
