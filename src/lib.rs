@@ -24,10 +24,15 @@
 //! per-token ids.
 //!
 //! [`hf::HfAttentionConfig`] reads a model's attention layer from its HF `config.json` (per
-//! layer where layers differ) and loads it from safetensors under HF's own names: Llama,
-//! Mistral, Qwen2/3, Gemma 1–3, OLMo 2, gpt-oss, SmolLM3, Cohere2, Qwen2-VL and Qwen3-VL (their language
-//! models, with multimodal RoPE), Phi-3, GPT-NeoX, BLOOM, MPT, GPT-2, GPT-J, Falcon and T5, each
-//! checked against HF transformers' own module.
+//! layer where layers differ) and loads it from safetensors under HF's own names, each family
+//! checked against HF transformers' own module. The `model_type`s it reads
+//! ([`hf::model_types`]): <!-- model_types -->`llama`, `mistral`, `qwen2`, `qwen3`, `gemma`,
+//! `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`,
+//! `gemma4_text`, `pixtral`, `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
+//! `qwen3_vl_moe_text`, `phi3`, `gpt_neox`, `bloom`, `gpt2`, `gptj`, `falcon`, `t5`, `mpt`,
+//! `modernbert`, `deepseek_v2`, `deepseek_v3`, and the vision-language models `qwen2_vl`,
+//! `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe`, `llama4`, `gemma4` (their language model).
+//! <!-- /model_types -->
 //!
 //! The block attends over blocks of queries (each with an exact softmax over the keys it can
 //! see), sized automatically from [`AttentionConfig::logits_budget`] or fixed with

@@ -4,8 +4,10 @@
 //! A hand-written or trimmed `config.json` is read by HF through its model's config class,
 //! whose field defaults (and `__post_init__`, and `convert_rope_params_to_dict` /
 //! `standardize_rope_params` for the rotary settings) fill every absent key. The loader takes
-//! the same values from this table, so a minimal file gives the layer HF builds from it.
+//! the same values from this table (each row's `defaults` in `hf::registry`), so a minimal file
+//! gives the layer HF builds from it.
 //!
+//! <!-- family_types -->
 //! | `model_type` | `rope_theta` | `num_key_value_heads` | `head_dim` | `max_position_embeddings` | other |
 //! |---|---|---|---|---|---|
 //! | `llama` | 10000 | heads | width / heads | 2048 | |
@@ -33,6 +35,7 @@
 //! | `gptj` | 10000, fixed (no θ or scaling key is read) | heads | width / heads | 2048 (`n_positions`) | `rotary_dim` 64 |
 //! | `t5` | — | heads | 64 (`d_kv`) | — | 32 buckets, largest distance 128 |
 //! | others (`bloom`, `gpt2`, `mpt`, `pixtral`, none) | 10000 | heads | width / heads | — | |
+//! <!-- /family_types -->
 //!
 //! Sizes (`hidden_size`, `num_attention_heads`, T5's `d_model` and `num_heads`, ...) are
 //! required: their class defaults describe a full-size model, and a file that leaves them out
@@ -61,7 +64,8 @@ pub(crate) struct ClassDefaults {
     pub(crate) yarn: bool,
 }
 
-const GENERIC: ClassDefaults = ClassDefaults {
+/// The defaults of a class without its own (and the base of every row's).
+pub(crate) const GENERIC: ClassDefaults = ClassDefaults {
     rope_theta: 10_000.0,
     num_key_value_heads: None,
     head_dim: None,
@@ -71,133 +75,6 @@ const GENERIC: ClassDefaults = ClassDefaults {
     mrope: None,
     yarn: false,
 };
-
-/// The defaults of `model_type`'s configuration class (HF's own name, before the loader reads a
-/// vision-language text model as the text model it is).
-pub(crate) fn class_defaults(model_type: Option<&str>) -> ClassDefaults {
-    let d = GENERIC;
-    let max = |n: usize| Some(n);
-    match model_type.unwrap_or("") {
-        "llama" | "olmo2" | "gpt_neox" | "falcon" | "gptj" => ClassDefaults {
-            max_position_embeddings: max(2048),
-            ..d
-        },
-        "mistral" => ClassDefaults {
-            num_key_value_heads: Some(8),
-            max_position_embeddings: max(131_072),
-            sliding_window: Some(4096),
-            ..d
-        },
-        "qwen2" => ClassDefaults {
-            num_key_value_heads: Some(32),
-            max_position_embeddings: max(32_768),
-            sliding_window: Some(4096),
-            ..d
-        },
-        "qwen3" => ClassDefaults {
-            num_key_value_heads: Some(32),
-            head_dim: Some(128),
-            max_position_embeddings: max(32_768),
-            sliding_window: Some(4096),
-            ..d
-        },
-        "gemma" => ClassDefaults {
-            num_key_value_heads: Some(16),
-            head_dim: Some(256),
-            max_position_embeddings: max(8192),
-            ..d
-        },
-        "gemma2" => ClassDefaults {
-            num_key_value_heads: Some(4),
-            head_dim: Some(256),
-            max_position_embeddings: max(8192),
-            sliding_window: Some(4096),
-            ..d
-        },
-        "gemma3_text" => ClassDefaults {
-            rope_theta: 1_000_000.0,
-            num_key_value_heads: Some(4),
-            head_dim: Some(256),
-            max_position_embeddings: max(131_072),
-            sliding_window: Some(4096),
-            ..d
-        },
-        "gemma4_text" => ClassDefaults {
-            num_key_value_heads: Some(4),
-            head_dim: Some(256),
-            max_position_embeddings: max(131_072),
-            sliding_window: Some(512),
-            ..d
-        },
-        "gpt_oss" => ClassDefaults {
-            rope_theta: 150_000.0,
-            num_key_value_heads: Some(8),
-            head_dim: Some(64),
-            max_position_embeddings: max(131_072),
-            sliding_window: Some(128),
-            yarn: true,
-            ..d
-        },
-        "smollm3" => ClassDefaults {
-            rope_theta: 2_000_000.0,
-            num_key_value_heads: Some(4),
-            max_position_embeddings: max(32_768),
-            ..d
-        },
-        "cohere2" => ClassDefaults {
-            max_position_embeddings: max(8192),
-            sliding_window: Some(4096),
-            ..d
-        },
-        "llama4_text" => ClassDefaults {
-            rope_theta: 500_000.0,
-            num_key_value_heads: Some(8),
-            head_dim: Some(128),
-            max_position_embeddings: max(131_072),
-            ..d
-        },
-        "phi3" => ClassDefaults {
-            max_position_embeddings: max(4096),
-            ..d
-        },
-        "qwen2_vl_text" | "qwen2_5_vl_text" => ClassDefaults {
-            rope_theta: 1_000_000.0,
-            num_key_value_heads: Some(8),
-            max_position_embeddings: max(32_768),
-            sliding_window: Some(4096),
-            max_window_layers: 80,
-            mrope: Some(MropeSection::new([16, 24, 24])),
-            ..d
-        },
-        t @ ("qwen3_vl_text" | "qwen3_vl_moe_text") => ClassDefaults {
-            rope_theta: 500_000.0,
-            num_key_value_heads: Some(if t == "qwen3_vl_text" { 32 } else { 16 }),
-            head_dim: (t == "qwen3_vl_text").then_some(128),
-            max_position_embeddings: max(128_000),
-            mrope: Some(MropeSection::new([24, 20, 20]).with_interleaved(true)),
-            ..d
-        },
-        "modernbert" => ClassDefaults {
-            rope_theta: 160_000.0,
-            max_position_embeddings: max(8192),
-            ..d
-        },
-        "deepseek_v2" => ClassDefaults {
-            max_position_embeddings: max(2048),
-            ..d
-        },
-        "deepseek_v3" => ClassDefaults {
-            num_key_value_heads: Some(128),
-            max_position_embeddings: max(4096),
-            ..d
-        },
-        "t5" => ClassDefaults {
-            head_dim: Some(64),
-            ..d
-        },
-        _ => d,
-    }
-}
 
 /// The sliding layers' θ of the models with two (Gemma 3's `rope_local_base_freq`,
 /// ModernBERT's `local_rope_theta`).

@@ -21,7 +21,9 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value};
 
 use super::json::{problem, Obj};
-use super::layer::{layer_kind, LayerKind};
+use super::pattern::{layer_kind, LayerKind};
+use super::registry::ModelSpec;
+use crate::attention::AttentionConfig;
 use crate::error::Result;
 
 /// `global_head_dim` when absent.
@@ -48,15 +50,43 @@ pub(super) const TYPED_FIELDS: [&str; 6] = [
     "attention_k_eq_v",
 ];
 
-/// Refuses `rope_scaling`, which replaces the nested parameters.
-pub(super) fn refuse_rope_scaling(top: &Obj) -> Result<()> {
+/// Refuses `rope_scaling`, which replaces the nested parameters, and a layer that shares an
+/// earlier layer's keys and values (the last `num_kv_shared_layers`), which the block does not
+/// support yet.
+pub(super) fn check_layer(top: &Obj, layer: usize) -> Result<()> {
     if top.map.contains_key("rope_scaling") {
         return Err(problem(
             "rope_scaling",
             "replaces Gemma 4's per-layer-type rope_parameters, and HF's rotary embedding then fails; give rope_parameters nested by layer type instead",
         ));
     }
+    let layers = top.usize("num_hidden_layers")?.unwrap_or(0);
+    let shared = top.usize("num_kv_shared_layers")?.unwrap_or(0);
+    // The last `shared` layers reuse earlier keys: layer + shared ≥ layers, without the sum
+    // (both are the file's numbers).
+    if shared > 0 && layer >= layers.saturating_sub(shared) {
+        return Err(problem(
+            "num_kv_shared_layers",
+            format!(
+                "makes layer {layer} reuse the keys and values of an earlier layer, which the attention block does not support yet"
+            ),
+        ));
+    }
     Ok(())
+}
+
+/// The block settings of a Gemma 4 layer: q and k normalised (by the row's norm), the values
+/// too (a norm without a scale, ε from `rms_norm_eps`), no further scale, and the values
+/// taken from the key projection on full layers under `attention_k_eq_v`.
+pub(super) fn attention(
+    top: &Obj,
+    kind: LayerKind,
+    attention: AttentionConfig,
+) -> Result<AttentionConfig> {
+    Ok(attention
+        .with_softmax_scale(1.0)
+        .with_value_norm(Some(top.f64("rms_norm_eps")?.unwrap_or(1e-6)))
+        .with_k_eq_v(kind == LayerKind::Full && top.bool("attention_k_eq_v")?.unwrap_or(false)))
 }
 
 /// The head width and key/value heads of layer `layer` (of kind `kind`) where they differ
@@ -67,21 +97,14 @@ pub(super) fn refuse_rope_scaling(top: &Obj) -> Result<()> {
 /// layer index below `num_hidden_layers`, an entry that is not an object or has a null width
 /// or head count, or layers of one type with different widths or head counts (HF builds one
 /// rotary table per layer type and fails on them).
-pub(super) fn overrides(top: &Obj, layer: usize, kind: LayerKind) -> Result<Overrides> {
+pub(super) fn overrides(
+    top: &Obj,
+    spec: &ModelSpec,
+    layer: usize,
+    kind: LayerKind,
+) -> Result<Overrides> {
     let list = match top.map.get("per_layer_config") {
-        None if kind == LayerKind::Full => {
-            let head_dim = top.usize("global_head_dim")?.unwrap_or(GLOBAL_HEAD_DIM);
-            let kv_heads = match top.bool("attention_k_eq_v")?.unwrap_or(false) {
-                true => top
-                    .usize("num_global_key_value_heads")?
-                    .map(|n| (n, "num_global_key_value_heads".to_string())),
-                false => None,
-            };
-            return Ok(Overrides {
-                head_dim: Some((head_dim, "global_head_dim".into())),
-                kv_heads,
-            });
-        }
+        None if kind == LayerKind::Full => return class_overrides(top),
         None | Some(Value::Null) => return Ok(Overrides::default()),
         Some(Value::Object(m)) => m,
         Some(other) => {
@@ -92,7 +115,52 @@ pub(super) fn overrides(top: &Obj, layer: usize, kind: LayerKind) -> Result<Over
         }
     };
     let layers = top.usize("num_hidden_layers")?.unwrap_or(NUM_HIDDEN_LAYERS);
-    let mut entries: BTreeMap<usize, (&str, &Map<String, Value>)> = BTreeMap::new();
+    let entries = entries(list, layers)?;
+    let own = entry_overrides(&entries, layer)?;
+    let values = |o: &Overrides| {
+        (
+            o.head_dim.as_ref().map(|v| v.0),
+            o.kv_heads.as_ref().map(|v| v.0),
+        )
+    };
+    for other in 0..layers {
+        if other != layer
+            && layer_kind(top, spec, other)? == kind
+            && values(&entry_overrides(&entries, other)?) != values(&own)
+        {
+            return Err(problem(
+                "per_layer_config",
+                format!(
+                    "gives layers {layer} and {other}, of the same type, different head widths or key/value heads; HF builds one rotary table per layer type and refuses that"
+                ),
+            ));
+        }
+    }
+    Ok(own)
+}
+
+/// A full layer's overrides without `per_layer_config`: `global_head_dim`, and
+/// `num_global_key_value_heads` under `attention_k_eq_v`.
+fn class_overrides(top: &Obj) -> Result<Overrides> {
+    let head_dim = top.usize("global_head_dim")?.unwrap_or(GLOBAL_HEAD_DIM);
+    let kv_heads = match top.bool("attention_k_eq_v")?.unwrap_or(false) {
+        true => top
+            .usize("num_global_key_value_heads")?
+            .map(|n| (n, "num_global_key_value_heads".to_string())),
+        false => None,
+    };
+    Ok(Overrides {
+        head_dim: Some((head_dim, "global_head_dim".into())),
+        kv_heads,
+    })
+}
+
+/// A `per_layer_config` entry: its key as written, and its overrides.
+type Entry<'a> = (&'a str, &'a Map<String, Value>);
+
+/// The entries of `per_layer_config` by layer index, checked.
+fn entries(list: &Map<String, Value>, layers: usize) -> Result<BTreeMap<usize, Entry<'_>>> {
+    let mut entries = BTreeMap::new();
     for (key, value) in list {
         let index = key
             .trim()
@@ -123,44 +191,26 @@ pub(super) fn overrides(top: &Obj, layer: usize, kind: LayerKind) -> Result<Over
         }
         entries.insert(index, (key.as_str(), entry));
     }
-    let read = |l: usize| -> Result<Overrides> {
-        let Some(&(key, entry)) = entries.get(&l) else {
-            return Ok(Overrides::default());
-        };
-        let prefix = format!("per_layer_config.{key}.");
-        let obj = Obj {
-            map: entry,
-            prefix: &prefix,
-        };
-        let at = |field: &str| -> Result<Option<(usize, String)>> {
-            Ok(obj.usize(field)?.map(|v| (v, obj.name(field))))
-        };
-        Ok(Overrides {
-            head_dim: at("head_dim")?,
-            kv_heads: at("num_key_value_heads")?,
-        })
+    Ok(entries)
+}
+
+/// The overrides `per_layer_config` gives layer `layer` (none without an entry).
+fn entry_overrides(entries: &BTreeMap<usize, Entry<'_>>, layer: usize) -> Result<Overrides> {
+    let Some(&(key, entry)) = entries.get(&layer) else {
+        return Ok(Overrides::default());
     };
-    let own = read(layer)?;
-    let values = |o: &Overrides| {
-        (
-            o.head_dim.as_ref().map(|v| v.0),
-            o.kv_heads.as_ref().map(|v| v.0),
-        )
+    let prefix = format!("per_layer_config.{key}.");
+    let obj = Obj {
+        map: entry,
+        prefix: &prefix,
     };
-    for other in 0..layers {
-        if other != layer
-            && layer_kind(top, "gemma4_text", other)? == kind
-            && values(&read(other)?) != values(&own)
-        {
-            return Err(problem(
-                "per_layer_config",
-                format!(
-                    "gives layers {layer} and {other}, of the same type, different head widths or key/value heads; HF builds one rotary table per layer type and refuses that"
-                ),
-            ));
-        }
-    }
-    Ok(own)
+    let at = |field: &str| -> Result<Option<(usize, String)>> {
+        Ok(obj.usize(field)?.map(|v| (v, obj.name(field))))
+    };
+    Ok(Overrides {
+        head_dim: at("head_dim")?,
+        kv_heads: at("num_key_value_heads")?,
+    })
 }
 
 /// The rotary parameters of a layer of kind `kind`: its type's entry of `rope_parameters` (or

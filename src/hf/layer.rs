@@ -8,20 +8,23 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use serde_json::Value;
 
-use super::defaults::{class_defaults, ClassDefaults, LOCAL_ROPE_THETA};
+use super::deepseek;
+use super::defaults::LOCAL_ROPE_THETA;
 use super::gemma4;
 use super::json::{first, parse_root, problem, Obj};
-use super::weights::{remap, QkvLayout, WeightLayout};
-use crate::attention::{
-    AttentionConfig, AttentionTemperature, LatentConfig, MultiHeadAttention, QkNormConfig,
-    QkNormScope,
+use super::llama4;
+use super::pattern::{check_layer, layer_kind, layers_differ, uses_rope, LayerKind};
+use super::registry::{
+    self, Bias, HeadDim, LayerRope, ModelSpec, PerTypeRope, QkNorm, Quirks, Scale, TextConfig,
+    Window,
 };
+use super::weights::{remap, QkvLayout, WeightLayout};
+use crate::attention::{AttentionConfig, MultiHeadAttention, QkNormConfig, QkNormScope};
 use crate::encoding::EncodingConfig;
 use crate::error::{Error, Result};
 use crate::plug::PositionalEncoding;
 use crate::relative::alibi::{AlibiConfig, AlibiSlopes};
 use crate::relative::t5::T5Config;
-use crate::rotary::scaling::RopeScaling;
 use crate::rotary::RopeConfig;
 
 /// The model families whose attention layers load from HF names, chosen by `model_type`.
@@ -29,7 +32,9 @@ use crate::rotary::RopeConfig;
 #[non_exhaustive]
 pub enum HfFamily {
     /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`,
-    /// `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`: `q_proj`, `k_proj`, `v_proj`, `o_proj`
+    /// `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text`, `pixtral` and the Qwen-VL
+    /// text models (`qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
+    /// `qwen3_vl_moe_text`): `q_proj`, `k_proj`, `v_proj`, `o_proj`
     /// (and `q_norm`, `k_norm` for Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none
     /// on the NoPE layers of SmolLM3 and Llama 4 and on Cohere2's full-attention layers).
     Llama,
@@ -70,22 +75,7 @@ pub enum HfFamily {
 impl HfFamily {
     /// The family of an HF `model_type`, if the crate loads it.
     pub fn from_model_type(model_type: &str) -> Option<Self> {
-        Some(match model_type {
-            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3_text"
-            | "olmo2" | "gpt_oss" | "smollm3" | "cohere2" | "llama4_text" | "gemma4_text"
-            | "pixtral" => HfFamily::Llama,
-            "phi3" => HfFamily::Phi3,
-            "gpt_neox" => HfFamily::GptNeoX,
-            "bloom" => HfFamily::Bloom,
-            "gpt2" => HfFamily::Gpt2,
-            "gptj" => HfFamily::GptJ,
-            "falcon" => HfFamily::Falcon,
-            "t5" => HfFamily::T5,
-            "mpt" => HfFamily::Mpt,
-            "modernbert" => HfFamily::ModernBert,
-            "deepseek_v2" | "deepseek_v3" => HfFamily::DeepSeek,
-            _ => return None,
-        })
+        registry::find(model_type).and_then(|spec| spec.family)
     }
 }
 
@@ -177,10 +167,10 @@ pub struct HfAttentionConfig {
 
 /// Where each derived setting came from, so a value the checks refuse is blamed on its key.
 #[derive(Default)]
-struct Keys(HashMap<&'static str, String>);
+pub(super) struct Keys(HashMap<&'static str, String>);
 
 impl Keys {
-    fn set(&mut self, field: &'static str, key: impl Into<String>) {
+    pub(super) fn set(&mut self, field: &'static str, key: impl Into<String>) {
         self.0.insert(field, key.into());
     }
 }
@@ -203,8 +193,8 @@ impl HfAttentionConfig {
             map: &map,
             prefix: "",
         };
-        if let Some(model_type) = top.str("model_type")?.map(canonical) {
-            if let Some(key) = layers_differ(&top, model_type)? {
+        if let Some(model_type) = top.str("model_type")? {
+            if let Some(key) = layers_differ(&top, registry::spec(Some(model_type)))? {
                 return Err(problem(
                     key,
                     "gives the layers different attention (sliding-window, chunked and full layers, or layers with and without RoPE); read one layer with HfAttentionConfig::from_json_layer",
@@ -241,374 +231,31 @@ impl HfAttentionConfig {
             map: &map,
             prefix: "",
         };
-        let model_type = canonical(top.required("model_type", top.str("model_type")?)?);
-        let family = HfFamily::from_model_type(model_type).ok_or_else(|| {
-            problem(
-                "model_type",
-                format!(
-                    "is `{model_type}`, expected one of llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo2, gpt_oss, smollm3, cohere2, llama4_text, gemma4_text, pixtral, phi3, gpt_neox, bloom, gpt2, gptj, falcon, t5, mpt, modernbert, deepseek_v2, deepseek_v3"
-                ),
-            )
-        })?;
-        refuse_unsupported(&top, model_type)?;
-        refuse_typed_nulls(&top, model_type)?;
+        let (spec, family) = loaded_spec(&top)?;
+        refuse_unsupported(&top, spec)?;
+        refuse_typed_nulls(&top, spec)?;
         check_layer(&top, layer)?;
-        if model_type == "gemma4_text" {
-            gemma4::refuse_rope_scaling(&top)?;
-            let layers = top.usize("num_hidden_layers")?.unwrap_or(0);
-            let shared = top.usize("num_kv_shared_layers")?.unwrap_or(0);
-            // The last `shared` layers reuse earlier keys: layer + shared ≥ layers, without
-            // the sum (both are the file's numbers).
-            if shared > 0 && layer >= layers.saturating_sub(shared) {
-                return Err(problem(
-                    "num_kv_shared_layers",
-                    format!(
-                        "makes layer {layer} reuse the keys and values of an earlier layer, which the attention block does not support yet"
-                    ),
-                ));
-            }
+        if spec.quirks == Quirks::Gemma4 {
+            gemma4::check_layer(&top, layer)?;
         }
         if family == HfFamily::DeepSeek {
-            return read_latent(text, &top, model_type);
+            return deepseek::read(text, &top, spec);
         }
-        let kind = layer_kind(&top, model_type, layer)?;
-        // The class defaults of the file's own model_type (a Qwen-VL text model's, not Qwen's).
-        let defaults = defaults_of(&top)?;
+        let file = LayerFile {
+            top: &top,
+            spec,
+            family,
+            layer,
+            kind: layer_kind(&top, spec, layer)?,
+        };
         let mut keys = Keys::default();
-        let (hidden, hidden_key) = first(&top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
-        let (heads, heads_key) = first(
-            &top,
-            &["num_attention_heads", "n_head", "num_heads", "n_heads"],
-        )?;
-        keys.set("d_model", hidden_key);
-        keys.set("num_heads", heads_key);
-        check_even_split(model_type, (hidden, hidden_key), (heads, heads_key))?;
-        let mut attention = AttentionConfig::new(hidden, heads).with_causal(true);
-        // Key/value heads.
-        let kv_heads = match family {
-            HfFamily::Falcon => {
-                if top.bool("new_decoder_architecture")?.unwrap_or(false) {
-                    keys.set("num_kv_heads", "num_kv_heads");
-                    top.usize("num_kv_heads")?.unwrap_or(heads)
-                } else if top.bool("multi_query")?.unwrap_or(true) {
-                    keys.set("num_kv_heads", "multi_query");
-                    1
-                } else {
-                    heads
-                }
-            }
-            HfFamily::Llama | HfFamily::Phi3 => {
-                keys.set("num_kv_heads", "num_key_value_heads");
-                match top.map.get("num_key_value_heads") {
-                    // The classes typed `int | None` replace a null with the heads; the others
-                    // refuse it.
-                    Some(Value::Null)
-                        if null_is_derived(top.str("model_type")?, "num_key_value_heads") =>
-                    {
-                        heads
-                    }
-                    Some(Value::Null) => return Err(null_refused("num_key_value_heads")),
-                    _ => top
-                        .usize("num_key_value_heads")?
-                        .unwrap_or(defaults.num_key_value_heads.unwrap_or(heads)),
-                }
-            }
-            _ => heads,
-        };
-        attention = attention.with_kv_heads(kv_heads);
-        // Head width.
-        let head_key = if family == HfFamily::T5 {
-            "d_kv"
-        } else {
-            "head_dim"
-        };
-        if family == HfFamily::Falcon && top.map.contains_key("head_dim") {
-            // FalconConfig's head_dim is a read-only property (hidden_size / heads): HF fails
-            // to load a file that sets it.
-            return Err(problem(
-                "head_dim",
-                "is set, but HF's FalconConfig derives it as hidden_size / num_attention_heads and fails to load a file that gives it; leave the key out",
-            ));
-        }
-        if matches!(family, HfFamily::Llama | HfFamily::Phi3)
-            && top.map.get("head_dim").is_some_and(Value::is_null)
-            && !null_is_derived(top.str("model_type")?, "head_dim")
-        {
-            return Err(null_refused("head_dim"));
-        }
-        // Qwen2-VL's and Qwen2.5-VL's attention splits hidden_size evenly while their rotary
-        // embedding reads head_dim, so HF fails on a file where the two differ.
-        if matches!(
-            top.str("model_type")?,
-            Some("qwen2_vl_text" | "qwen2_5_vl_text")
-        ) {
-            if let Some(d) = top.usize(head_key)? {
-                if heads == 0 || d.checked_mul(heads) != Some(hidden) {
-                    return Err(problem(
-                        head_key,
-                        format!(
-                            "is {d}, but this model's attention splits {hidden_key} ({hidden}) \
-                             evenly over {heads_key} ({heads}) and its rotation reads {head_key}: \
-                             HF fails unless they agree"
-                        ),
-                    ));
-                }
-            }
-        }
-        match top.usize(head_key)? {
-            // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its rotary
-            // embedding reads head_dim; a mismatch is refused below).
-            Some(_) if model_type == "pixtral" => {
-                keys.set("head_dim", format!("{} / {}", hidden_key, heads_key))
-            }
-            Some(d) => {
-                attention = attention.with_head_dim(d);
-                keys.set("head_dim", head_key);
-            }
-            // The class's default (T5's d_kv 64, Gemma's 256, Qwen3's 128, ...).
-            None if defaults.head_dim.is_some() => {
-                attention = attention.with_head_dim(defaults.head_dim.unwrap_or(0));
-                keys.set("head_dim", head_key);
-            }
-            None => keys.set("head_dim", format!("{} / {}", hidden_key, heads_key)),
-        }
-        // Gemma 4's per-layer overrides (its full-attention layers' wider heads and fewer KV
-        // heads).
-        if model_type == "gemma4_text" {
-            let o = gemma4::overrides(&top, layer, kind)?;
-            if let Some((d, key)) = o.head_dim {
-                attention = attention.with_head_dim(d);
-                keys.set("head_dim", key);
-            }
-            if let Some((kv, key)) = o.kv_heads {
-                attention = attention.with_kv_heads(kv);
-                keys.set("num_kv_heads", key);
-            }
-        }
-        // Biases.
-        let flag =
-            |key: &str, default: bool| -> Result<bool> { Ok(top.bool(key)?.unwrap_or(default)) };
-        let (bias, out_bias) = match (family, model_type) {
-            (HfFamily::Llama, "qwen2") => (true, false),
-            (HfFamily::Llama, "mistral") => (false, false),
-            (HfFamily::Llama, "gpt_oss") => {
-                let b = flag("attention_bias", true)?;
-                (b, b)
-            }
-            (HfFamily::Llama, _) => {
-                let b = flag("attention_bias", false)?;
-                (b, b)
-            }
-            (HfFamily::GptNeoX, _) => {
-                let b = flag("attention_bias", true)?;
-                (b, b)
-            }
-            (HfFamily::Falcon, _) => {
-                let b = flag("bias", false)?;
-                (b, b)
-            }
-            (HfFamily::Bloom | HfFamily::Gpt2, _) => (true, true),
-            (HfFamily::ModernBert | HfFamily::DeepSeek, _) => {
-                let b = flag("attention_bias", false)?;
-                (b, b)
-            }
-            (HfFamily::Phi3 | HfFamily::GptJ | HfFamily::T5 | HfFamily::Mpt, _) => (false, false),
-        };
-        attention = attention.with_bias(bias).with_out_bias(out_bias);
-        // Scale and causality.
-        if family == HfFamily::T5
-            || (family == HfFamily::Gpt2 && !flag("scale_attn_weights", true)?)
-        {
-            attention = attention.with_softmax_scale(1.0);
-        }
-        // GPT-2's scale_attn_by_inverse_layer_idx divides layer i's logits by i + 1 as well.
-        if family == HfFamily::Gpt2 && flag("scale_attn_by_inverse_layer_idx", false)? {
-            let scale = attention.softmax_scale / (layer as f64 + 1.0);
-            attention = attention.with_softmax_scale(scale);
-            keys.set("softmax_scale", "scale_attn_by_inverse_layer_idx");
-        }
-        if matches!(family, HfFamily::T5 | HfFamily::ModernBert) || model_type == "pixtral" {
-            attention = attention.with_causal(false);
-        }
-        if matches!(model_type, "gemma2" | "gemma3_text") {
-            let scalar = top.f64("query_pre_attn_scalar")?.unwrap_or(256.0);
-            attention = attention.with_softmax_scale(1.0 / scalar.sqrt());
-            keys.set("softmax_scale", "query_pre_attn_scalar");
-        }
-        // Gemma 2's attention caps its logits; Gemma 3's (and Gemma 4's) never passes
-        // `attn_logit_softcapping` to its attention function, so a cap in the file is not read.
-        if model_type == "gemma2" {
-            let cap = match top.map.get("attn_logit_softcapping") {
-                None => Some(50.0),
-                Some(_) => top.f64("attn_logit_softcapping")?,
-            };
-            attention = attention.with_logit_softcap(cap);
-            keys.set("logit_softcap", "attn_logit_softcapping");
-        }
-        if model_type == "gpt_oss" {
-            attention = attention.with_sinks(true);
-        }
-        if model_type == "gemma4_text" {
-            // q and k normalised (below), values too; no further scale.
-            attention = attention
-                .with_softmax_scale(1.0)
-                .with_value_norm(Some(top.f64("rms_norm_eps")?.unwrap_or(1e-6)))
-                .with_k_eq_v(
-                    kind == LayerKind::Full && top.bool("attention_k_eq_v")?.unwrap_or(false),
-                );
-            keys.set("value_norm", "rms_norm_eps");
-        }
-        // MPT keeps its attention settings under attn_config.
-        let empty = serde_json::Map::new();
-        let attn_config = Obj {
-            map: match top.get("attn_config") {
-                Some(Value::Object(m)) => m,
-                _ => &empty,
-            },
-            prefix: "attn_config.",
-        };
-        if family == HfFamily::Mpt {
-            if let Some(scale) = attn_config.f64("softmax_scale")? {
-                attention = attention.with_softmax_scale(scale);
-                keys.set("softmax_scale", "attn_config.softmax_scale");
-            }
-        }
-        if let LayerKind::Chunked(c) = kind {
-            attention = attention.with_attention_chunk(Some(c));
-            keys.set("attention_chunk", "attention_chunk_size");
-        }
-        if let LayerKind::Sliding(w) = kind {
-            attention = attention.with_sliding_window(Some(w));
-            keys.set(
-                "sliding_window",
-                match family {
-                    HfFamily::ModernBert => "local_attention",
-                    _ => "sliding_window",
-                },
-            );
-        }
-        // Query/key norms.
-        let norm = match model_type {
-            "qwen3" | "gemma4_text" => {
-                Some(QkNormConfig::new().with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-6)))
-            }
-            "gemma3_text" => Some(
-                QkNormConfig::new()
-                    .with_unit_offset(true)
-                    .with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-6)),
-            ),
-            "olmo2" => Some(
-                QkNormConfig::new()
-                    .with_scope(QkNormScope::AllHeads)
-                    .with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-5)),
-            ),
-            // Llama 4's L2 norm (no scale) on its RoPE layers.
-            "llama4_text"
-                if top.bool("use_qk_norm")?.unwrap_or(true)
-                    && uses_rope(&top, model_type, layer)? =>
-            {
-                Some(
-                    QkNormConfig::new()
-                        .with_learned_scale(false)
-                        .with_eps(top.f64("rms_norm_eps")?.unwrap_or(1e-5)),
-                )
-            }
-            _ => None,
-        };
-        if norm.is_some() {
-            keys.set("qk_norm.eps", "rms_norm_eps");
-        }
-        attention = attention.with_qk_norm(norm);
-        // Llama 4's temperature tuning on its NoPE layers.
-        if model_type == "llama4_text"
-            && top.bool("attn_temperature_tuning")?.unwrap_or(true)
-            && !uses_rope(&top, model_type, layer)?
-        {
-            attention = attention.with_attention_temperature(Some(AttentionTemperature::new(
-                top.f64("attn_scale")?.unwrap_or(0.1),
-                top.usize("floor_scale")?.unwrap_or(8192),
-            )));
-            keys.set("attention_temperature.attn_scale", "attn_scale");
-            keys.set("attention_temperature.floor_scale", "floor_scale");
-        }
+        let attention = file.sizes(&mut keys)?;
+        let attention = file.bias(attention)?;
+        let attention = file.scale(attention, &mut keys)?;
+        let attention = file.masks(attention, &mut keys);
+        let mut attention = file.norms(attention, &mut keys)?;
         attention.validate().map_err(|e| blame(e, &keys))?;
-        let encoding = match family {
-            HfFamily::Gpt2 => EncodingConfig::None,
-            HfFamily::Bloom => EncodingConfig::Alibi(AlibiConfig::new(heads)),
-            // Falcon-RW: BLOOM's slopes with Falcon's bfloat16 rounding, before the scale.
-            HfFamily::Falcon if top.bool("alibi")?.unwrap_or(false) => {
-                EncodingConfig::Alibi(AlibiConfig::new(heads).with_slopes(AlibiSlopes::Falcon {
-                    head_dim: attention.head_dim,
-                }))
-            }
-            // HF's MptModel builds its ALiBi with the default largest exponent, 8, whatever
-            // `attn_config.alibi_bias_max` says, and applies it whatever `attn_config.alibi`
-            // says (it has no learned position table); MosaicML's own code honours both.
-            HfFamily::Mpt => EncodingConfig::Alibi(
-                AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }),
-            ),
-            HfFamily::T5 => {
-                let mut t5 = T5Config::new(heads);
-                if let Some(n) = top.usize("relative_attention_num_buckets")? {
-                    t5 = t5.with_num_buckets(n);
-                    keys.set("num_buckets", "relative_attention_num_buckets");
-                }
-                if let Some(n) = top.usize("relative_attention_max_distance")? {
-                    t5 = t5.with_max_distance(n);
-                    keys.set("max_distance", "relative_attention_max_distance");
-                }
-                t5.validate().map_err(|e| blame(e, &keys))?;
-                EncodingConfig::T5(t5)
-            }
-            _ if !uses_rope(&top, model_type, layer)? => EncodingConfig::None,
-            _ => {
-                // Gemma 4's layers rotate over their own head width.
-                let width = match model_type {
-                    "gemma4_text" => attention.head_dim,
-                    _ => 0,
-                };
-                let rope = rope_of_layer(text, &top, model_type, kind, width)?;
-                if rope.head_dim != attention.head_dim {
-                    return Err(problem(
-                        "head_dim",
-                        format!(
-                            "gives the rotary head width {} but the attention head width {}",
-                            rope.head_dim, attention.head_dim
-                        ),
-                    ));
-                }
-                let mut rope = rope;
-                // Llama 4 scales its rotation by the RoPE type's attention factor s and then
-                // L2-normalises q and k (modeling_llama4.py), which takes s back out:
-                // norm(s·R q) = R q / sqrt(mean(q²) + ε/s²), a rotation is norm-preserving.
-                // The block normalises before rotating, so the same is a norm with ε/s² and a
-                // rotation with factor 1.
-                if model_type == "llama4_text" {
-                    if let Some(norm) = attention.qk_norm.as_mut() {
-                        let s = rope
-                            .scaling
-                            .frequencies(rope.rotary_dim, rope.base, 0)?
-                            .attention_factor;
-                        if s != 1.0 {
-                            norm.eps /= s * s;
-                            match &mut rope.scaling {
-                                RopeScaling::Yarn(y) => y.attention_factor = Some(1.0),
-                                RopeScaling::LongRope(l) => l.attention_factor = Some(1.0),
-                                other => {
-                                    return Err(problem(
-                                        "rope_parameters",
-                                        format!(
-                                            "gives the attention factor {s} with {other:?}, which this loader cannot cancel against Llama 4's q/k norm"
-                                        ),
-                                    ))
-                                }
-                            }
-                        }
-                    }
-                }
-                EncodingConfig::Rotary(rope)
-            }
-        };
+        let encoding = file.encoding(text, &mut attention, &mut keys)?;
         Ok(Self {
             family,
             attention,
@@ -735,185 +382,419 @@ impl HfAttentionConfig {
     }
 }
 
-/// A DeepSeek V2/V3 layer: multi-head latent attention with decoupled RoPE.
+/// The row of the file's `model_type` and its family, if the crate loads it.
 ///
-/// Keys: `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `q_lora_rank` (null: one query
-/// projection), `kv_lora_rank`, `attention_bias`; the rotary settings (`rope_parameters` or
-/// `rope_scaling`, `rope_theta`, `max_position_embeddings`) over `qk_rope_head_dim`
-/// features, interleaved pairs (V2 always, V3 by `rope_interleave`, default true); a softmax
-/// scale of `(nope + rope)^-1/2`, times `mscale²` with `mscale = 0.1·mscale_all_dim·ln(factor)
-/// + 1` when the scaling is not the default and names `mscale_all_dim`.
-fn read_latent(text: &str, top: &Obj, model_type: &str) -> Result<HfAttentionConfig> {
-    let mut keys = Keys::default();
-    let (hidden, hidden_key) = first(top, &["hidden_size"])?;
-    let (heads, heads_key) = first(top, &["num_attention_heads"])?;
-    check_even_split(model_type, (hidden, hidden_key), (heads, heads_key))?;
-    keys.set("d_model", hidden_key);
-    keys.set("num_heads", heads_key);
-    let size =
-        |key: &str, default: usize| -> Result<usize> { Ok(top.usize(key)?.unwrap_or(default)) };
-    let nope = size("qk_nope_head_dim", 128)?;
-    let rope_dim = size("qk_rope_head_dim", 64)?;
-    let v_head_dim = size("v_head_dim", 128)?;
-    let kv_lora_rank = size("kv_lora_rank", 512)?;
-    let q_lora_rank = match top.map.get("q_lora_rank") {
-        None => Some(1536),
-        Some(_) => top.usize("q_lora_rank")?,
-    };
-    for (field, key) in [
-        ("latent", "kv_lora_rank"),
-        ("latent.q_lora_rank", "q_lora_rank"),
-        ("latent.kv_lora_rank", "kv_lora_rank"),
-        ("latent.rope_dim", "qk_rope_head_dim"),
-        ("latent.v_head_dim", "v_head_dim"),
-    ] {
-        keys.set(field, key);
-    }
-    keys.set("head_dim", "qk_nope_head_dim + qk_rope_head_dim");
-    let head_dim = nope.checked_add(rope_dim).ok_or_else(|| {
-        problem(
-            "qk_nope_head_dim",
-            "plus qk_rope_head_dim overflows a machine word",
-        )
-    })?;
-    // HF's latent attention repeats its keys num_attention_heads / num_key_value_heads times
-    // over keys that already have a head each: any other count than the heads fails there.
-    // (A null is the heads, as the classes' __post_init__ makes it.)
-    let kv_heads = match top.map.get("num_key_value_heads") {
-        Some(Value::Null) => heads,
-        _ => top
-            .usize("num_key_value_heads")?
-            .or(class_defaults(Some(model_type)).num_key_value_heads)
-            .unwrap_or(heads),
-    };
-    if kv_heads != heads {
-        return Err(problem(
-            "num_key_value_heads",
-            format!(
-                "is {kv_heads}{}, but HF's latent attention needs it equal to num_attention_heads ({heads})",
-                if top.get("num_key_value_heads").is_none() { " (the class default)" } else { "" }
-            ),
-        ));
-    }
-    let bias = top.bool("attention_bias")?.unwrap_or(false);
-    let interleaved = match model_type {
-        "deepseek_v2" => true,
-        _ => top.bool("rope_interleave")?.unwrap_or(true),
-    };
-    // The rotary settings over the rotating features only.
-    let mut map = parse_root(text)?;
-    map.insert("model_type".into(), Value::from("llama"));
-    map.insert("head_dim".into(), Value::from(rope_dim));
-    map.insert("rope_interleave".into(), Value::from(interleaved));
-    // (A partial_rotary_factor is read as HF's DeepSeek reads it: not at all with the default
-    // RoPE, refused where it would shorten a scaled RoPE's table.)
-    let mut rope =
-        RopeConfig::from_hf_json(&Value::Object(map).to_string()).map_err(|e| match e {
-            // The head width given to the rotary settings is qk_rope_head_dim.
-            Error::HfConfig { key, problem } if key == "head_dim" => Error::HfConfig {
-                key: "qk_rope_head_dim".into(),
-                problem,
-            },
-            other => other,
-        })?;
-    rope.head_dim = head_dim;
-    // YaRN's mscale_all_dim sharpens the softmax.
-    let mut scale = 1.0 / (head_dim as f64).sqrt();
-    if let RopeScaling::Yarn(y) = &rope.scaling {
-        if let Some(all) = y.mscale_all_dim {
-            if y.factor > 1.0 {
-                let m = 0.1 * all * y.factor.ln() + 1.0;
-                scale *= m * m;
-            }
+/// # Errors
+/// [`Error::HfConfig`] naming `model_type` when it is missing or has no family here.
+fn loaded_spec(top: &Obj) -> Result<(&'static ModelSpec, HfFamily)> {
+    let model_type = top.required("model_type", top.str("model_type")?)?;
+    let spec = registry::find(model_type);
+    match spec.and_then(|s| s.family.map(|f| (s, f))) {
+        Some(found) => Ok(found),
+        None => {
+            let known: Vec<&str> = registry::MODELS
+                .iter()
+                .filter(|m| m.family.is_some())
+                .map(|m| m.model_type)
+                .collect();
+            Err(problem(
+                "model_type",
+                format!("is `{model_type}`, expected one of {}", known.join(", ")),
+            ))
         }
     }
-    keys.set("softmax_scale", "rope_parameters.mscale_all_dim");
-    let latent = LatentConfig::new(q_lora_rank, kv_lora_rank, rope_dim, v_head_dim);
-    let attention = AttentionConfig::new(hidden, heads)
-        .with_head_dim(head_dim)
-        .with_causal(true)
-        .with_bias(bias)
-        .with_softmax_scale(scale)
-        .with_latent(Some(latent));
-    attention.validate().map_err(|e| blame(e, &keys))?;
-    Ok(HfAttentionConfig {
-        family: HfFamily::DeepSeek,
-        attention,
-        encoding: EncodingConfig::Rotary(rope),
-    })
 }
 
-/// The vision-language models whose language model's attention loads: their `config.json`
-/// nests it under `text_config`.
-const VISION_LANGUAGE: [&str; 6] = [
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "llama4",
-    "gemma4",
-];
+/// One layer of a `config.json` being read, with its model's row: the steps of
+/// [`HfAttentionConfig::from_json_layer`].
+struct LayerFile<'a> {
+    top: &'a Obj<'a>,
+    spec: &'static ModelSpec,
+    family: HfFamily,
+    layer: usize,
+    kind: LayerKind,
+}
 
-/// The `text_config` of a vision-language model's `config.json`, as text, if this is one.
+impl LayerFile<'_> {
+    /// Width, heads, key/value heads and head width (Gemma 4's per-layer ones included).
+    fn sizes(&self, keys: &mut Keys) -> Result<AttentionConfig> {
+        let top = self.top;
+        let (hidden, hidden_key) = first(top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
+        let (heads, heads_key) = first(
+            top,
+            &["num_attention_heads", "n_head", "num_heads", "n_heads"],
+        )?;
+        keys.set("d_model", hidden_key);
+        keys.set("num_heads", heads_key);
+        check_even_split(self.spec, (hidden, hidden_key), (heads, heads_key))?;
+        let kv_heads = self.kv_heads(heads, keys)?;
+        let attention = AttentionConfig::new(hidden, heads)
+            .with_causal(true)
+            .with_kv_heads(kv_heads);
+        let mut attention = self.head_dim(attention, (hidden_key, heads_key), keys)?;
+        if self.spec.quirks == Quirks::Gemma4 {
+            let o = gemma4::overrides(top, self.spec, self.layer, self.kind)?;
+            if let Some((d, key)) = o.head_dim {
+                attention = attention.with_head_dim(d);
+                keys.set("head_dim", key);
+            }
+            if let Some((kv, key)) = o.kv_heads {
+                attention = attention.with_kv_heads(kv);
+                keys.set("num_kv_heads", key);
+            }
+        }
+        Ok(attention)
+    }
+
+    /// The key/value heads: Falcon's `multi_query` / `new_decoder_architecture`, the
+    /// Llama-style and Phi-3 classes' `num_key_value_heads` (a null is the heads where the
+    /// class types it `int | None`, refused elsewhere), else the heads.
+    fn kv_heads(&self, heads: usize, keys: &mut Keys) -> Result<usize> {
+        let top = self.top;
+        match self.family {
+            HfFamily::Falcon => {
+                if top.bool("new_decoder_architecture")?.unwrap_or(false) {
+                    keys.set("num_kv_heads", "num_kv_heads");
+                    Ok(top.usize("num_kv_heads")?.unwrap_or(heads))
+                } else if top.bool("multi_query")?.unwrap_or(true) {
+                    keys.set("num_kv_heads", "multi_query");
+                    Ok(1)
+                } else {
+                    Ok(heads)
+                }
+            }
+            HfFamily::Llama | HfFamily::Phi3 => {
+                keys.set("num_kv_heads", "num_key_value_heads");
+                match top.map.get("num_key_value_heads") {
+                    Some(Value::Null) if self.spec.null_kv_heads => Ok(heads),
+                    Some(Value::Null) => Err(null_refused("num_key_value_heads")),
+                    _ => Ok(top
+                        .usize("num_key_value_heads")?
+                        .unwrap_or(self.spec.defaults.num_key_value_heads.unwrap_or(heads))),
+                }
+            }
+            _ => Ok(heads),
+        }
+    }
+
+    /// The head width: `head_dim` (T5: `d_kv`), else the class's, else the width over the
+    /// heads; refusals where HF's class refuses the key.
+    fn head_dim(
+        &self,
+        attention: AttentionConfig,
+        (hidden_key, heads_key): (&str, &str),
+        keys: &mut Keys,
+    ) -> Result<AttentionConfig> {
+        let (top, spec) = (self.top, self.spec);
+        let head_key = match self.family {
+            HfFamily::T5 => "d_kv",
+            _ => "head_dim",
+        };
+        if self.family == HfFamily::Falcon && top.map.contains_key("head_dim") {
+            // FalconConfig's head_dim is a read-only property (hidden_size / heads): HF fails
+            // to load a file that sets it.
+            return Err(problem(
+                "head_dim",
+                "is set, but HF's FalconConfig derives it as hidden_size / num_attention_heads and fails to load a file that gives it; leave the key out",
+            ));
+        }
+        if matches!(self.family, HfFamily::Llama | HfFamily::Phi3)
+            && top.map.get("head_dim").is_some_and(Value::is_null)
+            && !spec.null_head_dim
+        {
+            return Err(null_refused("head_dim"));
+        }
+        let given = top.usize(head_key)?;
+        if spec.head_dim == HeadDim::MustSplit {
+            check_split(given, &attention, (hidden_key, heads_key))?;
+        }
+        let derived = format!("{hidden_key} / {heads_key}");
+        Ok(match (given, spec.defaults.head_dim) {
+            // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its
+            // rotary embedding reads head_dim; a mismatch is refused with the encoding).
+            (Some(_), _) if spec.head_dim == HeadDim::FromWidth => {
+                keys.set("head_dim", derived);
+                attention
+            }
+            // The file's, or the class's (T5's d_kv 64, Gemma's 256, Qwen3's 128, ...).
+            (Some(d), _) | (None, Some(d)) => {
+                keys.set("head_dim", head_key);
+                attention.with_head_dim(d)
+            }
+            (None, None) => {
+                keys.set("head_dim", derived);
+                attention
+            }
+        })
+    }
+
+    /// The biases the row gives.
+    fn bias(&self, attention: AttentionConfig) -> Result<AttentionConfig> {
+        let (bias, out_bias) = match self.spec.bias {
+            Bias::None => (false, false),
+            Bias::Qkv => (true, false),
+            Bias::All => (true, true),
+            Bias::Flag(key, default) => {
+                let b = self.top.bool(key)?.unwrap_or(default);
+                (b, b)
+            }
+        };
+        Ok(attention.with_bias(bias).with_out_bias(out_bias))
+    }
+
+    /// The softmax scale, causality, soft cap, sinks and Gemma 4's value settings.
+    fn scale(&self, mut attention: AttentionConfig, keys: &mut Keys) -> Result<AttentionConfig> {
+        let top = self.top;
+        match self.spec.scale {
+            Scale::Default => {}
+            Scale::One => attention = attention.with_softmax_scale(1.0),
+            Scale::Gpt2 => attention = gpt2_scale(top, attention, self.layer, keys)?,
+            Scale::QueryPreAttnScalar => {
+                let scalar = top.f64("query_pre_attn_scalar")?.unwrap_or(256.0);
+                attention = attention.with_softmax_scale(1.0 / scalar.sqrt());
+                keys.set("softmax_scale", "query_pre_attn_scalar");
+            }
+            // MPT keeps its attention settings under attn_config.
+            Scale::AttnConfig => {
+                if let Some(Value::Object(map)) = top.get("attn_config") {
+                    let attn_config = Obj {
+                        map,
+                        prefix: "attn_config.",
+                    };
+                    if let Some(scale) = attn_config.f64("softmax_scale")? {
+                        attention = attention.with_softmax_scale(scale);
+                        keys.set("softmax_scale", "attn_config.softmax_scale");
+                    }
+                }
+            }
+        }
+        attention = attention.with_causal(self.spec.causal);
+        // Gemma 2's attention caps its logits; Gemma 3's (and Gemma 4's) never passes
+        // `attn_logit_softcapping` to its attention function, so a cap in the file is not read.
+        if self.spec.logit_softcap {
+            let cap = match top.map.get("attn_logit_softcapping") {
+                None => Some(50.0),
+                Some(_) => top.f64("attn_logit_softcapping")?,
+            };
+            attention = attention.with_logit_softcap(cap);
+            keys.set("logit_softcap", "attn_logit_softcapping");
+        }
+        attention = attention.with_sinks(self.spec.sinks);
+        if self.spec.quirks == Quirks::Gemma4 {
+            attention = gemma4::attention(top, self.kind, attention)?;
+            keys.set("value_norm", "rms_norm_eps");
+        }
+        Ok(attention)
+    }
+
+    /// The layer's chunks or sliding window.
+    fn masks(&self, mut attention: AttentionConfig, keys: &mut Keys) -> AttentionConfig {
+        if let LayerKind::Chunked(c) = self.kind {
+            attention = attention.with_attention_chunk(Some(c));
+            keys.set("attention_chunk", "attention_chunk_size");
+        }
+        if let LayerKind::Sliding(w) = self.kind {
+            attention = attention.with_sliding_window(Some(w));
+            let key = match self.spec.window {
+                Window::LocalAttention => "local_attention",
+                _ => "sliding_window",
+            };
+            keys.set("sliding_window", key);
+        }
+        attention
+    }
+
+    /// The query/key norms, and Llama 4's temperature tuning on its NoPE layers.
+    fn norms(&self, attention: AttentionConfig, keys: &mut Keys) -> Result<AttentionConfig> {
+        let top = self.top;
+        let eps = |default: f64| -> Result<f64> { Ok(top.f64("rms_norm_eps")?.unwrap_or(default)) };
+        let norm = match self.spec.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead => Some(QkNormConfig::new().with_eps(eps(1e-6)?)),
+            QkNorm::UnitOffset => Some(
+                QkNormConfig::new()
+                    .with_unit_offset(true)
+                    .with_eps(eps(1e-6)?),
+            ),
+            QkNorm::AllHeads => Some(
+                QkNormConfig::new()
+                    .with_scope(QkNormScope::AllHeads)
+                    .with_eps(eps(1e-5)?),
+            ),
+            QkNorm::Llama4 => llama4::qk_norm(top, self.spec, self.layer)?,
+        };
+        if norm.is_some() {
+            keys.set("qk_norm.eps", "rms_norm_eps");
+        }
+        let attention = attention.with_qk_norm(norm);
+        if self.spec.quirks != Quirks::Llama4 {
+            return Ok(attention);
+        }
+        llama4::temperature(top, self.spec, self.layer, attention, keys)
+    }
+
+    /// The layer's positional encoding.
+    fn encoding(
+        &self,
+        text: &str,
+        attention: &mut AttentionConfig,
+        keys: &mut Keys,
+    ) -> Result<EncodingConfig> {
+        let top = self.top;
+        let heads = attention.num_heads;
+        Ok(match self.family {
+            HfFamily::Gpt2 => EncodingConfig::None,
+            HfFamily::Bloom => EncodingConfig::Alibi(AlibiConfig::new(heads)),
+            // Falcon-RW: BLOOM's slopes with Falcon's bfloat16 rounding, before the scale.
+            HfFamily::Falcon if top.bool("alibi")?.unwrap_or(false) => {
+                EncodingConfig::Alibi(AlibiConfig::new(heads).with_slopes(AlibiSlopes::Falcon {
+                    head_dim: attention.head_dim,
+                }))
+            }
+            // HF's MptModel builds its ALiBi with the default largest exponent, 8, whatever
+            // `attn_config.alibi_bias_max` says, and applies it whatever `attn_config.alibi`
+            // says (it has no learned position table); MosaicML's own code honours both.
+            HfFamily::Mpt => EncodingConfig::Alibi(
+                AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }),
+            ),
+            HfFamily::T5 => EncodingConfig::T5(t5_buckets(top, heads, keys)?),
+            _ if !uses_rope(top, self.spec, self.layer)? => EncodingConfig::None,
+            _ => EncodingConfig::Rotary(self.rope(text, attention)?),
+        })
+    }
+
+    /// The layer's RoPE, over the attention's head width.
+    fn rope(&self, text: &str, attention: &mut AttentionConfig) -> Result<RopeConfig> {
+        // Gemma 4's layers rotate over their own head width.
+        let width = match self.spec.quirks {
+            Quirks::Gemma4 => attention.head_dim,
+            _ => 0,
+        };
+        let mut rope = rope_of_layer(text, self.top, self.spec, self.kind, width)?;
+        if rope.head_dim != attention.head_dim {
+            return Err(problem(
+                "head_dim",
+                format!(
+                    "gives the rotary head width {} but the attention head width {}",
+                    rope.head_dim, attention.head_dim
+                ),
+            ));
+        }
+        if self.spec.quirks == Quirks::Llama4 {
+            llama4::cancel_attention_factor(&mut rope, attention)?;
+        }
+        Ok(rope)
+    }
+}
+
+/// GPT-2's scale: 1 without `scale_attn_weights`, and layer i's divided by i + 1 with
+/// `scale_attn_by_inverse_layer_idx`.
+fn gpt2_scale(
+    top: &Obj,
+    mut attention: AttentionConfig,
+    layer: usize,
+    keys: &mut Keys,
+) -> Result<AttentionConfig> {
+    if !top.bool("scale_attn_weights")?.unwrap_or(true) {
+        attention = attention.with_softmax_scale(1.0);
+    }
+    if top
+        .bool("scale_attn_by_inverse_layer_idx")?
+        .unwrap_or(false)
+    {
+        let scale = attention.softmax_scale / (layer as f64 + 1.0);
+        attention = attention.with_softmax_scale(scale);
+        keys.set("softmax_scale", "scale_attn_by_inverse_layer_idx");
+    }
+    Ok(attention)
+}
+
+/// T5's buckets: `relative_attention_num_buckets` and `relative_attention_max_distance`.
+fn t5_buckets(top: &Obj, heads: usize, keys: &mut Keys) -> Result<T5Config> {
+    let mut t5 = T5Config::new(heads);
+    if let Some(n) = top.usize("relative_attention_num_buckets")? {
+        t5 = t5.with_num_buckets(n);
+        keys.set("num_buckets", "relative_attention_num_buckets");
+    }
+    if let Some(n) = top.usize("relative_attention_max_distance")? {
+        t5 = t5.with_max_distance(n);
+        keys.set("max_distance", "relative_attention_max_distance");
+    }
+    t5.validate().map_err(|e| blame(e, keys))?;
+    Ok(t5)
+}
+
+/// Qwen2-VL's and Qwen2.5-VL's attention splits hidden_size evenly while their rotary
+/// embedding reads head_dim, so HF fails on a file where the two differ.
+fn check_split(
+    given: Option<usize>,
+    attention: &AttentionConfig,
+    (hidden_key, heads_key): (&str, &str),
+) -> Result<()> {
+    let (hidden, heads) = (attention.d_model, attention.num_heads);
+    match given {
+        Some(d) if heads == 0 || d.checked_mul(heads) != Some(hidden) => Err(problem(
+            "head_dim",
+            format!(
+                "is {d}, but this model's attention splits {hidden_key} ({hidden}) \
+                 evenly over {heads_key} ({heads}) and its rotation reads head_dim: \
+                 HF fails unless they agree"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The `text_config` of a vision-language model's `config.json`, as text, if this is one
+/// (a row with [`ModelSpec::text_config`]).
 fn text_model(text: &str) -> Result<Option<String>> {
     let map = parse_root(text)?;
     let top = Obj {
         map: &map,
         prefix: "",
     };
-    match top.str("model_type")? {
-        Some(t) if VISION_LANGUAGE.contains(&t) => match top.get("text_config") {
-            // A text_config without its model_type is the class's text config.
-            Some(Value::Object(inner)) => {
-                let mut inner = inner.clone();
-                if !inner.contains_key("model_type") {
-                    inner.insert("model_type".into(), Value::from(format!("{t}_text")));
-                }
-                Ok(Some(Value::Object(inner).to_string()))
+    let Some((t, nesting)) = top
+        .str("model_type")?
+        .and_then(|t| Some((t, registry::find(t)?.text_config?)))
+    else {
+        return Ok(None);
+    };
+    match top.get("text_config") {
+        // A text_config without its model_type is the class's text config.
+        Some(Value::Object(inner)) => {
+            let mut inner = inner.clone();
+            if !inner.contains_key("model_type") {
+                inner.insert("model_type".into(), Value::from(format!("{t}_text")));
             }
-            // Qwen2-VL's and Qwen2.5-VL's classes read a flat file's keys as the text model's.
-            None if matches!(t, "qwen2_vl" | "qwen2_5_vl") => {
-                let mut flat = map.clone();
-                flat.insert("model_type".into(), Value::from(format!("{t}_text")));
-                Ok(Some(Value::Object(flat).to_string()))
-            }
-            _ => Err(problem(
-                "text_config",
-                format!("is missing, expected the language model's configuration of `{t}`"),
-            )),
-        },
-        _ => Ok(None),
+            Ok(Some(Value::Object(inner).to_string()))
+        }
+        // Qwen2-VL's and Qwen2.5-VL's classes read a flat file's keys as the text model's.
+        None if nesting == TextConfig::NestedOrFlat => {
+            let mut flat = map.clone();
+            flat.insert("model_type".into(), Value::from(format!("{t}_text")));
+            Ok(Some(Value::Object(flat).to_string()))
+        }
+        _ => Err(problem(
+            "text_config",
+            format!("is missing, expected the language model's configuration of `{t}`"),
+        )),
     }
 }
 
-/// Language models of vision-language models read as the text model they are: Qwen2-VL's as
-/// Qwen2 (biases on q, k, v), Qwen3-VL's as Qwen3 (per-head q/k norms); their multimodal RoPE
-/// comes with `rope_parameters`.
-fn canonical(model_type: &str) -> &str {
-    match model_type {
-        "qwen2_vl_text" | "qwen2_5_vl_text" => "qwen2",
-        "qwen3_vl_text" | "qwen3_vl_moe_text" => "qwen3",
-        other => other,
-    }
-}
-
-/// Refuses a width that the heads do not divide where HF's config class for `model_type`
-/// refuses it (its `validate_architecture`), whatever `head_dim` says.
-fn check_even_split(
-    model_type: &str,
+/// Refuses a width that the heads do not divide where the model's HF config class refuses
+/// it (its `validate_architecture`), whatever `head_dim` says.
+pub(super) fn check_even_split(
+    spec: &ModelSpec,
     (hidden, hidden_key): (usize, &str),
     (heads, heads_key): (usize, &str),
 ) -> Result<()> {
-    let checked = matches!(
-        model_type,
-        "llama" | "gemma2" | "gemma3_text" | "gpt_neox" | "deepseek_v2"
-    );
-    if checked && (heads == 0 || !hidden.is_multiple_of(heads)) {
+    if spec.even_split && (heads == 0 || !hidden.is_multiple_of(heads)) {
         return Err(problem(
             heads_key,
             format!(
                 "is {heads}, which does not divide {hidden_key} ({hidden}); HF's configuration \
-                 of {model_type} refuses the file"
+                 of {} refuses the file",
+                spec.model_type
             ),
         ));
     }
@@ -925,28 +806,8 @@ fn check_even_split(
 /// Cohere2's `sliding_window_pattern`), rather than reading it as absent and taking the
 /// default. (Keys whose null the classes replace, or that they do not have, are read as
 /// absent; `num_key_value_heads` and `head_dim` are handled where they are read.)
-fn refuse_typed_nulls(top: &Obj, model_type: &str) -> Result<()> {
-    let keys: &[&str] = match model_type {
-        "llama" | "gemma" | "olmo2" | "llama4_text" | "qwen3_vl_text" | "qwen3_vl_moe_text" => {
-            &["attention_bias"]
-        }
-        "gemma4_text" => &gemma4::TYPED_FIELDS,
-        // (These four build a sliding-window mask for every model, which fails without a
-        // window, whatever the layers are.)
-        "gpt_oss" => &["attention_bias", "sliding_window"],
-        "cohere2" => &["attention_bias", "sliding_window_pattern", "sliding_window"],
-        "gemma2" => &["attention_bias", "query_pre_attn_scalar", "sliding_window"],
-        "gemma3_text" => &[
-            "attention_bias",
-            "query_pre_attn_scalar",
-            "sliding_window_pattern",
-            "sliding_window",
-        ],
-        "qwen2" => &["use_sliding_window", "max_window_layers"],
-        "qwen3" => &["attention_bias", "use_sliding_window", "max_window_layers"],
-        "smollm3" => &["attention_bias", "use_sliding_window"],
-        _ => &[],
-    };
+fn refuse_typed_nulls(top: &Obj, spec: &ModelSpec) -> Result<()> {
+    let keys = spec.typed_nulls;
     // (The pattern is read only to build layer_types the file does not give.)
     let listed = top.get("layer_types").is_some();
     for &key in keys {
@@ -957,8 +818,9 @@ fn refuse_typed_nulls(top: &Obj, model_type: &str) -> Result<()> {
             return Err(problem(
                 key,
                 format!(
-                    "is null, which HF's configuration of {model_type} refuses or cannot compute \
-                     with; leave the key out for its default"
+                    "is null, which HF's configuration of {} refuses or cannot compute \
+                     with; leave the key out for its default",
+                    spec.model_type
                 ),
             ));
         }
@@ -967,14 +829,14 @@ fn refuse_typed_nulls(top: &Obj, model_type: &str) -> Result<()> {
 }
 
 /// Refuses the settings that would change HF's answer and that the block does not have.
-fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
+fn refuse_unsupported(top: &Obj, spec: &ModelSpec) -> Result<()> {
     let unsupported = |key: &str, what: &str| -> Error {
         problem(
             key,
             format!("asks for {what}, which the attention block does not support yet"),
         )
     };
-    if model_type == "mpt" {
+    if spec.family == Some(HfFamily::Mpt) {
         if let Some(Value::Object(a)) = top.get("attn_config") {
             if a.get("clip_qkv").is_some_and(|v| !v.is_null()) {
                 return Err(unsupported(
@@ -987,322 +849,13 @@ fn refuse_unsupported(top: &Obj, model_type: &str) -> Result<()> {
             }
         }
     }
-    if model_type == "gemma4_text" && top.str("use_bidirectional_attention")?.is_some() {
+    if spec.quirks == Quirks::Gemma4 && top.str("use_bidirectional_attention")?.is_some() {
         return Err(unsupported(
             "use_bidirectional_attention",
             "bidirectional attention over some or all tokens",
         ));
     }
     Ok(())
-}
-
-/// Whether a layer attends to every key, through a sliding window of `w` keys, or within
-/// chunks of `c` keys.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum LayerKind {
-    Full,
-    Sliding(usize),
-    Chunked(usize),
-}
-
-/// The models whose layers differ by `layer_types`.
-const LAYERED: [&str; 10] = [
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3_text",
-    "gpt_oss",
-    "smollm3",
-    "cohere2",
-    "modernbert",
-    "llama4_text",
-    "gemma4_text",
-];
-
-/// The window a sliding layer of this model uses, `None` when it has none: `sliding_window`,
-/// with the config class's default when the key is absent, and Qwen's `use_sliding_window`
-/// switch; ModernBERT's half of `local_attention` (128 by default) on either side.
-fn window_size(top: &Obj, model_type: &str) -> Result<Option<usize>> {
-    if model_type == "modernbert" {
-        return Ok(Some(top.usize("local_attention")?.unwrap_or(128) / 2));
-    }
-    let defaults = defaults_of(top)?;
-    // Qwen3-VL's text model has no sliding window, whatever the file says.
-    if defaults.mrope.is_some_and(|m| m.interleaved) {
-        return Ok(None);
-    }
-    let window = match top.map.get("sliding_window") {
-        None => defaults.sliding_window,
-        Some(_) => top.usize("sliding_window")?,
-    };
-    Ok(match model_type {
-        // Qwen2's and Qwen3's classes null the window unless use_sliding_window; SmolLM3's
-        // keeps it, and its model masks the listed sliding layers with it whatever the switch
-        // says (modeling_smollm3.py), the switch only shaping its default layer types.
-        "qwen2" | "qwen3" if top.bool("use_sliding_window")? != Some(true) => None,
-        "mistral" | "phi3" => window,
-        m if LAYERED.contains(&m) => window,
-        _ => None,
-    })
-}
-
-/// The kind of layer `layer`: from `layer_types` where the model reads it, else from the
-/// model's default pattern.
-pub(super) fn layer_kind(top: &Obj, model_type: &str, layer: usize) -> Result<LayerKind> {
-    if model_type == "llama4_text" {
-        return llama4_layer_kind(top, layer);
-    }
-    let window = window_size(top, model_type)?;
-    if !LAYERED.contains(&model_type) {
-        return Ok(window.map_or(LayerKind::Full, LayerKind::Sliding));
-    }
-    if let Some(entry) = layer_entry(top, "layer_types", layer, "a list of layer types")? {
-        // Gemma 4's class makes the last listed layer a full one, whatever its entry says.
-        let listed = top
-            .get("layer_types")
-            .and_then(Value::as_array)
-            .map(Vec::len);
-        if model_type == "gemma4_text" && listed.and_then(|n| n.checked_sub(1)) == Some(layer) {
-            return Ok(LayerKind::Full);
-        }
-        return match entry.as_str() {
-            Some("full_attention" | "sliding_attention") if window.is_none() => {
-                // HF's sliding-window mask fails without a window, and the model builds it
-                // for every layer as soon as any layer slides: a full layer of such a file
-                // is refused too.
-                let slides = |v: &Value| v.as_str() == Some("sliding_attention");
-                match top
-                    .get("layer_types")
-                    .and_then(Value::as_array)
-                    .and_then(|types| types.iter().position(slides))
-                {
-                    None => Ok(LayerKind::Full),
-                    Some(first) => Err(problem(
-                        "layer_types",
-                        format!(
-                            "gives layer {first} sliding attention, but the model has no window (sliding_window is null or absent{}; HF's sliding-window mask fails without one)",
-                            match model_type {
-                                "qwen2" | "qwen3" => ", or use_sliding_window is not true",
-                                _ => "",
-                            }
-                        ),
-                    )),
-                }
-            }
-            Some("full_attention") => Ok(LayerKind::Full),
-            Some("sliding_attention") => Ok(window.map_or(LayerKind::Full, LayerKind::Sliding)),
-            _ => Err(problem(
-                "layer_types",
-                format!(
-                    "gives layer {layer} the type {entry}, expected full_attention or sliding_attention (the block has no chunked or linear attention yet)"
-                ),
-            )),
-        };
-    }
-    let sliding = match model_type {
-        "qwen2" | "qwen3" => {
-            let first = defaults_of(top)?.max_window_layers;
-            layer >= top.usize("max_window_layers")?.unwrap_or(first)
-        }
-        // SmolLM3's class makes its NoPE layers sliding only under use_sliding_window.
-        "smollm3" => {
-            top.bool("use_sliding_window")? == Some(true) && !uses_rope(top, model_type, layer)?
-        }
-        "modernbert" => {
-            let every = top.usize("global_attn_every_n_layers")?.unwrap_or(3).max(1);
-            !layer.is_multiple_of(every)
-        }
-        "gemma3_text" | "cohere2" | "gemma4_text" => {
-            let default = if model_type == "cohere2" { 4 } else { 6 };
-            // Gemma 4's class does not read the key (every sixth layer is full); the others
-            // take a layer's number modulo it, so 0 fails there.
-            let pattern = match model_type {
-                "gemma4_text" => default,
-                _ => top.usize("sliding_window_pattern")?.unwrap_or(default),
-            };
-            if pattern == 0 {
-                return Err(problem(
-                    "sliding_window_pattern",
-                    "is 0, expected at least 1 (every n-th layer is a full-attention one)",
-                ));
-            }
-            // Gemma 4's last layer is always a full one.
-            let last = model_type == "gemma4_text"
-                && top
-                    .usize("num_hidden_layers")?
-                    .is_some_and(|n| n.checked_sub(1) == Some(layer));
-            !every_nth(layer, pattern) && !last
-        }
-        _ => !every_nth(layer, 2), // Gemma 2, gpt-oss
-    };
-    // (Gemma 2's and 3's, gpt-oss's and Cohere2's null window is refused with the file.)
-    Ok(match (sliding, window) {
-        (true, Some(w)) => LayerKind::Sliding(w),
-        _ => LayerKind::Full,
-    })
-}
-
-/// A Llama 4 layer: chunked attention (`attention_chunk_size`, 8192 by default) on its RoPE
-/// layers, full attention on its NoPE layers, or as `layer_types` says.
-fn llama4_layer_kind(top: &Obj, layer: usize) -> Result<LayerKind> {
-    let chunked = match layer_entry(top, "layer_types", layer, "a list of layer types")? {
-        Some(entry) => match entry.as_str() {
-            Some("full_attention") => false,
-            Some("chunked_attention") => true,
-            _ => {
-                return Err(problem(
-                    "layer_types",
-                    format!("gives layer {layer} the type {entry}, expected full_attention or chunked_attention"),
-                ))
-            }
-        },
-        None => uses_rope(top, "llama4_text", layer)?,
-    };
-    if !chunked {
-        return Ok(LayerKind::Full);
-    }
-    // An explicit null is not the default: without `layer_types` HF's class then makes every
-    // layer a full-attention one; with them, its chunked mask has no size.
-    let size = match top.map.get("attention_chunk_size") {
-        None => 8192,
-        Some(Value::Null) if top.get("layer_types").is_none() => return Ok(LayerKind::Full),
-        Some(_) => top.usize("attention_chunk_size")?.ok_or_else(|| {
-            problem(
-                "attention_chunk_size",
-                format!("is null, but layer {layer} has chunked attention"),
-            )
-        })?,
-    };
-    Ok(LayerKind::Chunked(size))
-}
-
-/// Whether `layer` (from 0) is every `n`-th layer counting from 1, i.e. `(layer + 1) mod n =
-/// 0`, without the sum (`layer` is the caller's number). `n` is at least 1.
-fn every_nth(layer: usize, n: usize) -> bool {
-    layer % n == n - 1
-}
-
-/// Refuses a layer index past the model's layers when the file gives their number
-/// (`num_hidden_layers`, or GPT-2's, BLOOM's and GPT-J's `n_layer`, MPT's `n_layers`).
-///
-/// # Errors
-/// [`Error::HfConfig`] naming the count's key for `layer ≥` the count.
-fn check_layer(top: &Obj, layer: usize) -> Result<()> {
-    for key in ["num_hidden_layers", "n_layer", "n_layers"] {
-        if let Some(layers) = top.usize(key)? {
-            if layer >= layers {
-                return Err(problem(
-                    key,
-                    format!("is {layers}, so there is no layer {layer} (layers count from 0)"),
-                ));
-            }
-            return Ok(());
-        }
-    }
-    Ok(())
-}
-
-/// Entry `layer` of the per-layer list at `key` (`None` when the key is absent).
-///
-/// # Errors
-/// [`Error::HfConfig`] naming `key` when it is not a list (`expected` says of what) or has no
-/// entry for `layer`.
-fn layer_entry<'a>(
-    top: &Obj<'a>,
-    key: &str,
-    layer: usize,
-    expected: &str,
-) -> Result<Option<&'a Value>> {
-    let Some(list) = top.get(key) else {
-        return Ok(None);
-    };
-    let items = list
-        .as_array()
-        .ok_or_else(|| problem(key, format!("is {list}, expected {expected}")))?;
-    items.get(layer).map(Some).ok_or_else(|| {
-        problem(
-            key,
-            format!("has {} entries, so there is no layer {layer}", items.len()),
-        )
-    })
-}
-
-/// Whether layer `layer` rotates its queries and keys: SmolLM3's and Llama 4's `no_rope_layers` (1 = RoPE,
-/// 0 = no positional encoding; by default every `no_rope_layer_interval`-th layer, 4, is NoPE);
-/// Cohere2's sliding-window layers (its full-attention layers have no positional encoding).
-fn uses_rope(top: &Obj, model_type: &str, layer: usize) -> Result<bool> {
-    // Cohere2 rotates on its sliding-window layers only.
-    if model_type == "cohere2" {
-        return Ok(matches!(
-            layer_kind(top, model_type, layer)?,
-            LayerKind::Sliding(_)
-        ));
-    }
-    if !matches!(model_type, "smollm3" | "llama4_text") {
-        return Ok(true);
-    }
-    // (A null list is the default pattern in both classes, as an absent one; Llama 4's takes
-    // an empty one as the default too: Llama 4 Scout's file has `"no_rope_layers": []`.)
-    let entry = match top.get("no_rope_layers") {
-        Some(Value::Array(a)) if a.is_empty() && model_type == "llama4_text" => None,
-        _ => layer_entry(top, "no_rope_layers", layer, "a list of 0 and 1")?,
-    };
-    match entry {
-        Some(entry) => match entry.as_u64() {
-            Some(0) => Ok(false),
-            Some(1) => Ok(true),
-            _ => Err(problem(
-                "no_rope_layers",
-                format!("gives layer {layer} {entry}, expected 0 or 1"),
-            )),
-        },
-        None => {
-            let interval = top.usize("no_rope_layer_interval")?.unwrap_or(4).max(1);
-            Ok(!every_nth(layer, interval))
-        }
-    }
-}
-
-/// The key that makes layers differ (`layer_types`, or the one their default pattern comes
-/// from), if they do.
-fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
-    // GPT-2's layers scaled by their number differ unless there is one.
-    if model_type == "gpt2"
-        && top.bool("scale_attn_by_inverse_layer_idx")? == Some(true)
-        && first(top, &["n_layer", "num_hidden_layers"]).map_or(true, |(n, _)| n > 1)
-    {
-        return Ok(Some("scale_attn_by_inverse_layer_idx"));
-    }
-    let windows = window_size(top, model_type)?.is_some();
-    if !LAYERED.contains(&model_type)
-        || !(windows || matches!(model_type, "smollm3" | "llama4_text"))
-    {
-        // (Cohere2 without a window has no RoPE on any layer: uniform.)
-        return Ok(None);
-    }
-    let listed = |key| top.get(key).and_then(Value::as_array).map_or(0, Vec::len);
-    let layers = listed("layer_types")
-        .max(listed("no_rope_layers"))
-        .max(first(top, &["num_hidden_layers"]).map_or(1, |(n, _)| n));
-    let of = |layer| -> Result<(LayerKind, bool)> {
-        Ok((
-            layer_kind(top, model_type, layer)?,
-            uses_rope(top, model_type, layer)?,
-        ))
-    };
-    let first_kind = of(0)?;
-    for layer in 1..layers.min(1 << 16) {
-        if of(layer)? != first_kind {
-            if uses_rope(top, model_type, layer)? != first_kind.1 {
-                return Ok(Some("no_rope_layers"));
-            }
-            return Ok(Some(match top.get("layer_types") {
-                Some(_) => "layer_types",
-                None => "num_hidden_layers",
-            }));
-        }
-    }
-    Ok(None)
 }
 
 /// The rotary configuration of a layer of `kind`.
@@ -1321,7 +874,7 @@ fn layers_differ(top: &Obj, model_type: &str) -> Result<Option<&'static str>> {
 fn rope_of_layer(
     text: &str,
     top: &Obj,
-    model_type: &str,
+    spec: &ModelSpec,
     kind: LayerKind,
     head_dim: usize,
 ) -> Result<RopeConfig> {
@@ -1334,11 +887,11 @@ fn rope_of_layer(
     if head_dim > 0 {
         map.insert("head_dim".into(), Value::from(head_dim));
     }
-    let entry = match model_type {
+    let entry = match spec.rope.per_layer {
         // Gemma 4's class fills its own per-type parameters and never reads the flat keys.
-        "gemma4_text" => Some(gemma4::rope_entry(top, kind)?),
-        "gemma3_text" | "modernbert" => Some(per_type_entry(top, model_type, kind, type_name)?),
-        _ => top
+        LayerRope::Gemma4 => Some(gemma4::rope_entry(top, kind)?),
+        LayerRope::PerType(per_type) => Some(per_type_entry(top, spec, per_type, kind, type_name)?),
+        LayerRope::Shared => top
             .get("rope_parameters")
             .and_then(Value::as_object)
             .and_then(|p| p.get(type_name))
@@ -1361,15 +914,18 @@ fn rope_of_layer(
 /// # Errors
 /// [`Error::HfConfig`] naming `rope_parameters` when a `rope_scaling` is to be merged into an
 /// entry the file lacks (HF's class fails on it), and naming a θ key that is null.
-fn per_type_entry(top: &Obj, model_type: &str, kind: LayerKind, type_name: &str) -> Result<Value> {
+fn per_type_entry(
+    top: &Obj,
+    spec: &ModelSpec,
+    per_type: PerTypeRope,
+    kind: LayerKind,
+    type_name: &str,
+) -> Result<Value> {
     let sliding = matches!(kind, LayerKind::Sliding(_));
     let params = top.get("rope_parameters");
     let scaling = top.get("rope_scaling");
     // The entries the class merges an old rope_scaling into.
-    let merged: &[&str] = match model_type {
-        "gemma3_text" => &["full_attention"],
-        _ => &["full_attention", "sliding_attention"],
-    };
+    let merged = per_type.merged;
     if let (Some(scaling), Some(params)) = (scaling, params) {
         for name in merged {
             if !params.get(name).is_some_and(Value::is_object) {
@@ -1392,11 +948,9 @@ fn per_type_entry(top: &Obj, model_type: &str, kind: LayerKind, type_name: &str)
         }
     }
     if !entry.contains_key("rope_theta") {
-        let (key, default) = match (model_type, sliding) {
-            ("gemma3_text", false) => ("rope_theta", defaults_of(top)?.rope_theta),
-            ("gemma3_text", true) => ("rope_local_base_freq", LOCAL_ROPE_THETA),
-            (_, false) => ("global_rope_theta", defaults_of(top)?.rope_theta),
-            (_, true) => ("local_rope_theta", LOCAL_ROPE_THETA),
+        let (key, default) = match sliding {
+            false => (per_type.full_theta, spec.defaults.rope_theta),
+            true => (per_type.sliding_theta, LOCAL_ROPE_THETA),
         };
         if top.map.get(key).is_some_and(Value::is_null) {
             return Err(problem(
@@ -1411,7 +965,7 @@ fn per_type_entry(top: &Obj, model_type: &str, kind: LayerKind, type_name: &str)
 }
 
 /// An out-of-range value reported under the `config.json` key it came from.
-fn blame(err: Error, keys: &Keys) -> Error {
+pub(super) fn blame(err: Error, keys: &Keys) -> Error {
     match err {
         Error::InvalidConfig {
             name,
@@ -1429,45 +983,10 @@ fn blame(err: Error, keys: &Keys) -> Error {
     }
 }
 
-/// Whether HF's class for `model_type` (the file's own) replaces a `null` at `key` with the
-/// derived value (`num_key_value_heads`: the heads; `head_dim`: the width over the heads)
-/// rather than failing on it (a typed field, or a model that then computes with `None`).
-fn null_is_derived(model_type: Option<&str>, key: &str) -> bool {
-    let model_type = model_type.unwrap_or("");
-    match key {
-        "num_key_value_heads" => matches!(
-            model_type,
-            "llama"
-                | "qwen2"
-                | "qwen3"
-                | "olmo2"
-                | "smollm3"
-                | "cohere2"
-                | "phi3"
-                | "qwen2_vl_text"
-                | "qwen2_5_vl_text"
-                | "qwen3_vl_text"
-                | "deepseek_v2"
-                | "deepseek_v3"
-                | "pixtral"
-        ),
-        "head_dim" => matches!(
-            model_type,
-            "llama" | "mistral" | "qwen3_vl_moe_text" | "pixtral"
-        ),
-        _ => false,
-    }
-}
-
 /// A `null` that the model's HF class refuses.
 fn null_refused(key: &str) -> Error {
     problem(
         key,
         "is null, which this model's HF configuration class refuses (or fails on); leave the key out for the class default",
     )
-}
-
-/// The configuration class's defaults for the file's own `model_type`.
-fn defaults_of(top: &Obj) -> Result<ClassDefaults> {
-    Ok(class_defaults(top.str("model_type")?))
 }

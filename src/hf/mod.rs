@@ -5,9 +5,15 @@
 //! [`HfAttentionConfig::load`] builds the block from one layer's tensors under HF's own names,
 //! splitting fused projections and transposing Conv1D weights once, at load.
 //!
+//! Every `model_type` read ([`model_types`]; one row each in the registry, `hf::registry`):
+//!
+//! <!-- model_types -->
 //! | `model_type` | q, k, v | output | encoding |
 //! |---|---|---|---|
-//! | `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`, `sinks`) | `o_proj` | RoPE (none on NoPE layers) |
+//! | `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`, `sinks`) | `o_proj` | RoPE (none on NoPE layers) |
+//! | `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`, `qwen3_vl_moe_text` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`) | `o_proj` | multimodal RoPE |
+//! | `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe`, `llama4`, `gemma4` | their language model's, read from `text_config` (Qwen2-VL's and Qwen2.5-VL's also from a flat file) | | |
+//! | `pixtral` | `q_proj`, `k_proj`, `v_proj` | `o_proj` | axial 2-D RoPE, bidirectional |
 //! | `phi3` | `qkv_proj`, rows `[q; k; v]` | `o_proj` | RoPE (LongRoPE) |
 //! | `gpt_neox` | `query_key_value`, rows `(H, 3, D)` | `dense` | partial RoPE |
 //! | `bloom` | `query_key_value`, rows `(H, 3, D)` | `dense` | ALiBi |
@@ -16,14 +22,22 @@
 //! | `falcon` | `query_key_value`: `[q; k; v]` (multi-query), `(Hkv, H/Hkv + 2, D)` (new decoder architecture) or `(H, 3, D)` | `dense` | RoPE |
 //! | `t5` | `q`, `k`, `v` | `o` | T5 buckets (`relative_attention_bias`) |
 //! | `mpt` | `Wqkv`, rows `[q; k; v]` | `out_proj` | ALiBi with MPT's slopes, largest exponent 8 (HF reads neither `attn_config.alibi` nor `attn_config.alibi_bias_max`) |
-//! | `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` (their `text_config`) | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`) | `o_proj` | multimodal RoPE |
+//! | `modernbert` | `Wqkv`, rows `[q; k; v]` | `Wo` | RoPE, global and local θ; bidirectional |
+//! | `deepseek_v2`, `deepseek_v3` | `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj`); `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj` | `o_proj` | RoPE over `qk_rope_head_dim` features |
+//! <!-- /model_types -->
 //!
 //! Each family is checked against a layer of HF transformers' own module (`tests/it/hf/layers.rs`).
 
+mod deepseek;
 pub(crate) mod defaults;
 mod gemma4;
 pub(crate) mod json;
 pub mod layer;
+mod llama4;
+mod pattern;
+mod registry;
+pub mod rope;
 mod weights;
 
 pub use layer::{HfAttentionConfig, HfFamily};
+pub use registry::model_types;

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use crate::attention::AttentionConfig;
+use crate::attention::{AttentionConfig, QkNormScope};
 use crate::error::{Error, Result};
 
 /// `a × b` (or `a + b`) of the layer's sizes, or [`Error::InvalidConfig`] naming `what`: the
@@ -70,172 +70,230 @@ pub(super) fn remap(
     // The fields are public and may have changed since parsing: check them before any
     // arithmetic (the same checks as `MultiHeadAttention::new`).
     cfg.validate()?;
-    let (d, hd) = (cfg.d_model, cfg.head_dim);
-    let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
-    let mut out = HashMap::new();
-    let mut put = |name: &str, w: Tensor, b: Option<Tensor>| -> Result<()> {
-        out.insert(format!("{name}.weight"), w.contiguous()?);
-        if let Some(b) = b {
-            out.insert(format!("{name}.bias"), b.contiguous()?);
-        }
-        Ok(())
-    };
-    let bias = |name: &str, len: usize, on: bool| -> Result<Option<Tensor>> {
-        Ok(match on {
-            true => Some(vb.pp(name).get(len, "bias")?),
-            false => None,
-        })
-    };
-    let q_rows = size("num_heads × head_dim", h.checked_mul(hd))?;
-    let kv_rows = size("num_kv_heads × head_dim", hkv.checked_mul(hd))?;
-    let rows = [q_rows, kv_rows, kv_rows];
-    let fused_rows = size(
-        "(num_heads + 2·num_kv_heads) × head_dim",
-        q_rows
-            .checked_add(kv_rows)
-            .and_then(|n| n.checked_add(kv_rows)),
-    )?;
+    let mut layer = Layer::new(cfg, vb)?;
     match layout.qkv {
-        QkvLayout::Latent => {
-            let Some(latent) = &cfg.latent else {
-                return Err(Error::config(
-                    "latent",
-                    "None",
-                    "a latent attention configuration for DeepSeek's weights",
-                ));
-            };
-            let nope = size(
-                "head_dim − latent.rope_dim",
-                hd.checked_sub(latent.rope_dim),
-            )?;
-            match latent.q_lora_rank {
-                None => put("q_proj", vb.pp("q_proj").get((q_rows, d), "weight")?, None)?,
-                Some(r) => {
-                    let a = vb.pp("q_a_proj").get((r, d), "weight")?;
-                    put("q_a_proj", a, bias("q_a_proj", r, cfg.bias)?)?;
-                    put(
-                        "q_a_layernorm",
-                        vb.pp("q_a_layernorm").get(r, "weight")?,
-                        None,
-                    )?;
-                    put(
-                        "q_b_proj",
-                        vb.pp("q_b_proj").get((q_rows, r), "weight")?,
-                        None,
-                    )?;
-                }
-            }
-            let (r, rope) = (latent.kv_lora_rank, latent.rope_dim);
-            let kv_a = size("latent.kv_lora_rank + latent.rope_dim", r.checked_add(rope))?;
-            let a = vb.pp("kv_a_proj_with_mqa").get((kv_a, d), "weight")?;
-            put(
-                "kv_a_proj_with_mqa",
-                a,
-                bias("kv_a_proj_with_mqa", kv_a, cfg.bias)?,
-            )?;
-            put(
-                "kv_a_layernorm",
-                vb.pp("kv_a_layernorm").get(r, "weight")?,
-                None,
-            )?;
-            let rows = size(
-                "num_heads × (head_dim − rope_dim + v_head_dim)",
-                nope.checked_add(latent.v_head_dim)
-                    .and_then(|n| n.checked_mul(h)),
-            )?;
-            put(
-                "kv_b_proj",
-                vb.pp("kv_b_proj").get((rows, r), "weight")?,
-                None,
-            )?;
-        }
-        QkvLayout::Separate(names) => {
-            for ((ours, theirs), n) in ["q_proj", "k_proj", "v_proj"].iter().zip(names).zip(rows) {
-                if *ours == "v_proj" && cfg.k_eq_v {
-                    continue; // the values are the key projection
-                }
-                let w = vb.pp(theirs).get((n, d), "weight")?;
-                put(ours, w, bias(theirs, n, cfg.bias)?)?;
-            }
-        }
-        QkvLayout::Stacked(name) | QkvLayout::Conv1D(name) => {
-            let w = match layout.qkv {
-                QkvLayout::Conv1D(_) => vb.pp(name).get((d, fused_rows), "weight")?.t()?,
-                _ => vb.pp(name).get((fused_rows, d), "weight")?,
-            };
-            let b = bias(name, fused_rows, cfg.bias)?;
-            let mut start = 0;
-            for (ours, n) in ["q_proj", "k_proj", "v_proj"].iter().zip(rows) {
-                let part = |t: &Tensor| t.narrow(0, start, n);
-                put(ours, part(&w)?, b.as_ref().map(part).transpose()?)?;
-                start += n;
-            }
-        }
-        QkvLayout::PerHead(name) => {
-            // Only multi-head attention is stored this way (H = Hkv).
-            let w = vb
-                .pp(name)
-                .get((fused_rows, d), "weight")?
-                .reshape((h, 3, hd, d))?;
-            let b = bias(name, fused_rows, cfg.bias)?
-                .map(|b| b.reshape((h, 3, hd)))
-                .transpose()?;
-            for (i, ours) in ["q_proj", "k_proj", "v_proj"].iter().enumerate() {
-                let w = w.narrow(1, i, 1)?.reshape((q_rows, d))?;
-                let b = b
-                    .as_ref()
-                    .map(|b| b.narrow(1, i, 1)?.reshape(q_rows))
-                    .transpose()?;
-                put(ours, w, b)?;
-            }
-        }
-        QkvLayout::Grouped(name) => {
-            // validate: hkv ≥ 1 divides h. A group's rows: its queries, then its k and v.
-            let g = h / hkv;
-            let group = size("num_heads / num_kv_heads + 2", g.checked_add(2))?;
-            let w = vb
-                .pp(name)
-                .get((fused_rows, d), "weight")?
-                .reshape((hkv, group, hd, d))?;
-            let b = bias(name, fused_rows, cfg.bias)?
-                .map(|b| b.reshape((hkv, group, hd)))
-                .transpose()?;
-            for (ours, start, count) in [("q_proj", 0, g), ("k_proj", g, 1), ("v_proj", g + 1, 1)] {
-                let n = kv_rows * count;
-                let w = w.narrow(1, start, count)?.reshape((n, d))?;
-                let b = b
-                    .as_ref()
-                    .map(|b| b.narrow(1, start, count)?.reshape(n))
-                    .transpose()?;
-                put(ours, w, b)?;
-            }
-        }
+        QkvLayout::Latent => layer.latent()?,
+        QkvLayout::Separate(names) => layer.separate(names)?,
+        QkvLayout::Stacked(name) => layer.stacked(name, false)?,
+        QkvLayout::Conv1D(name) => layer.stacked(name, true)?,
+        QkvLayout::PerHead(name) => layer.per_head(name)?,
+        QkvLayout::Grouped(name) => layer.grouped(name)?,
     }
-    let values = cfg.latent.map_or(hd, |l| l.v_head_dim);
-    let o_cols = size("num_heads × value width", h.checked_mul(values))?;
-    let o = match layout.out_conv1d {
-        true => vb.pp(layout.out).get((o_cols, d), "weight")?.t()?,
-        false => vb.pp(layout.out).get((d, o_cols), "weight")?,
-    };
-    put("o_proj", o, bias(layout.out, d, cfg.out_bias)?)?;
-    if let Some(norm) = cfg.qk_norm.as_ref().filter(|n| n.learned_scale) {
-        use crate::attention::QkNormScope;
-        for (name, heads) in [("q_norm", h), ("k_norm", hkv)] {
-            let width = match norm.scope {
-                QkNormScope::PerHead => hd,
-                QkNormScope::AllHeads => size("heads × head_dim", heads.checked_mul(hd))?,
-            };
-            out.insert(format!("{name}.weight"), vb.pp(name).get(width, "weight")?);
-        }
-    }
-    if cfg.sinks {
-        out.insert("sinks".to_string(), vb.get(h, "sinks")?);
-    }
+    layer.output(layout)?;
+    layer.norms_and_sinks()?;
     if let Some(shape) = relative_bias {
-        out.insert(
+        layer.out.insert(
             "relative_attention_bias.weight".to_string(),
             vb.pp("relative_attention_bias").get(shape, "weight")?,
         );
     }
-    Ok(out)
+    Ok(layer.out)
+}
+
+/// One layer's tensors being read: the sizes, the source and what is read so far.
+struct Layer<'a> {
+    cfg: &'a AttentionConfig,
+    vb: &'a VarBuilder<'a>,
+    /// Rows of q, and of k and of v.
+    q_rows: usize,
+    kv_rows: usize,
+    /// Rows of a fused q, k, v projection.
+    fused_rows: usize,
+    out: HashMap<String, Tensor>,
+}
+
+impl<'a> Layer<'a> {
+    fn new(cfg: &'a AttentionConfig, vb: &'a VarBuilder<'a>) -> Result<Self> {
+        let hd = cfg.head_dim;
+        let q_rows = size("num_heads × head_dim", cfg.num_heads.checked_mul(hd))?;
+        let kv_rows = size("num_kv_heads × head_dim", cfg.num_kv_heads.checked_mul(hd))?;
+        let fused_rows = size(
+            "(num_heads + 2·num_kv_heads) × head_dim",
+            q_rows
+                .checked_add(kv_rows)
+                .and_then(|n| n.checked_add(kv_rows)),
+        )?;
+        Ok(Self {
+            cfg,
+            vb,
+            q_rows,
+            kv_rows,
+            fused_rows,
+            out: HashMap::new(),
+        })
+    }
+
+    /// Keeps `w` (and `b`) under the block's name `name`.
+    fn put(&mut self, name: &str, w: Tensor, b: Option<Tensor>) -> Result<()> {
+        self.out.insert(format!("{name}.weight"), w.contiguous()?);
+        if let Some(b) = b {
+            self.out.insert(format!("{name}.bias"), b.contiguous()?);
+        }
+        Ok(())
+    }
+
+    /// HF's `name.weight` of `shape`.
+    fn weight<S: Into<candle_core::Shape>>(&self, name: &str, shape: S) -> Result<Tensor> {
+        Ok(self.vb.pp(name).get(shape, "weight")?)
+    }
+
+    /// HF's `name.bias` of `len`, where the layer has biases (`on`).
+    fn bias(&self, name: &str, len: usize, on: bool) -> Result<Option<Tensor>> {
+        Ok(match on {
+            true => Some(self.vb.pp(name).get(len, "bias")?),
+            false => None,
+        })
+    }
+
+    /// Multi-head latent attention's projections and norms, kept under their names.
+    fn latent(&mut self) -> Result<()> {
+        let Some(latent) = self.cfg.latent else {
+            return Err(Error::config(
+                "latent",
+                "None",
+                "a latent attention configuration for DeepSeek's weights",
+            ));
+        };
+        let (d, h, bias) = (self.cfg.d_model, self.cfg.num_heads, self.cfg.bias);
+        let nope = size(
+            "head_dim − latent.rope_dim",
+            self.cfg.head_dim.checked_sub(latent.rope_dim),
+        )?;
+        match latent.q_lora_rank {
+            None => self.put("q_proj", self.weight("q_proj", (self.q_rows, d))?, None)?,
+            Some(r) => {
+                let a = self.weight("q_a_proj", (r, d))?;
+                self.put("q_a_proj", a, self.bias("q_a_proj", r, bias)?)?;
+                self.put("q_a_layernorm", self.weight("q_a_layernorm", r)?, None)?;
+                let b = self.weight("q_b_proj", (self.q_rows, r))?;
+                self.put("q_b_proj", b, None)?;
+            }
+        }
+        let (r, rope) = (latent.kv_lora_rank, latent.rope_dim);
+        let kv_a = size("latent.kv_lora_rank + latent.rope_dim", r.checked_add(rope))?;
+        let a = self.weight("kv_a_proj_with_mqa", (kv_a, d))?;
+        let a_bias = self.bias("kv_a_proj_with_mqa", kv_a, bias)?;
+        self.put("kv_a_proj_with_mqa", a, a_bias)?;
+        self.put("kv_a_layernorm", self.weight("kv_a_layernorm", r)?, None)?;
+        let rows = size(
+            "num_heads × (head_dim − rope_dim + v_head_dim)",
+            nope.checked_add(latent.v_head_dim)
+                .and_then(|n| n.checked_mul(h)),
+        )?;
+        self.put("kv_b_proj", self.weight("kv_b_proj", (rows, r))?, None)
+    }
+
+    /// Three projections under HF's `names`.
+    fn separate(&mut self, names: [&str; 3]) -> Result<()> {
+        let rows = [self.q_rows, self.kv_rows, self.kv_rows];
+        for ((ours, theirs), n) in ["q_proj", "k_proj", "v_proj"].iter().zip(names).zip(rows) {
+            if *ours == "v_proj" && self.cfg.k_eq_v {
+                continue; // the values are the key projection
+            }
+            let w = self.weight(theirs, (n, self.cfg.d_model))?;
+            let b = self.bias(theirs, n, self.cfg.bias)?;
+            self.put(ours, w, b)?;
+        }
+        Ok(())
+    }
+
+    /// One projection, rows `[q; k; v]` (a Conv1D's stored transposed).
+    fn stacked(&mut self, name: &str, conv1d: bool) -> Result<()> {
+        let (d, n) = (self.cfg.d_model, self.fused_rows);
+        let w = match conv1d {
+            true => self.weight(name, (d, n))?.t()?,
+            false => self.weight(name, (n, d))?,
+        };
+        let b = self.bias(name, n, self.cfg.bias)?;
+        let mut start = 0;
+        let rows = [self.q_rows, self.kv_rows, self.kv_rows];
+        for (ours, n) in ["q_proj", "k_proj", "v_proj"].iter().zip(rows) {
+            let part = |t: &Tensor| t.narrow(0, start, n);
+            self.put(ours, part(&w)?, b.as_ref().map(part).transpose()?)?;
+            start += n;
+        }
+        Ok(())
+    }
+
+    /// One projection, rows `(H, 3, D)`: only multi-head attention is stored this way
+    /// (H = Hkv).
+    fn per_head(&mut self, name: &str) -> Result<()> {
+        let (d, h, hd) = (self.cfg.d_model, self.cfg.num_heads, self.cfg.head_dim);
+        let w = self
+            .weight(name, (self.fused_rows, d))?
+            .reshape((h, 3, hd, d))?;
+        let b = self
+            .bias(name, self.fused_rows, self.cfg.bias)?
+            .map(|b| b.reshape((h, 3, hd)))
+            .transpose()?;
+        for (i, ours) in ["q_proj", "k_proj", "v_proj"].iter().enumerate() {
+            let w = w.narrow(1, i, 1)?.reshape((self.q_rows, d))?;
+            let b = b
+                .as_ref()
+                .map(|b| b.narrow(1, i, 1)?.reshape(self.q_rows))
+                .transpose()?;
+            self.put(ours, w, b)?;
+        }
+        Ok(())
+    }
+
+    /// One projection, rows `(Hkv, H/Hkv + 2, D)`: a group's queries, then its k and v.
+    fn grouped(&mut self, name: &str) -> Result<()> {
+        let (d, hd) = (self.cfg.d_model, self.cfg.head_dim);
+        // validate: hkv ≥ 1 divides h.
+        let hkv = self.cfg.num_kv_heads;
+        let g = self.cfg.num_heads / hkv;
+        let group = size("num_heads / num_kv_heads + 2", g.checked_add(2))?;
+        let w = self
+            .weight(name, (self.fused_rows, d))?
+            .reshape((hkv, group, hd, d))?;
+        let b = self
+            .bias(name, self.fused_rows, self.cfg.bias)?
+            .map(|b| b.reshape((hkv, group, hd)))
+            .transpose()?;
+        for (ours, start, count) in [("q_proj", 0, g), ("k_proj", g, 1), ("v_proj", g + 1, 1)] {
+            let n = self.kv_rows * count;
+            let w = w.narrow(1, start, count)?.reshape((n, d))?;
+            let b = b
+                .as_ref()
+                .map(|b| b.narrow(1, start, count)?.reshape(n))
+                .transpose()?;
+            self.put(ours, w, b)?;
+        }
+        Ok(())
+    }
+
+    /// The output projection (a Conv1D's stored transposed).
+    fn output(&mut self, layout: &WeightLayout) -> Result<()> {
+        let cfg = self.cfg;
+        let values = cfg.latent.map_or(cfg.head_dim, |l| l.v_head_dim);
+        let o_cols = size("num_heads × value width", cfg.num_heads.checked_mul(values))?;
+        let o = match layout.out_conv1d {
+            true => self.weight(layout.out, (o_cols, cfg.d_model))?.t()?,
+            false => self.weight(layout.out, (cfg.d_model, o_cols))?,
+        };
+        let b = self.bias(layout.out, cfg.d_model, cfg.out_bias)?;
+        self.put("o_proj", o, b)
+    }
+
+    /// The learned q/k norm scales and the sink logits, where the layer has them.
+    fn norms_and_sinks(&mut self) -> Result<()> {
+        let cfg = self.cfg;
+        let (h, hkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        if let Some(norm) = cfg.qk_norm.as_ref().filter(|n| n.learned_scale) {
+            for (name, heads) in [("q_norm", h), ("k_norm", hkv)] {
+                let width = match norm.scope {
+                    QkNormScope::PerHead => hd,
+                    QkNormScope::AllHeads => size("heads × head_dim", heads.checked_mul(hd))?,
+                };
+                let w = self.weight(name, width)?;
+                self.out.insert(format!("{name}.weight"), w);
+            }
+        }
+        if cfg.sinks {
+            self.out
+                .insert("sinks".to_string(), self.vb.get(h, "sinks")?);
+        }
+        Ok(())
+    }
 }

@@ -14,14 +14,13 @@
 //!
 //! - [`rope`]: [`RotaryEmbedding`] and [`RopeConfig`].
 //! - [`scaling`]: [`RopeScaling`], one function per HF `rope_type`.
-//! - [`hf_config`]: [`RopeConfig::from_hf_json`], reading a model's `config.json`.
+//! - [`RopeConfig::from_hf_json`] (in [`crate::hf::rope`]) reads a model's `config.json`.
 //! - [`mixed`]: RoPE-Mixed, learned per-head 2-D frequencies ([`RopeMixed`]).
 //! - [`mrope`]: multimodal RoPE's frequency bands ([`MropeSection`]) and positions
 //!   ([`mrope::mrope_positions`]).
 
 #[cfg(feature = "cuda")]
 mod cuda;
-pub mod hf_config;
 mod inplace;
 mod kernels;
 pub mod mixed;

@@ -1,3 +1,5 @@
 //! Attention layers read from HF `config.json` files and HF tensor names, against HF transformers' own modules.
 
+mod docs;
 mod layers;
+mod registry;

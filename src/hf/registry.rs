@@ -1,0 +1,807 @@
+//! The registry of `model_type`s: one row per type HF names in `config.json`, saying how the
+//! loader reads it (weights, class defaults, biases, scale, q/k norms, layer pattern, RoPE,
+//! keys whose null is refused).
+//!
+//! ```text
+//! MODELS: [ModelSpec]                    find("qwen3") ──► &ModelSpec
+//!   ModelSpec
+//!   ├─ family: Option<HfFamily>          weight layout (hf::weights); None: RoPE only
+//!   ├─ text_config                       a vision-language wrapper of `{type}_text`
+//!   ├─ defaults: ClassDefaults           the config class's values for absent keys
+//!   ├─ bias, scale, logit_softcap, sinks, causal, qk_norm, head_dim
+//!   ├─ window, layers, rope_layers       which layers slide, chunk or skip RoPE
+//!   ├─ rope: RopeSpec                    θ source, partial rotary, pair layout, axial, per-type
+//!   ├─ typed_nulls, null_kv_heads, null_head_dim, even_split   what the class refuses
+//!   └─ quirks: Quirks                    Gemma 4's and Llama 4's steps (gemma4.rs, llama4.rs)
+//! ```
+//!
+//! DeepSeek's family reads its latent attention in `deepseek.rs`; the layer patterns the
+//! rows choose are in `pattern.rs`.
+//!
+//! A family that reads as Llama does (separate projections, `attention_bias`, RoPE over the
+//! whole head) is one row: `ModelSpec { model_type: "…", defaults: …, ..LLAMA_LIKE }`.
+//! Types without a row read as [`GENERIC`]: their RoPE only.
+
+use super::defaults::{ClassDefaults, GENERIC as GENERIC_DEFAULTS};
+use super::gemma4;
+use super::layer::HfFamily;
+use crate::rotary::mrope::{AxialRope, MropeSection};
+
+/// How one `model_type` is read (see the [module docs](self)).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ModelSpec {
+    /// HF's `model_type`.
+    pub(crate) model_type: &'static str,
+    /// The family whose weights and block it loads as; `None`: only its RoPE is read
+    /// ([`RopeConfig::from_hf_json`](crate::rotary::RopeConfig::from_hf_json)), or a wrapper.
+    pub(crate) family: Option<HfFamily>,
+    /// A vision-language model whose language model is `{model_type}_text` under
+    /// `text_config`.
+    pub(crate) text_config: Option<TextConfig>,
+    /// The config class's values for absent keys.
+    pub(crate) defaults: ClassDefaults,
+    /// Which projections carry biases.
+    pub(crate) bias: Bias,
+    /// The softmax scale when it is not `1/√head_dim`.
+    pub(crate) scale: Scale,
+    /// Gemma 2's `attn_logit_softcapping` (50 by default).
+    pub(crate) logit_softcap: bool,
+    /// gpt-oss's per-head sink logits.
+    pub(crate) sinks: bool,
+    /// Whether the block is causal.
+    pub(crate) causal: bool,
+    /// The query/key norms.
+    pub(crate) qk_norm: QkNorm,
+    /// How the attention's head width follows from `head_dim`.
+    pub(crate) head_dim: HeadDim,
+    /// Where a sliding layer's window comes from.
+    pub(crate) window: Window,
+    /// Which layers slide (or chunk).
+    pub(crate) layers: Layers,
+    /// Which layers rotate q and k.
+    pub(crate) rope_layers: RopeLayers,
+    /// How the rotary settings are read.
+    pub(crate) rope: RopeSpec,
+    /// Keys whose explicit `null` the class refuses (or fails computing with).
+    pub(crate) typed_nulls: &'static [&'static str],
+    /// Whether the class replaces a null `num_key_value_heads` with the heads.
+    pub(crate) null_kv_heads: bool,
+    /// Whether the class replaces a null `head_dim` with the width over the heads.
+    pub(crate) null_head_dim: bool,
+    /// Whether the class refuses a width the heads do not divide (`validate_architecture`).
+    pub(crate) even_split: bool,
+    /// A family's own file of special cases.
+    pub(crate) quirks: Quirks,
+}
+
+/// A vision-language wrapper's language model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TextConfig {
+    /// Under `text_config` only.
+    Nested,
+    /// Under `text_config`, or the file's own keys when it has none (Qwen2-VL, Qwen2.5-VL).
+    NestedOrFlat,
+}
+
+/// Which projections carry biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bias {
+    /// None.
+    None,
+    /// q, k and v, not the output (Qwen2).
+    Qkv,
+    /// All four (BLOOM, GPT-2).
+    All,
+    /// All four or none, as the key says (with its class default).
+    Flag(&'static str, bool),
+}
+
+/// The softmax scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scale {
+    /// `1/√head_dim`.
+    Default,
+    /// 1 (T5).
+    One,
+    /// `query_pre_attn_scalar^-1/2`, 256 by default (Gemma 2, 3).
+    QueryPreAttnScalar,
+    /// GPT-2's `scale_attn_weights` and `scale_attn_by_inverse_layer_idx`.
+    Gpt2,
+    /// MPT's `attn_config.softmax_scale`.
+    AttnConfig,
+}
+
+/// The query/key RMS norms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum QkNorm {
+    /// None.
+    None,
+    /// Per head, ε from `rms_norm_eps` (1e-6 by default).
+    PerHead,
+    /// Per head with scale `1 + w` (Gemma 3).
+    UnitOffset,
+    /// Over all heads, ε default 1e-5 (OLMo 2).
+    AllHeads,
+    /// Llama 4's: no scale, RoPE layers only, under `use_qk_norm`.
+    Llama4,
+}
+
+/// How the attention's head width follows from `head_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HeadDim {
+    /// `head_dim`, else the class default, else the width over the heads.
+    Read,
+    /// Always the width over the heads; `head_dim` is the rotation's only (Pixtral).
+    FromWidth,
+    /// `head_dim` must equal the width over the heads (Qwen2-VL, Qwen2.5-VL).
+    MustSplit,
+}
+
+/// Where a sliding layer's window comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Window {
+    /// The model has none.
+    None,
+    /// `sliding_window`, with the class default.
+    Sliding,
+    /// `sliding_window`, only under `use_sliding_window` (Qwen2, Qwen3).
+    QwenSwitch,
+    /// ModernBERT's `local_attention / 2` on either side (128 by default).
+    LocalAttention,
+}
+
+/// Which layers slide (from `layer_types` where a pattern is given, else the pattern).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layers {
+    /// All alike, no `layer_types`: every layer slides when the model has a window.
+    Uniform,
+    /// Layers from `max_window_layers` on slide (Qwen).
+    SlidingFrom,
+    /// The NoPE layers slide under `use_sliding_window` (SmolLM3).
+    NoRopeSlides,
+    /// All but every `key`-th (default `every`) layer from layer 0 slide (ModernBERT).
+    FromZero { key: &'static str, every: usize },
+    /// All but every n-th layer counting from 1 slide; n from `key` (or `every`), and the
+    /// last layer full where `last_full` (Gemma 4).
+    EveryNth {
+        key: Option<&'static str>,
+        every: usize,
+        last_full: bool,
+    },
+    /// Llama 4's chunked RoPE layers.
+    Chunked,
+}
+
+/// Which layers rotate q and k.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RopeLayers {
+    /// Every layer.
+    All,
+    /// `no_rope_layers` (1 = RoPE) or every `no_rope_layer_interval`-th layer NoPE; an empty
+    /// list is the default pattern where `empty_is_default` (Llama 4).
+    NoRopeList { empty_is_default: bool },
+    /// The sliding layers only (Cohere2).
+    SlidingOnly,
+}
+
+/// How a model's rotary settings are read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RopeSpec {
+    /// Where θ and the parameters come from.
+    pub(crate) source: RopeSource,
+    /// Which keys make the rotation partial.
+    pub(crate) partial: PartialRotary,
+    /// Whether HF's code rotates adjacent pairs.
+    pub(crate) interleaved: bool,
+    /// Phi-3's class: `yarn` is LongRoPE, `original_max_position_embeddings` 4096 at the top.
+    pub(crate) phi3: bool,
+    /// Phi-3's configuration refuses every type but `longrope` and `default`.
+    pub(crate) longrope_only: bool,
+    /// The axial 2-D layout of a vision encoder's `rope_type: "axial"`.
+    pub(crate) axial: Option<Axial>,
+    /// The width keys for `hidden_size / heads`.
+    pub(crate) widths: &'static [&'static str],
+    /// Multi-head latent attention: its rotary part alone is not a whole head (refused).
+    pub(crate) latent: bool,
+    /// How a layer type's parameters are found.
+    pub(crate) per_layer: LayerRope,
+}
+
+/// Where θ and the rotary parameters come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RopeSource {
+    /// The parameters' θ, else `rope_theta`, else `rotary_emb_base`, else the class's.
+    Standard,
+    /// GPT-NeoX: the parameters' θ, else `rotary_emb_base`; a top-level `rope_theta` unread.
+    NeoX,
+    /// GPT-J: θ 10000 and no parameters, whatever the file says.
+    Fixed,
+}
+
+/// An axial 2-D RoPE's layout, and whether it is the model's default type (Pixtral).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Axial {
+    pub(crate) layout: AxialRope,
+    pub(crate) by_default: bool,
+}
+
+/// How a layer type's rotary parameters are found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LayerRope {
+    /// A nested entry under the type's name, else the flat keys.
+    Shared,
+    /// One entry per type filled as the class's `convert_rope_params_to_dict` does.
+    PerType(PerTypeRope),
+    /// Gemma 4's own (`hf::gemma4::rope_entry`).
+    Gemma4,
+}
+
+/// A per-type class's entries: which take an old `rope_scaling`, and the θ keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PerTypeRope {
+    pub(crate) merged: &'static [&'static str],
+    pub(crate) full_theta: &'static str,
+    pub(crate) sliding_theta: &'static str,
+}
+
+/// How a model's HF code (transformers 5.24) reads the keys that make its rotation partial.
+///
+/// | variant | rows | reads | partial rotation |
+/// |---|---|---|---|
+/// | `Factor` | `phi3`, `phi4_multimodal` | `partial_rotary_factor` (parameters, then top level) | yes, any RoPE type (`apply_rotary_pos_emb` splits at the table's width) |
+/// | `NeoX` | `gpt_neox` | `rope_parameters.partial_rotary_factor`, else `rotary_pct`, else 0.25 (a top-level `partial_rotary_factor` is not read) | yes, any RoPE type |
+/// | `RotaryDim` | `gptj` | `rotary_dim` | yes |
+/// | `WholeHead` | the Llama-style rows, `falcon`, `modernbert`, `pixtral` (and DeepSeek V2/V3's rotary part) | nothing for the default RoPE: `compute_default_rope_parameters` takes the whole head | no: the whole head rotates; with a scaled type (`linear`, `dynamic`, `yarn`, `llama3`, `longrope`) the shared functions of `modeling_rope_utils` honour the factor and the model's rotation fails on the shorter table, so a factor that shortens it is refused; `proportional` reads it as a fraction of frequencies |
+/// | `AnyKey` | any other, or none | `partial_rotary_factor`, `rotary_pct`, `rotary_dim`, in that order | yes |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PartialRotary {
+    AnyKey,
+    Factor,
+    NeoX,
+    RotaryDim,
+    WholeHead,
+}
+
+/// The families with a file of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Quirks {
+    None,
+    Gemma4,
+    Llama4,
+}
+
+const WIDTHS: &[&str] = &["hidden_size", "n_embd", "d_model"];
+
+const PLAIN_ROPE: RopeSpec = RopeSpec {
+    source: RopeSource::Standard,
+    partial: PartialRotary::AnyKey,
+    interleaved: false,
+    phi3: false,
+    longrope_only: false,
+    axial: None,
+    widths: WIDTHS,
+    latent: false,
+    per_layer: LayerRope::Shared,
+};
+
+const WHOLE_HEAD: RopeSpec = RopeSpec {
+    partial: PartialRotary::WholeHead,
+    ..PLAIN_ROPE
+};
+
+const INTERLEAVED: RopeSpec = RopeSpec {
+    interleaved: true,
+    ..PLAIN_ROPE
+};
+
+/// A type without a row: its RoPE read with the generic defaults, no block.
+pub(crate) const GENERIC: ModelSpec = ModelSpec {
+    model_type: "",
+    family: None,
+    text_config: None,
+    defaults: GENERIC_DEFAULTS,
+    bias: Bias::None,
+    scale: Scale::Default,
+    logit_softcap: false,
+    sinks: false,
+    causal: true,
+    qk_norm: QkNorm::None,
+    head_dim: HeadDim::Read,
+    window: Window::None,
+    layers: Layers::Uniform,
+    rope_layers: RopeLayers::All,
+    rope: PLAIN_ROPE,
+    typed_nulls: &[],
+    null_kv_heads: false,
+    null_head_dim: false,
+    even_split: false,
+    quirks: Quirks::None,
+};
+
+/// A family read as Llama is: `q_proj`, `k_proj`, `v_proj`, `o_proj`; `attention_bias`
+/// (default false); RoPE over the whole head.
+pub(crate) const LLAMA_LIKE: ModelSpec = ModelSpec {
+    family: Some(HfFamily::Llama),
+    bias: Bias::Flag("attention_bias", false),
+    rope: WHOLE_HEAD,
+    ..GENERIC
+};
+
+/// `ClassDefaults` with these values over the generic ones.
+const fn defaults(
+    rope_theta: f64,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    max_position_embeddings: usize,
+    sliding_window: Option<usize>,
+) -> ClassDefaults {
+    ClassDefaults {
+        rope_theta,
+        num_key_value_heads,
+        head_dim,
+        max_position_embeddings: Some(max_position_embeddings),
+        sliding_window,
+        ..GENERIC_DEFAULTS
+    }
+}
+
+const QWEN2: ModelSpec = ModelSpec {
+    model_type: "qwen2",
+    defaults: defaults(10_000.0, Some(32), None, 32_768, Some(4096)),
+    bias: Bias::Qkv,
+    window: Window::QwenSwitch,
+    layers: Layers::SlidingFrom,
+    typed_nulls: &["use_sliding_window", "max_window_layers"],
+    null_kv_heads: true,
+    ..LLAMA_LIKE
+};
+
+const QWEN3: ModelSpec = ModelSpec {
+    model_type: "qwen3",
+    defaults: defaults(10_000.0, Some(32), Some(128), 32_768, Some(4096)),
+    window: Window::QwenSwitch,
+    layers: Layers::SlidingFrom,
+    qk_norm: QkNorm::PerHead,
+    typed_nulls: &["attention_bias", "use_sliding_window", "max_window_layers"],
+    null_kv_heads: true,
+    ..LLAMA_LIKE
+};
+
+/// The Qwen2-VL and Qwen2.5-VL text models' defaults.
+const QWEN2_VL_DEFAULTS: ClassDefaults = ClassDefaults {
+    max_window_layers: 80,
+    mrope: Some(MropeSection {
+        sections: [16, 24, 24],
+        interleaved: false,
+    }),
+    ..defaults(1_000_000.0, Some(8), None, 32_768, Some(4096))
+};
+
+/// The Qwen3-VL text models' multimodal sections, always interleaved.
+const QWEN3_VL_MROPE: Option<MropeSection> = Some(MropeSection {
+    sections: [24, 20, 20],
+    interleaved: true,
+});
+
+const fn wrapper(model_type: &'static str, text_config: TextConfig) -> ModelSpec {
+    ModelSpec {
+        model_type,
+        text_config: Some(text_config),
+        ..GENERIC
+    }
+}
+
+const fn interleaved(model_type: &'static str) -> ModelSpec {
+    ModelSpec {
+        model_type,
+        rope: INTERLEAVED,
+        ..GENERIC
+    }
+}
+
+const fn axial(model_type: &'static str, layout: AxialRope) -> ModelSpec {
+    ModelSpec {
+        model_type,
+        rope: RopeSpec {
+            axial: Some(Axial {
+                layout,
+                by_default: false,
+            }),
+            ..PLAIN_ROPE
+        },
+        ..GENERIC
+    }
+}
+
+/// Every `model_type` the crate reads.
+pub(crate) const MODELS: &[ModelSpec] = &[
+    ModelSpec {
+        model_type: "llama",
+        defaults: defaults(10_000.0, None, None, 2048, None),
+        typed_nulls: &["attention_bias"],
+        null_kv_heads: true,
+        null_head_dim: true,
+        even_split: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "mistral",
+        defaults: defaults(10_000.0, Some(8), None, 131_072, Some(4096)),
+        bias: Bias::None,
+        window: Window::Sliding,
+        null_head_dim: true,
+        ..LLAMA_LIKE
+    },
+    QWEN2,
+    QWEN3,
+    ModelSpec {
+        model_type: "gemma",
+        defaults: defaults(10_000.0, Some(16), Some(256), 8192, None),
+        typed_nulls: &["attention_bias"],
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "gemma2",
+        defaults: defaults(10_000.0, Some(4), Some(256), 8192, Some(4096)),
+        scale: Scale::QueryPreAttnScalar,
+        logit_softcap: true,
+        window: Window::Sliding,
+        layers: Layers::EveryNth {
+            key: None,
+            every: 2,
+            last_full: false,
+        },
+        typed_nulls: &["attention_bias", "query_pre_attn_scalar", "sliding_window"],
+        even_split: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "gemma3_text",
+        defaults: defaults(1_000_000.0, Some(4), Some(256), 131_072, Some(4096)),
+        scale: Scale::QueryPreAttnScalar,
+        qk_norm: QkNorm::UnitOffset,
+        window: Window::Sliding,
+        layers: Layers::EveryNth {
+            key: Some("sliding_window_pattern"),
+            every: 6,
+            last_full: false,
+        },
+        rope: RopeSpec {
+            per_layer: LayerRope::PerType(PerTypeRope {
+                merged: &["full_attention"],
+                full_theta: "rope_theta",
+                sliding_theta: "rope_local_base_freq",
+            }),
+            ..WHOLE_HEAD
+        },
+        typed_nulls: &[
+            "attention_bias",
+            "query_pre_attn_scalar",
+            "sliding_window_pattern",
+            "sliding_window",
+        ],
+        even_split: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "olmo2",
+        defaults: defaults(10_000.0, None, None, 2048, None),
+        qk_norm: QkNorm::AllHeads,
+        typed_nulls: &["attention_bias"],
+        null_kv_heads: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "gpt_oss",
+        defaults: ClassDefaults {
+            yarn: true,
+            ..defaults(150_000.0, Some(8), Some(64), 131_072, Some(128))
+        },
+        bias: Bias::Flag("attention_bias", true),
+        sinks: true,
+        window: Window::Sliding,
+        layers: Layers::EveryNth {
+            key: None,
+            every: 2,
+            last_full: false,
+        },
+        typed_nulls: &["attention_bias", "sliding_window"],
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "smollm3",
+        defaults: defaults(2_000_000.0, Some(4), None, 32_768, None),
+        window: Window::Sliding,
+        layers: Layers::NoRopeSlides,
+        rope_layers: RopeLayers::NoRopeList {
+            empty_is_default: false,
+        },
+        typed_nulls: &["attention_bias", "use_sliding_window"],
+        null_kv_heads: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "cohere2",
+        defaults: defaults(10_000.0, None, None, 8192, Some(4096)),
+        window: Window::Sliding,
+        layers: Layers::EveryNth {
+            key: Some("sliding_window_pattern"),
+            every: 4,
+            last_full: false,
+        },
+        rope_layers: RopeLayers::SlidingOnly,
+        rope: RopeSpec {
+            interleaved: true,
+            ..WHOLE_HEAD
+        },
+        typed_nulls: &["attention_bias", "sliding_window_pattern", "sliding_window"],
+        null_kv_heads: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "llama4_text",
+        defaults: defaults(500_000.0, Some(8), Some(128), 131_072, None),
+        qk_norm: QkNorm::Llama4,
+        window: Window::Sliding,
+        layers: Layers::Chunked,
+        rope_layers: RopeLayers::NoRopeList {
+            empty_is_default: true,
+        },
+        rope: RopeSpec {
+            interleaved: true,
+            ..WHOLE_HEAD
+        },
+        typed_nulls: &["attention_bias"],
+        quirks: Quirks::Llama4,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "gemma4_text",
+        defaults: defaults(10_000.0, Some(4), Some(256), 131_072, Some(512)),
+        qk_norm: QkNorm::PerHead,
+        window: Window::Sliding,
+        layers: Layers::EveryNth {
+            key: None,
+            every: 6,
+            last_full: true,
+        },
+        rope: RopeSpec {
+            per_layer: LayerRope::Gemma4,
+            ..WHOLE_HEAD
+        },
+        typed_nulls: &gemma4::TYPED_FIELDS,
+        quirks: Quirks::Gemma4,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "pixtral",
+        causal: false,
+        head_dim: HeadDim::FromWidth,
+        rope: RopeSpec {
+            axial: Some(Axial {
+                layout: AxialRope::EvenOdd,
+                by_default: true,
+            }),
+            ..WHOLE_HEAD
+        },
+        null_kv_heads: true,
+        null_head_dim: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "qwen2_vl_text",
+        defaults: QWEN2_VL_DEFAULTS,
+        head_dim: HeadDim::MustSplit,
+        ..QWEN2
+    },
+    ModelSpec {
+        model_type: "qwen2_5_vl_text",
+        defaults: QWEN2_VL_DEFAULTS,
+        head_dim: HeadDim::MustSplit,
+        ..QWEN2
+    },
+    ModelSpec {
+        model_type: "qwen3_vl_text",
+        defaults: ClassDefaults {
+            mrope: QWEN3_VL_MROPE,
+            ..defaults(500_000.0, Some(32), Some(128), 128_000, None)
+        },
+        ..QWEN3
+    },
+    ModelSpec {
+        model_type: "qwen3_vl_moe_text",
+        defaults: ClassDefaults {
+            mrope: QWEN3_VL_MROPE,
+            ..defaults(500_000.0, Some(16), None, 128_000, None)
+        },
+        null_kv_heads: false,
+        null_head_dim: true,
+        ..QWEN3
+    },
+    ModelSpec {
+        model_type: "phi3",
+        family: Some(HfFamily::Phi3),
+        defaults: defaults(10_000.0, None, None, 4096, None),
+        window: Window::Sliding,
+        rope: RopeSpec {
+            partial: PartialRotary::Factor,
+            phi3: true,
+            longrope_only: true,
+            ..PLAIN_ROPE
+        },
+        null_kv_heads: true,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "gpt_neox",
+        family: Some(HfFamily::GptNeoX),
+        defaults: defaults(10_000.0, None, None, 2048, None),
+        bias: Bias::Flag("attention_bias", true),
+        rope: RopeSpec {
+            source: RopeSource::NeoX,
+            partial: PartialRotary::NeoX,
+            ..PLAIN_ROPE
+        },
+        even_split: true,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "bloom",
+        family: Some(HfFamily::Bloom),
+        bias: Bias::All,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "gpt2",
+        family: Some(HfFamily::Gpt2),
+        bias: Bias::All,
+        scale: Scale::Gpt2,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "gptj",
+        family: Some(HfFamily::GptJ),
+        defaults: defaults(10_000.0, None, None, 2048, None),
+        rope: RopeSpec {
+            source: RopeSource::Fixed,
+            partial: PartialRotary::RotaryDim,
+            ..INTERLEAVED
+        },
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "falcon",
+        family: Some(HfFamily::Falcon),
+        defaults: defaults(10_000.0, None, None, 2048, None),
+        bias: Bias::Flag("bias", false),
+        rope: WHOLE_HEAD,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "t5",
+        family: Some(HfFamily::T5),
+        defaults: ClassDefaults {
+            head_dim: Some(64),
+            ..GENERIC_DEFAULTS
+        },
+        scale: Scale::One,
+        causal: false,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "mpt",
+        family: Some(HfFamily::Mpt),
+        scale: Scale::AttnConfig,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "modernbert",
+        family: Some(HfFamily::ModernBert),
+        defaults: defaults(160_000.0, None, None, 8192, None),
+        bias: Bias::Flag("attention_bias", false),
+        causal: false,
+        window: Window::LocalAttention,
+        layers: Layers::FromZero {
+            key: "global_attn_every_n_layers",
+            every: 3,
+        },
+        rope: RopeSpec {
+            per_layer: LayerRope::PerType(PerTypeRope {
+                merged: &["full_attention", "sliding_attention"],
+                full_theta: "global_rope_theta",
+                sliding_theta: "local_rope_theta",
+            }),
+            ..WHOLE_HEAD
+        },
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "deepseek_v2",
+        family: Some(HfFamily::DeepSeek),
+        defaults: defaults(10_000.0, None, None, 2048, None),
+        rope: RopeSpec {
+            latent: true,
+            interleaved: true,
+            ..PLAIN_ROPE
+        },
+        null_kv_heads: true,
+        even_split: true,
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "deepseek_v3",
+        family: Some(HfFamily::DeepSeek),
+        defaults: defaults(10_000.0, Some(128), None, 4096, None),
+        rope: RopeSpec {
+            latent: true,
+            ..PLAIN_ROPE
+        },
+        null_kv_heads: true,
+        ..GENERIC
+    },
+    // Vision-language models: their language model's attention.
+    wrapper("qwen2_vl", TextConfig::NestedOrFlat),
+    wrapper("qwen2_5_vl", TextConfig::NestedOrFlat),
+    wrapper("qwen3_vl", TextConfig::Nested),
+    wrapper("qwen3_vl_moe", TextConfig::Nested),
+    wrapper("llama4", TextConfig::Nested),
+    wrapper("gemma4", TextConfig::Nested),
+    // Types whose RoPE alone is read (RopeConfig::from_hf_json).
+    interleaved("codegen"),
+    interleaved("cohere"),
+    interleaved("glm"),
+    interleaved("glm4"),
+    interleaved("helium"),
+    interleaved("ernie4_5"),
+    ModelSpec {
+        model_type: "phi4_multimodal",
+        rope: RopeSpec {
+            partial: PartialRotary::Factor,
+            phi3: true,
+            ..PLAIN_ROPE
+        },
+        ..GENERIC
+    },
+    ModelSpec {
+        model_type: "qwen2_vl_vision",
+        rope: RopeSpec {
+            axial: Some(Axial {
+                layout: AxialRope::Repeated,
+                by_default: false,
+            }),
+            widths: &["embed_dim"],
+            ..PLAIN_ROPE
+        },
+        ..GENERIC
+    },
+    axial("qwen2_5_vl_vision", AxialRope::Repeated),
+    axial("qwen3_vl_vision", AxialRope::Repeated),
+    axial("gemma4_vision", AxialRope::SplitHalves),
+    ModelSpec {
+        model_type: "kimi_k2",
+        rope: RopeSpec {
+            latent: true,
+            ..PLAIN_ROPE
+        },
+        ..GENERIC
+    },
+];
+
+/// The row of `model_type`, if it has one.
+pub(crate) fn find(model_type: &str) -> Option<&'static ModelSpec> {
+    MODELS.iter().find(|m| m.model_type == model_type)
+}
+
+/// The row of `model_type`, or [`GENERIC`] for a type without one (or none).
+pub(crate) fn spec(model_type: Option<&str>) -> &'static ModelSpec {
+    model_type.and_then(find).unwrap_or(&GENERIC)
+}
+
+/// The `model_type`s [`HfAttentionConfig`](super::HfAttentionConfig) reads, in the
+/// registry's order: a family's, or a vision-language wrapper's.
+pub fn model_types() -> impl Iterator<Item = &'static str> {
+    MODELS
+        .iter()
+        .filter(|m| m.family.is_some() || m.text_config.is_some())
+        .map(|m| m.model_type)
+}
