@@ -377,6 +377,42 @@ impl AttentionConfig {
     /// temperature out of range ([`AttentionTemperature::validate`]), a query block of 0, a logits budget of 0, or projection weights past
     /// [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
+        self.validate_heads()?;
+        self.validate_projections()?;
+        crate::absolute::check_dropout(self.dropout)?;
+        if let Some(norm) = &self.qk_norm {
+            norm.validate()?;
+        }
+        self.validate_masking()?;
+        if let Some(eps) = self.value_norm {
+            check_normal_f32("value_norm", eps)?;
+        }
+        self.validate_latent()?;
+        if let Some(t) = &self.attention_temperature {
+            t.validate()?;
+        }
+        if let Some(cap) = self.logit_softcap {
+            check_normal_f32("logit_softcap", cap)?;
+        }
+        if self.query_block == Some(0) {
+            return Err(Error::config(
+                "query_block",
+                0,
+                "at least 1 query, or None (automatic)",
+            ));
+        }
+        if self.logits_budget == 0 {
+            return Err(Error::config("logits_budget", 0, "at least 1 byte"));
+        }
+        // The scale multiplies q in the weights' dtype: it must be a normal f32 (bf16 has the
+        // same range; f16 weights are checked against theirs when the block is built).
+        check_normal_f32("softmax_scale", self.softmax_scale)
+    }
+}
+
+impl AttentionConfig {
+    /// Sizes at least 1, and KV heads that divide the heads.
+    fn validate_heads(&self) -> Result<()> {
         if self.d_model == 0 {
             return Err(Error::config("d_model", self.d_model, "at least 1"));
         }
@@ -400,6 +436,11 @@ impl AttentionConfig {
                 format!("a divisor of num_heads ({})", self.num_heads),
             ));
         }
+        Ok(())
+    }
+
+    /// The four projections' weights within the budget, with checked arithmetic.
+    fn validate_projections(&self) -> Result<()> {
         let width = check_elements(
             "head_dim",
             self.head_dim,
@@ -437,10 +478,11 @@ impl AttentionConfig {
             .as_str(),
             &[self.d_model, heads, self.head_dim],
         )?;
-        crate::absolute::check_dropout(self.dropout)?;
-        if let Some(norm) = &self.qk_norm {
-            norm.validate()?;
-        }
+        Ok(())
+    }
+
+    /// A causal window of at least one key; chunks of at least one key, in causal blocks only.
+    fn validate_masking(&self) -> Result<()> {
         if self.sliding_window == Some(0) && self.causal {
             return Err(Error::config(
                 "sliding_window",
@@ -465,55 +507,40 @@ impl AttentionConfig {
             }
             _ => {}
         }
-        if let Some(eps) = self.value_norm {
-            check_normal_f32("value_norm", eps)?;
-        }
-        if let Some(latent) = &self.latent {
-            latent.validate(self.d_model, self.num_heads, self.head_dim)?;
-            if self.k_eq_v {
-                return Err(Error::config(
-                    "k_eq_v",
-                    true,
-                    "false with latent attention (its values have their own projection)",
-                ));
-            }
-            if self.num_kv_heads != self.num_heads {
-                return Err(Error::config(
-                    "num_kv_heads",
-                    self.num_kv_heads,
-                    format!(
-                        "num_heads ({}) with latent attention (every head has its own keys)",
-                        self.num_heads
-                    ),
-                ));
-            }
-            if self.qk_norm.is_some() {
-                return Err(Error::config(
-                    "qk_norm",
-                    format!("{:?}", self.qk_norm),
-                    "None with latent attention (its latents have their own norms)",
-                ));
-            }
-        }
-        if let Some(t) = &self.attention_temperature {
-            t.validate()?;
-        }
-        if let Some(cap) = self.logit_softcap {
-            check_normal_f32("logit_softcap", cap)?;
-        }
-        if self.query_block == Some(0) {
+        Ok(())
+    }
+
+    /// Latent attention's own settings, and the settings it excludes.
+    fn validate_latent(&self) -> Result<()> {
+        let Some(latent) = &self.latent else {
+            return Ok(());
+        };
+        latent.validate(self.d_model, self.num_heads, self.head_dim)?;
+        if self.k_eq_v {
             return Err(Error::config(
-                "query_block",
-                0,
-                "at least 1 query, or None (automatic)",
+                "k_eq_v",
+                true,
+                "false with latent attention (its values have their own projection)",
             ));
         }
-        if self.logits_budget == 0 {
-            return Err(Error::config("logits_budget", 0, "at least 1 byte"));
+        if self.num_kv_heads != self.num_heads {
+            return Err(Error::config(
+                "num_kv_heads",
+                self.num_kv_heads,
+                format!(
+                    "num_heads ({}) with latent attention (every head has its own keys)",
+                    self.num_heads
+                ),
+            ));
         }
-        // The scale multiplies q in the weights' dtype: it must be a normal f32 (bf16 has the
-        // same range; f16 weights are checked against theirs when the block is built).
-        check_normal_f32("softmax_scale", self.softmax_scale)
+        if self.qk_norm.is_some() {
+            return Err(Error::config(
+                "qk_norm",
+                format!("{:?}", self.qk_norm),
+                "None with latent attention (its latents have their own norms)",
+            ));
+        }
+        Ok(())
     }
 }
 

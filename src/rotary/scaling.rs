@@ -285,38 +285,12 @@ impl RopeScaling {
     /// `rotary_dim / 2`, NTK scaling with `rotary_dim <= 2` (its exponent `d/(d−2)` diverges), or
     /// a proportional fraction outside `[0, 1]`.
     pub fn validate(&self, rotary_dim: usize) -> Result<()> {
-        let positive = |name: &'static str, v: f64| -> Result<()> {
-            // Subnormal factors are refused too: their reciprocals overflow.
-            if v.is_normal() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(Error::config(name, v, "a finite, normal number > 0"))
-            }
-        };
-        let length = |name: &'static str, v: usize| -> Result<()> {
-            if v == 0 {
-                Err(Error::config(name, v, "a length > 0"))
-            } else {
-                Ok(())
-            }
-        };
-        let ntk_dim = || -> Result<()> {
-            if rotary_dim <= 2 {
-                Err(Error::config(
-                    "rotary_dim",
-                    rotary_dim,
-                    "more than 2 for NTK scaling (its exponent is d/(d-2))",
-                ))
-            } else {
-                Ok(())
-            }
-        };
         match self {
             RopeScaling::None => Ok(()),
             RopeScaling::Linear { factor } => positive("linear factor", *factor),
             RopeScaling::NtkAware { alpha } => {
                 positive("ntk alpha", *alpha)?;
-                ntk_dim()
+                ntk_dim(rotary_dim)
             }
             RopeScaling::Dynamic {
                 factor,
@@ -327,27 +301,9 @@ impl RopeScaling {
                     "original_max_position_embeddings",
                     *original_max_position_embeddings,
                 )?;
-                ntk_dim()
+                ntk_dim(rotary_dim)
             }
-            RopeScaling::Yarn(y) => {
-                positive("yarn factor", y.factor)?;
-                length(
-                    "original_max_position_embeddings",
-                    y.original_max_position_embeddings,
-                )?;
-                positive("beta_fast", y.beta_fast)?;
-                positive("beta_slow", y.beta_slow)?;
-                if let Some(m) = y.mscale {
-                    positive("mscale", m)?;
-                }
-                if let Some(m) = y.mscale_all_dim {
-                    positive("mscale_all_dim", m)?;
-                }
-                if let Some(a) = y.attention_factor {
-                    positive("attention_factor", a)?;
-                }
-                Ok(())
-            }
+            RopeScaling::Yarn(y) => validate_yarn(y),
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -372,32 +328,7 @@ impl RopeScaling {
                 }
                 Ok(())
             }
-            RopeScaling::LongRope(l) => {
-                length(
-                    "original_max_position_embeddings",
-                    l.original_max_position_embeddings,
-                )?;
-                positive("longrope factor", l.factor)?;
-                if let Some(a) = l.attention_factor {
-                    positive("attention_factor", a)?;
-                }
-                for (name, list) in [
-                    ("short_factor", &l.short_factor),
-                    ("long_factor", &l.long_factor),
-                ] {
-                    if list.len() != rotary_dim / 2 {
-                        return Err(Error::config(
-                            name,
-                            format!("a list of {} numbers", list.len()),
-                            format!("rotary_dim / 2 = {} numbers", rotary_dim / 2),
-                        ));
-                    }
-                    if let Some(bad) = list.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
-                        return Err(Error::config(name, bad, "entries that are finite and > 0"));
-                    }
-                }
-                Ok(())
-            }
+            RopeScaling::LongRope(l) => validate_longrope(l, rotary_dim),
             RopeScaling::Proportional {
                 factor,
                 partial_rotary_factor,
@@ -668,4 +599,85 @@ pub fn longrope_inv_freq(
         inv_freq,
         attention_factor,
     }
+}
+
+/// A factor: finite, normal and > 0 (subnormal factors are refused too: their reciprocals
+/// overflow).
+fn positive(name: &'static str, v: f64) -> Result<()> {
+    if v.is_normal() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::config(name, v, "a finite, normal number > 0"))
+    }
+}
+
+/// A length > 0.
+fn length(name: &'static str, v: usize) -> Result<()> {
+    if v == 0 {
+        Err(Error::config(name, v, "a length > 0"))
+    } else {
+        Ok(())
+    }
+}
+
+/// NTK scaling's exponent d/(d−2) needs more than 2 rotated features.
+fn ntk_dim(rotary_dim: usize) -> Result<()> {
+    if rotary_dim <= 2 {
+        Err(Error::config(
+            "rotary_dim",
+            rotary_dim,
+            "more than 2 for NTK scaling (its exponent is d/(d-2))",
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// YaRN's factors and original length.
+fn validate_yarn(y: &YarnScaling) -> Result<()> {
+    positive("yarn factor", y.factor)?;
+    length(
+        "original_max_position_embeddings",
+        y.original_max_position_embeddings,
+    )?;
+    positive("beta_fast", y.beta_fast)?;
+    positive("beta_slow", y.beta_slow)?;
+    for (name, v) in [
+        ("mscale", y.mscale),
+        ("mscale_all_dim", y.mscale_all_dim),
+        ("attention_factor", y.attention_factor),
+    ] {
+        if let Some(v) = v {
+            positive(name, v)?;
+        }
+    }
+    Ok(())
+}
+
+/// LongRoPE's length, factors, and its two lists of `rotary_dim / 2` positive factors.
+fn validate_longrope(l: &LongRopeScaling, rotary_dim: usize) -> Result<()> {
+    length(
+        "original_max_position_embeddings",
+        l.original_max_position_embeddings,
+    )?;
+    positive("longrope factor", l.factor)?;
+    if let Some(a) = l.attention_factor {
+        positive("attention_factor", a)?;
+    }
+    for (name, list) in [
+        ("short_factor", &l.short_factor),
+        ("long_factor", &l.long_factor),
+    ] {
+        if list.len() != rotary_dim / 2 {
+            return Err(Error::config(
+                name,
+                format!("a list of {} numbers", list.len()),
+                format!("rotary_dim / 2 = {} numbers", rotary_dim / 2),
+            ));
+        }
+        if let Some(bad) = list.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+            return Err(Error::config(name, bad, "entries that are finite and > 0"));
+        }
+    }
+    Ok(())
 }
