@@ -562,10 +562,6 @@ struct Run<'a> {
     stats: Option<OutPtr>,
 }
 
-// SAFETY: the views only read storage held under read locks for the whole call, and every task
-// writes only its own rows of `out` and `stats`.
-unsafe impl Sync for Run<'_> {}
-
 impl Run<'_> {
     /// The query tile `i0..` of head `hi` in sequence `bi`: an online softmax over its key
     /// tiles, the value term, then its rows normalised into the output.
