@@ -7,6 +7,9 @@
 //! linear(L, x)            x Wᵀ + bias                   x restrided first
 //! ```
 //!
+//! On a GPU, candle's product (cuBLAS) refuses matrices whose rows are not packed, which the
+//! CPU reads, so there such an operand is copied first (`for_gpu`).
+//!
 //! candle 0.11's CPU product treats a right-hand side whose batch stride is 0 (a broadcast
 //! table, and `candle_nn::Linear`'s weight for a 3-D or 4-D input that is not contiguous) as one
 //! matrix, and stacks the left-hand side's batches into the rows of a single `(b·m, k)` product
@@ -34,10 +37,38 @@ use crate::error::Result;
 /// candle's, for shapes, dtypes or devices that do not match.
 #[allow(clippy::disallowed_methods)] // the one call the rest of the crate is sent to
 pub(crate) fn matmul(lhs: &Tensor, rhs: &Tensor) -> Result<Tensor> {
+    if !lhs.device().is_cpu() {
+        return Ok(for_gpu(lhs)?.matmul(&for_gpu(rhs)?)?);
+    }
     match batch_broadcast(rhs) {
         true => Ok(standard(lhs)?.matmul(rhs)?),
         false => Ok(lhs.matmul(rhs)?),
     }
+}
+
+/// `t` as candle's GPU product reads it: cuBLAS's strided batches take each matrix row- or
+/// column-major with no gap between rows (a row of a softmax narrowed past its sinks' column
+/// has one), and the batch through one stride. Such a `t` is passed as it is, any other copied.
+fn for_gpu(t: &Tensor) -> Result<Tensor> {
+    match gpu_readable(t) {
+        true => Ok(t.clone()),
+        false => Ok(t.contiguous()?),
+    }
+}
+
+/// Whether candle's CUDA product (`gemm_config` in candle-core 0.11) accepts `t`'s layout as
+/// an operand: rank 2 to 4, each matrix dense in row- or column-major order, and a batch that
+/// one stride steps through.
+fn gpu_readable(t: &Tensor) -> bool {
+    let rank = t.rank();
+    if !(2..=4).contains(&rank) {
+        return rank < 2; // candle's own error for a vector
+    }
+    let (rows, cols) = (t.dims()[rank - 2], t.dims()[rank - 1]);
+    let (row_step, col_step) = (t.stride()[rank - 2], t.stride()[rank - 1]);
+    let row_major = (col_step == 1 || cols == 1) && (row_step == cols || rows == 1);
+    let col_major = (col_step == rows || cols == 1) && (row_step == 1 || rows == 1);
+    (row_major || col_major) && batch_stride(t).is_some()
 }
 
 /// `lhs · rhs` with their batch dimensions broadcast to each other, as
@@ -220,6 +251,31 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// What a GPU product receives for each layout: a layout candle's cuBLAS call accepts,
+    /// holding the same values; those it already accepts are passed without a copy.
+    #[test]
+    fn gpu_operands_are_readable() -> anyhow::Result<()> {
+        for (b, m, k) in [(2, 7, 32), (3, 1, 8), (2, 4, 1)] {
+            for (name, t) in layouts((b, m, k), DType::F32)? {
+                let ready = for_gpu(&t)?;
+                assert!(gpu_readable(&ready), "{name} ({b}, {m}, {k})");
+                assert_eq!(max_diff(&ready, &t.to_dtype(DType::F64)?)?, 0.0, "{name}");
+                if gpu_readable(&t) {
+                    assert!(
+                        ready.is_contiguous() == t.is_contiguous(),
+                        "{name} was copied"
+                    );
+                }
+            }
+        }
+        // The narrowed softmax of a block with sinks: rows one element apart from packed.
+        let probs = Tensor::zeros((2, 2, 9, 10), DType::F32, &Device::Cpu)?.narrow(3, 0, 9)?;
+        assert!(!gpu_readable(&probs));
+        let column_major = Tensor::zeros((2, 9, 5), DType::F32, &Device::Cpu)?.transpose(1, 2)?;
+        assert!(gpu_readable(&column_major));
         Ok(())
     }
 
