@@ -309,7 +309,10 @@ impl Alibi {
     }
 
     /// Slopes loaded from `vb` (variable `slopes`, `(head_count,)`), or created there with the
-    /// paper's values when the `VarBuilder` is backed by a `VarMap` that lacks them.
+    /// paper's values when the `VarBuilder` is backed by a `VarMap` that lacks them. The slopes
+    /// are used in f32 whatever the variable's dtype (a `VarMap` hands back a variable it
+    /// already holds in its own dtype), through a tracked cast, so the gradient still reaches
+    /// the variable.
     ///
     /// # Errors
     /// As [`AlibiConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
@@ -322,11 +325,11 @@ impl Alibi {
             // A VarMap just created the variable with zeros: write the paper's slopes into it
             // in place (the tensor shares the variable's storage).
             let init = Self::initial_slopes(config, slopes.device())?;
-            slopes.slice_set(&init, 0, 0)?;
+            slopes.slice_set(&init.to_dtype(slopes.dtype())?, 0, 0)?;
         }
         let mut config = config.clone();
         config.learnable = true;
-        Ok(Self::from_slopes(&config, slopes))
+        Ok(Self::from_slopes(&config, slopes.to_dtype(DType::F32)?))
     }
 
     fn initial_slopes(config: &AlibiConfig, device: &Device) -> Result<Tensor> {

@@ -294,6 +294,31 @@ fn alibi_head_range_learnable_and_cache(dev: &Device) -> anyhow::Result<()> {
     )?;
     let grads = bias.sum_all()?.backward()?;
     assert!(grads.get(&data).is_some(), "slopes get a gradient");
+    // A VarMap that already holds the slopes in another dtype (a bf16 or f64 model's copy):
+    // the bias is f32, equal to the f32 slopes' in every mode, and the variable still learns.
+    for dtype in [DType::BF16, DType::F64] {
+        let held = VarMap::new();
+        let var = candle_core::Var::from_tensor(&data.to_dtype(dtype)?)?;
+        held.data()
+            .lock()
+            .expect("lock")
+            .insert("alibi.slopes".into(), var.clone());
+        let vb = VarBuilder::from_varmap(&held, dtype, dev);
+        let cfg = AlibiConfig::new(4).with_learnable(true);
+        let learn_held = Alibi::new_learnable(&cfg, vb.pp("alibi"))?;
+        for causal in [false, true] {
+            let (at, n) = (Positions::Offset(0), 3);
+            let got = alibi_bias(&learn_held, &at, n, &at, n, causal)?;
+            let want = alibi_bias(&learn, &at, n, &at, n, causal)?;
+            assert_eq!(got.dtype(), DType::F32, "{dtype:?}");
+            assert_close(&got, &want, 0.0, &format!("{dtype:?} causal {causal}"))?;
+            let grads = got.sum_all()?.backward()?;
+            let g = grads
+                .get(var.as_tensor())
+                .expect("the held variable's gradient");
+            assert_eq!(g.dtype(), dtype);
+        }
+    }
     // Fixed slopes: one bias build per shape.
     let alibi = Alibi::new(&AlibiConfig::new(4).with_mode(AlibiMode::Symmetric), dev)?;
     for _ in 0..3 {
