@@ -315,7 +315,9 @@ enum Misfit {
     MapOfShape(usize, usize),
     DenseOfShape(usize),
     IntegerDense,
-    TableOfWidth(usize),
+    /// A value table of the wrong width, on the block's device (so that the width is what
+    /// is wrong).
+    TableOfWidth(usize, Device),
     NarrowKeys,
     WideQueries,
     /// An input hook that answers in another dtype (found by the api fuzz target: f64 into an
@@ -371,8 +373,8 @@ impl PositionalEncoding for Misfit {
 
     fn value_term(&self, _ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
         match self {
-            Misfit::TableOfWidth(d) => Ok(Some(RelativeValues::new(
-                Tensor::zeros((5, *d), DType::F32, &Device::Cpu)?,
+            Misfit::TableOfWidth(d, dev) => Ok(Some(RelativeValues::new(
+                Tensor::zeros((5, *d), DType::F32, dev)?,
                 Columns::Shift(0),
             )?)),
             _ => Ok(None),
@@ -389,7 +391,7 @@ fn misfits_are_typed_errors(dev: &Device) -> anyhow::Result<()> {
         Misfit::MapOfShape(0, 1),
         Misfit::DenseOfShape(3),
         Misfit::IntegerDense,
-        Misfit::TableOfWidth(HEAD_DIM + 1),
+        Misfit::TableOfWidth(HEAD_DIM + 1, dev.clone()),
         Misfit::NarrowKeys,
         Misfit::WideQueries,
         Misfit::InputOfDtype(DType::F64),
