@@ -15,7 +15,7 @@
 //!                                                  # decode, memory, training, long or lengths
 //! cargo bench --bench attention -- --only lengths --pytorch pytorch.jsonl --plot docs/img/lengths.png
 //!     # forwards from T = 1k to 32k, drawn beside `pytorch_baseline.py --lengths --json`'s
-//! cargo bench --features cuda --bench attention -- --only cuda
+//! cargo bench --features cuda --bench attention -- --only cuda [--max-t 4096]
 //!     # on GPU 0: the fused CUDA kernels against candle's ops (bf16), inference and
 //!     # training steps, beside `pytorch_baseline.py --device cuda`; then a training step
 //!     # at T = 16384 and 65536 (B1) with the device memory it took
@@ -205,7 +205,7 @@ fn block_with(case: &Case, cfg: AttentionConfig, vb: &VarBuilder) -> Result<Mult
 /// kernel: 4·B·H·T²·D FLOP (half of it causal) over the whole block's time, a lower bound.
 /// Then f32 (each product as three TF32 ones) for three encodings, and training steps.
 #[cfg(feature = "cuda")]
-fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
+fn cuda_kernel(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
     use candle_posenc::attention::cuda::set_fused_kernel;
     let names = [
@@ -218,20 +218,26 @@ fn cuda_kernel(dev: &Device, quick: bool, json: bool) -> Result<()> {
         "shaw_k64",
     ];
     let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096, 16384] };
-    kernel_against_ops(dev, DType::BF16, lengths, &names, quick, json)?;
+    kernel_against_ops(dev, DType::BF16, &upto(lengths, max_t), &names, quick, json)?;
     let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
     kernel_against_ops(
         dev,
         DType::F32,
-        lengths,
+        &upto(lengths, max_t),
         &["none", "alibi", "t5"],
         quick,
         json,
     )?;
-    cuda_training(dev, quick, json)?;
-    cuda_long_training(dev, quick, json)?;
+    cuda_training(dev, quick, max_t, json)?;
+    cuda_long_training(dev, quick, max_t.saturating_mul(4), json)?;
     set_fused_kernel(false);
     Ok(())
+}
+
+/// The lengths of `lengths` up to `max_t` (`--max-t`, to fit a short GPU session).
+#[cfg(feature = "cuda")]
+fn upto(lengths: &[usize], max_t: usize) -> Vec<usize> {
+    lengths.iter().copied().filter(|&t| t <= max_t).collect()
 }
 
 /// [`cuda_kernel`]'s inference rows in `dtype` for the encodings `names` at `lengths`.
@@ -291,12 +297,13 @@ fn kernel_against_ops(
 /// attention's rate with the kernels, counting the backward as 2.5 forwards (its five products
 /// against the forward's two): 3.5 · 4·B·H·T²·D FLOP, half of it causal.
 #[cfg(feature = "cuda")]
-fn cuda_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
+fn cuda_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
     use candle_posenc::attention::cuda::set_fused_kernel;
     let (heads, head_dim, b) = (16, 64, 4);
     let d_model = heads * head_dim;
     let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
+    let lengths = upto(lengths, max_t);
     println!(
         "\nCUDA training step, fused kernels against candle's ops, bf16, B{b} H{heads} D{head_dim}"
     );
@@ -304,7 +311,7 @@ fn cuda_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
         "{:<18} {:>6} {:>8} {:>10} {:>10} {:>9} {:>9}",
         "encoding", "T", "causal", "ops ms", "kernel ms", "per pair", "TFLOP/s"
     );
-    for &t in lengths {
+    for &t in &lengths {
         let runs = if quick { 3 } else { 9 };
         let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
         let probe = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
@@ -340,7 +347,7 @@ fn cuda_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
 /// freed memory at each synchronisation, so the figure is the step's own). Beyond the weights it is O(T): four times the length takes about four times the
 /// memory, where `(B, H, T, T)` f32 logits would take sixteen (275 GB at 65536, past any GPU).
 #[cfg(feature = "cuda")]
-fn cuda_long_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
+fn cuda_long_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
     use candle_core::cuda_backend::cudarc;
     use candle_core::DType;
     use candle_posenc::attention::cuda::set_fused_kernel;
@@ -348,6 +355,7 @@ fn cuda_long_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
     let (heads, head_dim) = (16, 64);
     let d_model = heads * head_dim;
     let lengths: &[usize] = if quick { &[4096] } else { &[16384, 65536] };
+    let lengths = upto(lengths, max_t);
     let ctx = dev.as_cuda_device()?.cuda_stream().context().clone();
     println!(
         "\nCUDA training step at long context, fused kernels, bf16, B1 H{heads} D{head_dim}, causal"
@@ -358,7 +366,7 @@ fn cuda_long_training(dev: &Device, quick: bool, json: bool) -> Result<()> {
     );
     set_fused_kernel(true);
     for name in ["none", "alibi", "t5", "shaw_k64"] {
-        for &t in lengths {
+        for &t in &lengths {
             let (_varmap, mha) = trained_block(name, true, (heads, head_dim, t), dev)?;
             let opts = AttentionOptions {
                 train: true,
@@ -1041,7 +1049,12 @@ fn main() -> Result<()> {
 
     #[cfg(feature = "cuda")]
     if section("cuda") && only.is_some() && dev.is_cuda() {
-        cuda_kernel(&dev, quick, json)?;
+        let max_t = args
+            .iter()
+            .position(|a| a == "--max-t")
+            .and_then(|i| args.get(i + 1))
+            .map_or(Ok(usize::MAX), |v| v.parse())?;
+        cuda_kernel(&dev, quick, max_t, json)?;
     }
 
     // Time against length: one block forward without an encoding, B1, T = 1k .. 32k (medians

@@ -89,9 +89,11 @@ def main() -> None:
     parser.add_argument("--lengths", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--max-t", type=int, default=None,
+                        help="with --device cuda: only lengths up to this (a short GPU session)")
     args = parser.parse_args()
     if args.device != "cpu" or args.tiny:
-        gpu_table(torch.device(args.device), args.tiny, args.json)
+        gpu_table(torch.device(args.device), args.tiny, args.json, args.max_t)
         return
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -208,8 +210,9 @@ def decode(proj, h: int, d: int, as_json: bool) -> None:
 def rope(x: torch.Tensor) -> torch.Tensor:
     """HF's rotate-half RoPE with θ = 10000 on (B, H, T, D)."""
     t, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, **f32) / d)
+    ang = torch.outer(torch.arange(t, **f32), inv)
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -305,7 +308,7 @@ def long_context(proj, h: int, d: int, as_json: bool) -> None:
                 print(json.dumps({"bench": "pytorch", "case": name, "median_ms": round(ms, 3)}))
 
 
-def gpu_table(dev: torch.device, tiny: bool, as_json: bool) -> None:
+def gpu_table(dev: torch.device, tiny: bool, as_json: bool, max_t=None) -> None:
     """The GPU table of `--device cuda` (see the module docs)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -316,6 +319,15 @@ def gpu_table(dev: torch.device, tiny: bool, as_json: bool) -> None:
     dm, k_clip = h * d, 64
     infer_lengths = (64, 128) if tiny else (1024, 4096, 16384)
     train_lengths = (64,) if tiny else (1024, 4096)
+    if max_t is not None:
+        infer_lengths = tuple(t for t in infer_lengths if t <= max_t)
+        train_lengths = tuple(t for t in train_lengths if t <= max_t)
+    # Each scheme, length and mask is a compile of its own; past dynamo's default limit of 8
+    # later ones would run FlexAttention unfused, and PyTorch's figure would be too slow.
+    from torch import _dynamo
+    for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(_dynamo.config, limit):
+            setattr(_dynamo.config, limit, 1024)
     flex = torch.compile(flex_attention, dynamic=False)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name() if gpu else dev}, "
@@ -421,6 +433,9 @@ def gpu_table(dev: torch.device, tiny: bool, as_json: bool) -> None:
                             torch.cuda.empty_cache() if gpu else None
                         except NotImplementedError:  # FlexAttention's backward on a CPU
                             ms, why = None, "n/a"
+                        except Exception as e:  # e.g. Triton out of shared memory for a score_mod
+                            ms, why = None, type(e).__name__
+                            print(f"{kind} {name} T{t} causal={causal} {how}: {str(e)[-160:]}")
                         report(f"{kind} {name} T{t} causal={causal} {how}", ms, why)
                         if ms is not None:
                             best = ms if best is None else min(best, ms)
