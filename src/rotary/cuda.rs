@@ -1,7 +1,8 @@
 //! Rotation in place on CUDA devices (the `cuda` feature): `rope_in_place.cu`, one thread per
 //! pair, reading and writing each rotated feature once, for f32, bf16, f16 and f64, forwards
 //! and by −θ (the backward). Behind the same switch as the fused attention kernel
-//! ([`crate::attention::cuda::set_fused_kernel`], off by default): it has not yet run on a GPU.
+//! ([`crate::attention::cuda::set_fused_kernel`], off by default); on an H100 it matched the
+//! CPU's rotation, forwards and backwards.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{

@@ -6,11 +6,14 @@
 //! (`posenc_flash_backward`, through `training.rs`) gives q, k, v, the sinks, every term
 //! (dense or relative rows) and a value term's table their gradients.
 //!
-//! **Off by default, and not yet validated on a GPU.** The kernels are compiled (NVRTC, every
-//! specialisation, `.ci/cuda-kernels`) and run against f64 on a CPU emulator
-//! (`tests/cuda_emulator`, `.ci/cuda-emulate`); their host side is built and checked here, but
-//! no GPU has run them yet. [`set_fused_kernel`] (or `CANDLE_POSENC_CUDA_KERNEL=1` in the environment)
-//! turns it on; until then a CUDA block runs on candle's ops, as before.
+//! **Off by default.** The kernels are compiled (NVRTC, every specialisation,
+//! `.ci/cuda-kernels`) and run against f64 on a CPU emulator (`tests/cuda_emulator`,
+//! `.ci/cuda-emulate`). On an H100 (docs/gpu.md) they matched the f64 block for every encoding,
+//! forward and backward, with no memcheck error and no racecheck hazard, and ran 3–30× faster
+//! than candle's ops; one case still failed there (decoding with ALiBi after 600 cached keys),
+//! so they stay off until it is explained. [`set_fused_kernel`] (or
+//! `CANDLE_POSENC_CUDA_KERNEL=1` in the environment) turns them on; otherwise a CUDA block runs
+//! on candle's ops.
 //!
 //! Compiled with NVRTC at first use, one module per head dimension and dtype, cached per
 //! process (the PTX) and per device (the module, by candle's `get_or_load_custom_func`).
@@ -99,8 +102,8 @@ pub(crate) fn count_launch() {
 }
 
 /// Turns the fused CUDA kernel on or off for every block in this process (default: off, or
-/// on when `CANDLE_POSENC_CUDA_KERNEL=1` is set). It is experimental: compiled, but not yet
-/// run on a GPU by this crate's tests.
+/// on when `CANDLE_POSENC_CUDA_KERNEL=1` is set). It is experimental: see the module docs for
+/// what an H100 run showed.
 pub fn set_fused_kernel(on: bool) {
     ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
