@@ -46,7 +46,8 @@ struct Case {
   int padding = 0;       // 0 none, 1 per sequence (sequence 1 fully padded if b > 1), 2 shared
   int dense = 0;         // 0 none, 1 a bias shared by the batch, 2 a user's mask with −∞,
                          // 3 a bias per key shared by the batch and the queries (ALiBi's form),
-                         // 4 a user's mask that takes a gradient, one row −∞ throughout
+                         // 4 a user's mask that takes a gradient, one row −∞ throughout,
+                         // 5 ALiBi's causal row per key (steep slopes, no randomness)
   int relative = 0;      // 0 none, 1 a row per head (ALiBi, T5), 2 a row per query (Shaw's q·aᴷ)
   int rel_width = 9;
   i64 rel_shift = 4;
@@ -141,10 +142,15 @@ Result run(const Case& c, Rng& rng) {
     return vals[bi * term.strides[0] + hi * term.strides[1] + i * term.strides[2] +
                 col * term.strides[3]];
   };
-  if (c.dense == 3) {
-    // (1, H, 1, Tk), broadcast over the batch and the queries.
+  if (c.dense == 3 || c.dense == 5) {
+    // (1, H, 1, Tk), broadcast over the batch and the queries: random, or (5) ALiBi's causal
+    // row, slope 2^-(2 + 2h) times (j − the last key), down to −150 over 601 keys.
     std::vector<float> t((size_t)h * tk);
-    for (auto& x : t) x = (float)(0.5 * rng());
+    for (size_t n = 0; n < t.size(); ++n) {
+      const double slope = std::ldexp(1.0, -2 - 2 * (int)(n / tk));
+      t[n] = c.dense == 5 ? (float)(slope * ((double)(n % tk) - (double)(tk - 1)))
+                          : (float)(0.5 * rng());
+    }
     term_store.push_back(std::move(t));
     Term& term = p.terms[p.n_terms++];
     term.values = (u64)term_store.back().data();
@@ -536,6 +542,10 @@ std::vector<Case> cases() {
   add(c);
   c = Case{}; c.name = "decode: 2 queries, chunks of 50, split keys 64"; c.tq = 2; c.tk = 260;
   c.first = 258; c.causal = true; c.chunk = 50; c.key_split = 64;
+  add(c);
+  c = Case{}; c.name = "decode: 1 query, 601 keys, split keys 64, ALiBi's row per key";
+  c.b = 1; c.h = 4; c.hkv = 2; c.tq = 1; c.tk = 601; c.first = 600; c.causal = true; c.dense = 5;
+  c.key_split = 64;
   add(c);
   c = Case{}; c.name = "decode: 3 queries, split keys 64, per-head rows"; c.tq = 3; c.tk = 200;
   c.first = 197; c.causal = true; c.key_split = 64; c.relative = 1; c.rel_width = 17;
