@@ -52,7 +52,7 @@ pub(crate) fn matmul(lhs: &Tensor, rhs: &Tensor) -> Result<Tensor> {
 fn for_gpu(t: &Tensor) -> Result<Tensor> {
     match gpu_readable(t) {
         true => Ok(t.clone()),
-        false => Ok(t.contiguous()?),
+        false => standard(t),
     }
 }
 
