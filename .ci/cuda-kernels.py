@@ -3,10 +3,10 @@ first use, then assembles each with ptxas for sm_90 (H100/H200) and prints its r
 (registers, spills, shared memory). Needs no GPU: NVRTC and ptxas come from PyPI's CUDA 13
 wheels (see .ci/cuda-kernels, which installs them).
 
-The specialisations are read from `src/attention/cuda/mod.rs` itself (its `ARCH`, `HEAD_DIMS`
-with bf16 and f16 each and `F32_HEAD_DIMS` with f32, with and without a value term;
-`forward_defines` passes the same -D options), plus the
-rotation in place of `src/rotary/cuda.rs` per dtype, so the script compiles what the crate
+The specialisations are read from the crate's sources (`ARCH` in `src/cuda/nvrtc.rs`;
+`HEAD_DIMS` with bf16 and f16 each and `F32_HEAD_DIMS` with f32, with and without a value term,
+in `src/attention/cuda/kernel.rs`, whose `forward_defines` passes the same -D options), plus the
+rotation in place of `src/cuda/rope.rs` per dtype, so the script compiles what the crate
 compiles at run time.
 """
 import ctypes
@@ -22,9 +22,10 @@ KERNELS = ROOT / "src" / "attention" / "cuda"
 
 
 def specialisations():
-    """(kernel file, [options], label) per specialisation, from mod.rs's ARCH and HEAD_DIMS."""
-    src = (KERNELS / "mod.rs").read_text()
-    arch = re.search(r'const ARCH: &str = "([^"]+)";', src).group(1)
+    """(kernel file, [options], label) per specialisation, from ARCH and HEAD_DIMS."""
+    src = (KERNELS / "kernel.rs").read_text()
+    nvrtc = (ROOT / "src" / "cuda" / "nvrtc.rs").read_text()
+    arch = re.search(r'const ARCH: &str = "([^"]+)";', nvrtc).group(1)
     def consts(name):
         found = re.search(rf"const {name}: \[usize; \d+\] = \[([^\]]+)\];", src)
         return [int(d) for d in found.group(1).split(",")]
@@ -39,10 +40,10 @@ def specialisations():
                         f"-DPOSENC_BF16={bf16}", f"-DPOSENC_F32={f32}", f"-DPOSENC_VALUES={values}"]
                 label = f"d{d} {name}{' values' if values else ''}"
                 out.append((KERNELS / "flash_forward.cu", opts, label))
-    # The rotation in place (src/rotary/cuda.rs): one specialisation per dtype.
+    # The rotation in place (src/cuda/rope.rs): one specialisation per dtype.
     for code, name in enumerate(("f32", "bf16", "f16", "f64")):
         opts = [f"--gpu-architecture={arch}", f"-DPOSENC_ROPE_DTYPE={code}"]
-        out.append((ROOT / "src" / "rotary" / "rope_in_place.cu", opts, name))
+        out.append((ROOT / "src" / "cuda" / "rope_in_place.cu", opts, name))
     return arch, out
 
 

@@ -207,7 +207,7 @@ fn block_with(case: &Case, cfg: AttentionConfig, vb: &VarBuilder) -> Result<Mult
 #[cfg(feature = "cuda")]
 fn cuda_kernel(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
-    use candle_posenc::attention::cuda::set_fused_kernel;
+    use candle_posenc::cuda::set_fused_kernel;
     let names = [
         "none",
         "rope",
@@ -250,7 +250,7 @@ fn kernel_against_ops(
     quick: bool,
     json: bool,
 ) -> Result<()> {
-    use candle_posenc::attention::cuda::set_fused_kernel;
+    use candle_posenc::cuda::set_fused_kernel;
     let (heads, head_dim) = (16, 64);
     let d_model = heads * head_dim;
     let vb = common::inference_vb_of(dev, dtype);
@@ -299,7 +299,7 @@ fn kernel_against_ops(
 #[cfg(feature = "cuda")]
 fn cuda_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
-    use candle_posenc::attention::cuda::set_fused_kernel;
+    use candle_posenc::cuda::set_fused_kernel;
     let (heads, head_dim, b) = (16, 64, 4);
     let d_model = heads * head_dim;
     let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
@@ -350,7 +350,7 @@ fn cuda_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<
 fn cuda_long_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
     use candle_core::cuda_backend::cudarc;
     use candle_core::DType;
-    use candle_posenc::attention::cuda::set_fused_kernel;
+    use candle_posenc::cuda::set_fused_kernel;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let (heads, head_dim) = (16, 64);
     let d_model = heads * head_dim;

@@ -15,6 +15,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::cuda::{CudaCore, Mode};
 use super::dropout::Dropout;
 use super::fused_attention;
 use super::fused_softmax::RowRule;
@@ -40,15 +41,9 @@ pub(crate) enum Path {
     FusedTrain,
     /// Candle ops throughout (training, other dtypes and devices): differentiable.
     Ops,
-    /// The fused CUDA kernel: bf16/f16 inference (f32 at the head dimensions of
-    /// [`super::cuda::F32_HEAD_DIMS`]) on a CUDA device without returned weights, when
-    /// switched on ([`super::cuda::set_fused_kernel`]).
-    #[cfg(feature = "cuda")]
-    CudaFused,
-    /// The fused CUDA kernels with their backward: training as [`Path::CudaFused`] infers,
-    /// without returned weights, when switched on.
-    #[cfg(feature = "cuda")]
-    CudaTrain,
+    /// The fused CUDA kernels (`cuda/`), inference or training, without returned weights,
+    /// when switched on ([`crate::cuda`]); never chosen without the `cuda` feature.
+    Cuda(Mode),
 }
 
 impl Path {
@@ -56,9 +51,7 @@ impl Path {
     /// paths), rather than expanded to a dense bias.
     fn reads_rows(self) -> bool {
         match self {
-            Path::Fused | Path::FusedTrain | Path::RowPass => true,
-            #[cfg(feature = "cuda")]
-            Path::CudaFused | Path::CudaTrain => true,
+            Path::Fused | Path::FusedTrain | Path::RowPass | Path::Cuda(_) => true,
             Path::Ops => false,
         }
     }
@@ -67,21 +60,31 @@ impl Path {
     /// grouped KV heads in place.
     fn is_fused(self) -> bool {
         match self {
-            Path::Fused | Path::FusedTrain => true,
-            #[cfg(feature = "cuda")]
-            Path::CudaFused | Path::CudaTrain => true,
+            Path::Fused | Path::FusedTrain | Path::Cuda(_) => true,
             Path::RowPass | Path::Ops => false,
         }
     }
 
-    /// The path for scaled, rotated `q`, `k` and `v`: plain ops whenever gradients are needed
-    /// (`differentiable`, or any of them tracked by an encoding's parameters).
-    pub(crate) fn choose(
+    /// Whether the path returns each block token-major, `(B, n, H, D)` (the training cores),
+    /// rather than `(B, H, n, D)` (candle's ops) or into a merged output.
+    fn token_major(self) -> bool {
+        match self {
+            Path::FusedTrain => true,
+            Path::Cuda(mode) => mode.trains(),
+            _ => false,
+        }
+    }
+
+    /// The path for scaled, rotated `q`, `k` and `v`: the CUDA kernels where they are on and
+    /// take the call; on the CPU a fused core or the row pass for f32 (or a half-precision
+    /// cache); plain ops otherwise.
+    fn choose(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         differentiable: bool,
         weights: bool,
+        dropout: bool,
     ) -> Path {
         let cpu = [q, k, v]
             .iter()
@@ -93,22 +96,9 @@ impl Path {
             && matches!(k.dtype(), DType::BF16 | DType::F16)
             && v.dtype() == k.dtype();
         let tracked = [q, k, v].iter().any(|t| t.track_op());
-        #[cfg(feature = "cuda")]
-        if !(differentiable || tracked || weights)
-            && q.device().is_cuda()
-            && super::cuda::fused_kernel()
-            && super::cuda::takes(q, k, v)
-        {
-            return Path::CudaFused;
-        }
-        #[cfg(feature = "cuda")]
-        if (differentiable || tracked)
-            && !weights
-            && q.device().is_cuda()
-            && super::cuda::fused_kernel()
-            && super::cuda::takes(q, k, v)
-        {
-            return Path::CudaTrain;
+        let grads = differentiable || tracked;
+        if let Some(mode) = Mode::choose((q, k, v), grads, weights, dropout) {
+            return Path::Cuda(mode);
         }
         match (differentiable || tracked, cpu, weights) {
             (false, true, false) if f32s || half_cache => Path::Fused,
@@ -227,16 +217,10 @@ fn rechoose(path: Path, tracked: bool, first: Option<&Answers>) -> Path {
             true => Path::FusedTrain,
             false => Path::Ops,
         },
-        // The CUDA backward gives dense terms, relative rows and a value table read through
-        // a shift their gradients (a value term's index map takes candle's ops below).
-        #[cfg(feature = "cuda")]
-        (Path::CudaTrain, true)
-            if first.is_some_and(|(bias, _)| match bias {
-                Some(LogitsBias::Relative(r)) => matches!(r.columns(), Columns::Shift(_)),
-                _ => true,
-            }) =>
-        {
-            Path::CudaTrain
+        (Path::Cuda(mode), _) => {
+            let answers = first.map_or((None, None), |(b, v)| (b.as_ref(), v.as_ref()));
+            mode.rechoose(tracked, answers)
+                .map_or(Path::Ops, Path::Cuda)
         }
         (path, false) => path,
         (_, true) => Path::Ops,
@@ -247,8 +231,8 @@ impl Chunk<'_> {
     /// Runs every query block on `path`, or on plain ops when the encoding's answers track
     /// gradients (learned biases or tables in a graph): the path is still chosen once, from
     /// the first block's answers.
-    pub(crate) fn attend(&self, path: Path) -> Result<Attended> {
-        let mut plan = self.plan(path)?;
+    pub(crate) fn attend(&self) -> Result<Attended> {
+        let mut plan = self.plan()?;
         let operands = self.operands(&plan)?;
         let (mut outs, mut weights) = (Vec::new(), Vec::new());
         for &span in &plan.spans {
@@ -259,11 +243,7 @@ impl Chunk<'_> {
             let out = self.run_block(&plan, &operands, span, answers, &mut weights)?;
             outs.extend(out);
         }
-        // The training cores return `(B, n, H, D)` per block, the ops `(B, H, n, D)`.
-        let token_major = plan.path == Path::FusedTrain;
-        #[cfg(feature = "cuda")]
-        let token_major = token_major || plan.path == Path::CudaTrain;
-        let out = match (operands.merged, token_major) {
+        let out = match (operands.merged, plan.path.token_major()) {
             (Some(merged), _) => merged,
             (None, true) => cat(outs, 1)?,
             (None, false) => cat(outs, 2)?.transpose(1, 2)?,
@@ -277,7 +257,16 @@ impl Chunk<'_> {
 
     /// The call's plan: the path after the first block's answers, the query blocks, and
     /// whether gradients flow.
-    fn plan(&self, path: Path) -> Result<Plan> {
+    fn plan(&self) -> Result<Plan> {
+        let dropout = self.train && self.dropout > 0.0;
+        let path = Path::choose(
+            &self.q,
+            &self.k,
+            &self.v,
+            self.differentiable,
+            self.return_weights,
+            dropout,
+        );
         let (b, h, t, _) = self.q.dims4()?;
         let tk = self.k.dim(2)?;
         // With a plain causal mask, block [s, s + n) sees keys 0..s + n + tk − t only (no row is
@@ -290,14 +279,7 @@ impl Chunk<'_> {
         // path, are not computed once for the logits' block and again for the rows', and rows
         // that widen along the chunk (causal ones) are sized where they are widest.
         let predicted = match (path, spans.len() > 1) {
-            (Path::Fused | Path::FusedTrain, true) => {
-                self.predicted_block(path, b * h, trim_keys)?
-            }
-            // (A training path with dropout takes candle's ops below: no probes.)
-            #[cfg(feature = "cuda")]
-            (Path::CudaFused | Path::CudaTrain, true)
-                if !(path == Path::CudaTrain && self.train && self.dropout > 0.0) =>
-            {
+            (Path::Fused | Path::FusedTrain | Path::Cuda(_), true) => {
                 self.predicted_block(path, b * h, trim_keys)?
             }
             _ => None,
@@ -311,8 +293,6 @@ impl Chunk<'_> {
         };
         let tracked = first.as_ref().is_some_and(tracks);
         let path = rechoose(path, tracked, first.as_ref());
-        #[cfg(feature = "cuda")]
-        let path = self.cuda_rechoose(path, first.as_ref());
         let mut plan = Plan {
             path,
             spans,
@@ -428,12 +408,7 @@ impl Chunk<'_> {
         };
         let merged = match path {
             Path::Fused => Some(Tensor::zeros((b, t, h, d), DType::F32, self.q.device())?),
-            #[cfg(feature = "cuda")]
-            Path::CudaFused => Some(Tensor::zeros(
-                (b, t, h, d),
-                self.q.dtype(),
-                self.q.device(),
-            )?),
+            Path::Cuda(mode) => mode.output(&self.q)?,
             _ => None,
         };
         let host_sinks = match (path, self.sinks) {
@@ -484,9 +459,9 @@ impl Chunk<'_> {
             .map(|m| narrowed(m, 2, start, n, t))
             .transpose()?;
         let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q, self.dtype)?;
-        #[cfg(feature = "cuda")]
-        if matches!(path, Path::CudaFused | Path::CudaTrain) {
-            return self.run_cuda_block(&part, &terms, values.as_ref(), operands, start);
+        if let Path::Cuda(mode) = path {
+            let core = self.cuda_core(&part, &terms, values.as_ref());
+            return mode.run(&core, operands.merged.as_ref(), start);
         }
         let core = || fused_attention::Core {
             q: &part.q,
@@ -533,36 +508,14 @@ impl Chunk<'_> {
         Ok(Some(out))
     }
 
-    /// The CUDA kernels read a value term only through a shift (an index map, for explicit
-    /// ids, takes candle's ops); their backward draws no dropout.
-    #[cfg(feature = "cuda")]
-    fn cuda_rechoose(&self, path: Path, first: Option<&Answers>) -> Path {
-        match path {
-            Path::CudaTrain if self.train && self.dropout > 0.0 => Path::Ops,
-            Path::CudaFused | Path::CudaTrain
-                if first.is_some_and(|(_, v)| {
-                    v.as_ref()
-                        .is_some_and(|v| !matches!(v.columns(), Columns::Shift(_)))
-                }) =>
-            {
-                Path::Ops
-            }
-            path => path,
-        }
-    }
-
-    /// A query block on the CUDA kernels: written into the merged output in inference,
-    /// returned in training.
-    #[cfg(feature = "cuda")]
-    fn run_cuda_block(
-        &self,
-        part: &Block,
-        terms: &LogitTerms,
-        values: Option<&RelativeValues>,
-        operands: &Operands,
-        start: usize,
-    ) -> Result<Option<Tensor>> {
-        let cuda = super::cuda::CudaCore {
+    /// A query block as the CUDA path reads it.
+    fn cuda_core<'b>(
+        &'b self,
+        part: &'b Block,
+        terms: &'b LogitTerms,
+        values: Option<&'b RelativeValues>,
+    ) -> CudaCore<'b> {
+        CudaCore {
             q: &part.q,
             k: &part.k,
             v: &part.v,
@@ -573,13 +526,6 @@ impl Chunk<'_> {
             rule: &part.rule,
             sinks: self.sinks,
             values,
-        };
-        match &operands.merged {
-            Some(merged) => {
-                cuda.write_into(merged, start)?;
-                Ok(None)
-            }
-            None => Ok(Some(super::cuda::training::attend(&cuda)?)),
         }
     }
 
@@ -821,13 +767,10 @@ fn per_query_width((bias, values): &Answers) -> Option<usize> {
 /// # Errors
 /// A value table without a first dimension.
 fn value_rows(path: Path, (_, values): &Answers) -> Result<usize> {
-    #[cfg(feature = "cuda")]
-    if let (Path::CudaTrain, Some(v)) = (path, values) {
-        return Ok(v.table().dim(0)?.saturating_mul(2));
+    match path {
+        Path::Cuda(mode) => mode.value_rows(values.as_ref()),
+        _ => Ok(0),
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = (path, values);
-    Ok(0)
 }
 
 /// Whether the fused backward gives every gradient an encoding's answers want: a tracked

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 
-use super::blocks::{Chunk, Path};
+use super::blocks::Chunk;
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::{CacheGuard, KvCache};
 use super::latent::LatentProjections;
@@ -242,7 +242,6 @@ impl MultiHeadAttention {
         let (q, k, v, k_positions) = self.rotate_and_cache(q, k, v, &call, &ctx, cache.get())?;
         let dtype = v.dtype();
         let (q, k, v) = self.scale_queries(q, k, v, &call, differentiable, options)?;
-        let path = Path::choose(&q, &k, &v, differentiable, options.return_weights);
         let chunk = self.chunk(
             &call,
             (q, k, v, dtype),
@@ -250,7 +249,7 @@ impl MultiHeadAttention {
             differentiable,
             options,
         );
-        let attended = chunk.attend(path)?;
+        let attended = chunk.attend()?;
         let heads = attended.out.to_dtype(dtype)?;
         let output = self.merge_and_project(&heads, (call.b, call.t), differentiable)?;
         cache.commit()?;

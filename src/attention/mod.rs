@@ -1,5 +1,5 @@
-//! The multi-head attention block: configuration, the pipeline, its four execution paths,
-//! masks and the KV cache.
+//! The multi-head attention block: configuration, the pipeline, its execution paths, masks and
+//! the KV cache.
 //!
 //! The block consumes every positional encoding through the plug ([`crate::plug`]) and never
 //! looks at the concrete encoding type. Its forward is a pipeline (`mha.rs`): project → input
@@ -19,13 +19,14 @@
 //!   FlashAttention-2 backward recomputes each tile's weights, giving q, k, v and every
 //!   tracked term, table and sink their gradients without a `(B, H, T, T)` tensor; attention
 //!   dropout is drawn from a seed (`dropout.rs`), again in the backward;
+//! - the fused CUDA kernels (`cuda/`, the `cuda` feature, off by default): inference and
+//!   training without returned weights on a CUDA device, when switched on ([`crate::cuda`]);
 //! - plain candle ops (`unfused.rs`): training with returned weights, other devices and
 //!   dtypes; differentiable.
 
 mod blocks;
 mod config;
-#[cfg(feature = "cuda")]
-pub mod cuda;
+mod cuda;
 mod dropout;
 mod fused_attention;
 mod fused_softmax;

@@ -360,6 +360,8 @@ impl Alibi {
     }
 
     /// Bias tensors built so far (fixed slopes: once per shape).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
     pub fn bias_builds(&self) -> usize {
         self.cache.builds()
     }

@@ -278,6 +278,7 @@ impl BucketCache {
     }
 
     /// How many tensors were built (cache misses) so far.
+    #[cfg(feature = "testing")]
     pub(crate) fn builds(&self) -> usize {
         self.builds.load(Ordering::Relaxed)
     }
@@ -357,6 +358,8 @@ impl<C: RelativeBucketing> BucketedRelativeBias<C> {
     }
 
     /// Bucket maps built so far (once per shape for offsets; every call for explicit ids).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
     pub fn bucket_builds(&self) -> usize {
         self.cache.builds()
     }

@@ -22,7 +22,6 @@ pub(crate) struct RotateInPlace {
     pub(crate) axes: QkLayout,
     /// Rotate by −θ (the backward of a rotation): the CUDA kernel's `sin_sign` of −1. The CPU
     /// path rotates forwards only.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) inverse: bool,
 }
 
@@ -234,6 +233,18 @@ impl InplaceOp3 for RotateInPlace {
         sin: &candle_core::CudaStorage,
         ls: &Layout,
     ) -> candle_core::Result<()> {
-        super::cuda::rotate(self, x, lx, (cos, lc), (sin, ls))
+        let dims = self.dims(lx, lc, ls)?;
+        let rotation = crate::cuda::rope::Rotation {
+            rows: dims.rows,
+            heads: dims.h,
+            len: dims.t,
+            dim: dims.d,
+            half: dims.half,
+            batched: dims.batched,
+            interleaved: self.pairs == RopeLayout::Interleaved,
+            heads_first: self.axes == QkLayout::Bhtd,
+            inverse: self.inverse,
+        };
+        crate::cuda::rope::rotate(&rotation, x, lx, (cos, lc), (sin, ls))
     }
 }

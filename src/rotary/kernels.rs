@@ -110,9 +110,7 @@ impl GraftBackward for RotationGrad {
 
     fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
         // On CUDA with the crate's kernels on: a copy of the gradient rotated by −θ in place.
-        #[cfg(feature = "cuda")]
-        if grad_y.device().is_cuda()
-            && crate::attention::cuda::fused_kernel()
+        if crate::cuda::kernels_on(grad_y.device())
             && self.cos.dtype() == candle_core::DType::F32
             && self.sin.dtype() == candle_core::DType::F32
         {

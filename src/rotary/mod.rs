@@ -19,8 +19,6 @@
 //! - [`mrope`]: multimodal RoPE's frequency bands ([`MropeSection`]) and positions
 //!   ([`mrope::mrope_positions`]).
 
-#[cfg(feature = "cuda")]
-mod cuda;
 mod inplace;
 mod kernels;
 pub mod mixed;

@@ -405,6 +405,8 @@ impl RotaryEmbedding {
 
     /// How many times cos/sin tables have been computed (construction, growth past the cached
     /// positions, a change of dynamic length or of LongRoPE factors).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
     pub fn table_builds(&self) -> usize {
         self.builds.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -577,7 +579,7 @@ impl RotaryEmbedding {
         layout: QkLayout,
     ) -> Result<Tensor> {
         // Split halves rotate through a copy with the middle quarters exchanged.
-        let in_place = (x.device().is_cpu() || cuda_in_place(&x))
+        let in_place = (x.device().is_cpu() || crate::cuda::kernels_on(x.device()))
             && self.config.axial != Some(AxialRope::SplitHalves)
             && x.elem_count() > 0
             && x.is_contiguous()
@@ -1028,19 +1030,5 @@ impl PositionalEncoding for RotaryEmbedding {
     /// Rotates the block's freshly projected q and k in place (they are owned).
     fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
         self.rotate_queries_keys_owned(q, k, ctx.queries, ctx.keys, QkLayout::Bhtd)
-    }
-}
-
-/// Whether `x` is on a CUDA device and the crate's CUDA kernels are on
-/// ([`crate::attention::cuda::set_fused_kernel`]): rotation in place there too.
-fn cuda_in_place(x: &Tensor) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        x.device().is_cuda() && crate::attention::cuda::fused_kernel()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = x;
-        false
     }
 }

@@ -1,4 +1,4 @@
-// posenc_rope_inplace (src/rotary/rope_in_place.cu), run by the CPU emulator against the
+// posenc_rope_inplace (src/cuda/rope_in_place.cu), run by the CPU emulator against the
 // rotation written out in f64:
 //
 //   x_a' = x_a cos θ − s x_b sin θ,   x_b' = s x_a sin θ + x_b cos θ   (s = 1, or −1 backward)
@@ -11,7 +11,7 @@
 // feature changed.
 
 #include "emulate.hpp"
-#include "../../src/rotary/rope_in_place.cu"
+#include "../../src/cuda/rope_in_place.cu"
 
 #include <cstdio>
 #include <random>

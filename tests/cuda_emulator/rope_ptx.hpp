@@ -1,4 +1,4 @@
-// The bf16/f16 conversions of src/rotary/rope_in_place.cu, emulated: included by the kernel in
+// The bf16/f16 conversions of src/cuda/rope_in_place.cu, emulated: included by the kernel in
 // place of its inline PTX when POSENC_EMULATE names this file (POSENC_ROPE_DTYPE 1 or 2).
 
 #pragma once

@@ -23,7 +23,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
 
-use super::{BackwardBuffers, CudaCore, LaunchOp};
+use super::kernel::{rows_aligned, BackwardBuffers, LaunchOp};
+use super::CudaCore;
 use crate::attention::fused_training::padded_dims;
 use crate::error::Result;
 use crate::graft::{graft_through, GraftBackward};
@@ -59,8 +60,8 @@ impl Shared {
         let zeros = |dims: &[usize]| Tensor::zeros(dims, DType::F32, dev);
         let dq = zeros(&[b, h, tq, d])?;
         // Rows read 16 bytes at a time, as the forward's operands are.
-        let d_out = super::rows_aligned(&d_out.to_dtype(op.q.dtype())?)
-            .map_err(candle_core::Error::wrap)?;
+        let d_out =
+            rows_aligned(&d_out.to_dtype(op.q.dtype())?).map_err(candle_core::Error::wrap)?;
         // A value term: dO as rows (B·H·Tq, D) in f32, the values the kernels read, and
         // dO_i · a[c] for every column.
         let value_rows = match &op.values {
@@ -150,7 +151,7 @@ impl GraftBackward for Link {
 
 /// The attention output `(B, Tq, H, D)` in the block's dtype, in the graph of `core`'s q, k, v
 /// and, when they track gradients, its sinks, its terms (dense terms, a user's mask included,
-/// and relative rows) and its value table. The caller checks [`super::takes`] (the backward
+/// and relative rows) and its value table. The caller checks `kernel::takes` (the backward
 /// has every head dimension and dtype the forward has), and that there is no dropout (which
 /// takes candle's ops).
 ///

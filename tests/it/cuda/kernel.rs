@@ -1,4 +1,4 @@
-//! The fused CUDA attention kernel (`attention::cuda`, the `cuda` feature) against the same
+//! The fused CUDA attention kernel (`src/attention/cuda`, the `cuda` feature) against the same
 //! block computed on the CPU in f64 from the same bf16/f16 (or f32) weights and input: every zoo
 //! encoding, causal and bidirectional, lengths that are not a multiple of the kernel's tile,
 //! padding (a sequence padded whole included), grouped KV heads, ids, decoding with a cache,
@@ -11,7 +11,7 @@
 use crate::common;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_posenc::attention::cuda::{kernel_launches, FusedKernelScope};
+use candle_posenc::cuda::{kernel_launches, FusedKernelScope};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, EncodingConfig, KvCache, LatentConfig, Positions, QkLayout,
     RotaryEmbedding, ShawConfig,

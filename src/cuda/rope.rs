@@ -1,8 +1,8 @@
-//! Rotation in place on CUDA devices (the `cuda` feature): `rope_in_place.cu`, one thread per
-//! pair, reading and writing each rotated feature once, for f32, bf16, f16 and f64, forwards
-//! and by −θ (the backward). Behind the same switch as the fused attention kernel
-//! ([`crate::attention::cuda::set_fused_kernel`], off by default); on an H100 it matched the
-//! CPU's rotation, forwards and backwards.
+//! Rotation in place on CUDA devices: `rope_in_place.cu`, one thread per pair, reading and
+//! writing each rotated feature once, for f32, bf16, f16 and f64, forwards and by −θ (the
+//! backward). Behind the same switch as the fused attention kernels ([`super::kernels_on`]);
+//! on an H100 it matched the CPU's rotation, forwards and backwards. The rotary module checks
+//! the operands and reads their shape ([`Rotation`]); this file only launches.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -12,9 +12,6 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout};
 use half::{bf16, f16};
 
-use super::inplace::RotateInPlace;
-use super::{QkLayout, RopeLayout};
-use crate::attention::cuda::nvrtc_ptx;
 use crate::error::Error;
 
 const SOURCE: &str = include_str!("rope_in_place.cu");
@@ -42,8 +39,28 @@ struct RopeParams {
 // SAFETY: plain data (integers, floats and device addresses), laid out as the kernel's struct.
 unsafe impl DeviceRepr for RopeParams {}
 
+/// One rotation as the kernel reads it, its shape checked by the caller against the storages.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rotation {
+    /// Rows of pairs per sequence (`H · T`), heads, positions, features per head, and the
+    /// rotated pairs per row.
+    pub rows: usize,
+    pub heads: usize,
+    pub len: usize,
+    pub dim: usize,
+    pub half: usize,
+    /// Tables of one row per sequence (`(B, T, half)`) rather than shared (`(T, half)`).
+    pub batched: bool,
+    /// Pairs `(2i, 2i + 1)` rather than `(i, i + half)`.
+    pub interleaved: bool,
+    /// `(B, H, T, D)` rather than `(B, T, H, D)`.
+    pub heads_first: bool,
+    /// By −θ (the backward).
+    pub inverse: bool,
+}
+
 /// The kernel's dtype code (`POSENC_ROPE_DTYPE`).
-pub(crate) fn dtype_code(dtype: DType) -> Option<u8> {
+fn dtype_code(dtype: DType) -> Option<u8> {
     match dtype {
         DType::F32 => Some(0),
         DType::BF16 => Some(1),
@@ -56,13 +73,12 @@ pub(crate) fn dtype_code(dtype: DType) -> Option<u8> {
 /// Rotates `x` in place by the f32 tables `cos` and `sin` (checked as the CPU path checks them;
 /// tables of another dtype are an error, as there).
 pub(crate) fn rotate(
-    op: &RotateInPlace,
+    op: &Rotation,
     x: &mut CudaStorage,
     lx: &Layout,
     (cos, lc): (&CudaStorage, &Layout),
     (sin, ls): (&CudaStorage, &Layout),
 ) -> candle_core::Result<()> {
-    let dims = op.dims(lx, lc, ls)?;
     let (Some((c0, _)), Some((s0, _)), Some((x0, _))) = (
         lc.contiguous_offsets(),
         ls.contiguous_offsets(),
@@ -75,12 +91,12 @@ pub(crate) fn rotate(
         candle_core::bail!("rope in place: unsupported dtype {dtype:?}");
     };
     let batch = lx.shape().dims()[0];
-    let pairs = batch * dims.rows * dims.half;
+    let pairs = batch * op.rows * op.half;
     if pairs == 0 {
         return Ok(());
     }
     let label = format!("{ENTRY} {}", dtype.as_str());
-    let ptx = nvrtc_ptx(
+    let ptx = super::nvrtc::ptx(
         "rope_in_place.cu",
         SOURCE,
         vec![format!("-DPOSENC_ROPE_DTYPE={code}")],
@@ -115,14 +131,14 @@ pub(crate) fn rotate(
         cos: cos_ptr + (c0 * 4) as u64,
         sin: sin_ptr + (s0 * 4) as u64,
         pairs: pairs as i64,
-        rows: dims.rows as i64,
-        heads: dims.h as i64,
-        len: dims.t as i64,
-        dim: dims.d as i64,
-        half: dims.half as i64,
-        batched: i32::from(dims.batched),
-        interleaved: i32::from(op.pairs == RopeLayout::Interleaved),
-        heads_first: i32::from(op.axes == QkLayout::Bhtd),
+        rows: op.rows as i64,
+        heads: op.heads as i64,
+        len: op.len as i64,
+        dim: op.dim as i64,
+        half: op.half as i64,
+        batched: i32::from(op.batched),
+        interleaved: i32::from(op.interleaved),
+        heads_first: i32::from(op.heads_first),
         sin_sign: if op.inverse { -1.0 } else { 1.0 },
     };
     let threads = 256;
@@ -143,6 +159,6 @@ pub(crate) fn rotate(
         })
     })?;
     drop((x_guard, cos_guard, sin_guard));
-    crate::attention::cuda::count_launch();
+    super::count_launch();
     Ok(())
 }

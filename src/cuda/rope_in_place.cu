@@ -53,7 +53,7 @@ __device__ __forceinline__ elem_t store(acc_t x) {
 #endif
 #endif
 
-// Must match `RopeParams` in rotary/cuda.rs field for field.
+// Must match `RopeParams` in src/cuda/rope.rs field for field.
 struct RopeParams {
   u64 x;            // elem_t*
   u64 cos, sin;     // const float*: rows of `half`
