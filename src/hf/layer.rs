@@ -31,9 +31,9 @@ use crate::rotary::RopeConfig;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HfFamily {
-    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`,
-    /// `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text`, `pixtral` and the Qwen-VL
-    /// text models (`qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
+    /// `llama`, `mistral`, `ministral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`,
+    /// `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text`, `pixtral` and
+    /// the Qwen-VL text models (`qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
     /// `qwen3_vl_moe_text`): `q_proj`, `k_proj`, `v_proj`, `o_proj`
     /// (and `q_norm`, `k_norm` for Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none
     /// on the NoPE layers of SmolLM3 and Llama 4 and on Cohere2's full-attention layers).
@@ -109,7 +109,7 @@ impl HfFamily {
 ///   and its attention temperature on its NoPE layers (`attn_temperature_tuning`,
 ///   `attn_scale`, `floor_scale`);
 /// - sliding windows (`sliding_window` with its class default: Mistral, Phi-3, and per layer
-///   Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
+///   Ministral, Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
 ///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
 ///   (`attn_logit_softcapping`, 50 by default; Gemma 3's attention ignores the key, as HF's
 ///   `Gemma3Attention` does), gpt-oss's sink logits;
@@ -496,6 +496,15 @@ impl LayerFile<'_> {
             return Err(problem(
                 "head_dim",
                 "is set, but HF's FalconConfig derives it as hidden_size / num_attention_heads and fails to load a file that gives it; leave the key out",
+            ));
+        }
+        if spec.head_dim == HeadDim::Required && top.get("head_dim").is_none() {
+            return Err(problem(
+                "head_dim",
+                format!(
+                    "is absent or null, which HF's {} attention takes as its head width and fails on (the class does not derive it from hidden_size / num_attention_heads); give the width",
+                    spec.model_type
+                ),
             ));
         }
         if matches!(self.family, HfFamily::Llama | HfFamily::Phi3)

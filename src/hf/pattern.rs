@@ -156,6 +156,8 @@ fn pattern_slides(top: &Obj, spec: &ModelSpec, layer: usize) -> Result<bool> {
                     .is_some_and(|n| n.checked_sub(1) == Some(layer));
             !every_nth(layer, pattern) && !last
         }
+        // Ministral's class lists every layer as sliding when the model has a window.
+        Layers::Listed => true,
         Layers::Uniform | Layers::Chunked => false,
     })
 }

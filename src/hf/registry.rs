@@ -135,6 +135,9 @@ pub(crate) enum HeadDim {
     FromWidth,
     /// `head_dim` must equal the width over the heads (Qwen2-VL, Qwen2.5-VL).
     MustSplit,
+    /// `head_dim` must be given: the class leaves an absent one null, and the attention
+    /// fails on that (Ministral).
+    Required,
 }
 
 /// Where a sliding layer's window comes from.
@@ -155,6 +158,8 @@ pub(crate) enum Window {
 pub(crate) enum Layers {
     /// All alike, no `layer_types`: every layer slides when the model has a window.
     Uniform,
+    /// `layer_types`, else all alike as `Uniform` (Ministral).
+    Listed,
     /// Layers from `max_window_layers` on slide (Qwen).
     SlidingFrom,
     /// The NoPE layers slide under `use_sliding_window` (SmolLM3).
@@ -430,6 +435,16 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         bias: Bias::None,
         window: Window::Sliding,
         null_head_dim: true,
+        ..LLAMA_LIKE
+    },
+    ModelSpec {
+        model_type: "ministral",
+        defaults: defaults(10_000.0, Some(8), None, 131_072, Some(4096)),
+        bias: Bias::None,
+        head_dim: HeadDim::Required,
+        window: Window::Sliding,
+        layers: Layers::Listed,
+        typed_nulls: &["sliding_window"],
         ..LLAMA_LIKE
     },
     QWEN2,

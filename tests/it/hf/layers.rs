@@ -69,6 +69,9 @@ families! {
     smollm3_1 = "smollm3.1",
     cohere2_0 = "cohere2.0",
     cohere2_1 = "cohere2.1",
+    ministral_0 = "ministral.0",
+    ministral_1 = "ministral.1",
+    ministral_0_padded = "ministral.0.padded",
     qwen2_vl = "qwen2_vl",
     qwen3_vl = "qwen3_vl",
     modernbert_0 = "modernbert.0",
@@ -97,6 +100,8 @@ families! {
     min_gemma4_text_1 = "min.gemma4_text.1",
     min_gemma2 = "min.gemma2",
     min_mistral = "min.mistral",
+    min_ministral = "min.ministral",
+    ministral_unlisted_1 = "ministral_unlisted.1",
     min_qwen3 = "min.qwen3",
     min_olmo2 = "min.olmo2",
     min_cohere2 = "min.cohere2",
@@ -1269,6 +1274,7 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
     let whole_head = [
         "llama",
         "mistral",
+        "ministral",
         "qwen2",
         "qwen3",
         "gemma",
@@ -1981,6 +1987,98 @@ fn every_fixture_is_a_case(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Ministral (transformers 5.24's `MinistralConfig` and model): the layers `layer_types` lists,
+/// else every layer sliding; `head_dim` required and a null window refused, where HF fails;
+/// no biases whatever `attention_bias` says; Mistral's reading differs.
+fn ministral_as_its_class_reads_it(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let meta = ckpt.metadata();
+    let read = |tag: &str, layer| HfAttentionConfig::from_json_layer(&meta[tag], layer);
+    let (l0, l1) = (read("ministral.0", 0)?, read("ministral.0", 1)?);
+    assert_eq!(l0.family, HfFamily::Llama);
+    let windows = (l0.attention.sliding_window, l1.attention.sliding_window);
+    assert_eq!(windows, (Some(3), None), "layer_types: sliding, full");
+    assert_eq!((l0.attention.head_dim, l0.attention.num_kv_heads), (16, 2));
+    let err = HfAttentionConfig::from_json(&meta["ministral.0"]).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
+        "{err}"
+    );
+    // Without layer_types every layer slides; alike, so one reading serves them all.
+    let unlisted = HfAttentionConfig::from_json(&meta["ministral_unlisted.1"])?;
+    assert_eq!(unlisted.attention.sliding_window, Some(3));
+    assert_eq!(
+        read("min.ministral", 0)?.attention.sliding_window,
+        Some(4096)
+    );
+    // Each window matters: without it the layer is far from HF's.
+    for tag in ["ministral.0", "ministral_unlisted.1"] {
+        let index: usize = meta[&format!("{tag}.layer")].parse()?;
+        let config = read(tag, index)?;
+        assert!(distance_from_hf(&ckpt, tag, &config)? < 1e-5, "{tag}");
+        let mut full = config.clone();
+        full.attention = full.attention.with_sliding_window(None);
+        assert!(
+            distance_from_hf(&ckpt, tag, &full)? > 1e-2,
+            "{tag} without its window"
+        );
+    }
+    // Mistral's model reads no layer_types: the same file as Mistral slides on every layer.
+    let as_mistral = meta["ministral.0"].replace("\"ministral\"", "\"mistral\"");
+    let mistral = HfAttentionConfig::from_json_layer(&as_mistral, 1)?;
+    assert_eq!(mistral.attention.sliding_window, Some(3));
+    // Where HF fails: no head_dim (the class leaves it null and the attention takes it), a
+    // null one, a null window (the model builds the sliding mask for every layer), null
+    // key/value heads (a plain int field).
+    let file = |extra: &str| {
+        HfAttentionConfig::from_json(&format!(
+            r#"{{"model_type": "ministral", "hidden_size": 32, "num_attention_heads": 4,
+            "num_hidden_layers": 1{extra}}}"#
+        ))
+    };
+    for (extra, key) in [
+        (r#", "num_key_value_heads": 2"#, "head_dim"),
+        (
+            r#", "num_key_value_heads": 2, "head_dim": null"#,
+            "head_dim",
+        ),
+        (
+            r#", "num_key_value_heads": 2, "head_dim": 8, "sliding_window": null"#,
+            "sliding_window",
+        ),
+        (
+            r#", "num_key_value_heads": 2, "head_dim": 8, "sliding_window": null,
+            "layer_types": ["full_attention"]"#,
+            "sliding_window",
+        ),
+        (
+            r#", "num_key_value_heads": null, "head_dim": 8"#,
+            "num_key_value_heads",
+        ),
+    ] {
+        let err = file(extra).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key: k, .. } if k == key),
+            "{extra}: {err}"
+        );
+    }
+    // No biases whatever attention_bias says; a width the heads do not divide is read (the
+    // class has no such check); 8 key/value heads by default.
+    let a = file(r#", "num_key_value_heads": 2, "head_dim": 8, "attention_bias": true"#)?;
+    assert!(!a.attention.bias && !a.attention.out_bias);
+    let uneven = HfAttentionConfig::from_json(
+        r#"{"model_type": "ministral", "hidden_size": 30, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "head_dim": 8, "num_hidden_layers": 1}"#,
+    )?;
+    assert_eq!(uneven.attention.head_dim, 8);
+    let eight = HfAttentionConfig::from_json(
+        r#"{"model_type": "ministral", "hidden_size": 64, "num_attention_heads": 16,
+        "head_dim": 4, "num_hidden_layers": 1}"#,
+    )?;
+    assert_eq!(eight.attention.num_kv_heads, 8);
+    Ok(())
+}
+
 device_tests!(
     every_fixture_is_a_case,
     rope_as_each_class_fills_it,
@@ -1998,4 +2096,5 @@ device_tests!(
     per_layer_settings,
     gemma4_as_its_class_fills_it,
     nulls_as_each_class_reads_them,
+    ministral_as_its_class_reads_it,
 );
