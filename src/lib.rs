@@ -26,9 +26,9 @@
 //! [`hf::HfAttentionConfig`] reads a model's attention layer from its HF `config.json` (per
 //! layer where layers differ) and loads it from safetensors under HF's own names, each family
 //! checked against HF transformers' own module. The `model_type`s it reads
-//! ([`hf::model_types`]): <!-- model_types -->`llama`, `mistral`, `ministral`, `qwen2`, `qwen3`,
-//! `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`,
-//! `gemma4_text`, `pixtral`, `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
+//! ([`hf::model_types`]): <!-- model_types -->`llama`, `mistral`, `ministral`, `starcoder2`,
+//! `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`,
+//! `llama4_text`, `gemma4_text`, `pixtral`, `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
 //! `qwen3_vl_moe_text`, `phi3`, `gpt_neox`, `bloom`, `gpt2`, `gptj`, `falcon`, `t5`, `mpt`,
 //! `modernbert`, `deepseek_v2`, `deepseek_v3`, and the vision-language models `qwen2_vl`,
 //! `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe`, `llama4`, `gemma4` (their language model).

@@ -13,6 +13,7 @@
 //! | `llama` | 10000 | heads | width / heads | 2048 | |
 //! | `mistral` | 10000 | 8 | width / heads | 131072 | `sliding_window` 4096 |
 //! | `ministral` | 10000 | 8 | required (the class leaves it null, and HF's attention fails on that) | 131072 | `sliding_window` 4096 (a null one is refused: the model always builds the sliding mask); every layer sliding unless `layer_types` |
+//! | `starcoder2` | 10000 | 2 | width / heads | 4096 | `use_bias` true; no window |
 //! | `qwen2` | 10000 | 32 | width / heads | 32768 | `sliding_window` 4096 and `max_window_layers` 28 when `use_sliding_window` |
 //! | `qwen3` | 10000 | 32 | 128 | 32768 | as Qwen2 |
 //! | `gemma` | 10000 | 16 | 256 | 8192 | |

@@ -31,8 +31,8 @@ use crate::rotary::RopeConfig;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HfFamily {
-    /// `llama`, `mistral`, `ministral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`,
-    /// `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text`, `pixtral` and
+    /// `llama`, `mistral`, `ministral`, `starcoder2`, `qwen2`, `qwen3`, `gemma`, `gemma2`,
+    /// `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text`, `pixtral` and
     /// the Qwen-VL text models (`qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
     /// `qwen3_vl_moe_text`): `q_proj`, `k_proj`, `v_proj`, `o_proj`
     /// (and `q_norm`, `k_norm` for Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none
@@ -89,9 +89,9 @@ impl HfFamily {
 /// - sizes: `hidden_size` (`n_embd`, `d_model`), `num_attention_heads` (`n_head`,
 ///   `num_heads`), `num_key_value_heads` (Falcon: `multi_query`, `new_decoder_architecture`,
 ///   `num_kv_heads`), `head_dim` (T5: `d_kv`), else `hidden_size / heads`;
-/// - biases: `attention_bias` (Llama, Qwen3, Gemma, OLMo 2, GPT-NeoX, ModernBERT), `bias` (Falcon); Qwen2
-///   has biases on q, k and v but not on the output, BLOOM and GPT-2 on all four, Mistral,
-///   Phi-3, GPT-J and T5 on none;
+/// - biases: `attention_bias` (Llama, Qwen3, Gemma, OLMo 2, GPT-NeoX, ModernBERT), `bias` (Falcon),
+///   `use_bias` (StarCoder2); Qwen2 has biases on q, k and v but not on the output, BLOOM and
+///   GPT-2 on all four, Mistral, Ministral, Phi-3, GPT-J and T5 on none;
 /// - the softmax scale: `1/√head_dim`, except GPT-2 with `scale_attn_weights: false` and T5
 ///   (1), and Gemma 2 and 3 (`query_pre_attn_scalar^-1/2`); GPT-2's layer `i` divides it by
 ///   `i + 1` with `scale_attn_by_inverse_layer_idx`;
@@ -108,8 +108,8 @@ impl HfFamily {
 /// - Llama 4's chunked attention on its RoPE layers (`attention_chunk_size`, or `layer_types`)
 ///   and its attention temperature on its NoPE layers (`attn_temperature_tuning`,
 ///   `attn_scale`, `floor_scale`);
-/// - sliding windows (`sliding_window` with its class default: Mistral, Phi-3, and per layer
-///   Ministral, Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
+/// - sliding windows (`sliding_window` with its class default: Mistral, StarCoder2, Phi-3, and
+///   per layer Ministral, Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
 ///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
 ///   (`attn_logit_softcapping`, 50 by default; Gemma 3's attention ignores the key, as HF's
 ///   `Gemma3Attention` does), gpt-oss's sink logits;

@@ -10,7 +10,7 @@
 //! <!-- model_types -->
 //! | `model_type` | q, k, v | output | encoding |
 //! |---|---|---|---|
-//! | `llama`, `mistral`, `ministral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`, `sinks`) | `o_proj` | RoPE (none on NoPE layers) |
+//! | `llama`, `mistral`, `ministral`, `starcoder2`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`, `sinks`) | `o_proj` | RoPE (none on NoPE layers) |
 //! | `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`, `qwen3_vl_moe_text` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`) | `o_proj` | multimodal RoPE |
 //! | `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe`, `llama4`, `gemma4` | their language model's, read from `text_config` (Qwen2-VL's and Qwen2.5-VL's also from a flat file) | | |
 //! | `pixtral` | `q_proj`, `k_proj`, `v_proj` | `o_proj` | axial 2-D RoPE, bidirectional |

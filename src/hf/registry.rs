@@ -447,6 +447,15 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         typed_nulls: &["sliding_window"],
         ..LLAMA_LIKE
     },
+    ModelSpec {
+        model_type: "starcoder2",
+        defaults: defaults(10_000.0, Some(2), None, 4096, None),
+        bias: Bias::Flag("use_bias", true),
+        window: Window::Sliding,
+        typed_nulls: &["use_bias"],
+        null_head_dim: true,
+        ..LLAMA_LIKE
+    },
     QWEN2,
     QWEN3,
     ModelSpec {

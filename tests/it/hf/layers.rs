@@ -72,6 +72,8 @@ families! {
     ministral_0 = "ministral.0",
     ministral_1 = "ministral.1",
     ministral_0_padded = "ministral.0.padded",
+    starcoder2 = "starcoder2",
+    starcoder2_padded = "starcoder2.padded",
     qwen2_vl = "qwen2_vl",
     qwen3_vl = "qwen3_vl",
     modernbert_0 = "modernbert.0",
@@ -102,6 +104,7 @@ families! {
     min_mistral = "min.mistral",
     min_ministral = "min.ministral",
     ministral_unlisted_1 = "ministral_unlisted.1",
+    min_starcoder2 = "min.starcoder2",
     min_qwen3 = "min.qwen3",
     min_olmo2 = "min.olmo2",
     min_cohere2 = "min.cohere2",
@@ -1275,6 +1278,7 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "llama",
         "mistral",
         "ministral",
+        "starcoder2",
         "qwen2",
         "qwen3",
         "gemma",
@@ -1547,6 +1551,7 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
         ("qwen2", "use_sliding_window", true),
         ("qwen3", "max_window_layers", true),
         ("smollm3", "use_sliding_window", true),
+        ("starcoder2", "use_bias", true),
         ("qwen2", "attention_bias", false),
         ("mistral", "attention_bias", false),
         ("gemma2", "sliding_window_pattern", false),
@@ -1630,7 +1635,7 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
         r#", "num_key_value_heads": null, "q_lora_rank": 8, "kv_lora_rank": 8"#,
     )?;
     assert_eq!(dsv3.attention.num_kv_heads, 4);
-    for model_type in ["llama", "mistral"] {
+    for model_type in ["llama", "mistral", "starcoder2"] {
         let a = read(
             model_type,
             r#", "head_dim": null, "num_key_value_heads": 2"#,
@@ -1646,6 +1651,11 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
         ),
         (
             "gemma",
+            r#", "num_key_value_heads": null"#,
+            "num_key_value_heads",
+        ),
+        (
+            "starcoder2",
             r#", "num_key_value_heads": null"#,
             "num_key_value_heads",
         ),
@@ -2079,6 +2089,40 @@ fn ministral_as_its_class_reads_it(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// StarCoder2 (transformers 5.24's `Starcoder2Config` and attention): biases on all four
+/// projections as `use_bias` says (true by default, a null refused); one window for every
+/// layer, `layer_types` unread; 2 key/value heads by default.
+fn starcoder2_as_its_class_reads_it(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = fixtures(dev)?;
+    let meta = ckpt.metadata();
+    let config = HfAttentionConfig::from_json(&meta["starcoder2"])?;
+    let a = &config.attention;
+    assert_eq!(config.family, HfFamily::Llama);
+    assert!(a.bias && a.out_bias && a.sliding_window == Some(3));
+    // The window matters: without it the layer is far from HF's.
+    assert!(distance_from_hf(&ckpt, "starcoder2", &config)? < 1e-5);
+    let mut full = config.clone();
+    full.attention = full.attention.with_sliding_window(None);
+    assert!(distance_from_hf(&ckpt, "starcoder2", &full)? > 1e-2);
+    let file = |extra: &str| {
+        HfAttentionConfig::from_json_layer(
+            &format!(
+                r#"{{"model_type": "starcoder2", "hidden_size": 32, "num_attention_heads": 4,
+                "num_hidden_layers": 2{extra}}}"#
+            ),
+            1,
+        )
+    };
+    let plain = file("")?.attention;
+    assert!(plain.bias && plain.out_bias && plain.sliding_window.is_none());
+    assert_eq!(plain.num_kv_heads, 2);
+    let unbiased = file(r#", "use_bias": false, "attention_bias": true"#)?.attention;
+    assert!(!unbiased.bias && !unbiased.out_bias);
+    let listed = r#", "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]"#;
+    assert_eq!(file(listed)?.attention.sliding_window, Some(5));
+    Ok(())
+}
+
 device_tests!(
     every_fixture_is_a_case,
     rope_as_each_class_fills_it,
@@ -2097,4 +2141,5 @@ device_tests!(
     gemma4_as_its_class_fills_it,
     nulls_as_each_class_reads_them,
     ministral_as_its_class_reads_it,
+    starcoder2_as_its_class_reads_it,
 );
