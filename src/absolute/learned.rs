@@ -345,3 +345,15 @@ impl PositionalEncoding for LearnedPositionalEncoding {
         self.forward_with_positions(x, ctx.queries, ctx.train)
     }
 }
+
+impl crate::plug::SchemeConfig for LearnedConfig {
+    fn validate(&self) -> Result<()> {
+        LearnedConfig::validate(self)
+    }
+
+    fn build(&self, vb: candle_nn::VarBuilder) -> Result<std::sync::Arc<dyn PositionalEncoding>> {
+        Ok(std::sync::Arc::new(LearnedPositionalEncoding::new(
+            self, vb,
+        )?))
+    }
+}

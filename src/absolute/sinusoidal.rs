@@ -281,3 +281,16 @@ impl PositionalEncoding for SinusoidalPositionalEncoding {
         self.forward_with_positions(x, ctx.queries, ctx.train)
     }
 }
+
+impl crate::plug::SchemeConfig for SinusoidalConfig {
+    fn validate(&self) -> Result<()> {
+        SinusoidalConfig::validate(self)
+    }
+
+    fn build(&self, vb: candle_nn::VarBuilder) -> Result<std::sync::Arc<dyn PositionalEncoding>> {
+        Ok(std::sync::Arc::new(SinusoidalPositionalEncoding::new(
+            self,
+            vb.device(),
+        )?))
+    }
+}

@@ -29,7 +29,10 @@ pub(crate) mod relative;
 pub(crate) use relative::row_segments_from;
 pub use relative::{Columns, RelativeBias, RelativeValues};
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
+use candle_nn::VarBuilder;
 
 use crate::error::Result;
 use crate::positions::Positions;
@@ -250,4 +253,13 @@ pub(crate) fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
     drop(sa);
     let (sb, _) = b.storage_and_layout();
     std::ptr::eq(pa, &*sb)
+}
+
+/// What each configuration in `EncodingConfig` provides: its checks and the encoding it
+/// builds. Implemented in each scheme's own file, beside its configuration.
+pub(crate) trait SchemeConfig {
+    /// Checks the configuration.
+    fn validate(&self) -> Result<()>;
+    /// Builds the encoding, its learned tables loaded from (or created in) `vb`.
+    fn build(&self, vb: VarBuilder) -> Result<Arc<dyn PositionalEncoding>>;
 }

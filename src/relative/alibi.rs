@@ -529,3 +529,16 @@ fn check_num_heads(num_heads: usize) -> Result<()> {
     check_elements("num_heads", num_heads, "the number of heads", &[num_heads])?;
     Ok(())
 }
+
+impl crate::plug::SchemeConfig for AlibiConfig {
+    fn validate(&self) -> Result<()> {
+        AlibiConfig::validate(self)
+    }
+
+    fn build(&self, vb: candle_nn::VarBuilder) -> Result<std::sync::Arc<dyn PositionalEncoding>> {
+        Ok(match self.learnable {
+            true => std::sync::Arc::new(Alibi::new_learnable(self, vb)?),
+            false => std::sync::Arc::new(Alibi::new(self, vb.device())?),
+        })
+    }
+}

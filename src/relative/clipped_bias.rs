@@ -116,3 +116,16 @@ impl RelativeBucketing for ClippedBiasConfig {
 /// # Ok::<(), candle_posenc::Error>(())
 /// ```
 pub type ClippedRelativeBias = BucketedRelativeBias<ClippedBiasConfig>;
+
+impl crate::plug::SchemeConfig for ClippedBiasConfig {
+    fn validate(&self) -> Result<()> {
+        ClippedBiasConfig::validate(self)
+    }
+
+    fn build(
+        &self,
+        vb: candle_nn::VarBuilder,
+    ) -> Result<std::sync::Arc<dyn crate::plug::PositionalEncoding>> {
+        Ok(std::sync::Arc::new(ClippedRelativeBias::new(self, vb)?))
+    }
+}

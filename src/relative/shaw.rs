@@ -307,6 +307,16 @@ impl PositionalEncoding for ShawRelativePosition {
     }
 }
 
+impl crate::plug::SchemeConfig for ShawConfig {
+    fn validate(&self) -> Result<()> {
+        ShawConfig::validate(self)
+    }
+
+    fn build(&self, vb: candle_nn::VarBuilder) -> Result<std::sync::Arc<dyn PositionalEncoding>> {
+        Ok(std::sync::Arc::new(ShawRelativePosition::new(self, vb)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{DType, Device};

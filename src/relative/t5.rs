@@ -227,3 +227,16 @@ impl RelativeBucketing for T5Config {
 /// # Ok::<(), candle_posenc::Error>(())
 /// ```
 pub type T5RelativeBias = BucketedRelativeBias<T5Config>;
+
+impl crate::plug::SchemeConfig for T5Config {
+    fn validate(&self) -> Result<()> {
+        T5Config::validate(self)
+    }
+
+    fn build(
+        &self,
+        vb: candle_nn::VarBuilder,
+    ) -> Result<std::sync::Arc<dyn crate::plug::PositionalEncoding>> {
+        Ok(std::sync::Arc::new(T5RelativeBias::new(self, vb)?))
+    }
+}

@@ -306,3 +306,13 @@ impl PositionalEncoding for RopeMixed {
         ))
     }
 }
+
+impl crate::plug::SchemeConfig for RopeMixedConfig {
+    fn validate(&self) -> Result<()> {
+        RopeMixedConfig::validate(self)
+    }
+
+    fn build(&self, vb: candle_nn::VarBuilder) -> Result<std::sync::Arc<dyn PositionalEncoding>> {
+        Ok(std::sync::Arc::new(RopeMixed::new(self, vb)?))
+    }
+}

@@ -1032,3 +1032,16 @@ impl PositionalEncoding for RotaryEmbedding {
         self.rotate_queries_keys_owned(q, k, ctx.queries, ctx.keys, QkLayout::Bhtd)
     }
 }
+
+impl crate::plug::SchemeConfig for RopeConfig {
+    fn validate(&self) -> Result<()> {
+        RopeConfig::validate(self)
+    }
+
+    fn build(&self, vb: candle_nn::VarBuilder) -> Result<std::sync::Arc<dyn PositionalEncoding>> {
+        Ok(std::sync::Arc::new(RotaryEmbedding::new(
+            self,
+            vb.device(),
+        )?))
+    }
+}
