@@ -290,6 +290,14 @@ fn device_error(what: &'static str, expected: DeviceLocation, got: DeviceLocatio
     Ok(())
 }
 
+/// Validates a dropout probability.
+pub(crate) fn check_dropout(p: f32) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::config("dropout", p, "a probability in [0, 1)"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -86,6 +86,7 @@
 pub mod absolute;
 pub mod attention;
 pub mod checkpoint;
+mod cpu;
 pub mod cuda;
 pub mod encoding;
 mod error;

@@ -21,7 +21,8 @@ use candle_core::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
+use crate::absolute::{add_and_dropout, gather_rows};
+use crate::error::check_dropout;
 use crate::error::{check_float, Error, Result};
 use crate::limits::{check_elements, max_elements};
 use crate::plug::{AttentionContext, PositionalEncoding};

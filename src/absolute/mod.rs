@@ -9,7 +9,7 @@ pub mod sinusoidal;
 
 use candle_core::Tensor;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::positions::Positions;
 
 /// Rows of `table` (`(N, D)`) at `positions` for a chunk of `len` tokens: `(1, T, D)` for an
@@ -38,12 +38,4 @@ pub(crate) fn add_and_dropout(
     } else {
         Ok(out)
     }
-}
-
-/// Validates a dropout probability.
-pub(crate) fn check_dropout(p: f32) -> Result<()> {
-    if !(0.0..1.0).contains(&p) {
-        return Err(Error::config("dropout", p, "a probability in [0, 1)"));
-    }
-    Ok(())
 }

@@ -21,7 +21,8 @@ use std::sync::{Arc, RwLock};
 use candle_core::{Device, Module, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::absolute::{add_and_dropout, check_dropout, gather_rows};
+use crate::absolute::{add_and_dropout, gather_rows};
+use crate::error::check_dropout;
 use crate::error::{Error, Result};
 use crate::limits::{check_elements, max_elements};
 use crate::plug::{AttentionContext, PositionalEncoding};

@@ -379,7 +379,7 @@ impl AttentionConfig {
     pub fn validate(&self) -> Result<()> {
         self.validate_heads()?;
         self.validate_projections()?;
-        crate::absolute::check_dropout(self.dropout)?;
+        crate::error::check_dropout(self.dropout)?;
         if let Some(norm) = &self.qk_norm {
             norm.validate()?;
         }

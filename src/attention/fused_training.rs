@@ -35,8 +35,10 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::fused_attention::{index_row, product, Core, CoreSpec, OutPtr, TileColumns, View};
+use super::fused_attention::{index_row, Core, CoreSpec, OutPtr, TileColumns, View};
 use super::fused_softmax::{add_shifted_row, read_storage, TermGuards};
+use crate::cpu::gemm::product;
+use crate::cpu::zeroed;
 use crate::error::{Error, Result};
 use crate::graft::{graft_through, GraftBackward};
 use crate::limits::check_elements;
@@ -340,15 +342,6 @@ impl CustomOp3 for TrainOp {
         let keep = |g: Option<Tensor>, t: &Tensor| g.filter(|_| t.track_op());
         Ok((keep(dq, q), keep(dk, k), keep(dv, v)))
     }
-}
-
-/// `n` zeros, or an error naming `what` when the allocation fails.
-pub(super) fn zeroed(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|e| candle_core::Error::Msg(format!("{what} ({n} values): {e}")))?;
-    v.resize(n, 0.0);
-    Ok(v)
 }
 
 /// A contiguous f32 CPU tensor's values, read in place while `guard` is held.

@@ -33,7 +33,6 @@ mod fused_softmax;
 mod fused_training;
 mod kv_cache;
 mod latent;
-pub(crate) mod linear_node;
 mod mask;
 mod mha;
 mod projection;

@@ -24,8 +24,8 @@ use candle_nn::Linear;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::fused_attention::{product, product_parallel};
 use super::widen::Widen;
+use crate::cpu::gemm::{product, product_parallel};
 use crate::error::Result;
 use crate::matmul;
 

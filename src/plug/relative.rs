@@ -532,7 +532,7 @@ pub(crate) fn add_shifted_sums_from(
 
 /// The sum of `x` over 16 independent accumulators, which the compiler keeps in vector
 /// registers: a long row's clamped keys are summed at the loads' speed instead of one
-/// dependent addition at a time (a sixth of a long Shaw forward before).
+/// dependent addition at a time.
 #[inline(always)]
 fn lane_sum(x: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
@@ -626,8 +626,8 @@ mod tests {
 
     /// The segments against the definition, for shifts far outside the window included.
     /// Weights and a table in dtypes that do not hold each other's range (f16 weights, a bf16
-    /// table past f16's): a zero weight's term stays 0 (reading the table in f16 made it
-    /// 0 · ∞ = NaN; found by the fuzzer), and a real one is the product rounded once.
+    /// table past f16's): a zero weight's term stays 0 (not 0 · ∞ = NaN, as reading the table
+    /// in f16 would give), and a real one is the product rounded once.
     #[test]
     fn mixed_half_dtypes_multiply_in_f32() -> crate::error::Result<()> {
         let dev = candle_core::Device::Cpu;

@@ -26,7 +26,7 @@ use candle_core::Tensor;
 use candle_nn::{Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::attention::linear_node::{self, Arrange};
+use crate::cpu::linear_node::{self, Arrange};
 use crate::positions::Positions;
 
 use super::{clipped_row, query_dims, relative_buckets};

@@ -20,3 +20,4 @@ mod hf;
 mod relative;
 mod robustness;
 mod rotary;
+mod structure;

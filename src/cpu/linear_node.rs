@@ -25,8 +25,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor
 use candle_nn::Linear;
 use rayon::prelude::*;
 
-use super::fused_attention::product_parallel;
-use super::fused_training::zeroed;
+use super::gemm::product_parallel;
+use super::zeroed;
 use crate::error::Result;
 
 /// How a projection's output is laid out.
