@@ -110,7 +110,8 @@ pub use encoding::EncodingConfig;
 pub use error::{Error, Result};
 pub use hf::{HfAttentionConfig, HfFamily};
 pub use plug::{
-    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+    AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
+    RelativeValues,
 };
 pub use positions::{PositionIds, Positions};
 pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode, AlibiSlopes};

@@ -25,7 +25,8 @@ use super::unfused;
 use crate::error::{check_device, check_float, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{
-    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+    AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
+    RelativeValues,
 };
 use crate::positions::Positions;
 
@@ -62,6 +63,15 @@ impl Path {
         match self {
             Path::Fused | Path::FusedTrain | Path::Cuda(_) => true,
             Path::RowPass | Path::Ops => false,
+        }
+    }
+
+    /// Columns per query the path keeps beside a value term of `width` rows (the CUDA
+    /// backward's two `(B, H, Tq, W)` tensors); none on the other paths.
+    fn kept_columns(self, width: usize) -> usize {
+        match self {
+            Path::Cuda(mode) => mode.kept_columns(width),
+            _ => 0,
         }
     }
 
@@ -255,8 +265,9 @@ impl Chunk<'_> {
         Ok(Attended { out, weights })
     }
 
-    /// The call's plan: the path after the first block's answers, the query blocks, and
-    /// whether gradients flow.
+    /// The call's plan: the path (chosen here, then moved to candle's ops where the first
+    /// block's answers need it), the query blocks sized from what the encoding declares
+    /// ([`Footprint`]) and refitted to the first block's answers, and whether gradients flow.
     fn plan(&self) -> Result<Plan> {
         let dropout = self.train && self.dropout > 0.0;
         let path = Path::choose(
@@ -267,26 +278,11 @@ impl Chunk<'_> {
             self.return_weights,
             dropout,
         );
-        let (b, h, t, _) = self.q.dims4()?;
-        let tk = self.k.dim(2)?;
+        let (t, tk) = (self.q.dim(2)?, self.k.dim(2)?);
         // With a plain causal mask, block [s, s + n) sees keys 0..s + n + tk − t only (no row is
         // fully masked, so dropping the hidden keys changes nothing); otherwise every key.
         let trim_keys = self.causal && self.padding.is_none() && self.attn_mask.is_none();
-        let mut spans = blocks_of(t, tk, self.block, trim_keys);
-        // The fused cores (CPU and CUDA) allocate no logits: answers with a row per query
-        // (Shaw's) size their blocks instead (below). Predicted from the answers for two and
-        // three queries, that size is the first block's, so that its answers, which decide the
-        // path, are not computed once for the logits' block and again for the rows', and rows
-        // that widen along the chunk (causal ones) are sized where they are widest.
-        let predicted = match (path, spans.len() > 1) {
-            (Path::Fused | Path::FusedTrain | Path::Cuda(_), true) => {
-                self.predicted_block(path, b * h, trim_keys)?
-            }
-            _ => None,
-        };
-        if let Some(block) = predicted {
-            spans = blocks_of(t, tk, block, trim_keys);
-        }
+        let spans = blocks_of(t, tk, self.declared_block(path)?, trim_keys);
         let first = match spans.first() {
             Some(&span) => Some(self.answers(span)?),
             None => None,
@@ -299,67 +295,58 @@ impl Chunk<'_> {
             first,
             differentiable: self.differentiable || tracked,
         };
-        self.fit_blocks(&mut plan, predicted.is_some(), trim_keys)?;
+        self.refit(&mut plan, trim_keys)?;
         self.check_kept_logits(&plan)?;
         Ok(plan)
     }
 
-    /// The query blocks resized to what the path keeps of the first block's answers. The fused
-    /// core allocates no logits, so the budget's query blocks only bound the encoding's
-    /// answers: when they do not grow with the queries (none, or one row shared by every
-    /// query), the whole chunk is one block, and the core's tiles reuse each key tile across
-    /// all its queries.
-    fn fit_blocks(&self, plan: &mut Plan, mut predicted: bool, trim_keys: bool) -> Result<()> {
+    /// Queries per block on `path` before any answer is known. Off the fused cores, and for an
+    /// encoding that declares nothing, the logits' block. The fused cores allocate no logits:
+    /// without an encoding every query is one block, and for declared rows per query as many
+    /// queries as the logits budget holds of them.
+    fn declared_block(&self, path: Path) -> Result<usize> {
+        let (b, h, t, _) = self.q.dims4()?;
+        if !path.is_fused() {
+            return Ok(self.block);
+        }
+        let Some(encoding) = self.encoding else {
+            return Ok(t);
+        };
+        let tk = self.k.dim(2)?;
+        let ctx = self.context(self.q_positions, t, self.k_positions, tk);
+        Ok(match encoding.footprint(&ctx) {
+            Footprint::Rows { bias, values } => {
+                match bias.saturating_add(path.kept_columns(values)) {
+                    0 => t,
+                    width => self.rows_block(b * h, width),
+                }
+            }
+            _ => self.block,
+        })
+    }
+
+    /// The query blocks refitted to the first block's answers: the logits' blocks off the fused
+    /// cores; on them every query in one block when the answers do not grow with the queries,
+    /// and blocks shrunk to what the budget holds when their rows are wider than declared (or
+    /// than the logits' block, for rows nothing declared: those blocks never grow).
+    fn refit(&self, plan: &mut Plan, trim_keys: bool) -> Result<()> {
+        let Some(first) = plan.first.as_ref() else {
+            return Ok(());
+        };
         let (b, h, t, _) = self.q.dims4()?;
         let tk = self.k.dim(2)?;
-        let fused = plan.path.is_fused();
-        let value_rows = match plan.first.as_ref() {
-            Some(answers) => value_rows(plan.path, answers)?,
-            None => 0,
+        let current = plan.spans[0].1;
+        let kept = value_rows(plan.path, first)?;
+        let want = match (plan.path.is_fused(), per_query_width(first)) {
+            (false, _) => self.block,
+            (true, _) if kept == 0 && shared_answers(first) => t,
+            (true, Some(width)) => current.min(self.rows_block(b * h, width.saturating_add(kept))),
+            (true, None) if shared_answers(first) => current.min(self.rows_block(b * h, kept)),
+            (true, None) => current.min(self.block),
         };
-        let width = match plan.first.as_ref() {
-            Some(answers) => match per_query_width(answers) {
-                Some(w) => Some(w),
-                None => (value_rows > 0 && shared_answers(answers)).then_some(0),
-            },
-            None => None,
-        };
-        let current = plan.spans.first().map_or(0, |s| s.1);
-        let resize = |plan: &mut Plan, block: usize| -> Result<()> {
-            plan.spans = blocks_of(t, tk, block, trim_keys);
+        if want != current {
+            plan.spans = blocks_of(t, tk, want, trim_keys);
             plan.first = Some(self.answers(plan.spans[0])?);
-            Ok(())
-        };
-        if predicted {
-            match width.filter(|_| fused) {
-                // The first block's rows stand within the budget; past it (wider than the
-                // probes foretold) the blocks shrink to what it holds of them.
-                Some(width) => {
-                    let block = self.rows_block(b * h, width.saturating_add(value_rows));
-                    if block < current {
-                        resize(plan, block)?;
-                    }
-                }
-                // No rows, or a path that keeps logits: back to the logits' blocks, and the
-                // rules below.
-                None => {
-                    resize(plan, self.block)?;
-                    predicted = false;
-                }
-            }
-        }
-        let unpredicted = fused && plan.spans.len() > 1 && !predicted;
-        if unpredicted && value_rows == 0 && plan.first.as_ref().is_some_and(shared_answers) {
-            plan.spans = vec![(0, t, tk)];
-            plan.first = Some(self.answers(plan.spans[0])?);
-        } else if let (true, Some(width)) = (unpredicted, width) {
-            // Answers of a fixed width per query (Shaw's rows, a value term's rows in the CUDA
-            // backward): blocks as large as the budget holds of them, not of logits the fused
-            // cores never allocate (every block repacks every key).
-            let block = self.rows_block(b * h, width.saturating_add(value_rows));
-            if block > self.block {
-                resize(plan, block)?;
-            }
         }
         Ok(())
     }
@@ -539,86 +526,21 @@ impl Chunk<'_> {
             .min(self.q.dim(2).unwrap_or(0))
     }
 
-    /// The query block a fused core's rows of answers (`heads` batch items × heads of them,
-    /// with the columns `path` keeps beside them, [`value_rows`]) are predicted to fill, at
-    /// least the logits' block: from the answers for two and for
-    /// three queries at two places, where a relative row is widest: the query that sits
-    /// mid-way along the keys (key − query distances as far both ways, so both clips in
-    /// reach first; the chunk's middle when nothing is cached) and the chunk's end (every key
-    /// seen, for causal rows that stop at distance 0). At each place, rows as wide for three
-    /// queries as for two are taken to be as wide for any number, and rows that widen, to
-    /// widen by at most a column per query, as a span of relative distances does (Shaw's
-    /// short of its clip); the columns beside them grow by the step they take from two
-    /// queries to three. The first block's answers are computed at the predicted size, so
-    /// an encoding that errs from this passes the budget once, until the caller shrinks the
-    /// blocks to the first block's rows. `None` for chunks of fewer than four queries, and
-    /// for answers that are not rows per query read through a shift.
-    ///
-    /// # Errors
-    /// The encoding's, for any probe.
-    fn predicted_block(&self, path: Path, heads: usize, trim_keys: bool) -> Result<Option<usize>> {
-        let (t, tk) = (self.q.dim(2)?, self.k.dim(2)?);
-        if t < 4 {
-            return Ok(None);
-        }
-        // (the rows' width, the columns kept beside them) for n queries at `start`.
-        let width = |start: usize, n: usize| -> Result<Option<(usize, usize)>> {
-            let kv = match trim_keys {
-                true => (start + n + tk - t).min(tk),
-                false => tk,
-            };
-            let answers = self.answers((start, n, kv))?;
-            let beside = value_rows(path, &answers)?;
-            Ok(per_query_width(&answers)
-                .filter(|_| !shared_answers(&answers))
-                .map(|w| (w, beside)))
-        };
-        // At each place: the width for two queries, whether the rows widen for three, and by
-        // how much the columns beside them widen (a value table cut to the rows' span widens
-        // with them, by its exact step).
-        let mut probes = Vec::with_capacity(2);
-        // Query t − (tk + 1)/2 (t ≤ tk) has as many keys before it as after it.
-        let middle = t.saturating_sub(tk.div_ceil(2)).min(t - 3);
-        for start in [middle, t - 3] {
-            let Some((two, beside_two)) = width(start, 2)? else {
-                return Ok(None);
-            };
-            let Some((three, beside_three)) = width(start, 3)? else {
-                return Ok(None);
-            };
-            let step = beside_three.saturating_sub(beside_two);
-            probes.push((two.saturating_add(beside_two), three > two, step));
-        }
-        let fits = |n: usize| {
-            let width = probes
-                .iter()
-                .map(|&(two, widens, step)| {
-                    let more = n.saturating_sub(2);
-                    let beside = more.saturating_mul(step);
-                    match widens {
-                        true => two.saturating_add(more).saturating_add(beside),
-                        false => two.saturating_add(beside),
-                    }
-                })
-                .max()
-                .unwrap_or(0);
-            heads
-                .saturating_mul(n)
-                .saturating_mul(width)
-                .saturating_mul(4)
-                <= self.logits_budget
-        };
-        // The most queries that fit, by bisection over self.block..=t (the logits' block when
-        // even that holds too many rows).
-        let (mut lo, mut hi) = (self.block, t);
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            match fits(mid) {
-                true => lo = mid,
-                false => hi = mid - 1,
-            }
-        }
-        Ok(Some(lo))
+    /// The context of `n` queries at `queries` against `kv` keys at `keys` in this chunk.
+    fn context<'p>(
+        &self,
+        queries: &'p Positions,
+        n: usize,
+        keys: &'p Positions,
+        kv: usize,
+    ) -> AttentionContext<'p> {
+        AttentionContext::new(queries, n, keys, kv)
+            .with_causal(self.causal)
+            // A row masked whole (padding, a user's mask) is uniform over every key, the unseen
+            // ones included: only without those are unseen keys' answers never read.
+            .with_masks_unseen(self.padding.is_none() && self.attn_mask.is_none())
+            .with_train(self.train)
+            .with_sinks(self.sinks.is_some())
     }
 
     /// The encoding's answers for the query block `(start, n, kv)`, checked where the block's
@@ -631,13 +553,7 @@ impl Chunk<'_> {
         let tk = self.k.dim(2)?;
         let q_positions = narrowed_positions(self.q_positions, start, n, t)?;
         let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
-        let ctx = AttentionContext::new(&q_positions, n, &k_positions, kv)
-            .with_causal(self.causal)
-            // A row masked whole (padding, a user's mask) is uniform over every key, the unseen
-            // ones included: only without those are unseen keys' answers never read.
-            .with_masks_unseen(self.padding.is_none() && self.attn_mask.is_none())
-            .with_train(self.train)
-            .with_sinks(self.sinks.is_some());
+        let ctx = self.context(&q_positions, n, &k_positions, kv);
         let q = narrowed(&self.q, 2, start, n, t)?;
         let (bias, values) = (e.logits_bias(&q, &ctx)?, e.value_term(&ctx)?);
         if let Some(values) = &values {
@@ -767,10 +683,10 @@ fn per_query_width((bias, values): &Answers) -> Option<usize> {
 /// # Errors
 /// A value table without a first dimension.
 fn value_rows(path: Path, (_, values): &Answers) -> Result<usize> {
-    match path {
-        Path::Cuda(mode) => mode.value_rows(values.as_ref()),
-        _ => Ok(0),
-    }
+    Ok(match values {
+        Some(v) => path.kept_columns(v.table().dim(0)?),
+        None => 0,
+    })
 }
 
 /// Whether the fused backward gives every gradient an encoding's answers want: a tracked

@@ -243,6 +243,38 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
         let _ = ctx;
         Ok(None)
     }
+
+    /// A declaration, not a hook: how much of the answers for a query block of `ctx` grows
+    /// with its queries, so that the block sizes its query blocks before it asks for any
+    /// answer. `ctx` is the whole call (every query, every key); a declared width bounds the
+    /// answers for any block of it. Default [`Footprint::Unknown`].
+    fn footprint(&self, ctx: &AttentionContext) -> Footprint {
+        let _ = ctx;
+        Footprint::Unknown
+    }
+}
+
+/// How much of an encoding's answers for a query block grows with the block's queries
+/// ([`PositionalEncoding::footprint`]). The fused cores allocate no logits, so answers with a
+/// row per query are what their query blocks hold: a declared width lets them take as many
+/// queries as the logits budget holds of those rows. A declaration is checked against the
+/// first block's answers: answers wider than declared shrink the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Footprint {
+    /// Not declared: the block reads the first block's answers, at the logits' block size,
+    /// and takes every query in one block only when they do not grow with the queries.
+    #[default]
+    Unknown,
+    /// At most `bias` columns per query of a relative bias read through a shift (Shaw's
+    /// `q · aᴷ` rows), and a value term of at most `values` rows read through a shift (0:
+    /// none); nothing else that grows with the queries.
+    Rows {
+        /// Columns per query of the bias rows.
+        bias: usize,
+        /// Rows of the value table.
+        values: usize,
+    },
 }
 
 /// Whether two tensors are views of one storage: a hook may rotate what it is handed in place,

@@ -35,7 +35,8 @@ use crate::limits::check_elements;
 use crate::matmul::broadcast_matmul;
 use crate::plug::relative::product_dtype;
 use crate::plug::{
-    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+    AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
+    RelativeValues,
 };
 
 /// Configuration of [`ShawRelativePosition`].
@@ -303,6 +304,22 @@ impl PositionalEncoding for ShawRelativePosition {
                 )?))
             }
             None => Ok(None),
+        }
+    }
+
+    /// With offsets, the rows of the distances the whole call's pairs reach ([`Self::span`],
+    /// a bound for any query block of it) for the bias and the value table; explicit ids read
+    /// the rows through an index map per query, which is not a row of a fixed width.
+    fn footprint(&self, ctx: &AttentionContext) -> Footprint {
+        match (ctx.queries, ctx.keys) {
+            (Positions::Offset(_), Positions::Offset(_)) => {
+                let (_, width) = self.span(ctx);
+                Footprint::Rows {
+                    bias: width,
+                    values: if self.values.is_some() { width } else { 0 },
+                }
+            }
+            _ => Footprint::Unknown,
         }
     }
 }

@@ -143,13 +143,13 @@ impl Mode {
         })
     }
 
-    /// Columns per query the backward keeps beside a value term of `W` columns: two
+    /// Columns per query the backward keeps beside a value term of `width` rows: two
     /// `(B, H, Tq, W)` f32 tensors (dO · a, and the weights its columns gather).
-    pub(crate) fn value_rows(self, values: Option<&RelativeValues>) -> Result<usize> {
-        Ok(match (self, values) {
-            (Mode::Train, Some(v)) => v.table().dim(0)?.saturating_mul(2),
-            _ => 0,
-        })
+    pub(crate) fn kept_columns(self, width: usize) -> usize {
+        match self {
+            Mode::Train => width.saturating_mul(2),
+            Mode::Infer => 0,
+        }
     }
 
     /// Runs one query block: written into `merged` at `start` in inference, returned
@@ -198,7 +198,7 @@ impl Mode {
         match self {}
     }
 
-    pub(crate) fn value_rows(self, _: Option<&RelativeValues>) -> Result<usize> {
+    pub(crate) fn kept_columns(self, _: usize) -> usize {
         match self {}
     }
 

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{
-    AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias, RelativeValues,
+    AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
+    RelativeValues,
 };
 use candle_posenc::{
     AttentionConfig, AttentionOptions, Error, KvCache, MultiHeadAttention, Positions, Result,
@@ -498,6 +499,10 @@ impl PositionalEncoding for Recorded {
     fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
         self.inner.value_term(ctx)
     }
+
+    fn footprint(&self, ctx: &AttentionContext) -> Footprint {
+        self.inner.footprint(ctx)
+    }
 }
 
 /// Zero rows `2·Tq` wide per query, read through a shift: a bias that changes nothing, in rows
@@ -517,12 +522,11 @@ impl PositionalEncoding for Widening {
 }
 
 /// On the fused cores, answers with a row per query (Shaw's) size the query blocks by the
-/// logits budget instead of the logits, and are asked for once per block: the size is
-/// predicted from two probes of 2 and 3 queries (where the keys' middle lies, the chunk's end),
-/// kept when the first block's rows fit the budget, shrunk when they are wider than predicted,
-/// and left at the logits' block when even that holds too many rows. In inference (frozen
-/// weights) and in training (a `VarMap`'s), every split gives the output of one block (for the
-/// zero bias, of the block without an encoding).
+/// logits budget instead of the logits, and are asked for once per block, never probed: the
+/// size comes from the rows the encoding declares ([`Footprint`]) and is left at the logits'
+/// block when even that holds too many rows; rows nothing declared stay at the logits' block.
+/// In inference (frozen weights) and in training (a `VarMap`'s), every split gives the output
+/// of one block (for the zero bias, of the block without an encoding).
 fn rows_size_fused_blocks_once(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
     let trained = VarBuilder::from_varmap(&varmap, DType::F32, dev);
@@ -552,41 +556,35 @@ fn rows_size_fused_blocks_once(dev: &Device) -> anyhow::Result<()> {
     let cached = Tensor::randn(0f32, 1.0, (2, 25, D_MODEL), dev)?;
     // One query's logits: 2 items × 4 heads × 4 bytes a key (1280 bytes for 40 keys, 2080 for
     // 65); each budget holds 4 queries' logits. A query's rows of W columns take 32·W bytes.
-    let probes_then = |blocks: &[usize]| [&[2, 3, 2, 3][..], blocks].concat();
+    let blocks = |sizes: &[usize]| sizes.to_vec();
     for vb in [&frozen, &trained] {
         let widening: Arc<dyn PositionalEncoding> = Arc::new(Widening);
         let cases = [
-            // Rows 7 wide at both probes: 5120 / (32 · 7) = 22 queries a block.
-            ("shaw k=3", shaw(vb, 3)?, false, 0, probes_then(&[22, 18])),
-            // Causal rows as wide as the keys seen (up to 101): at the end, 4 queries'
-            // 40-column rows fill the budget, so the blocks stay at the logits' 4 (the first
-            // block's rows are 4 wide, and would have let 40 queries in).
+            // Rows 7 wide: 5120 / (32 · 7) = 22 queries a block.
+            ("shaw k=3", shaw(vb, 3)?, false, 0, blocks(&[22, 18])),
+            // Causal rows as wide as the keys seen, up to the 40 distances 0..=39 at the
+            // chunk's end: 4 queries' 40-column rows fill the budget, so the blocks stay at
+            // the logits' 4 (the first block's rows are 4 wide, and would have let 40 in).
             (
                 "shaw k=100 causal",
                 shaw(vb, 100)?,
                 true,
                 0,
-                probes_then(&[4; 10]),
+                blocks(&[4; 10]),
             ),
-            // Rows 4 and 6 wide for 2 and 3 queries foretell n + 2 columns: 11 queries; the
-            // first block's rows are 22 wide, so the blocks shrink to 5120 / (32 · 22) = 7.
-            (
-                "widening",
-                widening,
-                false,
-                0,
-                probes_then(&[11, 7, 7, 7, 7, 7, 5]),
-            ),
+            // Rows 2·n wide for n queries, declared by nothing: the logits' 4 queries a block
+            // (8 columns), never grown.
+            ("widening", widening, false, 0, blocks(&[4; 10])),
             // 40 queries after 25 cached keys: query 7 (position 32) has 32 keys on either
-            // side, and its rows are the full 61 columns; 8320 / (32 · 61) = 4 queries. (The
-            // chunk's middle, query 18, has rows 52 wide, and blocks of 5 would have passed the
-            // budget at query 5.)
+            // side, so the call reaches the full 61 columns; 8320 / (32 · 61) = 4 queries.
+            // (The chunk's middle, query 18, has rows 52 wide, and blocks of 5 would have
+            // passed the budget at query 5.)
             (
                 "shaw k=30 cached",
                 shaw(vb, 30)?,
                 false,
                 25,
-                probes_then(&[4; 10]),
+                blocks(&[4; 10]),
             ),
         ];
         for (name, enc, causal, prefill, calls) in cases {
