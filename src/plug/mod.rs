@@ -20,7 +20,9 @@
 //! distance ([`LogitsBias`], [`RelativeBias`]); a value term is a table row per clamped distance
 //! ([`RelativeValues`]). The block decides how each form is consumed on each of its execution
 //! paths (a fused CPU core that reads the rows directly, a row pass, plain candle ops that
-//! expand them), and never looks at the concrete encoding type.
+//! expand them), and never looks at the concrete encoding type. Beside the hooks, an encoding
+//! may declare its [`Footprint`]: how wide its answers get per query, which the block sizes its
+//! query blocks from before it asks for any.
 //!
 //! This module depends on neither the encodings nor the attention block; both depend on it.
 
