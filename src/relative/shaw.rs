@@ -307,7 +307,7 @@ impl PositionalEncoding for ShawRelativePosition {
         }
     }
 
-    /// With offsets, the rows of the distances the whole call's pairs reach ([`Self::span`],
+    /// With offsets, the rows of the distances the whole call's pairs reach (its span,
     /// a bound for any query block of it) for the bias and the value table; explicit ids read
     /// the rows through an index map per query, which is not a row of a fixed width.
     fn footprint(&self, ctx: &AttentionContext) -> Footprint {
