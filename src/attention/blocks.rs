@@ -85,9 +85,10 @@ impl Path {
         }
     }
 
-    /// The path for scaled, rotated `q`, `k` and `v`: the CUDA kernels where they are on and
-    /// take the call; on the CPU a fused core or the row pass for f32 (or a half-precision
-    /// cache); plain ops otherwise.
+    /// The path for rotated `q` (not yet scaled), `k` and `v`, and the dtype it computes in:
+    /// the CUDA kernels where they are on and take the call; on the CPU a fused core or the
+    /// row pass for f32, and the fused core in f32 for a half-precision block without
+    /// gradients or returned weights; plain ops otherwise.
     fn choose(
         q: &Tensor,
         k: &Tensor,
@@ -95,34 +96,75 @@ impl Path {
         differentiable: bool,
         weights: bool,
         dropout: bool,
-    ) -> Path {
-        let cpu = [q, k, v]
-            .iter()
-            .all(|t| t.device().is_cpu() && t.rank() == 4 && t.layout().stride()[3] == 1);
-        let f32s = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
-        // A decoding step of a half-precision block: f32 queries, and keys and values as
-        // cached, which the core widens a tile at a time.
-        let half_cache = q.dtype() == DType::F32
-            && matches!(k.dtype(), DType::BF16 | DType::F16)
-            && v.dtype() == k.dtype();
+    ) -> (Path, Compute) {
         let tracked = [q, k, v].iter().any(|t| t.track_op());
         let grads = differentiable || tracked;
         if let Some(mode) = Mode::choose((q, k, v), grads, weights, dropout) {
-            return Path::Cuda(mode);
+            return (Path::Cuda(mode), Compute::AsGiven);
         }
-        match (differentiable || tracked, cpu, weights) {
+        // (The scaled queries are a fresh, packed tensor.)
+        let cpu = [q, k, v]
+            .iter()
+            .all(|t| t.device().is_cpu() && t.rank() == 4)
+            && [k, v].iter().all(|t| t.layout().stride()[3] == 1);
+        let half = matches!(v.dtype(), DType::BF16 | DType::F16);
+        let compute = match !differentiable && !weights && cpu && half {
+            true => Compute::F32 {
+                tiles: q.dim(2).is_ok_and(|t| t <= DECODE_QUERIES),
+            },
+            false => Compute::AsGiven,
+        };
+        let [qd, kd, vd] = compute.dtypes([q, k, v]);
+        let f32s = [qd, kd, vd].iter().all(|&d| d == DType::F32);
+        // A decoding step of a half-precision block: f32 queries, and keys and values as
+        // cached, which the core widens a tile at a time.
+        let half_cache = qd == DType::F32 && matches!(kd, DType::BF16 | DType::F16) && vd == kd;
+        let path = match (grads, cpu, weights) {
             (false, true, false) if f32s || half_cache => Path::Fused,
             (false, true, true) if f32s => Path::RowPass,
             (true, true, false) if f32s => Path::FusedTrain,
             _ => Path::Ops,
+        };
+        (path, compute)
+    }
+}
+
+/// Queries per call up to which a half-precision block's fused core reads the cached keys and
+/// values in their dtype, widening a tile at a time (each query tile widens every key tile
+/// again, so past a few queries widening the whole cache once is cheaper).
+const DECODE_QUERIES: usize = 16;
+
+/// The dtype a path computes in, and how the chunk's operands reach it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compute {
+    /// q, k and v as given.
+    AsGiven,
+    /// f32 (a half-precision block on the CPU's fused core, whose heads return to the block's
+    /// dtype before the output projection): the queries widened, and the keys and values
+    /// widened once, or, with `tiles` (a decoding step), left as cached for the core to widen a
+    /// key tile at a time, so that a step reads the cache once and allocates nothing that
+    /// grows with it.
+    F32 { tiles: bool },
+}
+
+impl Compute {
+    /// The dtypes of q, k and v as the path reads them.
+    fn dtypes(self, [q, k, v]: [&Tensor; 3]) -> [DType; 3] {
+        match self {
+            Compute::AsGiven => [q.dtype(), k.dtype(), v.dtype()],
+            Compute::F32 { tiles: true } => [DType::F32, k.dtype(), v.dtype()],
+            Compute::F32 { tiles: false } => [DType::F32; 3],
         }
     }
 }
 
 /// Everything the query blocks of one call share.
 pub(crate) struct Chunk<'a> {
-    /// `(B, H, T, D)`, rotated and scaled.
+    /// `(B, H, T, D)`, rotated; scaled (and widened, where the path computes in f32) by
+    /// [`Chunk::attend`] before any block runs.
     pub(crate) q: Tensor,
+    /// The softmax scale, `1/√D` unless configured.
+    pub(crate) scale: f64,
     /// `(B, Hkv, Tk, D)`, cached keys included.
     pub(crate) k: Tensor,
     /// `(B, Hkv, Tk, D)`.
@@ -241,8 +283,18 @@ impl Chunk<'_> {
     /// Runs every query block on `path`, or on plain ops when the encoding's answers track
     /// gradients (learned biases or tables in a graph): the path is still chosen once, from
     /// the first block's answers.
-    pub(crate) fn attend(&self) -> Result<Attended> {
-        let mut plan = self.plan()?;
+    pub(crate) fn attend(mut self) -> Result<Attended> {
+        let dropout = self.train && self.dropout > 0.0;
+        let (path, compute) = Path::choose(
+            &self.q,
+            &self.k,
+            &self.v,
+            self.differentiable,
+            self.return_weights,
+            dropout,
+        );
+        self.prepare(compute)?;
+        let mut plan = self.plan(path)?;
         let operands = self.operands(&plan)?;
         let (mut outs, mut weights) = (Vec::new(), Vec::new());
         for &span in &plan.spans {
@@ -265,19 +317,25 @@ impl Chunk<'_> {
         Ok(Attended { out, weights })
     }
 
-    /// The call's plan: the path (chosen here, then moved to candle's ops where the first
-    /// block's answers need it), the query blocks sized from what the encoding declares
+    /// The queries scaled, in the dtype the path computes in, with the keys and values it
+    /// reads widened (`compute`).
+    fn prepare(&mut self, compute: Compute) -> Result<()> {
+        let q = match compute {
+            Compute::F32 { .. } => self.q.to_dtype(DType::F32)?,
+            Compute::AsGiven => self.q.clone(),
+        };
+        self.q = (q * self.scale)?;
+        if compute == (Compute::F32 { tiles: false }) {
+            self.k = self.k.to_dtype(DType::F32)?;
+            self.v = self.v.to_dtype(DType::F32)?;
+        }
+        Ok(())
+    }
+
+    /// The call's plan: the path (as chosen, or candle's ops where the first block's answers
+    /// need them), the query blocks sized from what the encoding declares
     /// ([`Footprint`]) and refitted to the first block's answers, and whether gradients flow.
-    fn plan(&self) -> Result<Plan> {
-        let dropout = self.train && self.dropout > 0.0;
-        let path = Path::choose(
-            &self.q,
-            &self.k,
-            &self.v,
-            self.differentiable,
-            self.return_weights,
-            dropout,
-        );
+    fn plan(&self, path: Path) -> Result<Plan> {
         let (t, tk) = (self.q.dim(2)?, self.k.dim(2)?);
         // With a plain causal mask, block [s, s + n) sees keys 0..s + n + tk − t only (no row is
         // fully masked, so dropping the hidden keys changes nothing); otherwise every key.

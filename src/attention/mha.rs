@@ -241,7 +241,7 @@ impl MultiHeadAttention {
         let mut cache = CacheGuard::open(cache);
         let (q, k, v, k_positions) = self.rotate_and_cache(q, k, v, &call, &ctx, cache.get())?;
         let dtype = v.dtype();
-        let (q, k, v) = self.scale_queries(q, k, v, &call, differentiable, options)?;
+        let q = self.temper_queries(q, &call)?;
         let chunk = self.chunk(
             &call,
             (q, k, v, dtype),
@@ -386,40 +386,13 @@ impl MultiHeadAttention {
         }
     }
 
-    /// Queries scaled (the temperature, then the softmax scale), and the operands of the core.
-    /// Half precision on the CPU runs the fused core in f32 when neither gradients nor
-    /// weights are wanted: the queries are widened, and the heads return to the block's dtype
-    /// before the output projection. Keys and values (the whole cache) are widened once when
-    /// many queries read them; a few queries (a decoding step) leave them as cached, and the
-    /// core widens each key tile as it reads it, so that a step reads the cache once and
-    /// allocates nothing that grows with it.
-    fn scale_queries(
-        &self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        call: &Call,
-        differentiable: bool,
-        options: &AttentionOptions,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let cfg = &self.config;
-        let q = match &cfg.attention_temperature {
+    /// The queries under the attention temperature, when the block has one (the softmax scale
+    /// is the plan's, applied in the dtype its path computes in).
+    fn temper_queries(&self, q: Tensor, call: &Call) -> Result<Tensor> {
+        Ok(match &self.config.attention_temperature {
             // The chunk's first query sits at key index `cached`.
             Some(t) => t.apply(&q, call.cached)?,
             None => q,
-        };
-        let widen = !differentiable
-            && !options.return_weights
-            && q.device().is_cpu()
-            && matches!(v.dtype(), DType::BF16 | DType::F16);
-        Ok(match (widen, call.t <= DECODE_QUERIES) {
-            (true, false) => (
-                (q.to_dtype(DType::F32)? * cfg.softmax_scale)?,
-                k.to_dtype(DType::F32)?,
-                v.to_dtype(DType::F32)?,
-            ),
-            (true, true) => ((q.to_dtype(DType::F32)? * cfg.softmax_scale)?, k, v),
-            (false, _) => ((q * cfg.softmax_scale)?, k, v),
         })
     }
 
@@ -440,6 +413,7 @@ impl MultiHeadAttention {
             k,
             v,
             // (Latent attention's values are v_head_dim wide, padded to the heads.)
+            scale: cfg.softmax_scale,
             value_dim: cfg.latent.map_or(cfg.head_dim, |l| l.v_head_dim),
             q_positions: &call.positions,
             k_positions,
@@ -849,11 +823,6 @@ impl GraftBackward for MergeHeads {
         grad_y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))
     }
 }
-
-/// Queries per call up to which a half-precision block's fused core reads the cached keys and
-/// values in their dtype, widening a tile at a time (each query tile widens every key tile
-/// again, so past a few queries widening the whole cache once is cheaper).
-const DECODE_QUERIES: usize = 16;
 
 fn packed(t: Tensor) -> Result<Tensor> {
     Ok(match t.stride().last().is_none_or(|&s| s == 1) {
