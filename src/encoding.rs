@@ -22,6 +22,7 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::absolute::learned::LearnedConfig;
+use crate::absolute::scaled_sinusoidal::ScaledSinusoidalConfig;
 use crate::absolute::sinusoidal::SinusoidalConfig;
 use crate::checkpoint::{json_entry, read_json_entry, ENCODING_KEY};
 use crate::error::Result;
@@ -111,6 +112,8 @@ pub enum EncodingConfig {
         Rotary(RopeConfig) = "rotary",
         /// [`RopeMixed`](crate::rotary::mixed::RopeMixed): learned per-head 2-D rotary frequencies.
         RopeMixed(RopeMixedConfig) = "rope_mixed",
+        /// [`ScaledSinusoidalPositionalEncoding`](crate::absolute::scaled_sinusoidal::ScaledSinusoidalPositionalEncoding).
+        ScaledSinusoidal(ScaledSinusoidalConfig) = "scaled_sinusoidal",
     }
 }
 

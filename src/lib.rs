@@ -100,6 +100,7 @@ pub mod relative;
 pub mod rotary;
 
 pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
+pub use absolute::scaled_sinusoidal::{ScaledSinusoidalConfig, ScaledSinusoidalPositionalEncoding};
 pub use absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 pub use attention::{
     AttentionConfig, AttentionOptions, AttentionOutput, AttentionTemperature, KvCache,

@@ -1,10 +1,11 @@
 //! Absolute encodings: a vector per position, added to the token embeddings.
 //!
-//! Both share the addition `x + p[positions]` implemented here, so each file only says how its
+//! They share the addition `x + p[positions]` implemented here, so each file only says how its
 //! table is made; [`embeddings::Embeddings`] is the input layer that adds them once.
 
 pub mod embeddings;
 pub mod learned;
+pub mod scaled_sinusoidal;
 pub mod sinusoidal;
 
 use candle_core::Tensor;
