@@ -6,16 +6,17 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
     AlibiConfig, AlibiMode, AttentionConfig, ClippedBiasConfig, EncodingConfig, LearnedConfig,
-    MultiHeadAttention, RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig,
-    SinusoidalConfig, T5Config, YarnScaling,
+    MultiHeadAttention, RopeConfig, RopeKernel, RopeLayout, RopeScaling, ScaledSinusoidalConfig,
+    ShawConfig, SinusoidalConfig, T5Config, YarnScaling,
 };
 
 /// Positions the learned table covers (tests keep their positions below it).
 pub const LEARNED_LEN: usize = 1100;
 
-/// The configurations: none, both absolute encodings, RoPE plain / interleaved + partial + YaRN /
+/// The configurations: none, sinusoidal and learned, RoPE plain / interleaved + partial + YaRN /
 /// Llama 3 + ops kernel / xPos, ALiBi in its three modes, T5 causal and bidirectional, the
-/// clipped bias and Shaw keys + values. `head_dim` must be even and at least 4.
+/// clipped bias, Shaw keys + values, and the scaled sinusoid (last: tests pick others by index).
+/// `head_dim` must be even and at least 4.
 pub fn configs(d_model: usize, num_heads: usize, head_dim: usize) -> Vec<EncodingConfig> {
     let rope = RopeConfig::new(head_dim);
     vec![
@@ -49,6 +50,7 @@ pub fn configs(d_model: usize, num_heads: usize, head_dim: usize) -> Vec<Encodin
         EncodingConfig::T5(T5Config::new(num_heads)),
         EncodingConfig::ClippedBias(ClippedBiasConfig::new(num_heads, 4)),
         EncodingConfig::Shaw(ShawConfig::new(head_dim, 3).with_values(true)),
+        EncodingConfig::ScaledSinusoidal(ScaledSinusoidalConfig::new(d_model)),
     ]
 }
 

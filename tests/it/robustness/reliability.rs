@@ -854,7 +854,9 @@ fn streaming_cache_refuses_input_encodings(dev: &Device) -> anyhow::Result<()> {
         let what = zoo::label(i, config);
         let input = matches!(
             config,
-            EncodingConfig::Sinusoidal(_) | EncodingConfig::Learned(_)
+            EncodingConfig::Sinusoidal(_)
+                | EncodingConfig::Learned(_)
+                | EncodingConfig::ScaledSinusoidal(_)
         );
         for _ in 0..5 {
             match mha.forward_with(&x, &AttentionOptions::default(), Some(&mut cache)) {
