@@ -84,8 +84,14 @@ fn every_entry_point_trains(dev: &Device) -> anyhow::Result<()> {
                     let scale = want.abs()?.max_all()?.to_scalar::<f32>()? as f64;
                     assert!(scale > 0.0, "{what}: {name} has a zero gradient");
                     let diff = max_abs_diff(&got[name], want)?;
+                    // Each entry of a gradient sums products over the output's 2 × 6 × 16
+                    // elements it reaches; paths that differ by f32 rounding in each product
+                    // differ by about √(products summed) roundings in the sum, which a
+                    // variable shared by every element (the scaled sinusoid's one `scale`)
+                    // makes visible when the terms cancel.
+                    let summed = (x.elem_count() / want.elem_count()).max(1) as f64;
                     assert!(
-                        diff <= 1e-5 * scale.max(1.0),
+                        diff <= 1e-5 * scale.max(1.0) * summed.sqrt(),
                         "{what}: {entry}: {name} differs by {diff:e}"
                     );
                 }
