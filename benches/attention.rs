@@ -12,7 +12,8 @@
 //! cargo bench --bench attention -- --json    # one JSON object per line as well
 //! cargo bench --bench attention -- --quick   # fewer, smaller runs (a smoke test)
 //! cargo bench --bench attention -- --only decode   # one section: encodings, half, blocks,
-//!                                                  # decode, memory, training, long or lengths
+//!                                                  # decode, memory, training, long, lengths
+//!                                                  # or streaming
 //! cargo bench --bench attention -- --only lengths --pytorch pytorch.jsonl --plot docs/img/lengths.png
 //!     # forwards from T = 1k to 32k, drawn beside `pytorch_baseline.py --lengths --json`'s
 //! cargo bench --features cuda --bench attention -- --only cuda [--max-t 4096]
@@ -238,6 +239,70 @@ fn cuda_kernel(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()
 #[cfg(feature = "cuda")]
 fn upto(lengths: &[usize], max_t: usize) -> Vec<usize> {
     lengths.iter().copied().filter(|&t| t <= max_t).collect()
+}
+
+/// One decoding step of a causal RoPE block (B1, f32) with a streaming cache of 4 sinks and a
+/// window of W, full (each step appends a token and evicts one), against a plain cache holding
+/// the same 4 + W keys (each step appends a token, then is undone): paired medians, W = 4096
+/// and 65536 (512 and 4096 with `--quick`). Both caches are filled by one causal forward.
+fn streaming_steps(
+    case: &Case,
+    (d_model, heads): (usize, usize),
+    vb: &VarBuilder,
+    dev: &Device,
+    quick: bool,
+    json: bool,
+) -> Result<()> {
+    let windows: &[usize] = if quick { &[512, 4096] } else { &[4096, 65536] };
+    let sinks = 4;
+    let runs = if quick { 5 } else { 21 };
+    let mha = block(case, true, d_model, heads, vb)?;
+    let opts = AttentionOptions::default();
+    println!(
+        "
+one decoding step, streaming cache (4 sinks + W) against a plain cache of as many keys, B1 H{heads} d_model {d_model}:"
+    );
+    println!(
+        "{:<10} {:>12} {:>14} {:>10}",
+        "W", "plain ms", "streaming ms", "per pair"
+    );
+    for &window in windows {
+        let held = sinks + window;
+        let prefix = Tensor::randn(0f32, 1.0, (1, held, d_model), dev)?;
+        let token = Tensor::randn(0f32, 1.0, (1, 1, d_model), dev)?;
+        let mut plain = KvCache::with_capacity(held + 1);
+        mha.forward_with(&prefix, &opts, Some(&mut plain))?;
+        let mut streaming = KvCache::streaming(sinks, window);
+        mha.forward_with(&prefix, &opts, Some(&mut streaming))?;
+        let p = common::paired(
+            runs,
+            || {
+                let y = mha.forward_with(&token, &opts, Some(&mut plain))?;
+                dev.synchronize()?;
+                drop(y);
+                plain.truncate(held)?;
+                Ok(())
+            },
+            || {
+                let y = mha.forward_with(&token, &opts, Some(&mut streaming))?;
+                dev.synchronize()?;
+                drop(y);
+                Ok(())
+            },
+        )?;
+        println!(
+            "{window:<10} {:>12.3} {:>14.3} {:>9.2}x",
+            p.a_ms, p.b_ms, p.ratio
+        );
+        json_line(
+            json,
+            &format!(
+                "\"bench\":\"streaming_step\",\"window\":{window},\"plain_ms\":{:.4},\"streaming_ms\":{:.4},\"ratio\":{:.4}",
+                p.a_ms, p.b_ms, p.ratio
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// [`cuda_kernel`]'s inference rows in `dtype` for the encodings `names` at `lengths`.
@@ -1055,6 +1120,15 @@ fn main() -> Result<()> {
             .and_then(|i| args.get(i + 1))
             .map_or(Ok(usize::MAX), |v| v.parse())?;
         cuda_kernel(&dev, quick, max_t, json)?;
+    }
+
+    // A streaming cache's decoding step against a plain cache's holding as many keys.
+    if section("streaming") && only.is_some() {
+        let rope = all
+            .iter()
+            .find(|c| c.name == "rope")
+            .context("the rope case")?;
+        streaming_steps(rope, (d_model, heads), &vb, &dev, quick, json)?;
     }
 
     // Time against length: one block forward without an encoding, B1, T = 1k .. 32k (medians

@@ -8,13 +8,17 @@ use crate::error::{Error, Result};
 use crate::limits::max_elements;
 use crate::positions::Positions;
 
+/// Positions a cache's first storage holds unless asked otherwise.
+const DEFAULT_CAPACITY: usize = 512;
+
 /// Keys and values of the tokens seen so far, with their positions.
 ///
 /// Keys are stored after rotation (rotary encodings rotate each key once, at its own position),
 /// with `num_kv_heads` heads (the fused CPU core reads each shared head in place; the other paths
-/// repeat grouped heads after the cache). Storage is preallocated and written in place; it
-/// starts at the capacity asked for and doubles when a chunk does not fit, so appending a token
-/// costs O(1) amortised copies.
+/// repeat grouped heads after the cache). Storage is written in place; it starts at the
+/// capacity asked for (512 positions by default, never past the budget) and doubles when a
+/// chunk does not fit, so appending a token costs O(1) amortised copies and the storage follows
+/// the tokens held ([`Self::capacity`]).
 ///
 /// A clone is an independent cache (beam search, branching): clones share storage only until
 /// one of them appends, which first copies what it holds (copy on write), so no clone ever sees
@@ -67,7 +71,7 @@ impl Default for KvCache {
 impl KvCache {
     /// An empty cache (storage for 512 positions at the first append, doubling after).
     pub fn new() -> Self {
-        Self::with_capacity(512)
+        Self::with_capacity(DEFAULT_CAPACITY)
     }
 
     /// An empty cache whose first storage holds `capacity` positions.
@@ -128,9 +132,12 @@ impl KvCache {
     /// # Ok::<(), candle_posenc::Error>(())
     /// ```
     pub fn streaming(sinks: usize, window: usize) -> Self {
+        // Storage follows what the cache holds: the default first allocation, doubling as
+        // tokens arrive, up to sinks + window + a chunk.
+        let most = sinks.saturating_add(window).saturating_add(1);
         Self {
             streaming: Some((sinks, window)),
-            ..Self::with_capacity(sinks.saturating_add(window).saturating_add(1))
+            ..Self::with_capacity(most.min(DEFAULT_CAPACITY))
         }
     }
 
@@ -147,6 +154,15 @@ impl KvCache {
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Positions the storage holds before it grows again (0 before the first append): storage
+    /// follows the tokens held, doubling as they arrive, so this is at most twice the most
+    /// tokens held at once (or the capacity asked for, within the budget).
+    pub fn capacity(&self) -> usize {
+        self.k
+            .as_ref()
+            .map_or(0, |k| k.dims().get(2).copied().unwrap_or(0))
     }
 
     /// Positions of the cached keys (`None` while empty).
@@ -308,12 +324,9 @@ impl KvCache {
             return Ok(());
         };
         let recent = |t: &Tensor| -> Result<Tensor> {
-            // A fresh contiguous copy: the slots it moves to overlap the ones it comes from.
-            let r = t.narrow(2, self.len - window, window)?;
-            Ok(match r.is_contiguous() {
-                true => r.copy()?,
-                false => r.contiguous()?,
-            })
+            // A packed copy of the window alone (the slots it moves to overlap the ones it
+            // comes from; `copy` would clone the whole storage).
+            Ok(t.narrow(2, self.len - window, window)?.force_contiguous()?)
         };
         let (rk, rv) = (recent(k)?, recent(v)?);
         let (b, h, _, d) = k.dims4()?;

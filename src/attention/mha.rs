@@ -362,9 +362,10 @@ impl MultiHeadAttention {
                             .with_causal(self.config.causal)
                             .with_train(ctx.train)
                             .with_sinks(self.config.sinks);
-                        // A copy: the rotation may run in place, and the cache keeps its keys
-                        // unrotated.
-                        self.check_rotated(e.rotate(q, k.copy()?, &all)?, (b, t, tk))?
+                        // A packed copy of the keys held (not `copy`, which clones the cache's
+                        // whole storage): the rotation may run in place, and the cache keeps
+                        // its keys unrotated.
+                        self.check_rotated(e.rotate(q, k.force_contiguous()?, &all)?, (b, t, tk))?
                     }
                     None => (q, k),
                 };

@@ -5,6 +5,7 @@ mod api_properties;
 mod bad_input;
 mod budget;
 mod integer_ops;
+mod memory;
 mod non_finite;
 mod properties;
 mod reliability;

@@ -1,0 +1,80 @@
+//! Memory follows what a KV cache holds: storage grows with the tokens held (doubling), whatever
+//! capacity a streaming window or a hint names, and never past the budget.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::limits::BudgetScope;
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, KvCache, MultiHeadAttention, RopeConfig, RotaryEmbedding,
+};
+
+/// A causal RoPE block with 8 KV heads of 16 features.
+fn block(dev: &Device) -> anyhow::Result<MultiHeadAttention> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let rope = RotaryEmbedding::new(&RopeConfig::new(16), dev)?;
+    Ok(MultiHeadAttention::new(
+        &AttentionConfig::new(128, 8).with_causal(true),
+        Some(std::sync::Arc::new(rope)),
+        vb,
+    )?)
+}
+
+/// Streaming caches with windows of 2^20 and `usize::MAX` (and as many sinks) hold ten tokens
+/// in storage for at most 512 positions, as a plain cache does; fed past its window, a small
+/// streaming cache's storage stays within twice what it holds at once.
+fn streaming_storage_follows_the_tokens_held(dev: &Device) -> anyhow::Result<()> {
+    let mha = block(dev)?;
+    let opts = AttentionOptions::default();
+    let token = Tensor::randn(0f32, 1.0, (1, 1, 128), dev)?;
+    for (sinks, window) in [(4, 1 << 20), (usize::MAX, 4), (4, usize::MAX), (0, 1 << 30)] {
+        let mut cache = KvCache::streaming(sinks, window);
+        assert_eq!(
+            cache.capacity(),
+            0,
+            "nothing allocated before the first token"
+        );
+        for _ in 0..10 {
+            mha.forward_with(&token, &opts, Some(&mut cache))?;
+        }
+        assert_eq!(cache.len(), 10);
+        assert!(
+            (10..=512).contains(&cache.capacity()),
+            "sinks {sinks} window {window}: storage for {} positions",
+            cache.capacity()
+        );
+    }
+    // 2 sinks and a window of 600: a chunk of 700 tokens, then single tokens past the window.
+    let mut cache = KvCache::streaming(2, 600);
+    let chunk = Tensor::randn(0f32, 1.0, (1, 700, 128), dev)?;
+    mha.forward_with(&chunk, &opts, Some(&mut cache))?;
+    for _ in 0..5 {
+        mha.forward_with(&token, &opts, Some(&mut cache))?;
+    }
+    assert_eq!(cache.len(), 602);
+    assert!(
+        (700..=1400).contains(&cache.capacity()),
+        "{} positions",
+        cache.capacity()
+    );
+    Ok(())
+}
+
+/// A capacity hint past the budget reserves what the budget holds, not the hint: 10^12
+/// positions under a budget of 2^16 elements give 2^16 / (8 heads × 16) = 512 positions, and
+/// the cache grows no further than the budget allows.
+fn capacity_hints_stay_within_the_budget(dev: &Device) -> anyhow::Result<()> {
+    let mha = block(dev)?;
+    let opts = AttentionOptions::default();
+    let _budget = BudgetScope::new(1 << 16);
+    let mut cache = KvCache::with_capacity(1_000_000_000_000);
+    let token = Tensor::randn(0f32, 1.0, (1, 1, 128), dev)?;
+    mha.forward_with(&token, &opts, Some(&mut cache))?;
+    assert_eq!(cache.capacity(), 512);
+    Ok(())
+}
+
+device_tests!(
+    streaming_storage_follows_the_tokens_held,
+    capacity_hints_stay_within_the_budget
+);
