@@ -52,6 +52,9 @@ pub struct KvCache {
     /// `(B, Hkv, capacity, D)` buffers, allocated at the first append.
     k: Option<Tensor>,
     v: Option<Tensor>,
+    /// The buffers' index of slot 0: a streaming cache evicts by moving its sinks forward
+    /// (O(sinks)) rather than its window back, and compacts when the end is reached.
+    start: usize,
     len: usize,
     /// Positions of the first allocation, as asked (capped by the budget when allocated).
     capacity: usize,
@@ -83,6 +86,7 @@ impl KvCache {
         Self {
             k: None,
             v: None,
+            start: 0,
             len: 0,
             capacity: capacity.max(1),
             positions: None,
@@ -215,6 +219,7 @@ impl KvCache {
     pub fn reset(&mut self) {
         self.k = None;
         self.v = None;
+        self.start = 0;
         self.len = 0;
         self.positions = None;
         self.owner = Arc::new(());
@@ -294,24 +299,25 @@ impl KvCache {
             }
         };
         if new_len > 0 {
-            kb.slice_set(&k.contiguous()?, 2, self.len)?;
-            vb.slice_set(&v.contiguous()?, 2, self.len)?;
+            kb.slice_set(&k.contiguous()?, 2, self.start + self.len)?;
+            vb.slice_set(&v.contiguous()?, 2, self.start + self.len)?;
         }
         self.len = total;
         self.positions = Some(all_positions.clone());
         Ok((
-            kb.narrow(2, 0, total)?,
-            vb.narrow(2, 0, total)?,
+            kb.narrow(2, self.start, total)?,
+            vb.narrow(2, self.start, total)?,
             all_positions,
         ))
     }
 
     /// Forgets the tokens between the sinks and the window of a streaming cache (nothing for a
-    /// plain one); the kept keys move to the slots after the sinks.
+    /// plain one): the sinks move forward over the forgotten tokens, to the slots just before
+    /// the window, which stays where it is (a copy of the sinks, not of the window).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if copying the kept tokens would pass the budget; the cache is
-    /// then unchanged.
+    /// [`Error::InvalidConfig`] if owning the storage (a clone shares it) would pass the
+    /// budget; the cache is then unchanged.
     pub(crate) fn evict(&mut self) -> Result<()> {
         let Some((sinks, window)) = self.streaming else {
             return Ok(());
@@ -320,25 +326,22 @@ impl KvCache {
         if self.len <= keep {
             return Ok(());
         }
-        let (Some(k), Some(v)) = (&self.k, &self.v) else {
+        let Some(k) = &self.k else {
             return Ok(());
         };
-        let recent = |t: &Tensor| -> Result<Tensor> {
-            // A packed copy of the window alone (the slots it moves to overlap the ones it
-            // comes from; `copy` would clone the whole storage).
-            Ok(t.narrow(2, self.len - window, window)?.force_contiguous()?)
-        };
-        let (rk, rv) = (recent(k)?, recent(v)?);
         let (b, h, _, d) = k.dims4()?;
         let like = k.clone();
         // Own storage first (a clone may share it).
         self.reserve(self.len, (b, h, d), &like)?;
-        if let (Some(k), Some(v)) = (&self.k, &self.v) {
-            if window > 0 {
-                k.slice_set(&rk, 2, sinks)?;
-                v.slice_set(&rv, 2, sinks)?;
+        let drop = self.len - keep;
+        if let (Some(k), Some(v), true) = (&self.k, &self.v, sinks > 0) {
+            for t in [k, v] {
+                // A packed copy: the slots the sinks move to may overlap their own.
+                let moved = t.narrow(2, self.start, sinks)?.force_contiguous()?;
+                t.slice_set(&moved, 2, self.start + drop)?;
             }
         }
+        self.start += drop;
         self.len = keep;
         self.positions = Some(Positions::Offset(0));
         Ok(())
@@ -354,8 +357,13 @@ impl KvCache {
     ) -> Result<()> {
         let have = self.k.as_ref().map_or(Ok(0), |t| t.dim(2))?;
         let shared = Arc::strong_count(&self.owner) > 1;
-        if needed <= have && !shared {
+        if self.start + needed <= have && !shared {
             return Ok(());
+        }
+        // Slots past a moved window's end: back to the front while a quarter of the storage
+        // stays free (so moving is amortised over as many steps as it copies tokens).
+        if needed.saturating_add(needed / 4) <= have && !shared {
+            return self.compact();
         }
         let per_position = b.saturating_mul(h).saturating_mul(d).max(1);
         let budget = max_elements();
@@ -367,19 +375,23 @@ impl KvCache {
                 format!("at most {most} for batch × kv heads × head_dim = {per_position} (KV cache storage of at most {budget} elements)"),
             ));
         }
-        let capacity = if needed <= have {
-            have
-        } else {
-            needed
+        // A quarter free past what is needed, so that a streaming window moves many steps
+        // before it reaches the end again.
+        let roomy = needed.saturating_add(needed / 4);
+        let capacity = match roomy <= have {
+            true => have,
+            false => roomy
                 .max(have.saturating_mul(2))
                 .max(self.capacity)
                 .min(most)
+                .max(needed),
         };
         let grow = |old: &Option<Tensor>| -> Result<Tensor> {
             let fresh = Tensor::zeros((b, h, capacity, d), like.dtype(), like.device())?;
             if let Some(old) = old {
                 if self.len > 0 {
-                    fresh.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
+                    let held = old.narrow(2, self.start, self.len)?;
+                    fresh.slice_set(&held.contiguous()?, 2, 0)?;
                 }
             }
             Ok(fresh)
@@ -387,7 +399,25 @@ impl KvCache {
         let (k, v) = (grow(&self.k)?, grow(&self.v)?);
         self.k = Some(k);
         self.v = Some(v);
+        self.start = 0;
         self.owner = Arc::new(());
+        Ok(())
+    }
+
+    /// The held slots moved back to the front of this cache's own storage.
+    fn compact(&mut self) -> Result<()> {
+        if self.start == 0 {
+            return Ok(());
+        }
+        if let (Some(k), Some(v)) = (&self.k, &self.v) {
+            for t in [k, v] {
+                if self.len > 0 {
+                    let held = t.narrow(2, self.start, self.len)?.force_contiguous()?;
+                    t.slice_set(&held, 2, 0)?;
+                }
+            }
+        }
+        self.start = 0;
         Ok(())
     }
 }

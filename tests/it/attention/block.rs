@@ -1255,6 +1255,9 @@ fn streaming_cache_keeps_sinks_and_a_window(dev: &Device) -> anyhow::Result<()> 
     for (batch, kv_heads) in [(2, 2), (1, 1)] {
         streaming_case(dev, (sinks, window, n), batch, kv_heads)?;
     }
+    // A longer stream: the sinks move forward over each evicted token, and the slots go back
+    // to the front of the storage several times.
+    streaming_case(dev, (sinks, window, 60), 2, 2)?;
     Ok(())
 }
 
