@@ -17,7 +17,7 @@
 //! References: Radford et al. 2019 (GPT-2); the interpolation follows the seeds'
 //! `LearnedPositionalEncodingWithInterpolation`.
 
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -251,11 +251,30 @@ impl LearnedPositionalEncoding {
         if len == n_in {
             return Ok(self.weight.clone());
         }
+        self.stretched(len, 0..len)
+    }
+
+    /// Rows `rows` of the table stretched to `len` rows, computed for those rows alone: row
+    /// `i` blends the two trained rows around `(i + ½)·max_len / len − ½`.
+    fn stretched(&self, len: usize, rows: impl ExactSizeIterator<Item = usize>) -> Result<Tensor> {
+        let n_in = self.config.max_len;
+        let n = rows.len();
+        // a, b and b − a live at once.
+        check_elements(
+            "positions",
+            n,
+            format!(
+                "3 × rows × d_model ({}) of the stretched rows",
+                self.config.d_model
+            )
+            .as_str(),
+            &[3, n, self.config.d_model],
+        )?;
         let scale = n_in as f64 / len as f64;
-        let mut lo = Vec::with_capacity(len);
-        let mut hi = Vec::with_capacity(len);
-        let mut lambda = Vec::with_capacity(len);
-        for i in 0..len {
+        let mut lo = Vec::with_capacity(n);
+        let mut hi = Vec::with_capacity(n);
+        let mut lambda = Vec::with_capacity(n);
+        for i in rows {
             let src = ((i as f64 + 0.5) * scale - 0.5).max(0.0);
             let i0 = (src.floor() as usize).min(n_in - 1);
             lo.push(i0 as u32);
@@ -263,27 +282,29 @@ impl LearnedPositionalEncoding {
             lambda.push((src - i0 as f64) as f32);
         }
         let device = self.weight.device();
-        let lo = Tensor::from_vec(lo, len, device)?;
-        let hi = Tensor::from_vec(hi, len, device)?;
-        let lambda = Tensor::from_vec(lambda, (len, 1), device)?.to_dtype(self.weight.dtype())?;
+        let lo = Tensor::from_vec(lo, n, device)?;
+        let hi = Tensor::from_vec(hi, n, device)?;
+        let lambda = Tensor::from_vec(lambda, (n, 1), device)?.to_dtype(self.weight.dtype())?;
         let a = self.weight.index_select(&lo, 0)?;
         let b = self.weight.index_select(&hi, 0)?;
         // (1 − λ)·a + λ·b, written as a + λ·(b − a).
         Ok((&a + (b - &a)?.broadcast_mul(&lambda)?)?)
     }
 
-    /// The table that serves positions `0..end`, per the interpolation mode.
-    fn table_for(&self, end: usize) -> Result<Tensor> {
+    /// The length of the stretch that serves positions `0..end` per the interpolation mode
+    /// (`None`: the trained table itself).
+    fn stretch_for(&self, end: usize) -> Result<Option<usize>> {
         let max_len = self.config.max_len;
         match self.config.interpolation {
-            // One stretched table for every chunk, whatever its end.
-            Interpolation::ToLength(n) if end <= n => self.interpolated(n),
+            // One stretch for every chunk, whatever its end.
+            Interpolation::ToLength(n) if end <= n && n != max_len => Ok(Some(n)),
+            Interpolation::ToLength(n) if end <= n => Ok(None),
             Interpolation::ToLength(n) => Err(Error::PositionOutOfRange {
                 table: "interpolated learned positional",
                 position: end - 1,
                 len: n,
             }),
-            _ if end <= max_len => Ok(self.weight.clone()),
+            _ if end <= max_len => Ok(None),
             Interpolation::Off => Err(Error::PositionOutOfRange {
                 table: "learned positional",
                 position: end - 1,
@@ -297,7 +318,30 @@ impl LearnedPositionalEncoding {
                         len: max_elements() / self.config.d_model,
                     });
                 }
-                self.interpolated(end)
+                Ok(Some(end).filter(|&n| n != max_len))
+            }
+        }
+    }
+
+    /// The rows of the table (or of its stretch to `len`) at `positions`, `t` tokens: only those
+    /// rows are computed, so one token far along a stretched table costs one row.
+    fn rows_at(&self, stretch: Option<usize>, positions: &Positions, t: usize) -> Result<Tensor> {
+        let Some(len) = stretch else {
+            return gather_rows(&self.weight, positions, t);
+        };
+        match positions {
+            Positions::Offset(start) => {
+                Ok(self.stretched(len, *start..*start + t)?.unsqueeze(0)?)
+            }
+            Positions::Ids(ids) => {
+                let (b, t) = ids.ids().dims2()?;
+                let flat = ids
+                    .ids()
+                    .flatten_all()?
+                    .to_dtype(DType::I64)?
+                    .to_vec1::<i64>()?;
+                let rows = self.stretched(len, flat.into_iter().map(|p| p as usize))?;
+                Ok(rows.reshape((b, t, self.config.d_model))?)
             }
         }
     }
@@ -328,8 +372,8 @@ impl LearnedPositionalEncoding {
         train: bool,
     ) -> Result<Tensor> {
         let (_, t) = positions.check_input(x, self.config.d_model, "input x")?;
-        let table = self.table_for(positions.end(t))?;
-        let rows = gather_rows(&table, positions, t)?;
+        let stretch = self.stretch_for(positions.end(t))?;
+        let rows = self.rows_at(stretch, positions, t)?;
         add_and_dropout(x, &rows, self.config.dropout, train)
     }
 }

@@ -289,14 +289,10 @@ impl RopeConfig {
                 ));
             }
         }
-        // The cos and sin tables built at construction (and the frequencies behind them).
+        // The cos and sin tables built at construction, with the f64 frequencies behind them
+        // (one more row of each, two f32 elements per f64).
         let rows = self.max_position.clamp(1, INITIAL_ROWS_CAP);
-        crate::limits::check_elements(
-            "rotary_dim",
-            self.rotary_dim,
-            format!("2 × {rows} rows × rotary_dim / 2 of the first cos and sin tables").as_str(),
-            &[2, rows, self.rotary_dim / 2],
-        )?;
+        check_table_stage(self, rows)?;
         self.scaling.validate(self.rotary_dim)?;
         // Every regime the tables can take must be finite (LongRoPE's long factors and
         // attention factor apply past the original length only).
@@ -939,6 +935,27 @@ fn finite_entry(value: f64, pos: usize, factor: f64, xpos: Option<f64>) -> Resul
     Err(Error::config("position", pos, cause))
 }
 
+/// What building `rows` rows of tables holds at once, within the budget: the cos and sin
+/// tables (and xPos's key tables), and the f64 frequencies (and xPos's ζ) behind them, two f32
+/// elements per f64: `sets × (rows + 1) × rotary_dim / 2`.
+fn check_table_stage(config: &RopeConfig, rows: usize) -> Result<()> {
+    let sets = if config.xpos_scale_base.is_some() {
+        4
+    } else {
+        2
+    };
+    crate::limits::check_elements(
+        "rotary_dim",
+        config.rotary_dim,
+        format!(
+            "{sets} × ({rows} rows + the f64 frequencies) × rotary_dim / 2 of the tables a build holds at once"
+        )
+        .as_str(),
+        &[sets, rows.saturating_add(1), config.rotary_dim / 2],
+    )?;
+    Ok(())
+}
+
 /// cos/sin tables for positions `0..rows` in `regime`, computed in f64 and stored as f32.
 /// Tables of `rows` positions from `first` (row `r` is position `first + r`).
 fn build_tables(
@@ -956,6 +973,7 @@ fn build_tables(
     }
     let half = freqs.inv_freq.len();
     check_table_size(rows, config.rotary_dim)?;
+    check_table_stage(config, rows)?;
     let n = rows * half;
     let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
     // xPos: ζ_i = (2i/d + 0.4) / 1.4, scale ζ_i^(n/γ) for queries and its inverse for keys.

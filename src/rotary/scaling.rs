@@ -350,7 +350,8 @@ impl RopeScaling {
     /// `LongRope` look at it).
     ///
     /// # Errors
-    /// As [`Self::validate`].
+    /// As [`Self::validate`]; [`Error::InvalidConfig`] for a `rotary_dim` whose frequencies
+    /// would pass [`crate::limits::max_elements`] (each f64 counted as two f32 elements).
     pub fn frequencies(
         &self,
         rotary_dim: usize,
@@ -358,6 +359,13 @@ impl RopeScaling {
         seq_len: usize,
     ) -> Result<RopeFrequencies> {
         self.validate(rotary_dim)?;
+        // The list of rotary_dim / 2 frequencies, in f64: two f32 elements each.
+        crate::limits::check_elements(
+            "rotary_dim",
+            rotary_dim,
+            "rotary_dim / 2 f64 frequencies (two f32 elements each)",
+            &[rotary_dim / 2, 2],
+        )?;
         let plain = |inv_freq| RopeFrequencies {
             inv_freq,
             attention_factor: 1.0,

@@ -3,6 +3,8 @@
 //! only (`BudgetScope`), so the tests beside it keep the default; the process-wide setter is
 //! tested in a child process of its own.
 
+use crate::common;
+
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::limits::{max_elements, set_max_elements, BudgetScope, MAX_ELEMENTS};
@@ -231,5 +233,51 @@ fn set_max_elements_is_process_wide() -> anyhow::Result<()> {
     );
     assert_eq!(set_max_elements(0), 4096, "at least 1");
     assert_eq!(set_max_elements(MAX_ELEMENTS), 1);
+    Ok(())
+}
+
+/// Work that follows an argument is budgeted before it is built, counting every tensor a stage
+/// holds at once: RoPE's f64 frequencies count two elements each, beside the tables built from
+/// them; a learned table stretched to
+/// the sequence's length computes only the rows its tokens read, so one token far along costs
+/// one row where the whole stretch (three tensors of it at once) is refused.
+#[test]
+fn work_follows_what_a_call_reads() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let cfg = LearnedConfig::new(16)
+        .with_max_len(16)
+        .with_interpolation(candle_posenc::Interpolation::ToSequenceLength);
+    let learned = LearnedPositionalEncoding::new(&cfg, vb.pp("l"))?;
+    let token = Tensor::zeros((1, 1, 16), DType::F32, &dev)?;
+    let far = Positions::Offset(200);
+    // The reference: row 200 of the whole stretch to 201 rows, under the default budget.
+    let want = learned.interpolated(201)?.narrow(0, 200, 1)?.unsqueeze(0)?;
+
+    let _scope = BudgetScope::new(4096);
+    let scaling = candle_posenc::RopeScaling::None;
+    scaling.frequencies(1 << 12, 10_000.0, 0)?;
+    match scaling.frequencies(1 << 13, 10_000.0, 0) {
+        Err(Error::InvalidConfig { name, .. }) => assert_eq!(name, "rotary_dim"),
+        other => panic!("2^12 f64 frequencies under a budget of 4096: {other:?}"),
+    }
+    // RoPE's first tables with the frequencies behind them: 2 × (63 + 1) × 32 fit, and
+    // 2 × (64 + 1) × 32 do not.
+    RotaryEmbedding::new(&RopeConfig::new(64).with_max_position(63), &dev)?;
+    match RotaryEmbedding::new(&RopeConfig::new(64).with_max_position(64), &dev) {
+        Err(Error::InvalidConfig { name, .. }) => assert_eq!(name, "rotary_dim"),
+        other => panic!("RoPE tables for 64 positions under a budget of 4096: {other:?}"),
+    }
+    match learned.interpolated(201) {
+        Err(Error::InvalidConfig { name, .. }) => assert_eq!(name, "positions"),
+        other => panic!("three 201 × 16 stretches under a budget of 4096: {other:?}"),
+    }
+    let got = learned.forward_with_positions(&token, &far, false)?;
+    assert_eq!(
+        common::max_abs_diff(&got, &want)?,
+        0.0,
+        "one row of the stretch equals the whole stretch's row"
+    );
     Ok(())
 }
