@@ -79,7 +79,9 @@ impl Drop for BudgetScope {
 }
 
 /// The product of `dims`, or [`Error::InvalidConfig`] naming `name = value` if it overflows or
-/// exceeds [`max_elements`]; `what` names the product in the message (e.g. `"max_len × d_model"`).
+/// exceeds [`max_elements`]; `what` names the product in the message (e.g. `"max_len × d_model"`,
+/// or `format_args!` for one that names sizes: it is formatted only when the check fails, so a
+/// call that passes allocates nothing for it).
 ///
 /// Each size must be within the budget on its own too: a zero elsewhere makes the product 0,
 /// but the work around a tensor (a loop over its rows, a lookup per distance) still follows
@@ -87,7 +89,7 @@ impl Drop for BudgetScope {
 pub(crate) fn check_elements(
     name: &'static str,
     value: impl std::fmt::Display,
-    what: &str,
+    what: impl std::fmt::Display,
     dims: &[usize],
 ) -> Result<usize> {
     let budget = max_elements();

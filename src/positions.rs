@@ -200,7 +200,7 @@ impl PositionIds {
         };
         crate::limits::check_elements(
             "position ids",
-            format!("batch {batch} × length {len}"),
+            format_args!("batch {batch} × length {len}"),
             "axes × batch × length of the positions of a cache and a chunk together",
             &[axes, batch, len],
         )?;
@@ -505,7 +505,7 @@ impl Positions {
     ) -> Result<Tensor> {
         crate::limits::check_elements(
             "queries × keys",
-            format!("{q_len} × {k_len}"),
+            format_args!("{q_len} × {k_len}"),
             "the number of (query, key) pairs",
             &[q_len, k_len],
         )?;
@@ -521,7 +521,7 @@ impl Positions {
         }
         crate::limits::check_elements(
             "queries × keys",
-            format!("{q_len} × {k_len}"),
+            format_args!("{q_len} × {k_len}"),
             "batch × queries × keys of the distances",
             &[qb.max(kb), q_len, k_len],
         )?;

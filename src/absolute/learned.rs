@@ -245,7 +245,7 @@ impl LearnedPositionalEncoding {
         crate::limits::check_elements(
             "interpolation length",
             len,
-            format!("length × d_model ({})", self.config.d_model).as_str(),
+            format_args!("length × d_model ({})", self.config.d_model),
             &[len, self.config.d_model],
         )?;
         if len == n_in {
@@ -263,11 +263,10 @@ impl LearnedPositionalEncoding {
         check_elements(
             "positions",
             n,
-            format!(
+            format_args!(
                 "3 × rows × d_model ({}) of the stretched rows",
                 self.config.d_model
-            )
-            .as_str(),
+            ),
             &[3, n, self.config.d_model],
         )?;
         let scale = n_in as f64 / len as f64;

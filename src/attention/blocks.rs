@@ -421,12 +421,11 @@ impl Chunk<'_> {
         check_elements(
             "sequence length",
             t,
-            format!(
+            format_args!(
                 "batch ({b}) × heads ({h}) × queries ({t}) × keys ({tk}) of the logits \
                  that candle's ops keep for the backward (a differentiable call off the \
                  fused paths)"
-            )
-            .as_str(),
+            ),
             &[b.max(1), h, t, tk],
         )?;
         Ok(())

@@ -444,13 +444,13 @@ impl AttentionConfig {
         let width = check_elements(
             "head_dim",
             self.head_dim,
-            format!("num_heads ({}) × head_dim", self.num_heads).as_str(),
+            format_args!("num_heads ({}) × head_dim", self.num_heads),
             &[self.num_heads, self.head_dim],
         )?;
         check_elements(
             "d_model",
             self.d_model,
-            format!("d_model × num_heads × head_dim ({width})").as_str(),
+            format_args!("d_model × num_heads × head_dim ({width})"),
             &[self.d_model, width],
         )?;
         // The four projections together: q and o hold H·D rows or columns, k and v Hkv·D.
@@ -471,11 +471,10 @@ impl AttentionConfig {
         check_elements(
             "d_model",
             self.d_model,
-            format!(
+            format_args!(
                 "d_model × (2·num_heads + 2·num_kv_heads) × head_dim ({heads} × {}) of the four projections together",
                 self.head_dim
-            )
-            .as_str(),
+            ),
             &[self.d_model, heads, self.head_dim],
         )?;
         Ok(())

@@ -91,7 +91,7 @@ impl TrainCore<'_> {
         let (b, h, tq, _, d) = spec.dims;
         check_elements(
             "fused training statistics",
-            format!("{b} × {h} × {tq}"),
+            format_args!("{b} × {h} × {tq}"),
             "two per query row",
             &[b, h, tq, 2],
         )?;
@@ -213,7 +213,7 @@ fn check_grad_dims(dims: &[usize; 4], spec: &CoreSpec, relative: bool) -> Result
     }
     check_elements(
         "additive logits term with gradients",
-        format!("{dims:?}"),
+        format_args!("{dims:?}"),
         "its partial sums per head and task",
         &[b, h, dims[2], dims[3], 2],
     )?;
@@ -543,7 +543,7 @@ impl Backward {
             .fold(0usize, usize::saturating_add);
         check_elements(
             "fused training partial sums",
-            format!("{tasks} tasks × {per_task}"),
+            format_args!("{tasks} tasks × {per_task}"),
             "the partial gradients of every task",
             &[tasks, per_task],
         )

@@ -158,7 +158,7 @@ impl LatentConfig {
                 [1, self.kv_lora_rank.saturating_add(self.rope_dim), d_model],
             ),
         ] {
-            check_elements("latent", format!("{self:?}"), what, &dims)?;
+            check_elements("latent", format_args!("{self:?}"), what, &dims)?;
         }
         Ok(())
     }

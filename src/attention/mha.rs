@@ -491,11 +491,10 @@ impl MultiHeadAttention {
         check_elements(
             "sequence length",
             t,
-            format!(
+            format_args!(
                 "batch ({b}) × heads ({}) × queries per block ({rows}) × keys ({tk}) of the attention logits",
                 cfg.num_heads
-            )
-            .as_str(),
+            ),
             // An empty batch is checked as one sequence: its shapes still need strides that fit.
             &[b.max(1), cfg.num_heads, rows, tk],
         )?;
@@ -521,17 +520,16 @@ impl MultiHeadAttention {
         check_elements(
             "sequence length",
             t,
-            format!("batch ({b}) × queries × the widest per-token projection ({width})").as_str(),
+            format_args!("batch ({b}) × queries × the widest per-token projection ({width})"),
             &[b.max(1), t, width],
         )?;
         check_elements(
             "sequence length",
             t,
-            format!(
+            format_args!(
                 "batch ({b}) × KV heads ({kv_heads}) × keys with the cache ({tk}) × head_dim ({})",
                 cfg.head_dim
-            )
-            .as_str(),
+            ),
             &[b.max(1), kv_heads, tk, cfg.head_dim],
         )?;
         Ok(())

@@ -87,7 +87,7 @@ impl Columns {
             Columns::Shift(shift) => {
                 check_elements(
                     "queries × keys",
-                    format!("{tq} × {tk}"),
+                    format_args!("{tq} × {tk}"),
                     "the column map",
                     &[tq, tk],
                 )?;
@@ -236,7 +236,7 @@ impl RelativeBias {
         self.check_block((batch, vh, tq, tk))?;
         check_elements(
             "queries × keys",
-            format!("{tq} × {tk}"),
+            format_args!("{tq} × {tk}"),
             "batch × heads × queries × keys of a dense relative bias",
             &[batch, vh, tq, tk],
         )?;
@@ -260,7 +260,7 @@ impl RelativeBias {
         // wide the table is.
         check_elements(
             "relative bias rows",
-            format!("({vb}, {vh}, {rows}, {width})"),
+            format_args!("({vb}, {vh}, {rows}, {width})"),
             "the relative rows as one flat table",
             &[vb, vh, rows, width],
         )?;
@@ -382,16 +382,15 @@ impl RelativeValues {
         check_elements(
             "relative value table features",
             d,
-            format!(
+            format_args!(
                 "batch ({b}) × heads ({h}) × queries ({tq}) × features ({d}) of the weighted sum"
-            )
-            .as_str(),
+            ),
             &[b, h, tq, d],
         )?;
         check_elements(
             "relative value table features",
             d,
-            format!("table rows ({}) × features ({d})", self.width()).as_str(),
+            format_args!("table rows ({}) × features ({d})", self.width()),
             &[self.width(), d],
         )?;
         let sums = column_sums(probs, &self.columns, self.width())?;
@@ -430,7 +429,7 @@ fn column_sums(probs: &Tensor, columns: &Columns, width: usize) -> Result<Tensor
     check_elements(
         "relative value table width",
         width,
-        format!("batch ({b}) × heads ({h}) × queries ({tq}) × table width ({width}) of the per-column weight sums").as_str(),
+        format_args!("batch ({b}) × heads ({h}) × queries ({tq}) × table width ({width}) of the per-column weight sums"),
         &[b, h, tq, width],
     )?;
     let plain = probs.detach();
@@ -440,7 +439,7 @@ fn column_sums(probs: &Tensor, columns: &Columns, width: usize) -> Result<Tensor
         // column map expanded to them: budgeted before they exist.
         check_elements(
             "attention weights",
-            format!("{:?}", plain.dims()),
+            format_args!("{:?}", plain.dims()),
             "batch × heads × queries × keys of the weights as the column sums read them",
             &[b, h, tq, tk],
         )?;

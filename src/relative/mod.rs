@@ -37,7 +37,7 @@ pub(crate) fn relative_buckets(
     check_ranges(queries, tq, keys, tk)?;
     crate::limits::check_elements(
         "queries × keys",
-        format!("{tq} × {tk}"),
+        format_args!("{tq} × {tk}"),
         "the number of (query, key) pairs",
         &[tq, tk],
     )?;
@@ -120,7 +120,7 @@ impl DistanceRange {
         }
         crate::limits::check_elements(
             "queries + keys",
-            format!("{tq} + {tk}"),
+            format_args!("{tq} + {tk}"),
             "the distances of a block (queries + keys − 1)",
             &[tq + tk - 1],
         )?;

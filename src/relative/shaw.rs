@@ -243,7 +243,7 @@ impl ShawRelativePosition {
         check_elements(
             "max_distance",
             self.config.max_distance,
-            format!("batch × heads × queries × reachable distances of the products q · a^K ({b} × {h} × {tq} × {width})").as_str(),
+            format_args!("batch × heads × queries × reachable distances of the products q · a^K ({b} × {h} × {tq} × {width})"),
             &[b, h, tq, width],
         )?;
         let keys = self.keys.narrow(0, lo, width)?;

@@ -130,7 +130,7 @@ impl T5Config {
         check_elements(
             "num_buckets",
             self.num_buckets,
-            format!("num_buckets × num_heads ({})", self.num_heads).as_str(),
+            format_args!("num_buckets × num_heads ({})", self.num_heads),
             &[self.num_buckets, self.num_heads],
         )?;
         // Buckets index the table as u32 (a budget raised past 2^32 must not wrap them).

@@ -947,10 +947,9 @@ fn check_table_stage(config: &RopeConfig, rows: usize) -> Result<()> {
     crate::limits::check_elements(
         "rotary_dim",
         config.rotary_dim,
-        format!(
+        format_args!(
             "{sets} × ({rows} rows + the f64 frequencies) × rotary_dim / 2 of the tables a build holds at once"
-        )
-        .as_str(),
+        ),
         &[sets, rows.saturating_add(1), config.rotary_dim / 2],
     )?;
     Ok(())

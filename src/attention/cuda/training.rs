@@ -190,7 +190,7 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
                 let dims = padded_dims(t)?;
                 crate::limits::check_elements(
                     "additive logits term with gradients on CUDA",
-                    format!("{:?}", t.dims()),
+                    format_args!("{:?}", t.dims()),
                     "its f32 gradient",
                     &dims,
                 )?;
@@ -205,7 +205,7 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     if let Some(table) = table {
         crate::limits::check_elements(
             "relative value table in training on CUDA",
-            format!("{:?}", table.dims()),
+            format_args!("{:?}", table.dims()),
             "batch × heads × queries × its columns, the f32 rows its backward reads,",
             &[b, h, tq, table.dim(0)?],
         )?;
