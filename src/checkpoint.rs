@@ -36,7 +36,7 @@ use candle_nn::{VarBuilder, VarMap};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::error::{is_float, Error, Result};
+use crate::error::{is_float, largest_finite, overflowed, shown, Error, Result};
 
 /// Metadata key whose value is the JSON of the file's [`EncodingConfig`](crate::EncodingConfig).
 pub const ENCODING_KEY: &str = "posenc.encoding";
@@ -273,8 +273,11 @@ impl Checkpoint {
 
     /// A `VarBuilder` over the tensors, converting to `dtype` on `device`. Missing or
     /// misshapen tensors surface as [`Error::MissingTensor`] / [`Error::TensorShape`] from the
-    /// constructors that use it, and an integer tensor where a float parameter is asked for as
-    /// [`Error::Checkpoint`] (it is not silently converted).
+    /// constructors that use it, and as [`Error::Checkpoint`] naming the tensor: an integer
+    /// tensor where a float parameter is asked for (it is not silently converted), and a
+    /// tensor with a finite value past the range of a narrower `dtype` (an f32 value past
+    /// 65504 read as f16), which the conversion would turn into ±∞. NaN and ±∞ the file
+    /// holds are loaded as they are.
     pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
         let backend = CheckedTensors {
             source: self.source.clone(),
@@ -295,7 +298,8 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the first offending variable;
-    /// [`Error::Checkpoint`] for an integer tensor where the variable is a float.
+    /// [`Error::Checkpoint`] for an integer tensor where the variable is a float, or a finite
+    /// value past the range of a narrower variable (f32 into f16) that would become ±∞ there.
     pub fn load_into(&self, varmap: &VarMap) -> Result<()> {
         let vars = varmap.data().lock().map_err(|_| Error::Checkpoint {
             path: self.source.clone(),
@@ -308,7 +312,10 @@ impl Checkpoint {
             let var = &vars[name];
             let t = self.get(name, var.dims())?;
             self.check_dtype(name, t, var.dtype())?;
-            staged.push((var, t.to_device(var.device())?.to_dtype(var.dtype())?));
+            staged.push((
+                var,
+                converted(&self.source, name, t, var.dtype(), var.device())?,
+            ));
         }
         for (var, t) in staged {
             var.set(&t)?;
@@ -333,7 +340,47 @@ fn dtype_fits(source: &str, name: &str, t: &Tensor, want: DType) -> Result<()> {
     Ok(())
 }
 
-/// candle-nn's `HashMap` backend for `VarBuilder`, plus the dtype check of [`dtype_fits`].
+/// The checkpoint's tensor `name` as a `dtype` parameter on `device`. A float format narrower
+/// than the file's (f16 or bf16 from f32, f32 from f64) holds fewer magnitudes: a finite value
+/// past its range would become ±∞ in the conversion, so the tensor is refused, naming its
+/// largest such value and the format's. NaN and ±∞ already in the file are not refused: the
+/// crate never replaces non-finite values, it propagates them.
+fn converted(
+    source: &str,
+    name: &str,
+    t: &Tensor,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let moved = t.to_device(device)?;
+    let cast = moved.to_dtype(dtype)?;
+    if let Some(largest) = overflowed(&moved, &cast)? {
+        let d = dtype.as_str();
+        return Err(Error::Checkpoint {
+            path: source.into(),
+            reason: format!(
+                "tensor `{name}` holds a finite value of magnitude {largest:e}, past {}, the largest finite value of {d}: read as a {d} parameter it would become ±∞ (read it in a wider dtype, as {})",
+                shown(largest_finite(dtype).unwrap_or(f64::MAX)),
+                t.dtype().as_str(),
+            ),
+        });
+    }
+    Ok(cast)
+}
+
+/// A crate error as the `VarBuilder` backend must return it: a candle error, in the form
+/// `Error::from` turns back into [`Error::Checkpoint`] for that variant.
+fn backend_error(err: Error) -> candle_core::Error {
+    match err {
+        Error::Checkpoint { path, reason } => {
+            candle_core::Error::Msg(format!("checkpoint {path}: {reason}"))
+        }
+        other => other.into(),
+    }
+}
+
+/// candle-nn's `HashMap` backend for `VarBuilder`, plus the dtype check of [`dtype_fits`] and
+/// the range check of [`converted`].
 struct CheckedTensors {
     source: String,
     tensors: HashMap<String, Tensor>,
@@ -345,14 +392,20 @@ impl CheckedTensors {
             .tensors
             .get(name)
             .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() })?;
-        if let Err(Error::Checkpoint { path, reason }) = dtype_fits(&self.source, name, t, want) {
-            // Only candle errors cross the backend; `Error::from` turns this form back into
-            // `Error::Checkpoint`.
-            return Err(candle_core::Error::Msg(format!(
-                "checkpoint {path}: {reason}"
-            )));
-        }
+        // Only candle errors cross the backend ([`backend_error`]).
+        dtype_fits(&self.source, name, t, want).map_err(backend_error)?;
         Ok(t)
+    }
+
+    /// The tensor `name` as a `dtype` parameter on `dev` ([`converted`]).
+    fn convert(
+        &self,
+        name: &str,
+        t: &Tensor,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        converted(&self.source, name, t, dtype, dev).map_err(backend_error)
     }
 }
 
@@ -374,11 +427,11 @@ impl candle_nn::var_builder::SimpleBackend for CheckedTensors {
                 got: t.shape().clone(),
             });
         }
-        t.to_device(dev)?.to_dtype(dtype)
+        self.convert(name, t, dtype, dev)
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.find(name, dtype)?.to_device(dev)?.to_dtype(dtype)
+        self.convert(name, self.find(name, dtype)?, dtype, dev)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {

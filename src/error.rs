@@ -252,6 +252,92 @@ pub(crate) fn check_float(what: &'static str, dtype: DType) -> Result<()> {
     Ok(())
 }
 
+/// The largest finite value of a float dtype the crate computes in (`None` for the others):
+/// the one statement of each format's range that factors, masks and narrowing casts are
+/// checked against.
+pub(crate) fn largest_finite(dtype: DType) -> Option<f64> {
+    match dtype {
+        DType::F16 => Some(f64::from(half::f16::MAX)),
+        DType::BF16 => Some(f64::from(half::bf16::MAX)),
+        DType::F32 => Some(f64::from(f32::MAX)),
+        DType::F64 => Some(f64::MAX),
+        _ => None,
+    }
+}
+
+/// A format's limit as messages print it: f16's as `65504`, the wider ones in exponent form.
+pub(crate) fn shown(limit: f64) -> String {
+    match limit < 1e6 {
+        true => format!("{limit}"),
+        false => format!("{limit:e}"),
+    }
+}
+
+/// Checks a factor that multiplies activations held in `dtype` (a softmax scale, a
+/// temperature's largest factor): past the format's largest finite value it turns
+/// every activation of magnitude one or more into ±∞.
+///
+/// `name` and `value` are the setting the factor comes from (the two differ where the factor
+/// is computed from the setting); `role` says what the factor multiplies, for the message.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] naming `name` and `value`, with the factor and `dtype`'s largest
+/// finite value, when the factor is NaN or past it in magnitude.
+pub(crate) fn check_factor(
+    name: &'static str,
+    value: f64,
+    (factor, role): (f64, &str),
+    dtype: DType,
+) -> Result<()> {
+    let Some(limit) = largest_finite(dtype) else {
+        return Ok(());
+    };
+    if factor.abs() <= limit {
+        return Ok(());
+    }
+    let (d, limit) = (dtype.as_str(), shown(limit));
+    let expected = match factor == value {
+        true => format!("at most {limit} ({d}'s largest finite value) for {d} weights: {role}"),
+        false => format!(
+            "a value whose factor (here {factor:e}) is at most {limit} ({d}'s largest finite value) for {d} weights: {role}"
+        ),
+    };
+    Err(Error::config(name, value, expected))
+}
+
+/// Where a cast to a narrower float format turned finite values into ±∞: the largest magnitude
+/// among the finite values of `t` that `cast` (`t` cast to another float dtype, on the same
+/// device) holds as ±∞, or `None` when every finite value stayed finite (always, for a cast
+/// to a format at least as wide). NaN and ±∞ already in `t` are not this check's: they keep
+/// their meaning, as everywhere in the crate.
+///
+/// # Errors
+/// Candle's, from the comparisons (on a GPU the answer reads back one byte, and the
+/// magnitude when there is one).
+pub(crate) fn overflowed(t: &Tensor, cast: &Tensor) -> Result<Option<f64>> {
+    let (Some(from), Some(to)) = (largest_finite(t.dtype()), largest_finite(cast.dtype())) else {
+        return Ok(None);
+    };
+    if to >= from || t.elem_count() == 0 {
+        return Ok(None);
+    }
+    let size = t.abs()?;
+    let became = cast
+        .abs()?
+        .eq(f64::INFINITY)?
+        .mul(&size.lt(f64::INFINITY)?)?;
+    if became.flatten_all()?.max(0)?.to_scalar::<u8>()? == 0 {
+        return Ok(None);
+    }
+    let largest = became
+        .where_cond(&size, &size.zeros_like()?)?
+        .flatten_all()?
+        .max(0)?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    Ok(Some(largest))
+}
+
 /// Checks that `value` is a positive normal f32 (finite, at least `f32::MIN_POSITIVE`): what a
 /// scale or an ε must be to keep finite input finite in every float dtype the crate runs in.
 ///

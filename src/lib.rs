@@ -81,7 +81,10 @@
 //! (including the fused CPU softmax, whose flush of weights below e^-40 of the row's largest
 //! applies to finite logits only). A −∞ logit is a valid mask entry with weight 0. Masked keys are not read for
 //! their logits, but their values still enter the weighted sum with weight 0, and `0 · NaN` is
-//! NaN, as IEEE arithmetic (and PyTorch) has it.
+//! NaN, as IEEE arithmetic (and PyTorch) has it. Nor do finite values become ±∞ on the crate's
+//! side: a factor that multiplies activations past their dtype's range is refused when the block
+//! is built, and a cast to a narrower format (a checkpoint read as f16, a bias added to f16
+//! logits) is refused, naming the value, where a finite value would not survive it.
 
 pub mod absolute;
 pub mod attention;

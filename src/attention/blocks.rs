@@ -22,7 +22,7 @@ use super::fused_softmax::RowRule;
 use super::fused_training;
 use super::mask::{cast_mask, widened_mask};
 use super::unfused;
-use crate::error::{check_device, check_float, Error, Result};
+use crate::error::{check_device, check_float, largest_finite, overflowed, shown, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{
     AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
@@ -680,23 +680,52 @@ impl LogitTerms {
                         t.shape(),
                     )
                 })?;
-                terms.dense.push(t.to_dtype(dtype)?);
+                terms
+                    .dense
+                    .push(bias_in("dense logits bias from the encoding", &t, dtype)?);
             }
             Some(LogitsBias::Relative(r)) => {
                 check_device("relative logits bias", r.values(), device)?;
                 r.check_block(dims)?;
+                let what = "relative logits bias from the encoding";
                 match (path.reads_rows(), r.columns()) {
                     (true, Columns::Shift(_)) => terms.rows.push(RelativeBias::new(
-                        r.values().to_dtype(DType::F32)?,
+                        bias_in(what, r.values(), DType::F32)?,
                         r.columns().clone(),
                     )?),
-                    _ => terms
-                        .dense
-                        .push(r.to_dense(dims.2, dims.3)?.to_dtype(dtype)?),
+                    // Cast before the expansion: the rows are what the bias holds.
+                    _ => terms.dense.push(
+                        RelativeBias::new(bias_in(what, r.values(), dtype)?, r.columns().clone())?
+                            .to_dense(dims.2, dims.3)?,
+                    ),
                 }
             }
         }
         Ok(terms)
+    }
+}
+
+/// `bias` (`what`: an encoding's answer) cast to `dtype`, the dtype its path adds it to the
+/// logits in. A finite value the cast would turn into ±∞ (an f32 bias past f16's range: a
+/// causal ALiBi row far from its keys in an f16 block trained on candle's ops) is refused:
+/// as a logit it would make its row NaN, or, saturated, weigh its keys wrongly. NaN and ±∞
+/// the encoding answered pass as they are.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] naming `what`, the largest such magnitude and `dtype`'s range.
+fn bias_in(what: &'static str, bias: &Tensor, dtype: DType) -> Result<Tensor> {
+    let cast = bias.to_dtype(dtype)?;
+    match overflowed(bias, &cast)? {
+        None => Ok(cast),
+        Some(largest) => Err(Error::config(
+            what,
+            format!("a value of magnitude {largest:e}"),
+            format!(
+                "values within ±{} ({d}'s largest finite value), as the logits on this path are {d}: past it a finite bias becomes ±∞",
+                shown(largest_finite(dtype).unwrap_or(f64::MAX)),
+                d = dtype.as_str(),
+            ),
+        )),
     }
 }
 

@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::fused_softmax::RowRule;
-use crate::error::{Error, Result};
+use crate::error::{largest_finite, Error, Result};
 
 /// The lowest finite value of a float dtype, used as the fill for masked logits.
 fn lowest(dtype: DType) -> f64 {
@@ -181,17 +181,6 @@ pub(crate) fn apply_keep_mask(scores: &Tensor, keep: &Tensor) -> Result<Tensor> 
         .where_cond(scores, &fill)?)
 }
 
-/// The largest finite value of a float format the masks saturate to (`None` for f64 and the
-/// others, which are cast as they are).
-fn largest_finite(dtype: DType) -> Option<f64> {
-    match dtype {
-        DType::F16 => Some(65504.0),
-        DType::BF16 => Some(3.389_531_389_251_535_5e38),
-        DType::F32 => Some(f32::MAX as f64),
-        _ => None,
-    }
-}
-
 /// A half-precision mask widened to `dtype` (f32) for the fused core: a value at the half
 /// format's lowest hides its key as it does in that format, where adding it to any moderate
 /// logit gives the lowest value again: it becomes `dtype`'s lowest. Other values are exact in
@@ -212,17 +201,12 @@ pub(crate) fn widened_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
 /// mask of `f64::MIN` for f32 logits) saturates to its largest finite value instead of
 /// becoming ±∞ in the cast, so a finite mask stays finite; NaN and ±∞ pass through as given.
 pub(crate) fn cast_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
-    let Some(limit) = largest_finite(dtype) else {
+    // Only a cast to a narrower range can overflow (bf16's largest value is below f32's:
+    // f32::MIN rounds to −∞ there).
+    let (Some(limit), Some(from)) = (largest_finite(dtype), largest_finite(mask.dtype())) else {
         return Ok(mask.to_dtype(dtype)?);
     };
-    let wider = match mask.dtype() {
-        DType::F64 => true,
-        // bf16's largest value is below f32's: f32::MIN rounds to −∞ there.
-        DType::F32 => matches!(dtype, DType::F16 | DType::BF16),
-        DType::BF16 => matches!(dtype, DType::F16),
-        _ => false,
-    };
-    if !wider {
+    if limit >= from {
         return Ok(mask.to_dtype(dtype)?);
     }
     let size = mask.abs()?;

@@ -37,7 +37,7 @@ use super::mask::check_padding;
 use super::projection;
 use super::qk_norm::{rms_normalized, QkNorm};
 use crate::cpu::linear_node::{self, Arrange};
-use crate::error::{check_device, check_float, is_float, Error, Result};
+use crate::error::{check_device, check_factor, check_float, is_float, Error, Result};
 use crate::graft::{graft, GraftBackward};
 use crate::limits::check_elements;
 use crate::plug::{shares_storage, AttentionContext, PositionalEncoding};
@@ -95,8 +95,10 @@ impl MultiHeadAttention {
     /// Loads (or creates) the four projections from `vb` and plugs in `encoding`.
     ///
     /// # Errors
-    /// As [`AttentionConfig::validate`]; [`Error::InvalidConfig`] for a scale outside f16's
-    /// range with f16 weights; [`Error::MissingTensor`] / [`Error::TensorShape`]
+    /// As [`AttentionConfig::validate`]; [`Error::InvalidConfig`] for a factor that multiplies
+    /// the activations (the softmax scale, the attention temperature's largest factor) past
+    /// the largest finite value of the weights' dtype, or, with f16 weights, a scale ×
+    /// temperature × head_dim past 2^8; [`Error::MissingTensor`] / [`Error::TensorShape`]
     /// for checkpoint tensors that are absent or misshapen; [`Error::DType`] for an integer
     /// `VarBuilder`.
     pub fn new(
@@ -106,28 +108,7 @@ impl MultiHeadAttention {
     ) -> Result<Self> {
         config.validate()?;
         check_float("attention weights (the VarBuilder's dtype)", vb.dtype())?;
-        if vb.dtype() == DType::F16 && config.softmax_scale > f64::from(half::f16::MAX) {
-            return Err(Error::config(
-                "softmax_scale",
-                config.softmax_scale,
-                "at most 65504 for f16 weights (the scale multiplies q in their dtype)",
-            ));
-        }
-        // A logit sums head_dim products, times the scale: in f16 (2^16 at most) the two
-        // together may reach 2^8, leaving 2^8 for the products themselves. The default scale
-        // 1/√head_dim gives √head_dim, within it up to head_dim = 65536.
-        let reach = config.softmax_scale * config.head_dim as f64;
-        if vb.dtype() == DType::F16 && reach > F16_MAX_LOGIT_REACH {
-            return Err(Error::config(
-                "softmax_scale",
-                config.softmax_scale,
-                format!(
-                    "at most {:e} for f16 weights with head_dim {}: scale × head_dim ({reach:e}) past 2^8 lets moderate queries and keys overflow f16's logits",
-                    F16_MAX_LOGIT_REACH / config.head_dim as f64,
-                    config.head_dim
-                ),
-            ));
-        }
+        check_factors(config, vb.dtype())?;
         let (d, hd) = (config.d_model, config.head_dim);
         let (projections, values) = match &config.latent {
             None => (
@@ -805,11 +786,79 @@ impl Call {
     }
 }
 
-/// A hook's answer with features of unit stride, as every path reads them (a view strided on
-/// the last axis is copied; the block's own layouts are kept). candle's matmul refuses such
-/// views with its own error.
-/// Largest `softmax_scale × head_dim` of an f16 block ([`MultiHeadAttention::new`]).
+/// Largest `softmax_scale × head_dim` of an f16 block, times the attention temperature's
+/// largest factor when it has one ([`check_factors`]).
 const F16_MAX_LOGIT_REACH: f64 = 256.0;
+
+/// Every factor the block multiplies its activations by, checked once, when it is built,
+/// against the range of its weights' `dtype` ([`check_factor`]):
+/// - `softmax_scale` multiplies the queries, in their dtype on candle's ops;
+/// - the attention temperature's largest factor ([`AttentionTemperature::largest_factor`])
+///   multiplies the queries, rounded to their dtype;
+/// - `logit_softcap` needs no check against the dtype: every path caps in f32, and
+///   `|c·tanh(s/c)| ≤ |s|`, so a capped logit is never larger than the logit it came from,
+///   whatever `c` (a normal f32, [`AttentionConfig::validate`]).
+///
+/// In f16 (2^16 at most) a logit sums head_dim products times the scale and the temperature:
+/// the three together may reach 2^8 ([`F16_MAX_LOGIT_REACH`]), leaving 2^8 for the products
+/// themselves. The default scale 1/√head_dim gives √head_dim, within it up to head_dim =
+/// 65536. (A rotary encoding's attention factor is checked where the encoding rotates, against
+/// the dtype it is handed; bias values where the block casts them to the logits' dtype.)
+///
+/// [`AttentionTemperature::largest_factor`]: super::AttentionTemperature::largest_factor
+fn check_factors(config: &AttentionConfig, dtype: DType) -> Result<()> {
+    let scale = config.softmax_scale;
+    check_factor(
+        "softmax_scale",
+        scale,
+        (scale, "it multiplies the queries in their dtype"),
+        dtype,
+    )?;
+    let temperature = config.attention_temperature.as_ref();
+    if let Some(t) = temperature {
+        check_factor(
+            "attention_temperature.attn_scale",
+            t.attn_scale,
+            (
+                t.largest_factor(),
+                "the largest factor 1 + s·ln(1 + ⌊2^64 / floor_scale⌋) multiplies the queries in their dtype",
+            ),
+            dtype,
+        )?;
+    }
+    if dtype != DType::F16 {
+        return Ok(());
+    }
+    let head_dim = config.head_dim as f64;
+    let reach = scale * head_dim;
+    if reach > F16_MAX_LOGIT_REACH {
+        return Err(Error::config(
+            "softmax_scale",
+            scale,
+            format!(
+                "at most {:e} for f16 weights with head_dim {}: scale × head_dim ({reach:e}) past 2^8 lets moderate queries and keys overflow f16's logits",
+                F16_MAX_LOGIT_REACH / head_dim,
+                config.head_dim
+            ),
+        ));
+    }
+    if let Some(t) = temperature {
+        let factor = t.largest_factor();
+        if reach * factor > F16_MAX_LOGIT_REACH {
+            return Err(Error::config(
+                "attention_temperature.attn_scale",
+                t.attn_scale,
+                format!(
+                    "a largest factor (here {factor:e}) of at most {:e} for f16 weights with softmax_scale {scale} and head_dim {}: scale × factor × head_dim ({:e}) past 2^8 lets moderate queries and keys overflow f16's logits",
+                    F16_MAX_LOGIT_REACH / reach,
+                    config.head_dim,
+                    reach * factor
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// The adjoint of splitting `(B, T, H·D)` into heads `(B, H, T, D)`: merging them back.
 struct MergeHeads;
@@ -823,6 +872,9 @@ impl GraftBackward for MergeHeads {
     }
 }
 
+/// A hook's answer with features of unit stride, as every path reads them (a view strided on
+/// the last axis is copied; the block's own layouts are kept). candle's matmul refuses such
+/// views with its own error.
 fn packed(t: Tensor) -> Result<Tensor> {
     Ok(match t.stride().last().is_none_or(|&s| s == 1) {
         true => t,

@@ -58,6 +58,12 @@ impl AttentionTemperature {
     /// below 45 at every position (`p < 2^64`), so the factor stays finite in f32.
     pub const MAX_ATTN_SCALE: f64 = f32::MAX as f64 / 64.0;
 
+    /// The largest factor at any key index (`p < 2^64`: the factor grows with `p`), the one a
+    /// block checks against its dtype's range when it is built.
+    pub fn largest_factor(&self) -> f64 {
+        self.factor(usize::MAX)
+    }
+
     /// The factor `1 + s · ln(1 + ⌊(p + 1) / f⌋)` of the query at key index `p`.
     pub fn factor(&self, p: usize) -> f64 {
         let steps = (p as f64 + 1.0) / self.floor_scale.max(1) as f64;

@@ -4,6 +4,7 @@ mod api_fuzz;
 mod api_properties;
 mod bad_input;
 mod budget;
+mod finite;
 mod integer_ops;
 mod memory;
 mod non_finite;

@@ -1,0 +1,592 @@
+//! Class 3 of the third reliability wave. Finite input gives finite output in every dtype a
+//! block accepts: each factor that multiplies activations is checked against the dtype's range
+//! when the block is built (a rotary attention factor where it first rotates), and a cast to a
+//! narrower format (a checkpoint read as f16, a bias added to f16 logits) is refused where a
+//! finite value would become ±∞.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Init, VarBuilder, VarMap};
+use candle_posenc::{
+    AlibiConfig, AttentionConfig, AttentionContext, AttentionOptions, AttentionTemperature,
+    Checkpoint, Columns, EncodingConfig, Error, HfAttentionConfig, LearnedConfig,
+    LearnedPositionalEncoding, LogitsBias, MultiHeadAttention, PositionIds, PositionalEncoding,
+    Positions, RelativeBias, RopeConfig, RopeScaling, YarnScaling,
+};
+use common::zoo;
+
+/// The four float dtypes the crate computes in.
+const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
+
+/// Whether every entry of `t` is finite.
+fn all_finite(t: &Tensor) -> anyhow::Result<bool> {
+    Ok(t.to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?
+        .iter()
+        .all(|x| x.is_finite()))
+}
+
+/// `t` as f64 values.
+fn values(t: &Tensor) -> anyhow::Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+}
+
+/// Asserts that `result` is [`Error::InvalidConfig`] naming `name`, whose message holds every
+/// one of `says`.
+fn refused<T: std::fmt::Debug>(
+    what: &str,
+    result: candle_posenc::Result<T>,
+    name: &str,
+    says: &[&str],
+) {
+    match result {
+        Err(err @ Error::InvalidConfig { name: got, .. }) if got == name => {
+            let text = err.to_string();
+            for s in says {
+                assert!(text.contains(s), "{what}: `{s}` not in `{text}`");
+            }
+        }
+        other => panic!("{what}: expected InvalidConfig naming {name}, got {other:?}"),
+    }
+}
+
+/// Runs `mha` over `x` on every path a call can take (inference, returned weights, training,
+/// decoding token by token through a cache) and returns the outputs and weights.
+fn every_path(mha: &MultiHeadAttention, x: &Tensor) -> candle_posenc::Result<Vec<Tensor>> {
+    let mut outs = Vec::new();
+    for (train, return_weights) in [(false, false), (false, true), (true, false)] {
+        let opts = AttentionOptions {
+            train,
+            return_weights,
+            dropout_seed: Some(7),
+            ..Default::default()
+        };
+        let out = mha.forward_with(x, &opts, None)?;
+        outs.push(out.output);
+        outs.extend(out.weights);
+    }
+    let mut cache = candle_posenc::KvCache::new();
+    for t in 0..x.dim(1)? {
+        let step = mha.forward_with(
+            &x.narrow(1, t, 1)?,
+            &AttentionOptions::default(),
+            Some(&mut cache),
+        )?;
+        outs.push(step.output);
+    }
+    Ok(outs)
+}
+
+/// Every factor that multiplies a block's activations, against each dtype's range: refused when
+/// the block is built where the dtype cannot hold it (naming the setting, with the dtype's
+/// largest finite value), otherwise finite output for finite input on every path. Before, an
+/// f16 block took a temperature (Llama 4's `attn_scale`) valid in f32 and turned its queries
+/// to ∞, and a bf16 block a scale or cap past bf16's range.
+fn factors_fit_the_dtype_or_are_refused(dev: &Device) -> anyhow::Result<()> {
+    let base = AttentionConfig::new(64, 4).with_causal(true); // head_dim 16, scale 1/4
+    let temperature = |s: f64, f: usize| {
+        base.clone()
+            .with_attention_temperature(Some(AttentionTemperature::new(s, f)))
+    };
+    // (label, config, the setting refused per dtype and a part of its message, whether finite
+    // output is claimed when built: a scale of 3.4e38 is a valid f32 factor, but no moderate
+    // logit survives it). A factor past the dtype's range is refused with the dtype's largest
+    // finite value; in f16, scale × temperature × head_dim past the reach of its logits, 2^8.
+    type Refused = fn(DType) -> Option<(&'static str, &'static str)>;
+    let nowhere: Refused = |_| None;
+    let temperature_reach: Refused =
+        |d| (d == DType::F16).then_some(("attention_temperature.attn_scale", "2^8"));
+    let temperature_range: Refused =
+        |d| (d == DType::F16).then_some(("attention_temperature.attn_scale", "65504"));
+    let cases: Vec<(&str, AttentionConfig, Refused, bool)> = vec![
+        (
+            "Llama 4's temperature (0.1, 8192)",
+            temperature(0.1, 8192),
+            nowhere,
+            true,
+        ),
+        // Largest factor 1 + 1.4·ln(1 + 2^64) = 63.1: scale × factor × head_dim = 252 ≤ 2^8.
+        (
+            "temperature at f16's logit reach",
+            temperature(1.4, 1),
+            nowhere,
+            true,
+        ),
+        // 1 + 2·44.4 = 89.7: 359 past the reach of f16's logits.
+        (
+            "temperature past f16's logit reach",
+            temperature(2.0, 1),
+            temperature_reach,
+            true,
+        ),
+        // 1 + 1e5·44.4 = 4.4e6, past 65504 itself: the probe's case (f16 queries became ∞).
+        (
+            "temperature past f16's range",
+            temperature(1e5, 1),
+            temperature_range,
+            true,
+        ),
+        (
+            "softmax_scale 1e5",
+            base.clone().with_softmax_scale(1e5),
+            |d| (d == DType::F16).then_some(("softmax_scale", "65504")),
+            true,
+        ),
+        (
+            "softmax_scale 3.4e38 (past bf16's largest, 3.39e38)",
+            base.clone().with_softmax_scale(3.4e38),
+            |d| half_limit(d).map(|l| ("softmax_scale", l)),
+            false,
+        ),
+        (
+            "soft cap 30",
+            base.clone().with_logit_softcap(Some(30.0)),
+            nowhere,
+            true,
+        ),
+        (
+            "soft cap 6e4",
+            base.clone().with_logit_softcap(Some(6e4)),
+            nowhere,
+            true,
+        ),
+        // Capped in f32 on every path, and a capped logit is never larger than the logit:
+        // any cap f32 holds keeps finite logits finite, past a half format's range too.
+        (
+            "soft cap 1e5",
+            base.clone().with_logit_softcap(Some(1e5)),
+            nowhere,
+            true,
+        ),
+        (
+            "soft cap 3.4e38",
+            base.clone().with_logit_softcap(Some(3.4e38)),
+            nowhere,
+            true,
+        ),
+    ];
+    for (label, config, refusal, finite) in cases {
+        config.validate()?; // every case is a valid f32 configuration
+        for dtype in DTYPES {
+            let what = format!("{label}, {dtype:?}");
+            let varmap = VarMap::new();
+            let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+            let built = MultiHeadAttention::new(&config, None, vb);
+            match refusal(dtype) {
+                Some((name, says)) => {
+                    refused(&what, built, name, &[says, dtype.as_str()]);
+                    assert!(varmap.all_vars().is_empty(), "{what}: nothing is created");
+                }
+                None => {
+                    // The VarMap's block tracks its weights (candle's ops); a copy with plain
+                    // weights takes the inference paths.
+                    let tracked = built.map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+                    if !finite {
+                        continue;
+                    }
+                    let (plain, _) = zoo::attention(&EncodingConfig::None, &config, dtype, dev)?;
+                    let x = Tensor::randn(0f32, 1.0, (2, 5, 64), dev)?.to_dtype(dtype)?;
+                    for mha in [&tracked, &plain] {
+                        for (i, out) in every_path(mha, &x)?.iter().enumerate() {
+                            assert!(all_finite(out)?, "{what}: output {i} is not finite");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The largest finite value of a half format as the messages print it (`None` for the wider).
+fn half_limit(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F16 => Some("65504"),
+        DType::BF16 => Some("3.3895313892515355e38"),
+        _ => None,
+    }
+}
+
+/// The probe's case end to end: Llama 4's NoPE layer read from its `config.json` with a
+/// temperature valid in f32 (`attn_scale` 1e5), loaded in f16, is refused; in f32 it loads.
+fn llama4_temperature_in_f16(dev: &Device) -> anyhow::Result<()> {
+    let path = format!(
+        "{}/tests/fixtures/hf_layers.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let ckpt = Checkpoint::load(path, dev)?;
+    let meta = ckpt.metadata();
+    let mut json: serde_json::Value = serde_json::from_str(&meta["llama4.0"])?;
+    json["attn_scale"] = serde_json::json!(1e5);
+    let mut tried = 0;
+    for tag in ["llama4.0", "llama4.1"] {
+        let index: usize = meta[&format!("{tag}.layer")].parse()?;
+        let config = HfAttentionConfig::from_json_layer(&json.to_string(), index)?;
+        if config.attention.attention_temperature.is_none() {
+            continue;
+        }
+        tried += 1;
+        let prefix = format!("{tag}/{}", meta[&format!("{tag}.prefix")]);
+        let err = config.load(ckpt.var_builder(DType::F16, dev).pp(&prefix));
+        refused(
+            tag,
+            err,
+            "attention_temperature.attn_scale",
+            &["65504", "f16"],
+        );
+        config.load(ckpt.var_builder(DType::F32, dev).pp(&prefix))?;
+    }
+    assert_eq!(
+        tried, 1,
+        "one of the fixture's Llama 4 layers is a NoPE layer"
+    );
+    Ok(())
+}
+
+/// A rotary attention factor multiplies queries and keys: in f16 it is refused where it first
+/// rotates past 2^8 (naming it), and in every other dtype, and below that in f16, the block's
+/// outputs stay finite.
+fn rotary_attention_factor_in_every_dtype(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(64, 4).with_causal(true);
+    for a in [0.5, 2f64.powi(7), 2f64.powi(9), 2f64.powi(20)] {
+        let scaling = RopeScaling::Yarn(YarnScaling::new(4.0, 64).with_attention_factor(a));
+        let config = EncodingConfig::Rotary(RopeConfig::new(16).with_scaling(scaling));
+        for dtype in DTYPES {
+            let what = format!("attention factor {a}, {dtype:?}");
+            let (mha, _) = zoo::attention(&config, &attn, dtype, dev)?;
+            let x = (Tensor::randn(0f32, 1.0, (1, 4, 64), dev)? * 1e-3)?.to_dtype(dtype)?;
+            let outs = every_path(&mha, &x);
+            if dtype == DType::F16 && a > 2f64.powi(8) {
+                refused(&what, outs, "rope attention factor", &["f16"]);
+                continue;
+            }
+            for out in outs? {
+                assert!(all_finite(&out)?, "{what}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An encoding with a fixed answer to the bias hook, in any dtype.
+#[derive(Debug)]
+struct FixedBias {
+    /// `Some(value)`: one value per distance column (relative rows); `None`: a dense bias
+    /// `(1, 1, Tq, Tk)` of `dense`.
+    dense: f64,
+    rows: bool,
+    dtype: DType,
+}
+
+impl PositionalEncoding for FixedBias {
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        ctx: &AttentionContext,
+    ) -> candle_posenc::Result<Option<LogitsBias>> {
+        let (tq, tk) = (ctx.q_len, ctx.k_len);
+        Ok(Some(match self.rows {
+            true => {
+                let width = tq + tk - 1;
+                let v = (Tensor::ones((1, 1, 1, width), DType::F64, q.device())? * self.dense)?
+                    .to_dtype(self.dtype)?;
+                LogitsBias::Relative(RelativeBias::new(v, Columns::Shift(tq as i64 - 1))?)
+            }
+            false => LogitsBias::Dense(
+                (Tensor::ones((1, 1, tq, tk), DType::F64, q.device())? * self.dense)?
+                    .to_dtype(self.dtype)?,
+            ),
+        }))
+    }
+}
+
+/// A bias cast into the logits' dtype must stay finite there: a finite value the cast would
+/// turn into ±∞ is refused (naming the bias, its magnitude and the dtype's limit), on every
+/// path and in both forms; where the path's logits hold it, it is used. NaN and ±∞ the encoding
+/// answers pass as they are.
+fn bias_values_past_the_logits_dtype(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(32, 2).with_causal(true);
+    let weights = AttentionOptions {
+        return_weights: true,
+        ..Default::default()
+    };
+    for rows in [false, true] {
+        let name = match rows {
+            true => "relative logits bias from the encoding",
+            false => "dense logits bias from the encoding",
+        };
+        // f32 values past f16's range into an f16 block, f64 ones past f32's into f32, bf16
+        // and f16 blocks; and the same values where the block's logits hold them.
+        for (value, from, block, fits) in [
+            (1e5, DType::F32, DType::F16, false),
+            (-1e5, DType::F32, DType::F16, false),
+            (1e5, DType::F32, DType::BF16, true),
+            (1e300, DType::F64, DType::F32, false),
+            (-1e300, DType::F64, DType::BF16, false),
+            (1e300, DType::F64, DType::F64, true),
+            (6e4, DType::F32, DType::F16, true),
+        ] {
+            let what = format!("{name} {value:e} in {from:?} to a {block:?} block");
+            let enc = FixedBias {
+                dense: value,
+                rows,
+                dtype: from,
+            };
+            // Plain (zero) weights: inference takes the fused paths.
+            let vb = VarBuilder::zeros(block, dev);
+            let mha = MultiHeadAttention::new(&attn, Some(Arc::new(enc)), vb)?;
+            let x = Tensor::randn(0f32, 1.0, (1, 4, 32), dev)?.to_dtype(block)?;
+            for opts in [AttentionOptions::default(), weights.clone()] {
+                let what = format!("{what}, weights returned {}", opts.return_weights);
+                let out = mha.forward_with(&x, &opts, None);
+                // The CPU's inference of a half-precision block computes its logits in f32;
+                // every other path in the block's dtype.
+                let half = matches!(block, DType::F16 | DType::BF16);
+                let logits = match dev.is_cpu() && half && !opts.return_weights {
+                    true => DType::F32,
+                    false => block,
+                };
+                // (A GPU's paths may compute in another dtype: there either answer is right.)
+                let holds = fits || value.abs() <= largest(logits);
+                match out {
+                    Ok(out) if holds || !dev.is_cpu() => {
+                        assert!(all_finite(&out.output)?, "{what}");
+                        // A constant bias leaves the weights as they were: causal row 0
+                        // attends to key 0 only, in both heads.
+                        if let Some(w) = out.weights {
+                            let first = values(&w.narrow(2, 0, 1)?.narrow(3, 0, 1)?)?;
+                            assert_eq!(first, vec![1.0, 1.0], "{what}");
+                        }
+                    }
+                    out => {
+                        let magnitude = format!("{:e}", value.abs());
+                        refused(&what, out, name, &[&magnitude, &limit_of(logits)]);
+                    }
+                }
+            }
+        }
+    }
+    // NaN passes through (the crate never replaces a non-finite value): the outputs that read
+    // it are NaN, and no error.
+    let enc = FixedBias {
+        dense: f64::NAN,
+        rows: false,
+        dtype: DType::F32,
+    };
+    let vb = VarBuilder::from_varmap(&VarMap::new(), DType::F16, dev);
+    let mha = MultiHeadAttention::new(&attn, Some(Arc::new(enc)), vb)?;
+    let x = Tensor::randn(0f32, 1.0, (1, 4, 32), dev)?.to_dtype(DType::F16)?;
+    let out = mha.forward_with(&x, &weights, None)?;
+    assert!(values(&out.output)?.iter().all(|v| v.is_nan()));
+    Ok(())
+}
+
+/// The largest finite value of a float `dtype`.
+fn largest(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 65504.0,
+        DType::BF16 => 3.389_531_389_251_535_5e38,
+        DType::F32 => f32::MAX as f64,
+        _ => f64::MAX,
+    }
+}
+
+/// The largest finite value of `dtype` as the messages print it.
+fn limit_of(dtype: DType) -> String {
+    match dtype {
+        DType::F16 => "65504".into(),
+        DType::BF16 => "3.3895313892515355e38".into(),
+        DType::F32 => "3.4028234663852886e38".into(),
+        _ => "1.7976931348623157e308".into(),
+    }
+}
+
+/// A causal ALiBi row far from its keys: in the per-key form, query 0 at position 0 of a chunk
+/// whose last token sits at 200 000 has the bias −m·200 000 on its one key. f16 logits held it
+/// as −∞ and the row's only finite logit was the masked future key (found weight 1: attention
+/// to the future). Now refused where the logits are f16, and right where they are wider.
+fn alibi_far_from_its_keys(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(64, 8).with_causal(true);
+    let config = EncodingConfig::Alibi(AlibiConfig::new(8));
+    let ids = Positions::Ids(PositionIds::new(&Tensor::new(&[[0u32, 200_000]], dev)?)?);
+    let opts = AttentionOptions {
+        positions: Some(&ids),
+        return_weights: true,
+        ..Default::default()
+    };
+    for dtype in DTYPES {
+        let (mha, _) = zoo::attention(&config, &attn, dtype, dev)?;
+        let x = Tensor::randn(0f32, 1.0, (1, 2, 64), dev)?.to_dtype(dtype)?;
+        let out = mha.forward_with(&x, &opts, None);
+        if dtype == DType::F16 {
+            refused(
+                "f16",
+                out,
+                "dense logits bias from the encoding",
+                &["65504", "1e5"],
+            );
+            continue;
+        }
+        let out = out?;
+        assert!(all_finite(&out.output)?, "{dtype:?}");
+        let w = out.weights.expect("weights");
+        // Query 0 attends to key 0 only, in every head.
+        let first = values(&w.narrow(2, 0, 1)?.narrow(3, 0, 1)?)?;
+        assert!(first.iter().all(|&v| v == 1.0), "{dtype:?}: {first:?}");
+    }
+    Ok(())
+}
+
+/// Writes `tensors` to a file of their own and reads them back as a checkpoint.
+fn checkpoint_of(
+    name: &str,
+    tensors: HashMap<String, Tensor>,
+    dev: &Device,
+) -> anyhow::Result<Checkpoint> {
+    let dir = std::env::temp_dir().join(format!("candle-posenc-finite-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{name}.safetensors"));
+    candle_posenc::checkpoint::save(&path, &tensors, &HashMap::new())?;
+    let ckpt = Checkpoint::load(&path, dev)?;
+    std::fs::remove_file(&path).ok();
+    Ok(ckpt)
+}
+
+/// A checkpoint read into a narrower float format: a finite value past its range is refused,
+/// naming the tensor, its largest such magnitude and the format's limit, through every way of
+/// reading it (a module's constructor, the builder's own getters, `load_into`). Values the
+/// format holds (65519 rounds to f16's 65504), widening, and NaN and ±∞ in the file load as
+/// they are.
+fn narrowing_a_checkpoint(dev: &Device) -> anyhow::Result<()> {
+    let table = |v: &[f64], dtype: DType| -> anyhow::Result<Tensor> {
+        let mut all = vec![0.25f64; 8];
+        all[..v.len()].copy_from_slice(v);
+        Ok(Tensor::from_vec(all, (2, 4), dev)?.to_dtype(dtype)?)
+    };
+    let cfg = LearnedConfig::new(4).with_max_len(2);
+    // (file values and dtype, read as, whether refused)
+    let cases: Vec<(Vec<f64>, DType, DType, bool)> = vec![
+        (vec![7e4, -1.0], DType::F32, DType::F16, true),
+        (vec![-7e4, 9e4], DType::F32, DType::F16, true),
+        (vec![65520.0], DType::F32, DType::F16, true), // the tie rounds to even: ∞
+        (vec![f32::MAX as f64], DType::F32, DType::BF16, true),
+        (vec![1e300], DType::F64, DType::F32, true),
+        (vec![-1e300, 0.5], DType::F64, DType::BF16, true),
+        (vec![1e38], DType::BF16, DType::F16, true),
+        (vec![f64::INFINITY, 7e4], DType::F32, DType::F16, true),
+        (vec![7e4], DType::F32, DType::BF16, false),
+        (vec![7e4], DType::F32, DType::F64, false),
+        (vec![65519.0], DType::F32, DType::F16, false),
+        (vec![65504.0], DType::F16, DType::F32, false),
+        (vec![1e38], DType::BF16, DType::F32, false),
+        (
+            vec![f64::INFINITY, f64::NAN, -1.0],
+            DType::F32,
+            DType::F16,
+            false,
+        ),
+        (
+            vec![f64::NEG_INFINITY, 1e300],
+            DType::F64,
+            DType::F64,
+            false,
+        ),
+    ];
+    for (i, (v, from, to, refuse)) in cases.into_iter().enumerate() {
+        let what = format!("{v:?} in {from:?} read as {to:?}");
+        let t = table(&v, from)?;
+        // The largest finite magnitude the file holds, as the message prints it.
+        let magnitude = values(&t)?
+            .into_iter()
+            .filter(|x| x.is_finite())
+            .fold(0f64, |m, x| m.max(x.abs()));
+        let magnitude = format!("{magnitude:e}");
+        let ckpt = checkpoint_of(
+            &format!("narrow-{i}"),
+            HashMap::from([("wpe.weight".to_string(), t.clone())]),
+            dev,
+        )?;
+        let vb = ckpt.var_builder(to, dev);
+        let varmap = VarMap::new();
+        let var = varmap.get((2, 4), "wpe.weight", Init::Const(3.0), to, dev)?; // shares the storage
+        let reads: Vec<(&str, candle_posenc::Result<Tensor>)> = vec![
+            (
+                "LearnedPositionalEncoding::new",
+                LearnedPositionalEncoding::new(&cfg, vb.pp("wpe")).map(|l| l.weight().clone()),
+            ),
+            (
+                "VarBuilder::get",
+                vb.get((2, 4), "wpe.weight").map_err(Error::from),
+            ),
+            (
+                "VarBuilder::get_unchecked",
+                vb.get_unchecked("wpe.weight").map_err(Error::from),
+            ),
+            (
+                "Checkpoint::load_into",
+                ckpt.load_into(&varmap).map(|()| var.clone()),
+            ),
+        ];
+        for (how, read) in reads {
+            let what = format!("{what}, {how}");
+            match refuse {
+                true => match read {
+                    Err(Error::Checkpoint { reason, .. }) => {
+                        for s in ["`wpe.weight`", &magnitude, &limit_of(to), to.as_str()] {
+                            assert!(reason.contains(s), "{what}: `{s}` not in `{reason}`");
+                        }
+                    }
+                    other => panic!("{what}: {other:?}"),
+                },
+                false => {
+                    let got = values(&read.map_err(|e| anyhow::anyhow!("{what}: {e}"))?)?;
+                    let want = values(&t.to_dtype(to)?)?;
+                    assert_eq!(got.len(), want.len(), "{what}");
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(g == w || (g.is_nan() && w.is_nan()), "{what}: {got:?}");
+                    }
+                }
+            }
+        }
+        if refuse {
+            // load_into changed nothing.
+            assert_eq!(values(&var)?, vec![3.0; 8], "{what}");
+        }
+    }
+    // A block's projection read through an f16 builder: the same refusal, naming its tensor.
+    let attn = AttentionConfig::new(8, 2);
+    let mut tensors = HashMap::new();
+    for p in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+        let w = Tensor::ones((8, 8), DType::F32, dev)?;
+        tensors.insert(
+            format!("{p}.weight"),
+            if p == "v_proj" { (w * 1e6)? } else { w },
+        );
+    }
+    let ckpt = checkpoint_of("narrow-block", tensors, dev)?;
+    match MultiHeadAttention::new(&attn, None, ckpt.var_builder(DType::F16, dev)) {
+        Err(Error::Checkpoint { reason, .. }) => {
+            assert!(
+                reason.contains("`v_proj.weight`") && reason.contains("1e6"),
+                "{reason}"
+            )
+        }
+        other => panic!("f16 block from a 1e6 weight: {other:?}"),
+    }
+    MultiHeadAttention::new(&attn, None, ckpt.var_builder(DType::BF16, dev))?;
+    Ok(())
+}
+
+device_tests!(
+    factors_fit_the_dtype_or_are_refused,
+    llama4_temperature_in_f16,
+    rotary_attention_factor_in_every_dtype,
+    bias_values_past_the_logits_dtype,
+    alibi_far_from_its_keys,
+    narrowing_a_checkpoint,
+);
