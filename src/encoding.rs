@@ -25,7 +25,7 @@ use crate::absolute::learned::LearnedConfig;
 use crate::absolute::scaled_sinusoidal::ScaledSinusoidalConfig;
 use crate::absolute::sinusoidal::SinusoidalConfig;
 use crate::checkpoint::{json_entry, read_json_entry, ENCODING_KEY};
-use crate::error::Result;
+use crate::error::{check_var_builder, Result};
 use crate::plug::{PositionalEncoding, SchemeConfig};
 use crate::relative::alibi::AlibiConfig;
 use crate::relative::clipped_bias::ClippedBiasConfig;
@@ -130,8 +130,11 @@ impl EncodingConfig {
     /// prefix the encoding's tensors live under.
     ///
     /// # Errors
-    /// The encoding's configuration and loading errors.
+    /// [`crate::Error::DType`] for a `VarBuilder` whose dtype is not f32, f64, bf16 or f16,
+    /// whatever the scheme (every constructor that takes a `VarBuilder` has this one rule);
+    /// the encoding's configuration and loading errors.
     pub fn build(&self, vb: VarBuilder) -> Result<Option<Arc<dyn PositionalEncoding>>> {
+        check_var_builder("encoding tables (the VarBuilder's dtype)", &vb)?;
         self.scheme().map(|s| s.build(vb)).transpose()
     }
 

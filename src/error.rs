@@ -9,6 +9,7 @@
 //! operands on different devices, which become [`Error::Device`].
 
 use candle_core::{DType, Device, DeviceLocation, Shape, Tensor};
+use candle_nn::{Init, VarBuilder};
 
 /// Result alias used throughout the crate.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -336,6 +337,38 @@ pub(crate) fn overflowed(t: &Tensor, cast: &Tensor) -> Result<Option<f64>> {
         .to_dtype(DType::F64)?
         .to_scalar::<f64>()?;
     Ok(Some(largest))
+}
+
+/// The dtype rule of every constructor that takes a `VarBuilder`: the builder's dtype is the
+/// dtype its learned tensors are created or loaded in, so it must be a float one ([`check_float`])
+/// — an integer builder would create a table of integers, or truncate the values a checkpoint
+/// holds. Checked first, before anything is created in a `VarMap`, by every constructor alike,
+/// whether or not its scheme has learned tensors (one rule, not one per scheme).
+///
+/// # Errors
+/// [`Error::DType`] naming `what` for a builder of another dtype.
+pub(crate) fn check_var_builder(what: &'static str, vb: &VarBuilder) -> Result<()> {
+    check_float(what, vb.dtype())
+}
+
+/// The learned tensor `name` of `shape`, loaded from `vb` or created there with `init`, and
+/// checked to be float: a `VarMap` hands back a variable it already holds in that variable's
+/// own dtype, whatever the builder's. The builder itself is checked first by its constructor
+/// ([`check_var_builder`]).
+///
+/// # Errors
+/// As `VarBuilder::get_with_hints` ([`Error::MissingTensor`], [`Error::TensorShape`],
+/// [`Error::Checkpoint`]); [`Error::DType`] naming `what` for a tensor that is not float.
+pub(crate) fn learned(
+    vb: &VarBuilder,
+    what: &'static str,
+    shape: impl Into<Shape>,
+    name: &str,
+    init: Init,
+) -> Result<Tensor> {
+    let t = vb.get_with_hints(shape, name, init)?;
+    check_float(what, t.dtype())?;
+    Ok(t)
 }
 
 /// Checks that `value` is a positive normal f32 (finite, at least `f32::MIN_POSITIVE`): what a

@@ -18,9 +18,9 @@ use candle_core::{DType, Module, Tensor};
 use candle_nn::{Embedding, Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{check_float, Error, Result};
+use crate::error::{check_var_builder, learned, Error, Result};
 use crate::limits::check_elements;
-use crate::plug::{AttentionContext, PositionalEncoding};
+use crate::plug::{check_input_answer, AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
 /// Configuration of [`Embeddings`].
@@ -105,8 +105,10 @@ impl Embeddings {
         vb: VarBuilder,
     ) -> Result<Self> {
         config.validate()?;
-        check_float("token embeddings (the VarBuilder's dtype)", vb.dtype())?;
-        let weight = vb.get_with_hints(
+        check_var_builder("token embeddings (the VarBuilder's dtype)", &vb)?;
+        let weight = learned(
+            &vb,
+            "token embeddings",
             (config.vocab_size, config.d_model),
             "weight",
             Init::Randn {
@@ -140,7 +142,9 @@ impl Embeddings {
     /// [`Error::Rank`] unless `tokens` is 2-D; [`Error::DType`] for float ids;
     /// [`Error::InvalidConfig`] for an id past the vocabulary, on every device (on a GPU the
     /// check reads back one byte: its gather would read outside the table); the encoding's
-    /// errors for the positions.
+    /// errors for the positions; [`Error::Shape`] / [`Error::DType`] / [`Error::Device`] for
+    /// an encoding whose input hook answers with another shape, dtype or device than the
+    /// embeddings it was given.
     pub fn forward_with(
         &self,
         tokens: &Tensor,
@@ -199,10 +203,11 @@ impl Embeddings {
         t: usize,
         train: bool,
     ) -> Result<Tensor> {
-        match &self.positions {
-            Some(p) => p.add_to_input(&x, &AttentionContext::chunk(positions, t).with_train(train)),
-            None => Ok(x),
-        }
+        let Some(p) = &self.positions else {
+            return Ok(x);
+        };
+        let ctx = AttentionContext::chunk(positions, t).with_train(train);
+        check_input_answer(p.add_to_input(&x, &ctx)?, &x)
     }
 }
 

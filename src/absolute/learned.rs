@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::absolute::{add_and_dropout, gather_rows};
 use crate::error::check_dropout;
-use crate::error::{check_float, Error, Result};
+use crate::error::{check_float, check_var_builder, learned, Error, Result};
 use crate::limits::{check_elements, max_elements};
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
@@ -184,8 +184,10 @@ impl LearnedPositionalEncoding {
     /// integer `VarBuilder`.
     pub fn new(config: &LearnedConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
-        check_float("learned table (the VarBuilder's dtype)", vb.dtype())?;
-        let weight = vb.get_with_hints(
+        check_var_builder("learned table (the VarBuilder's dtype)", &vb)?;
+        let weight = learned(
+            &vb,
+            "learned table",
             (config.max_len, config.d_model),
             "weight",
             Init::Randn {
@@ -193,7 +195,6 @@ impl LearnedPositionalEncoding {
                 stdev: 0.02,
             },
         )?;
-        check_float("learned table", weight.dtype())?;
         Ok(Self {
             config: config.clone(),
             weight,

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::absolute::sinusoidal::{SinusoidalConfig, SinusoidalPositionalEncoding};
 use crate::absolute::{add_and_dropout, gather_rows};
-use crate::error::{check_dropout, check_float, Result};
+use crate::error::{check_dropout, check_var_builder, learned, Result};
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
@@ -160,10 +160,9 @@ impl ScaledSinusoidalPositionalEncoding {
     /// shape; [`crate::Error::DType`] for an integer `VarBuilder` or `scale`.
     pub fn new(config: &ScaledSinusoidalConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
-        check_float("scale (the VarBuilder's dtype)", vb.dtype())?;
+        check_var_builder("scale (the VarBuilder's dtype)", &vb)?;
         let init = Init::Const((config.d_model as f64).powf(-0.5));
-        let scale = vb.get_with_hints(1, "scale", init)?;
-        check_float("scale", scale.dtype())?;
+        let scale = learned(&vb, "scale", 1, "scale", init)?;
         let sinusoids = SinusoidalPositionalEncoding::new(&config.sinusoids(), vb.device())?;
         Ok(Self {
             config: config.clone(),

@@ -29,8 +29,9 @@ use candle_core::{DType, Tensor};
 use candle_nn::{linear_b, linear_no_bias, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::projection::parts;
 use super::qk_norm::rms_normalized;
-use crate::error::{check_normal_f32, Error, Result};
+use crate::error::{check_normal_f32, learned, Error, Result};
 use crate::limits::check_elements;
 use crate::matmul::linear;
 
@@ -194,7 +195,13 @@ impl LatentProjections {
     ) -> Result<Self> {
         config.validate(d_model, heads, head_dim)?;
         let norm = |name: &str, n: usize| -> Result<Tensor> {
-            Ok(vb.pp(name).get_with_hints(n, "weight", Init::Const(1.0))?)
+            learned(
+                &vb.pp(name),
+                "latent norm scale",
+                n,
+                "weight",
+                Init::Const(1.0),
+            )
         };
         let query = match config.q_lora_rank {
             None => Query::Direct(linear_no_bias(d_model, heads * head_dim, vb.pp("q_proj"))?),
@@ -241,14 +248,18 @@ impl LatentProjections {
         .unwrap_or(0)
     }
 
-    /// Whether any weight tracks gradients.
-    pub(super) fn tracks(&self) -> bool {
-        let linear = |l: &Linear| l.weight().track_op() || l.bias().is_some_and(|b| b.track_op());
-        let query = match &self.query {
-            Query::Direct(q) => linear(q),
-            Query::LowRank { a, norm, b } => linear(a) || norm.track_op() || linear(b),
+    /// Every tensor the projections hold: weights, biases and norm scales.
+    pub(super) fn held(&self) -> Vec<&Tensor> {
+        let mut held: Vec<&Tensor> = match &self.query {
+            Query::Direct(q) => parts(q).collect(),
+            Query::LowRank { a, norm, b } => parts(a).chain([norm]).chain(parts(b)).collect(),
         };
-        query || linear(&self.kv_a) || self.kv_norm.track_op() || linear(&self.kv_b)
+        held.extend(
+            parts(&self.kv_a)
+                .chain([&self.kv_norm])
+                .chain(parts(&self.kv_b)),
+        );
+        held
     }
 
     /// `x` RMS-normalised over its last axis in f32 and scaled by `weight`, in `x`'s dtype.

@@ -34,13 +34,15 @@ use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::kv_cache::{CacheGuard, KvCache};
 use super::latent::LatentProjections;
 use super::mask::check_padding;
-use super::projection;
+use super::projection::{self, parts};
 use super::qk_norm::{rms_normalized, QkNorm};
 use crate::cpu::linear_node::{self, Arrange};
-use crate::error::{check_device, check_factor, check_float, is_float, Error, Result};
+use crate::error::{
+    check_device, check_factor, check_float, check_var_builder, is_float, learned, Error, Result,
+};
 use crate::graft::{graft, GraftBackward};
 use crate::limits::check_elements;
-use crate::plug::{shares_storage, AttentionContext, PositionalEncoding};
+use crate::plug::{check_input_answer, shares_storage, AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
 /// Multi-head self-attention that consumes any [`PositionalEncoding`].
@@ -98,16 +100,17 @@ impl MultiHeadAttention {
     /// As [`AttentionConfig::validate`]; [`Error::InvalidConfig`] for a factor that multiplies
     /// the activations (the softmax scale, the attention temperature's largest factor) past
     /// the largest finite value of the weights' dtype, or, with f16 weights, a scale ×
-    /// temperature × head_dim past 2^8; [`Error::MissingTensor`] / [`Error::TensorShape`]
-    /// for checkpoint tensors that are absent or misshapen; [`Error::DType`] for an integer
-    /// `VarBuilder`.
+    /// temperature × head_dim past 2^8; [`Error::MissingTensor`] /
+    /// [`Error::TensorShape`] for checkpoint tensors that are absent or misshapen;
+    /// [`Error::DType`] for a `VarBuilder` that is not f32, f64, bf16 or f16, or a tensor it
+    /// hands back in another dtype (a `VarMap` holds its variables in their own).
     pub fn new(
         config: &AttentionConfig,
         encoding: Option<Arc<dyn PositionalEncoding>>,
         vb: VarBuilder,
     ) -> Result<Self> {
         config.validate()?;
-        check_float("attention weights (the VarBuilder's dtype)", vb.dtype())?;
+        check_var_builder("attention weights (the VarBuilder's dtype)", &vb)?;
         check_factors(config, vb.dtype())?;
         let (d, hd) = (config.d_model, config.head_dim);
         let (projections, values) = match &config.latent {
@@ -149,19 +152,28 @@ impl MultiHeadAttention {
             .map(|norm| QkNorm::new(norm, (config.num_heads, config.num_kv_heads, hd), &vb))
             .transpose()?;
         let sinks = match config.sinks {
-            true => {
-                Some(vb.get_with_hints(config.num_heads, "sinks", candle_nn::Init::Const(0.0))?)
-            }
+            true => Some(learned(
+                &vb,
+                "sink logits",
+                config.num_heads,
+                "sinks",
+                candle_nn::Init::Const(0.0),
+            )?),
             false => None,
         };
-        Ok(Self {
+        let block = Self {
             config: config.clone(),
             projections,
             o_proj,
             qk_norm,
             sinks,
             encoding,
-        })
+        };
+        // A `VarMap` hands back a variable it already holds in the variable's own dtype.
+        for t in block.held() {
+            check_float("attention weight held by the VarBuilder", t.dtype())?;
+        }
+        Ok(block)
     }
 
     /// The configuration.
@@ -292,7 +304,7 @@ impl MultiHeadAttention {
         let Some(e) = self.encoding.as_deref() else {
             return Ok(x.clone());
         };
-        let added = self.check_input_hook(e.add_to_input(x, ctx)?, x)?;
+        let added = packed(check_input_answer(e.add_to_input(x, ctx)?, x)?)?;
         // A streaming cache moves its tokens to new slots as it evicts, and only keys and
         // biases can follow them: a position added to the input stays in the token's key
         // (every token past the window would arrive at the same slot).
@@ -535,20 +547,25 @@ impl MultiHeadAttention {
         })
     }
 
-    /// Whether any projection weight or bias, or a query/key norm's scale, tracks gradients
-    /// (a `VarMap` variable).
-    fn weights_track(&self) -> bool {
-        let linear = |p: &Linear| p.weight().track_op() || p.bias().is_some_and(|b| b.track_op());
-        let projections = match &self.projections {
-            Projections::Separate { q, k, v } => {
-                linear(q) || linear(k) || v.as_ref().is_some_and(linear)
-            }
-            Projections::Latent(latent) => latent.tracks(),
+    /// Every tensor the block holds: projection weights and biases, query/key norm scales,
+    /// sink logits.
+    fn held(&self) -> Vec<&Tensor> {
+        let mut held: Vec<&Tensor> = match &self.projections {
+            Projections::Separate { q, k, v } => parts(q)
+                .chain(parts(k))
+                .chain(v.iter().flat_map(parts))
+                .collect(),
+            Projections::Latent(latent) => latent.held(),
         };
-        projections
-            || linear(&self.o_proj)
-            || self.qk_norm.as_ref().is_some_and(QkNorm::tracks)
-            || self.sinks.as_ref().is_some_and(Tensor::track_op)
+        held.extend(parts(&self.o_proj));
+        held.extend(self.qk_norm.iter().flat_map(QkNorm::held));
+        held.extend(&self.sinks);
+        held
+    }
+
+    /// Whether any tensor the block holds tracks gradients (a `VarMap` variable).
+    fn weights_track(&self) -> bool {
+        self.held().into_iter().any(Tensor::track_op)
     }
 
     /// The projections split into heads (queries and keys normalised when configured): q
@@ -671,27 +688,6 @@ impl MultiHeadAttention {
             None => keys.copy()?,
         };
         Ok(Some((queries, keys, values)))
-    }
-
-    /// Checks what the input hook returned: the shape, dtype and device of the input it was
-    /// given.
-    fn check_input_hook(&self, y: Tensor, x: &Tensor) -> Result<Tensor> {
-        let what = "input with positions added";
-        if y.dims() != x.dims() {
-            return Err(Error::shape(
-                what,
-                format!("{:?}, the input given to the input hook", x.dims()),
-                y.shape(),
-            ));
-        }
-        if y.dtype() != x.dtype() || !y.device().same_device(x.device()) {
-            return Err(Error::DType {
-                what,
-                expected: "the dtype and device of the input given to the input hook",
-                got: y.dtype(),
-            });
-        }
-        packed(y)
     }
 
     /// Checks what the rotation hook returned: the shapes, dtype and device it was given.

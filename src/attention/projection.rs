@@ -29,6 +29,11 @@ use crate::cpu::gemm::{product, product_parallel};
 use crate::error::Result;
 use crate::matmul;
 
+/// The tensors a projection holds: its weight and its bias, if it has one.
+pub(crate) fn parts(linear: &Linear) -> impl Iterator<Item = &Tensor> {
+    std::iter::once(linear.weight()).chain(linear.bias())
+}
+
 /// Rows (tokens) up to which the projections run as one pass over all their weights.
 pub(crate) const FEW_ROWS: usize = 4;
 

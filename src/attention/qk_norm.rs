@@ -26,7 +26,7 @@ use candle_core::{DType, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{check_normal_f32, Result};
+use crate::error::{check_normal_f32, learned, Result};
 
 /// Which features one RMS statistic covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -153,7 +153,13 @@ impl QkNorm {
         };
         let identity = Init::Const(if config.unit_offset { 0.0 } else { 1.0 });
         let load = |name: &str, h: usize| -> Result<Tensor> {
-            Ok(vb.pp(name).get_with_hints(width(h), "weight", identity)?)
+            learned(
+                &vb.pp(name),
+                "query/key norm scale",
+                width(h),
+                "weight",
+                identity,
+            )
         };
         let scales = match config.learned_scale {
             true => Some((load("q_norm", heads)?, load("k_norm", kv_heads)?)),
@@ -165,11 +171,9 @@ impl QkNorm {
         })
     }
 
-    /// Whether either scale tracks gradients.
-    pub(super) fn tracks(&self) -> bool {
-        self.scales
-            .as_ref()
-            .is_some_and(|(q, k)| q.track_op() || k.track_op())
+    /// The learned scales of queries and keys, when the norm has them.
+    pub(super) fn held(&self) -> Vec<&Tensor> {
+        self.scales.iter().flat_map(|(q, k)| [q, k]).collect()
     }
 
     /// Normalises a projection `y` `(B, T, heads · D)` of the queries (`keys == false`) or

@@ -295,7 +295,8 @@ impl HfAttentionConfig {
     ///
     /// # Errors
     /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the HF tensor that is absent or
-    /// misshapen; [`Error::DType`] for an integer `VarBuilder`; [`Error::InvalidConfig`] as
+    /// misshapen; [`Error::DType`] for an integer `VarBuilder`, or a tensor it hands back as
+    /// integers (a `VarMap` holds its variables in their own dtype); [`Error::InvalidConfig`] as
     /// [`AttentionConfig::validate`] and [`EncodingConfig::validate`] when the public fields
     /// were changed after parsing (checked before any size is computed from them).
     pub fn load(&self, vb: VarBuilder) -> Result<MultiHeadAttention> {
@@ -323,7 +324,7 @@ impl HfAttentionConfig {
 
     /// The layer's tensors under the block's names.
     fn tensors(&self, vb: &VarBuilder, with_table: bool) -> Result<HashMap<String, Tensor>> {
-        crate::error::check_float("attention weights (the VarBuilder's dtype)", vb.dtype())?;
+        crate::error::check_var_builder("attention weights (the VarBuilder's dtype)", vb)?;
         // The fields are public: check them again before their sizes shape any read (a T5
         // table's shape comes from the encoding).
         self.attention.validate()?;

@@ -17,7 +17,7 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 use crate::attention::{AttentionConfig, QkNormScope};
-use crate::error::{Error, Result};
+use crate::error::{check_float, Error, Result};
 
 /// `a × b` (or `a + b`) of the layer's sizes, or [`Error::InvalidConfig`] naming `what`: the
 /// sizes are public fields, so they are checked even after [`AttentionConfig::validate`].
@@ -86,6 +86,11 @@ pub(super) fn remap(
             "relative_attention_bias.weight".to_string(),
             vb.pp("relative_attention_bias").get(shape, "weight")?,
         );
+    }
+    // The one dtype rule of what a builder hands back (a `VarMap` hands back a variable in its
+    // own dtype, which the block's builder over these tensors would convert silently).
+    for t in layer.out.values() {
+        check_float("HF layer tensor held by the VarBuilder", t.dtype())?;
     }
     Ok(layer.out)
 }

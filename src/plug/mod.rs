@@ -33,10 +33,10 @@ pub use relative::{Columns, RelativeBias, RelativeValues};
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::error::Result;
+use crate::error::{check_device, Error, Result};
 use crate::positions::Positions;
 
 /// What a hook knows about the attention it serves.
@@ -287,6 +287,40 @@ pub(crate) fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
     drop(sa);
     let (sb, _) = b.storage_and_layout();
     std::ptr::eq(pa, &*sb)
+}
+
+/// Checks an input hook's answer `y` against the input `x` it was given: the same shape, dtype
+/// and device (an answer with a token more, or widened to f64 for an f32 model, is not the
+/// input with positions added). The one check every caller of
+/// [`PositionalEncoding::add_to_input`] runs on what it gets back, before using it.
+///
+/// # Errors
+/// [`crate::Error::Shape`], [`crate::Error::DType`] or [`crate::Error::Device`] naming the
+/// answer and what the input was.
+pub(crate) fn check_input_answer(y: Tensor, x: &Tensor) -> Result<Tensor> {
+    let what = "input with positions added (the input hook's answer)";
+    if y.dims() != x.dims() {
+        return Err(Error::shape(
+            what,
+            format!("{:?}, the shape of the input given to the hook", x.dims()),
+            y.shape(),
+        ));
+    }
+    if y.dtype() != x.dtype() {
+        return Err(Error::DType {
+            what,
+            expected: match x.dtype() {
+                DType::F32 => "f32, the dtype of the input given to the hook",
+                DType::F64 => "f64, the dtype of the input given to the hook",
+                DType::BF16 => "bf16, the dtype of the input given to the hook",
+                DType::F16 => "f16, the dtype of the input given to the hook",
+                _ => "the dtype of the input given to the hook",
+            },
+            got: y.dtype(),
+        });
+    }
+    check_device(what, &y, x.device())?;
+    Ok(y)
 }
 
 /// What each configuration in `EncodingConfig` provides: its checks and the encoding it

@@ -29,7 +29,7 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::{check_queries, logits_positions, BucketCache, DistanceRange, ROWS_LAYOUT};
-use crate::error::{Error, Result};
+use crate::error::{check_float, check_var_builder, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
 use crate::positions::Positions;
@@ -315,12 +315,16 @@ impl Alibi {
     /// the variable.
     ///
     /// # Errors
-    /// As [`AlibiConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
+    /// As [`AlibiConfig::validate`]; [`Error::DType`] for a `VarBuilder` (or a `slopes`
+    /// variable) whose dtype is not f32, f64, bf16 or f16; [`Error::MissingTensor`] /
+    /// [`Error::TensorShape`].
     pub fn new_learnable(config: &AlibiConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
+        check_var_builder("ALiBi slopes (the VarBuilder's dtype)", &vb)?;
         let fresh = !vb.contains_tensor("slopes");
         let slopes =
             vb.get_with_hints_dtype(config.head_count, "slopes", Init::Const(0.0), DType::F32)?;
+        check_float("ALiBi slopes", slopes.dtype())?;
         if fresh {
             // A VarMap just created the variable with zeros: write the paper's slopes into it
             // in place (the tensor shares the variable's storage).

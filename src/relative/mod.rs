@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::error::{check_float, Error, Result};
+use crate::error::{check_float, check_var_builder, learned, Error, Result};
 use crate::plug::{AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeBias};
 use crate::positions::{check_ranges, Positions};
 
@@ -327,12 +327,16 @@ impl<C: RelativeBucketing> BucketedRelativeBias<C> {
     /// Loads (or creates) the table `<C::TABLE>.weight` from `vb`.
     ///
     /// # Errors
-    /// The config's [`RelativeBucketing::validate`] errors; [`Error::MissingTensor`] /
-    /// [`Error::TensorShape`] for a checkpoint without the table or with another shape.
+    /// The config's [`RelativeBucketing::validate`] errors; [`Error::DType`] for a
+    /// `VarBuilder` (or a table) whose dtype is not f32, f64, bf16 or f16;
+    /// [`Error::MissingTensor`] / [`Error::TensorShape`] for a checkpoint without the table or
+    /// with another shape.
     pub fn new(config: &C, vb: candle_nn::VarBuilder) -> Result<Self> {
         config.validate()?;
-        check_float("relative bias table (the VarBuilder's dtype)", vb.dtype())?;
-        let table = vb.pp(C::TABLE).get_with_hints(
+        check_var_builder("relative bias table (the VarBuilder's dtype)", &vb)?;
+        let table = learned(
+            &vb.pp(C::TABLE),
+            "relative bias table",
             (config.num_buckets(), config.num_heads()),
             "weight",
             candle_nn::Init::Randn {

@@ -30,7 +30,7 @@ use crate::cpu::linear_node::{self, Arrange};
 use crate::positions::Positions;
 
 use super::{clipped_row, query_dims, relative_buckets};
-use crate::error::{check_float, Error, Result};
+use crate::error::{check_var_builder, learned, Error, Result};
 use crate::limits::check_elements;
 use crate::matmul::broadcast_matmul;
 use crate::plug::relative::product_dtype;
@@ -141,23 +141,31 @@ impl ShawRelativePosition {
     /// `relative_values.weight`.
     ///
     /// # Errors
-    /// As [`ShawConfig::validate`]; [`Error::MissingTensor`] / [`Error::TensorShape`].
+    /// As [`ShawConfig::validate`]; [`Error::DType`] for a `VarBuilder` (or a table) whose
+    /// dtype is not f32, f64, bf16 or f16; [`Error::MissingTensor`] / [`Error::TensorShape`].
     pub fn new(config: &ShawConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
-        check_float("Shaw tables (the VarBuilder's dtype)", vb.dtype())?;
+        check_var_builder("Shaw tables (the VarBuilder's dtype)", &vb)?;
         let shape = (2 * config.max_distance + 1, config.head_dim);
         let init = Init::Randn {
             mean: 0.0,
             stdev: 0.02,
         };
-        let keys = vb
-            .pp("relative_keys")
-            .get_with_hints(shape, "weight", init)?;
+        let keys = learned(
+            &vb.pp("relative_keys"),
+            "Shaw key table",
+            shape,
+            "weight",
+            init,
+        )?;
         let values = if config.values {
-            Some(
-                vb.pp("relative_values")
-                    .get_with_hints(shape, "weight", init)?,
-            )
+            Some(learned(
+                &vb.pp("relative_values"),
+                "Shaw value table",
+                shape,
+                "weight",
+                init,
+            )?)
         } else {
             None
         };

@@ -31,7 +31,7 @@ use candle_core::{DType, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{check_float, check_normal_f32, Error, Result};
+use crate::error::{check_float, check_normal_f32, check_var_builder, learned, Error, Result};
 use crate::limits::check_elements;
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
@@ -171,15 +171,24 @@ impl RopeMixed {
     /// initialisation ([`RopeMixedConfig::initial_freqs`]).
     ///
     /// # Errors
-    /// As [`RopeMixedConfig::validate`]; [`Error::TensorShape`] for a misshapen `freqs`;
+    /// As [`RopeMixedConfig::validate`]; [`Error::DType`] for a `VarBuilder` (or a `freqs`)
+    /// whose dtype is not f32, f64, bf16 or f16 (integer frequencies would be truncated);
+    /// [`Error::TensorShape`] for a misshapen `freqs`;
     /// [`Error::InvalidConfig`] for loaded frequencies that are not finite or past
     /// [`MAX_FREQUENCY`] in magnitude (their angles at a `u32` position would not be finite in
     /// f32, so finite input would rotate to NaN).
     pub fn new(config: &RopeMixedConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
+        check_var_builder("RoPE-Mixed frequencies (the VarBuilder's dtype)", &vb)?;
         let shape = (2, config.num_heads, config.head_dim / 2);
         let fresh = !vb.contains_tensor("freqs");
-        let freqs = vb.get_with_hints(shape, "freqs", Init::Const(0.0))?;
+        let freqs = learned(
+            &vb,
+            "RoPE-Mixed frequencies",
+            shape,
+            "freqs",
+            Init::Const(0.0),
+        )?;
         if fresh {
             // A new parameter: written in place with the initial frequencies, so the VarMap's
             // variable holds them.

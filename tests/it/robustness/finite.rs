@@ -1,8 +1,10 @@
-//! Class 3 of the third reliability wave. Finite input gives finite output in every dtype a
-//! block accepts: each factor that multiplies activations is checked against the dtype's range
-//! when the block is built (a rotary attention factor where it first rotates), and a cast to a
-//! narrower format (a checkpoint read as f16, a bias added to f16 logits) is refused where a
-//! finite value would become ±∞.
+//! Classes 3 and 4 of the third reliability wave. Finite input gives finite output in every
+//! dtype a block accepts: each factor that multiplies activations is checked against the
+//! dtype's range when the block is built (a rotary attention factor where it first rotates),
+//! and a cast to a narrower format (a checkpoint read as f16, a bias added to f16 logits) is
+//! refused where a finite value would become ±∞. And one rule for every consumer: every
+//! constructor that takes a `VarBuilder` refuses a non-float one, and every caller of the
+//! input hook checks its answer the same way.
 
 use crate::common;
 
@@ -11,11 +13,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder, VarMap};
+use candle_posenc::absolute::embeddings::{Embeddings, EmbeddingsConfig};
 use candle_posenc::{
-    AlibiConfig, AttentionConfig, AttentionContext, AttentionOptions, AttentionTemperature,
-    Checkpoint, Columns, EncodingConfig, Error, HfAttentionConfig, LearnedConfig,
-    LearnedPositionalEncoding, LogitsBias, MultiHeadAttention, PositionIds, PositionalEncoding,
-    Positions, RelativeBias, RopeConfig, RopeScaling, YarnScaling,
+    Alibi, AlibiConfig, AttentionConfig, AttentionContext, AttentionOptions, AttentionTemperature,
+    Checkpoint, ClippedBiasConfig, ClippedRelativeBias, Columns, EncodingConfig, Error,
+    HfAttentionConfig, LatentConfig, LearnedConfig, LearnedPositionalEncoding, LogitsBias,
+    MultiHeadAttention, PositionIds, PositionalEncoding, Positions, QkNormConfig, RelativeBias,
+    RopeConfig, RopeMixed, RopeMixedConfig, RopeScaling, ScaledSinusoidalConfig,
+    ScaledSinusoidalPositionalEncoding, ShawConfig, ShawRelativePosition, T5Config, T5RelativeBias,
+    YarnScaling,
 };
 use common::zoo;
 
@@ -582,6 +588,261 @@ fn narrowing_a_checkpoint(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every constructor that takes a `VarBuilder`, built through `vb`, as `(name, result)`.
+fn every_constructor(vb: &VarBuilder) -> Vec<(String, candle_posenc::Result<()>)> {
+    let attn = AttentionConfig::new(16, 4);
+    let mut out: Vec<(String, candle_posenc::Result<()>)> = vec![
+        (
+            "attention".into(),
+            MultiHeadAttention::new(&attn, None, vb.pp("a")).map(drop),
+        ),
+        (
+            "attention with norms and sinks".into(),
+            MultiHeadAttention::new(
+                &attn
+                    .clone()
+                    .with_qk_norm(Some(QkNormConfig::new()))
+                    .with_sinks(true),
+                None,
+                vb.pp("n"),
+            )
+            .map(drop),
+        ),
+        (
+            "latent attention".into(),
+            MultiHeadAttention::new(
+                &attn
+                    .clone()
+                    .with_latent(Some(LatentConfig::new(Some(3), 5, 2, 3))),
+                None,
+                vb.pp("m"),
+            )
+            .map(drop),
+        ),
+        (
+            "embeddings".into(),
+            Embeddings::new(&EmbeddingsConfig::new(10, 16), None, vb.pp("wte")).map(drop),
+        ),
+        (
+            "learned".into(),
+            LearnedPositionalEncoding::new(&LearnedConfig::new(16), vb.pp("l")).map(drop),
+        ),
+        (
+            "scaled sinusoidal".into(),
+            ScaledSinusoidalPositionalEncoding::new(&ScaledSinusoidalConfig::new(16), vb.pp("s"))
+                .map(drop),
+        ),
+        (
+            "shaw".into(),
+            ShawRelativePosition::new(&ShawConfig::new(4, 3).with_values(true), vb.pp("sh"))
+                .map(drop),
+        ),
+        (
+            "t5".into(),
+            T5RelativeBias::new(&T5Config::new(4), vb.pp("t5")).map(drop),
+        ),
+        (
+            "clipped".into(),
+            ClippedRelativeBias::new(&ClippedBiasConfig::new(4, 3), vb.pp("c")).map(drop),
+        ),
+        (
+            "learnable alibi".into(),
+            Alibi::new_learnable(&AlibiConfig::new(4).with_learnable(true), vb.pp("al")).map(drop),
+        ),
+        (
+            "rope-mixed".into(),
+            RopeMixed::new(&RopeMixedConfig::new(4, 8), vb.pp("rm")).map(drop),
+        ),
+    ];
+    let mut schemes = zoo::configs(16, 4, 4);
+    schemes.push(EncodingConfig::RopeMixed(RopeMixedConfig::new(4, 4)));
+    schemes.push(EncodingConfig::Alibi(
+        AlibiConfig::new(4).with_learnable(true),
+    ));
+    for (i, config) in schemes.iter().enumerate() {
+        out.push((
+            format!("EncodingConfig::build {}", zoo::label(i, config)),
+            config.build(vb.pp(format!("e{i}"))).map(drop),
+        ));
+    }
+    let json = r#"{"model_type": "qwen2", "hidden_size": 16, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 64}"#;
+    let hf = HfAttentionConfig::from_json(json).expect("a valid config.json");
+    out.push((
+        "HfAttentionConfig::load".into(),
+        hf.load(vb.pp("hf")).map(drop),
+    ));
+    out.push((
+        "HfAttentionConfig::load_with_encoding".into(),
+        hf.load_with_encoding(None, vb.pp("hf2")).map(drop),
+    ));
+    out
+}
+
+/// One dtype rule for every constructor that takes a `VarBuilder`: a builder whose dtype is not
+/// f32, f64, bf16 or f16 is refused first, naming it, and nothing is created in its `VarMap`
+/// (RoPE-Mixed created integer frequencies, `[1, 0, 0, 0]`, and the encodings without tables
+/// took any builder). A float builder over a `VarMap` that already holds a tensor in an
+/// integer dtype gets that tensor back: refused too, naming it.
+fn one_dtype_rule_for_every_var_builder(dev: &Device) -> anyhow::Result<()> {
+    for dtype in [DType::U8, DType::U32, DType::I64, DType::F8E4M3] {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+        for (name, result) in every_constructor(&vb) {
+            match result {
+                Err(Error::DType { what, got, .. }) => {
+                    assert_eq!(got, dtype, "{name}");
+                    assert!(what.contains("VarBuilder"), "{name}: {what}");
+                }
+                other => panic!("{name} through a {dtype:?} VarBuilder: {other:?}"),
+            }
+        }
+        assert!(
+            varmap.all_vars().is_empty(),
+            "{dtype:?}: nothing is created"
+        );
+    }
+    // Every float builder builds them all.
+    for dtype in DTYPES {
+        let varmap = VarMap::new();
+        for (name, result) in every_constructor(&VarBuilder::from_varmap(&varmap, dtype, dev)) {
+            result.map_err(|e| anyhow::anyhow!("{name} in {dtype:?}: {e}"))?;
+        }
+    }
+    // Each tensor of them all, held by a VarMap as integers and reached through an f32
+    // builder: refused by the constructor that reads it, naming the tensor (not the builder);
+    // every other constructor builds.
+    let varmap = VarMap::new();
+    for (name, result) in every_constructor(&VarBuilder::from_varmap(&varmap, DType::F32, dev)) {
+        result.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    }
+    let shapes: Vec<(String, Vec<usize>)> = zoo::named_tensors(&varmap)?
+        .into_iter()
+        .map(|(name, t)| (name, t.dims().to_vec()))
+        .collect();
+    assert!(shapes.len() > 40, "{} tensors", shapes.len());
+    for (path, shape) in shapes {
+        let varmap = VarMap::new();
+        varmap.get(shape.as_slice(), &path, Init::Const(1.0), DType::U32, dev)?;
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let mut refusals = 0;
+        for (name, result) in every_constructor(&vb) {
+            match result {
+                Ok(()) => {}
+                Err(Error::DType { what, got, .. }) if !what.contains("VarBuilder's dtype") => {
+                    assert_eq!(got, DType::U32, "{path} via {name}");
+                    refusals += 1;
+                }
+                Err(other) => panic!("{path} via {name}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            refusals, 1,
+            "{path}: one constructor reads it and refuses it"
+        );
+    }
+    // RoPE-Mixed's frequencies keep their values in every float dtype (not [1, 0, 0, 0]).
+    let cfg = RopeMixedConfig::new(2, 8);
+    let want = cfg.initial_freqs();
+    for dtype in DTYPES {
+        let varmap = VarMap::new();
+        let rope = RopeMixed::new(&cfg, VarBuilder::from_varmap(&varmap, dtype, dev))?;
+        let got = values(rope.freqs())?;
+        let tol = match dtype {
+            DType::BF16 => 1e-2,
+            DType::F16 => 1e-3,
+            _ => 1e-7,
+        };
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - f64::from(*w)).abs() <= tol * w.abs().max(1e-3) as f64,
+                "{dtype:?}: {got:?}"
+            );
+        }
+        assert!(got.iter().any(|g| g.fract() != 0.0), "{dtype:?}: {got:?}");
+    }
+    Ok(())
+}
+
+/// An encoding whose input hook answers with what `answer` makes of the input.
+#[derive(Debug)]
+struct InputAnswer(fn(&Tensor) -> candle_core::Result<Tensor>);
+
+impl PositionalEncoding for InputAnswer {
+    fn add_to_input(&self, x: &Tensor, _ctx: &AttentionContext) -> candle_posenc::Result<Tensor> {
+        Ok((self.0)(x)?)
+    }
+}
+
+/// One check of the input hook's answer for both of its consumers (the block and the input
+/// layer): an answer with a token more or a feature more, or in another dtype, is the same
+/// typed error from each, in every model dtype (`Embeddings` returned it as its output); an
+/// answer that fits is what both use.
+fn one_check_for_the_input_hook(dev: &Device) -> anyhow::Result<()> {
+    let d = 16;
+    let answers: [(&str, InputAnswer); 6] = [
+        (
+            "a token more",
+            InputAnswer(|x| Tensor::cat(&[x, &x.narrow(1, 0, 1)?], 1)),
+        ),
+        (
+            "a feature more",
+            InputAnswer(|x| Tensor::cat(&[x, &x.narrow(2, 0, 1)?], 2)),
+        ),
+        ("a sequence more", InputAnswer(|x| Tensor::cat(&[x, x], 0))),
+        ("in f64", InputAnswer(|x| x.to_dtype(DType::F64))),
+        ("in f16", InputAnswer(|x| x.to_dtype(DType::F16))),
+        ("in u32", InputAnswer(|x| x.to_dtype(DType::U32))),
+    ];
+    let tokens = Tensor::new(&[[1u32, 4, 2]], dev)?;
+    for dtype in DTYPES {
+        for (label, answer) in &answers {
+            let changes_dtype = matches!(*label, "in f64" | "in f16" | "in u32");
+            if changes_dtype && label[3..] == *dtype.as_str() {
+                continue; // the answer is in the model's own dtype
+            }
+            let what = format!("{label}, {dtype:?} model");
+            let enc: Arc<dyn PositionalEncoding> = Arc::new(InputAnswer(answer.0));
+            let varmap = VarMap::new();
+            let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+            let embed = Embeddings::new(
+                &EmbeddingsConfig::new(8, d),
+                Some(enc.clone()),
+                vb.pp("wte"),
+            )?;
+            let mha = MultiHeadAttention::new(&AttentionConfig::new(d, 2), Some(enc), vb.pp("a"))?;
+            let x = Tensor::randn(0f32, 1.0, (1, 3, d), dev)?.to_dtype(dtype)?;
+            let from_embeddings = embed
+                .forward_with(&tokens, &Positions::Offset(0), false)
+                .unwrap_err();
+            let from_block = mha
+                .forward_with(&x, &AttentionOptions::default(), None)
+                .unwrap_err();
+            let expected_variant = match changes_dtype {
+                true => matches!(from_embeddings, Error::DType { .. }),
+                false => matches!(from_embeddings, Error::Shape { .. }),
+            };
+            assert!(expected_variant, "{what}: {from_embeddings:?}");
+            assert!(
+                from_embeddings.to_string().contains("input hook"),
+                "{what}: {from_embeddings}"
+            );
+            // The same check: the same message, but for the input's own shape.
+            let strip = |e: &Error| e.to_string().replace("[1, 3, 16]", "<input>");
+            assert_eq!(strip(&from_embeddings), strip(&from_block), "{what}");
+        }
+        // An answer that fits (the input plus one) is the output of the input layer.
+        let plus_one: Arc<dyn PositionalEncoding> = Arc::new(InputAnswer(|x| x + 1.0));
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+        let embed = Embeddings::new(&EmbeddingsConfig::new(8, d), Some(plus_one), vb.pp("wte"))?;
+        let got = embed.forward_with(&tokens, &Positions::Offset(0), false)?;
+        let want = (embed.weight().index_select(&tokens.flatten_all()?, 0)? + 1.0)?.unsqueeze(0)?;
+        assert_eq!(values(&got)?, values(&want)?, "{dtype:?}");
+    }
+    Ok(())
+}
+
 device_tests!(
     factors_fit_the_dtype_or_are_refused,
     llama4_temperature_in_f16,
@@ -589,4 +850,6 @@ device_tests!(
     bias_values_past_the_logits_dtype,
     alibi_far_from_its_keys,
     narrowing_a_checkpoint,
+    one_dtype_rule_for_every_var_builder,
+    one_check_for_the_input_hook,
 );
