@@ -65,6 +65,19 @@ pub enum Error {
         got: Vec<usize>,
     },
 
+    /// Positions lack what an encoding reads from them: one position per token (an offset, or
+    /// ids without axes) where the encoding rotates by each token's row and column (axial 2-D
+    /// RoPE, RoPE-Mixed), which only multimodal ids give.
+    #[error("{what} are {got}, expected {expected}")]
+    Positions {
+        /// Which encoding's positions.
+        what: &'static str,
+        /// What was expected, in words.
+        expected: String,
+        /// What was given, in words (an offset, or ids and their shape).
+        got: String,
+    },
+
     /// A tensor has a dtype the operation does not accept.
     #[error("{what} has dtype {got:?}, expected {expected}")]
     DType {

@@ -303,6 +303,42 @@ impl Positions {
         }
     }
 
+    /// The multimodal ids and their axes `(3, B, T)`, for an encoding that reads each token's
+    /// row and column (the height and width axes): axial 2-D RoPE, RoPE-Mixed. The one check
+    /// such encodings read their positions through, so that one position per token is never
+    /// taken for a row and a column.
+    ///
+    /// # Errors
+    /// [`Error::Positions`] naming `what` for an offset or ids without axes, saying which was
+    /// given and that `needs` (what the encoding reads) comes only from
+    /// [`PositionIds::multimodal`].
+    pub(crate) fn grid_axes(
+        &self,
+        what: &'static str,
+        needs: &str,
+    ) -> Result<(&PositionIds, &Tensor)> {
+        let got = match self {
+            Positions::Ids(ids) => match ids.axes() {
+                Some(axes) => return Ok((ids, axes)),
+                None => format!(
+                    "ids of shape {:?}, one position per token",
+                    ids.ids().dims()
+                ),
+            },
+            Positions::Offset(start) => format!(
+                "an offset (tokens at {start}, {}, …), one position per token",
+                start.saturating_add(1)
+            ),
+        };
+        Err(Error::Positions {
+            what,
+            expected: format!(
+                "multimodal ids (3, B, T) from PositionIds::multimodal: {needs} (one position per token has no row and column)"
+            ),
+            got,
+        })
+    }
+
     /// Checks that these positions can describe `len` tokens of some batch: an offset that
     /// stays within [`MAX_POSITION`], or ids holding `len` tokens per sequence.
     pub(crate) fn check_len(&self, len: usize) -> Result<()> {

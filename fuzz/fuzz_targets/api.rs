@@ -497,6 +497,7 @@ fn typed(e: &Error) -> bool {
             | Error::PositionOutOfRange { .. }
             | Error::Rank { .. }
             | Error::Shape { .. }
+            | Error::Positions { .. }
             | Error::DType { .. }
     )
 }
@@ -2456,7 +2457,7 @@ fn forward(
                         && matches!(e, Error::InvalidConfig { name: "rope attention factor", .. }))
                     || matches!(e, Error::InvalidConfig { name: "fuzz hook", .. })
                     // RoPE-Mixed without multimodal positions for its queries or keys.
-                    || (model.mixed && matches!(e, Error::Shape { what: "RoPE-Mixed positions", .. }))
+                    || (model.mixed && matches!(e, Error::Positions { what: "RoPE-Mixed positions", .. }))
                     || (near_budget
                         && matches!(&e, Error::InvalidConfig { expected, .. } if expected.contains("at most")))
                     // A differentiable call on candle's ops keeps every query block's logits for

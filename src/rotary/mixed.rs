@@ -232,9 +232,10 @@ impl RopeMixed {
     /// # Errors
     /// [`Error::Rank`] unless `x` has four dimensions; [`Error::DType`] unless it is float;
     /// [`Error::Shape`] for an input that is not `(B, H, T, D)` with this configuration's heads
-    /// and width, or positions without the three axes of
-    /// [`PositionIds::multimodal`](crate::positions::PositionIds::multimodal) for this batch
-    /// and length.
+    /// and width, or multimodal positions of another batch or length; [`Error::Positions`] for
+    /// positions without the three axes of
+    /// [`PositionIds::multimodal`](crate::positions::PositionIds::multimodal) (an offset, or
+    /// `(B, T)` ids).
     pub fn rotate_one(&self, x: &Tensor, positions: &Positions) -> Result<Tensor> {
         let (h, d) = (self.config.num_heads, self.config.head_dim);
         let (b, xh, t, xd) = x.dims4().map_err(|_| Error::Rank {
@@ -251,22 +252,17 @@ impl RopeMixed {
                 x.shape(),
             ));
         }
-        let axes = match positions {
-            Positions::Ids(ids) => ids.axes(),
-            Positions::Offset(_) => None,
-        };
-        let axes = match axes {
-            Some(a) if a.dims()[2] == t && (a.dims()[1] == b || a.dims()[1] == 1) => a,
-            _ => {
-                return Err(Error::shape(
-                    "RoPE-Mixed positions",
-                    format!(
-                        "multimodal ids (3, {b} or 1, {t}): the height (row) and width (column) of each patch"
-                    ),
-                    &axes.map_or_else(|| candle_core::Shape::from(()), |a| a.shape().clone()),
-                ))
-            }
-        };
+        let (_, axes) = positions.grid_axes(
+            "RoPE-Mixed positions",
+            "the height (row) and width (column) of each patch",
+        )?;
+        if axes.dims()[2] != t || (axes.dims()[1] != b && axes.dims()[1] != 1) {
+            return Err(Error::shape(
+                "RoPE-Mixed positions",
+                format!("multimodal ids (3, {b} or 1, {t}) to match the input"),
+                axes.shape(),
+            ));
+        }
         let coord = |axis: usize| -> Result<Tensor> {
             // (B|1, 1, T, 1) in f32.
             Ok(axes

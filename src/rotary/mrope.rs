@@ -14,6 +14,10 @@
 //!
 //! Text tokens have three equal positions, where M-RoPE is plain RoPE; image and video patches
 //! take their grid coordinates ([`mrope_positions`], as HF's `get_rope_index` builds them).
+//! One position per token (an offset, or `(B, T)` ids) is that position on all three axes, as
+//! HF's Qwen2-VL, Qwen2.5-VL and Qwen3-VL text models expand such ids. Axial RoPE has no such
+//! reading (HF's vision encoders take `(row, column)` pairs): it refuses one position per
+//! token with [`Error::Positions`].
 //!
 //! # Shapes
 //! - positions: `(3, B, T)` ([`PositionIds::multimodal`]); per-axis tables are gathered as
@@ -133,7 +137,8 @@ fn unreachable_axes(table: &Tensor) -> Error {
 /// Axial 2-D RoPE over a patch grid (vision encoders): the first half of a head's frequencies
 /// rotates by the patch's row, the second by its column, with positions from
 /// [`PositionIds::multimodal`] (the height and width axes; [`mrope_positions`] with one
-/// [`MropeSegment::Grid`] of `t = 1` builds them).
+/// [`MropeSegment::Grid`] of `t = 1` builds them), the only positions it takes: an offset or
+/// ids without axes are refused with [`Error::Positions`].
 ///
 /// ```text
 /// EvenOdd  (Pixtral):              f_k = base^(-2k/d), k < d/2;  rows take f_0, f_2, f_4, …,

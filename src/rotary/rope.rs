@@ -12,7 +12,7 @@ use super::scaling::{Regime, RopeFrequencies, RopeScaling};
 use crate::absolute::gather_rows;
 use crate::error::{Error, Result};
 use crate::plug::{shares_storage, AttentionContext, PositionalEncoding};
-use crate::positions::Positions;
+use crate::positions::{PositionIds, Positions};
 
 /// Largest number of cos (or sin) table entries ever built (`positions × rotary_dim / 2`): half
 /// of the crate's one budget, so that cos and sin together stay within it.
@@ -86,11 +86,14 @@ pub struct RopeConfig {
     pub kernel: RopeKernel,
     /// Multimodal RoPE: which frequency bands rotate by the temporal, height and width
     /// positions of [`PositionIds::multimodal`](crate::positions::PositionIds::multimodal)
-    /// (Qwen2-VL, Qwen3-VL; default none). Positions without axes rotate as plain RoPE (text).
+    /// (Qwen2-VL, Qwen3-VL; default none). One position per token (an offset, or ids
+    /// without axes) is that position on all three axes, as HF's Qwen-VL text models read
+    /// `(B, T)` ids: it rotates as plain RoPE (text).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mrope: Option<MropeSection>,
     /// Axial 2-D RoPE over a patch grid (Pixtral, Qwen2-VL's vision encoder; default none):
-    /// rows and columns from the height and width axes of multimodal positions.
+    /// rows and columns from the height and width axes of multimodal positions, the only
+    /// positions it takes (one position per token is refused with [`Error::Positions`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub axial: Option<AxialRope>,
 }
@@ -428,6 +431,7 @@ impl RotaryEmbedding {
     /// As [`Self::rotate_queries_keys`].
     pub fn cos_sin(&self, positions: &Positions, len: usize) -> Result<(Tensor, Tensor)> {
         positions.check_len(len)?;
+        self.bands(positions)?;
         let end = positions.end(len);
         let (tables, first) = self.tables_covering(&[positions], end)?;
         let positions = &from_row(positions, first);
@@ -452,7 +456,9 @@ impl RotaryEmbedding {
     /// [`Error::InvalidConfig`] if a table past 2^30 entries would be needed, naming the
     /// first position whose table entry is not finite in f32 (see [`Self::new`]), or, for f16
     /// queries or keys, when the attention factor times xPos's scale `ζ^(±n/γ)` leaves `2^±8`
-    /// at a rotated position (f16's range is `2^±16`; the keys and logits need the rest).
+    /// at a rotated position (f16's range is `2^±16`; the keys and logits need the rest);
+    /// [`Error::Positions`] for axial 2-D RoPE ([`RopeConfig::axial`]) at positions without
+    /// multimodal axes (an offset or `(B, T)` ids), before anything is rotated.
     pub fn rotate_queries_keys(
         &self,
         q: &Tensor,
@@ -490,6 +496,8 @@ impl RotaryEmbedding {
         }
         q_positions.check(qb, qt)?;
         k_positions.check(kb, kt)?;
+        self.bands(q_positions)?;
+        self.bands(k_positions)?;
         let end = q_positions.end(qt).max(k_positions.end(kt));
         let (tables, first) = self.tables_covering(&[q_positions, k_positions], end)?;
         check_dtype_range(&self.config, tables.factor, end, q.dtype())?;
@@ -636,6 +644,7 @@ impl RotaryEmbedding {
     ) -> Result<Tensor> {
         let (b, t) = self.check(x, if queries { "queries" } else { "keys" }, layout)?;
         positions.check(b, t)?;
+        self.bands(positions)?;
         let end = positions.end(t);
         let (tables, first) = self.tables_covering(&[positions], end)?;
         check_dtype_range(&self.config, tables.factor, end, x.dtype())?;
@@ -730,27 +739,54 @@ impl RotaryEmbedding {
         Ok(out.to_dtype(dtype)?)
     }
 
-    /// Tables for `regime` covering positions `0..end`, built or grown if needed.
-    /// The table rows of `len` tokens at `positions`; for multimodal positions with
-    /// [`RopeConfig::mrope`], each frequency from its own axis.
-    fn rows(&self, table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
-        let bands = match self.config.axial {
-            Some(_) => Some(AxialRope::bands(self.config.rotary_dim)),
-            None => self.config.mrope,
-        };
-        if let (Some(m), Positions::Ids(ids)) = (&bands, positions) {
-            if ids.axes().is_some() {
-                let picked = m.rows(table, ids, len)?;
-                return Ok(if picked.dim(0)? == 1 {
-                    picked.squeeze(0)?
-                } else {
-                    picked
-                });
-            }
+    /// How this rotation reads `positions`: the one decision every entry point goes through
+    /// (checked before any table is built, and again where the rows are gathered).
+    ///
+    /// - Axial 2-D RoPE reads each token's row and column, which only multimodal ids hold: an
+    ///   offset or ids without axes are refused (HF's vision encoders take `(row, column)`
+    ///   pairs and give one position per token no meaning).
+    /// - M-RoPE reads each frequency band from its axis of multimodal ids. One position per
+    ///   token (an offset, or `(B, T)` ids) is that position on all three axes, as HF's
+    ///   Qwen2-VL, Qwen2.5-VL and Qwen3-VL text models expand them (`position_ids[None]
+    ///   .expand(3, …)`, the cache's positions likewise): plain RoPE's rows.
+    /// - Plain RoPE reads the temporal axis of multimodal ids ([`PositionIds::multimodal`]).
+    ///
+    /// Returns the bands and the multimodal ids they read, or `None` for plain rows.
+    ///
+    /// # Errors
+    /// [`Error::Positions`] for axial RoPE at positions without axes.
+    fn bands<'p>(
+        &self,
+        positions: &'p Positions,
+    ) -> Result<Option<(MropeSection, &'p PositionIds)>> {
+        if self.config.axial.is_some() {
+            let (ids, _) = positions.grid_axes(
+                "axial RoPE positions",
+                "the row (height axis) and column (width axis) of each patch",
+            )?;
+            return Ok(Some((AxialRope::bands(self.config.rotary_dim), ids)));
         }
-        rows(table, positions, len)
+        Ok(match (self.config.mrope, positions) {
+            (Some(m), Positions::Ids(ids)) if ids.axes().is_some() => Some((m, ids)),
+            _ => None,
+        })
     }
 
+    /// The table rows of `len` tokens at `positions`, read as [`Self::bands`] decides: for
+    /// multimodal positions with bands, each frequency from its own axis.
+    fn rows(&self, table: &Tensor, positions: &Positions, len: usize) -> Result<Tensor> {
+        let Some((bands, ids)) = self.bands(positions)? else {
+            return rows(table, positions, len);
+        };
+        let picked = bands.rows(table, ids, len)?;
+        Ok(if picked.dim(0)? == 1 {
+            picked.squeeze(0)?
+        } else {
+            picked
+        })
+    }
+
+    /// Tables for `regime` covering positions `0..end`, built or grown if needed.
     fn tables_for(&self, regime: Regime, end: usize) -> Result<Tables> {
         {
             let t = self.tables.read().map_err(|_| poisoned())?;
@@ -1037,7 +1073,9 @@ fn build_tables(
 }
 
 impl Module for RotaryEmbedding {
-    /// Rotates `x` `(B, H, T, D)` at positions `0..T`, as queries.
+    /// Rotates `x` `(B, H, T, D)` at positions `0..T`, as queries. Axial 2-D RoPE has no
+    /// positions `0..T` (it reads rows and columns): it refuses with [`Error::Positions`],
+    /// wrapped in candle's error; rotate it with [`Self::rotate_queries`] at multimodal ids.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         Ok(self.rotate_queries(x, &Positions::Offset(0), QkLayout::Bhtd)?)
     }

@@ -31,6 +31,7 @@ enum Kind {
     OutOfRange,
     Rank,
     Shape,
+    Positions,
     DType,
     Missing,
     TensorShape,
@@ -45,6 +46,7 @@ fn kind_of(e: &Error) -> Option<Kind> {
         Error::PositionOutOfRange { .. } => Kind::OutOfRange,
         Error::Rank { .. } => Kind::Rank,
         Error::Shape { .. } => Kind::Shape,
+        Error::Positions { .. } => Kind::Positions,
         Error::DType { .. } => Kind::DType,
         Error::MissingTensor { .. } => Kind::Missing,
         Error::TensorShape { .. } => Kind::TensorShape,
@@ -829,7 +831,7 @@ fn rotary() {
     );
     s.case(
         "RoPE-Mixed at one-dimensional positions",
-        Kind::Shape,
+        Kind::Positions,
         &["RoPE-Mixed positions", "multimodal"],
         || mixed.rotate_one(&q, &off),
     );

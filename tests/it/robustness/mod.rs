@@ -4,6 +4,7 @@ mod api_fuzz;
 mod api_properties;
 mod bad_input;
 mod budget;
+mod fallbacks;
 mod finite;
 mod integer_ops;
 mod memory;

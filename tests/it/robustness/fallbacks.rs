@@ -1,0 +1,465 @@
+//! No silent fallbacks (issue 42, class 5): positions that lack the axes a rotation reads are
+//! refused alike by every entry point that takes them (the rotate functions, `cos_sin`, the
+//! plug's `rotate` hook, `Module::forward`, the block, a loaded HF layer), with
+//! [`Error::Positions`] naming what was given and what was expected; where HF gives one
+//! position per token a meaning (M-RoPE's text, all three axes alike) it is kept, exactly.
+
+use crate::common;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::{
+    AttentionConfig, AttentionContext, AttentionOptions, AxialRope, Checkpoint, Error,
+    HfAttentionConfig, KvCache, MultiHeadAttention, PositionIds, PositionalEncoding, Positions,
+    QkLayout, RopeConfig, RopeKernel, RopeMixed, RopeMixedConfig, RotaryEmbedding,
+};
+use common::{assert_close, get};
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
+const KERNELS: [RopeKernel; 2] = [RopeKernel::Fused, RopeKernel::Ops];
+
+/// Positions with one position per token for a batch of `b` sequences of `t` tokens: offsets,
+/// and ids of the batch's size or shared, each with the words the error names it by.
+fn one_per_token(b: usize, t: usize, dev: &Device) -> anyhow::Result<Vec<(Positions, String)>> {
+    let ids = |rows: usize| -> anyhow::Result<Positions> {
+        let start = Tensor::arange(0u32, rows as u32, dev)?.reshape((rows, 1))?;
+        let ids = Tensor::arange(0u32, t as u32, dev)?
+            .reshape((1, t))?
+            .broadcast_add(&(start * 3.0)?)?;
+        Ok(Positions::Ids(PositionIds::new(&ids)?))
+    };
+    Ok(vec![
+        (Positions::Offset(0), "an offset (tokens at 0, 1, …)".into()),
+        (Positions::Offset(7), "an offset (tokens at 7, 8, …)".into()),
+        (ids(b)?, format!("ids of shape [{b}, {t}]")),
+        (ids(1)?, format!("ids of shape [1, {t}]")),
+    ])
+}
+
+/// Multimodal positions `(3, 2, 6)`: two images of six patches, a 2 × 3 grid and a 3 × 2 one
+/// (temporal 0, the patch's row, its column).
+fn two_grids(dev: &Device) -> anyhow::Result<Positions> {
+    let rows: [[u32; 6]; 2] = [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 2, 2]];
+    let cols: [[u32; 6]; 2] = [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 0, 1]];
+    let axes = Tensor::stack(
+        &[
+            Tensor::zeros((2, 6), DType::U32, dev)?,
+            Tensor::new(&rows, dev)?,
+            Tensor::new(&cols, dev)?,
+        ],
+        0,
+    )?;
+    Ok(Positions::Ids(PositionIds::multimodal(&axes)?))
+}
+
+/// Asserts that `Module::forward`'s error (candle's wrapper keeps only the crate error's text)
+/// is the refusal of an offset `0..T` by the encoding whose positions are `what`.
+#[track_caller]
+fn refused_by_module<T: std::fmt::Debug>(result: candle_core::Result<T>, what: &str, case: &str) {
+    match result {
+        Err(candle_core::Error::Wrapped(e)) => {
+            let text = e.to_string();
+            let want = format!(
+                "{what} are an offset (tokens at 0, 1, …), one position per token, expected multimodal ids (3, B, T)"
+            );
+            assert!(text.starts_with(&want), "{case}: {text}");
+        }
+        other => panic!("{case}: expected the crate's refusal, got {other:?}"),
+    }
+}
+
+/// Asserts `result` is the refusal of `given` by the encoding whose positions are `what`.
+#[track_caller]
+fn refused<T: std::fmt::Debug>(result: Result<T, Error>, what: &str, given: &str, case: &str) {
+    match result {
+        Err(Error::Positions {
+            what: w,
+            got,
+            expected,
+        }) => {
+            assert_eq!(w, what, "{case}");
+            assert!(
+                got.starts_with(given),
+                "{case}: got {got:?}, given {given:?}"
+            );
+            assert!(got.contains("one position per token"), "{case}: {got}");
+            assert!(
+                expected.contains("multimodal ids (3, B, T)")
+                    && expected.contains("row")
+                    && expected.contains("column"),
+                "{case}: {expected}"
+            );
+        }
+        other => panic!("{case}: expected Error::Positions, got {other:?}"),
+    }
+}
+
+/// q `(B, H, T, D)` and k rotated at `positions` through every entry point that rotates them:
+/// both at once, both in place (owned), the plug's hook, and one at a time (the keys in the
+/// `(B, T, H, D)` layout); each with its name.
+fn every_entry_point(
+    rope: &RotaryEmbedding,
+    q: &Tensor,
+    k: &Tensor,
+    positions: &Positions,
+) -> anyhow::Result<Vec<(&'static str, Tensor, Tensor)>> {
+    let (p, t) = (positions, q.dim(2)?);
+    let both = rope.rotate_queries_keys(q, k, p, p, QkLayout::Bhtd)?;
+    let owned = rope.rotate_queries_keys_owned(q.copy()?, k.copy()?, p, p, QkLayout::Bhtd)?;
+    let hook = rope.rotate(q.copy()?, k.copy()?, &AttentionContext::new(p, t, p, t))?;
+    let keys = rope.rotate_keys(&k.transpose(1, 2)?.contiguous()?, p, QkLayout::Bthd)?;
+    let one = (
+        rope.rotate_queries(q, p, QkLayout::Bhtd)?,
+        keys.transpose(1, 2)?,
+    );
+    Ok(vec![
+        ("rotate_queries_keys", both.0, both.1),
+        ("rotate_queries_keys_owned", owned.0, owned.1),
+        ("PositionalEncoding::rotate", hook.0, hook.1),
+        ("rotate_queries, rotate_keys", one.0, one.1),
+    ])
+}
+
+/// Every entry point refuses `bad` (described as `given`) where the queries, the keys or both
+/// sit there (the others at `good`), before anything is rotated: the owned entry point leaves
+/// its queries and keys as they were. Also `cos_sin` and, where the device runs empty
+/// tensors, an empty batch.
+fn refused_everywhere(
+    rope: &RotaryEmbedding,
+    (q, k): (&Tensor, &Tensor),
+    (bad, good): (&Positions, &Positions),
+    given: &str,
+    case: &str,
+) -> anyhow::Result<()> {
+    let what = "axial RoPE positions";
+    let t = q.dim(2)?;
+    let q_bthd = q.transpose(1, 2)?.contiguous()?;
+    refused(
+        rope.rotate_queries(q, bad, QkLayout::Bhtd),
+        what,
+        given,
+        case,
+    );
+    refused(
+        rope.rotate_keys(&q_bthd, bad, QkLayout::Bthd),
+        what,
+        given,
+        case,
+    );
+    refused(rope.cos_sin(bad, t), what, given, case);
+    for (qp, kp) in [(bad, good), (good, bad), (bad, bad)] {
+        refused(
+            rope.rotate_queries_keys(q, k, qp, kp, QkLayout::Bhtd),
+            what,
+            given,
+            case,
+        );
+        let (q_owned, k_owned) = (q.copy()?, k.copy()?);
+        let (q_seen, k_seen) = (q_owned.clone(), k_owned.clone());
+        let owned = rope.rotate_queries_keys_owned(q_owned, k_owned, qp, kp, QkLayout::Bhtd);
+        refused(owned, what, given, case);
+        assert_close(&q_seen, q, 0.0, case)?;
+        assert_close(&k_seen, k, 0.0, case)?;
+        let ctx = AttentionContext::new(qp, t, kp, t);
+        refused(rope.rotate(q.clone(), k.clone(), &ctx), what, given, case);
+    }
+    let shared = !matches!(bad, Positions::Ids(ids) if ids.batch() > 1);
+    if shared && common::holds_empty(q.device()) {
+        let (_, h, _, d) = q.dims4()?;
+        let empty = Tensor::zeros((0, h, t, d), q.dtype(), q.device())?;
+        refused(
+            rope.rotate_queries(&empty, bad, QkLayout::Bhtd),
+            what,
+            given,
+            case,
+        );
+    }
+    Ok(())
+}
+
+/// Axial 2-D RoPE (every layout, both kernels, every float dtype) refuses an offset and ids
+/// without axes at every entry point (`Module::forward` included), the empty batch too,
+/// before anything is rotated; at multimodal positions the entry points agree. It used to
+/// rotate such positions as one-dimensional ones, silently.
+fn axial_rope_refuses_one_position_per_token(dev: &Device) -> anyhow::Result<()> {
+    let grid = two_grids(dev)?;
+    for layout in [
+        AxialRope::EvenOdd,
+        AxialRope::Repeated,
+        AxialRope::SplitHalves,
+    ] {
+        for kernel in KERNELS {
+            let config = RopeConfig::new(16)
+                .with_axial(Some(layout))
+                .with_kernel(kernel);
+            let rope = RotaryEmbedding::new(&config, dev)?;
+            for dtype in FLOATS {
+                let case = format!("{layout:?} {kernel:?} {dtype:?}");
+                let q = Tensor::randn(0f32, 1.0, (2, 2, 6, 16), dev)?.to_dtype(dtype)?;
+                let k = Tensor::randn(0f32, 1.0, (2, 1, 6, 16), dev)?.to_dtype(dtype)?;
+                for (bad, given) in one_per_token(2, 6, dev)? {
+                    let case = format!("{case} at {given}");
+                    refused_everywhere(&rope, (&q, &k), (&bad, &grid), &given, &case)?;
+                }
+                let module = format!("{case} Module::forward");
+                refused_by_module(rope.forward(&q), "axial RoPE positions", &module);
+                let rotations = every_entry_point(&rope, &q, &k, &grid)?;
+                let (_, qr, kr) = &rotations[0];
+                for (entry, qe, ke) in &rotations {
+                    assert_close(qe, qr, 0.0, &format!("{case} {entry}"))?;
+                    assert_close(ke, kr, 0.0, &format!("{case} {entry}"))?;
+                }
+                assert_eq!(rope.cos_sin(&grid, 6)?.0.dims(), &[2, 6, 8], "{case}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The multimodal fixture (`generate.py rotary_mrope`): HF's rotations and their configs.
+fn mrope_fixture(dev: &Device) -> anyhow::Result<Checkpoint> {
+    let path = format!(
+        "{}/tests/fixtures/rotary_mrope.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    Ok(Checkpoint::load(path, dev)?)
+}
+
+/// The vision encoders' axial RoPE as their `config.json` reads it (Pixtral, the Qwen2-VL and
+/// Qwen2.5-VL vision towers, Gemma 4's), against HF's rotation at the patch grid
+/// (`rotary_mrope.safetensors`), through every entry point; each refuses an offset and ids
+/// without axes.
+fn vision_rope_entry_points_match_hf_or_refuse(dev: &Device) -> anyhow::Result<()> {
+    let file = mrope_fixture(dev)?;
+    let fx = file.tensors();
+    // The 4 × 6 grid the fixture rotates at, one image: rows, then columns in a row.
+    let segment = candle_posenc::MropeSegment::Grid {
+        t: 1,
+        h: 4,
+        w: 6,
+        time_interval: 1.0,
+    };
+    let (axes, _) = candle_posenc::rotary::mrope::mrope_positions(&[segment])?;
+    let axes = Tensor::from_vec(axes, (3, 1, 24), dev)?;
+    let grid = Positions::Ids(PositionIds::multimodal(&axes)?);
+    let (q, k) = (get(fx, "pixtral.q"), get(fx, "pixtral.k"));
+    for name in [
+        "pixtral",
+        "qwen2_vl_vision",
+        "qwen2_5_vl_vision",
+        "gemma4_vision",
+    ] {
+        let want = |x: &str| get(fx, &format!("{name}.{x}"));
+        let config = RopeConfig::from_hf_json(&file.metadata()[name])?;
+        assert!(config.axial.is_some(), "{name}");
+        for kernel in KERNELS {
+            let case = format!("{name} {kernel:?}");
+            let rope = RotaryEmbedding::new(&config.clone().with_kernel(kernel), dev)?;
+            for (entry, qe, ke) in every_entry_point(&rope, q, k, &grid)? {
+                assert_close(&qe, want("q_rot"), 1e-5, &format!("{case} {entry}"))?;
+                assert_close(&ke, want("k_rot"), 1e-5, &format!("{case} {entry}"))?;
+            }
+            for (bad, given) in one_per_token(1, 24, dev)? {
+                let case = format!("{case} at {given}");
+                refused_everywhere(&rope, (q, k), (&bad, &grid), &given, &case)?;
+            }
+            let module = format!("{case} Module::forward");
+            refused_by_module(rope.forward(q), "axial RoPE positions", &module);
+        }
+    }
+    Ok(())
+}
+
+/// M-RoPE at one position per token keeps HF's meaning: Qwen2-VL's and Qwen3-VL's text models
+/// expand `(B, T)` ids (and the cache's positions) to the same id on all three axes
+/// (`position_ids[None].expand(3, …)`), which is plain RoPE. So at every entry point and in
+/// every float dtype an offset or ids rotate exactly as three equal axes and as the same
+/// configuration without bands (`Module::forward` too), and the fixture's text tokens (HF's
+/// `get_rope_index` positions, HF's rotation) rotate at their offset as HF rotates them.
+fn mrope_keeps_hf_meaning_of_one_position_per_token(dev: &Device) -> anyhow::Result<()> {
+    let file = mrope_fixture(dev)?;
+    let fx = file.tensors();
+    let hf_positions = get(fx, "positions").to_dtype(DType::I64)?; // (3, 1, T)
+    let t = hf_positions.dim(2)?;
+    let axes: Vec<Vec<i64>> = (0..3)
+        .map(|a| Ok(hf_positions.get(a)?.flatten_all()?.to_vec1::<i64>()?))
+        .collect::<anyhow::Result<_>>()?;
+    for name in ["qwen2_vl", "qwen3_vl"] {
+        let config = RopeConfig::from_hf_json(&file.metadata()[name])?;
+        assert!(config.mrope.is_some(), "{name}");
+        let want = |x: &str, start: usize| get(fx, &format!("{name}.{x}")).narrow(2, start, 3);
+        for kernel in KERNELS {
+            let config = config.clone().with_kernel(kernel);
+            let rope = RotaryEmbedding::new(&config, dev)?;
+            let plain = RotaryEmbedding::new(&config.clone().with_mrope(None), dev)?;
+            // HF's text tokens, the first three and the last three, each at one position on
+            // all axes: at that position as an offset they rotate as HF rotated them.
+            for start in [0, t - 3] {
+                let p = axes[0][start];
+                for (i, at) in (start..start + 3).zip(p..) {
+                    let token: Vec<i64> = axes.iter().map(|a| a[i]).collect();
+                    assert_eq!(token, [at, at, at], "{name}: text token {i}");
+                }
+                let part = |x: &str| -> anyhow::Result<Tensor> {
+                    Ok(get(fx, &format!("{name}.{x}"))
+                        .narrow(2, start, 3)?
+                        .contiguous()?)
+                };
+                let (q, k) = (part("q")?, part("k")?);
+                let at = Positions::Offset(p as usize);
+                for (entry, qe, ke) in every_entry_point(&rope, &q, &k, &at)? {
+                    let case = format!("{name} {kernel:?} {entry} at {p}");
+                    assert_close(&qe, &want("q_rot", start)?, 1e-5, &case)?;
+                    assert_close(&ke, &want("k_rot", start)?, 1e-5, &case)?;
+                }
+            }
+            for dtype in FLOATS {
+                let case = format!("{name} {kernel:?} {dtype:?}");
+                let q = Tensor::randn(0f32, 1.0, (2, 2, 6, 32), dev)?.to_dtype(dtype)?;
+                let k = Tensor::randn(0f32, 1.0, (2, 1, 6, 32), dev)?.to_dtype(dtype)?;
+                for (one, given) in one_per_token(2, 6, dev)? {
+                    let case = format!("{case} at {given}");
+                    let ids = one.to_ids(6, dev)?;
+                    let b = ids.dim(0)?;
+                    let three = ids.unsqueeze(0)?.broadcast_as((3, b, 6))?.contiguous()?;
+                    let equal = Positions::Ids(PositionIds::multimodal(&three)?);
+                    let (_, qe, ke) = &every_entry_point(&rope, &q, &k, &equal)?[0];
+                    let (_, qp, kp) = &every_entry_point(&plain, &q, &k, &one)?[0];
+                    assert_close(qe, qp, 0.0, &format!("{case}: equal axes are plain RoPE"))?;
+                    assert_close(ke, kp, 0.0, &format!("{case}: equal axes are plain RoPE"))?;
+                    for (entry, qr, kr) in every_entry_point(&rope, &q, &k, &one)? {
+                        assert_close(&qr, qe, 0.0, &format!("{case} {entry}"))?;
+                        assert_close(&kr, ke, 0.0, &format!("{case} {entry}"))?;
+                    }
+                    let (cos, _) = rope.cos_sin(&one, 6)?;
+                    assert_close(&cos, &rope.cos_sin(&equal, 6)?.0, 0.0, &case)?;
+                }
+                let zero = Positions::Offset(0);
+                let want = plain.rotate_queries(&q, &zero, QkLayout::Bhtd)?;
+                assert_close(&rope.forward(&q)?, &want, 0.0, &format!("{case} forward"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// RoPE-Mixed reads rows and columns through the same check: its entry point, the plug's hook
+/// and the block refuse one position per token with the same error.
+fn rope_mixed_refuses_one_position_per_token(dev: &Device) -> anyhow::Result<()> {
+    let what = "RoPE-Mixed positions";
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let mixed = RopeMixed::new(&RopeMixedConfig::new(2, 8), vb.pp("rope"))?;
+    let block = MultiHeadAttention::new(
+        &AttentionConfig::new(16, 2),
+        Some(std::sync::Arc::new(mixed.clone())),
+        vb.pp("attn"),
+    )?;
+    let grid = two_grids(dev)?;
+    for dtype in FLOATS {
+        let q = Tensor::randn(0f32, 1.0, (2, 2, 6, 8), dev)?.to_dtype(dtype)?;
+        for (bad, given) in one_per_token(2, 6, dev)? {
+            let case = format!("{dtype:?} at {given}");
+            refused(mixed.rotate_one(&q, &bad), what, &given, &case);
+            let ctx = AttentionContext::new(&bad, 6, &grid, 6);
+            refused(
+                mixed.rotate(q.clone(), q.clone(), &ctx),
+                what,
+                &given,
+                &case,
+            );
+            let ctx = AttentionContext::new(&grid, 6, &bad, 6);
+            refused(
+                mixed.rotate(q.clone(), q.clone(), &ctx),
+                what,
+                &given,
+                &case,
+            );
+        }
+        assert_eq!(mixed.rotate_one(&q, &grid)?.dims(), q.dims(), "{dtype:?}");
+    }
+    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    for (bad, given) in one_per_token(2, 6, dev)? {
+        let opts = AttentionOptions {
+            positions: Some(&bad),
+            ..Default::default()
+        };
+        refused(block.forward_with(&x, &opts, None), what, &given, "block");
+    }
+    refused_by_module(block.forward(&x), what, "block Module::forward");
+    Ok(())
+}
+
+/// The HF vision layers whose rotation is axial (fixture tags in `hf_layers.safetensors`).
+const VISION_LAYERS: [&str; 2] = ["pixtral", "pixtral_default"];
+
+/// A vision encoder's attention layer loaded from its `config.json` and HF's tensors refuses
+/// to run at one position per token, through `Module::forward`, `forward_with` and a KV cache
+/// (left as it was), in every float dtype; at the patches' rows and columns it equals HF's
+/// module. (A Pixtral layer at `Positions::Offset(0)` used to be 0.81 off HF's, silently.)
+fn vision_layers_refuse_one_position_per_token(dev: &Device) -> anyhow::Result<()> {
+    let what = "axial RoPE positions";
+    let ckpt = Checkpoint::load(
+        format!(
+            "{}/tests/fixtures/hf_layers.safetensors",
+            env!("CARGO_MANIFEST_DIR")
+        ),
+        dev,
+    )?;
+    let meta = ckpt.metadata();
+    for tag in VISION_LAYERS {
+        let config = HfAttentionConfig::from_json(&meta[tag])?;
+        let prefix = format!("{tag}/{}", meta[&format!("{tag}.prefix")]);
+        let x = get(ckpt.tensors(), &format!("{tag}.x"));
+        let want = get(ckpt.tensors(), &format!("{tag}.out"));
+        let grid = Positions::Ids(PositionIds::multimodal(get(
+            ckpt.tensors(),
+            &format!("{tag}.positions"),
+        ))?);
+        let (b, t, _) = x.dims3()?;
+        for dtype in FLOATS {
+            let block = config.load(ckpt.var_builder(dtype, dev).pp(&prefix))?;
+            let x = x.to_dtype(dtype)?;
+            for (bad, given) in one_per_token(b, t, dev)? {
+                let case = format!("{tag} {dtype:?} at {given}");
+                let opts = AttentionOptions {
+                    positions: Some(&bad),
+                    ..Default::default()
+                };
+                refused(block.forward_with(&x, &opts, None), what, &given, &case);
+                let mut cache = KvCache::new();
+                refused(
+                    block.forward_with(&x, &opts, Some(&mut cache)),
+                    what,
+                    &given,
+                    &case,
+                );
+                assert!(cache.is_empty(), "{case}: the cache is left as it was");
+            }
+            refused_by_module(
+                block.forward(&x),
+                what,
+                &format!("{tag} {dtype:?} Module::forward"),
+            );
+            let opts = AttentionOptions {
+                positions: Some(&grid),
+                ..Default::default()
+            };
+            let got = block.forward_with(&x, &opts, None)?.output;
+            if dtype == DType::F32 {
+                assert_close(&got, want, 1e-5, tag)?;
+            } else {
+                assert_eq!(got.dims(), want.dims(), "{tag} {dtype:?}");
+            }
+        }
+    }
+    Ok(())
+}
+
+device_tests!(
+    axial_rope_refuses_one_position_per_token,
+    vision_rope_entry_points_match_hf_or_refuse,
+    mrope_keeps_hf_meaning_of_one_position_per_token,
+    rope_mixed_refuses_one_position_per_token,
+    vision_layers_refuse_one_position_per_token,
+);
