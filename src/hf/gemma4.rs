@@ -15,6 +15,9 @@
 //! - `num_key_value_heads`, `head_dim`, `sliding_window`, `global_head_dim` and
 //!   `attention_k_eq_v` are typed fields that refuse `null`; a `rope_scaling` key replaces the
 //!   nested parameters and the rotary embedding then fails.
+//!
+//! Its vision encoder (`gemma4_vision`) shares the attention's norms and scale ([`vision`]) and
+//! nothing of the layer types.
 
 use std::collections::BTreeMap;
 
@@ -87,6 +90,15 @@ pub(super) fn attention(
         .with_softmax_scale(1.0)
         .with_value_norm(Some(top.f64("rms_norm_eps")?.unwrap_or(1e-6)))
         .with_k_eq_v(kind == LayerKind::Full && top.bool("attention_k_eq_v")?.unwrap_or(false)))
+}
+
+/// The block settings of Gemma 4's vision encoder (`Gemma4VisionAttention`): q and k
+/// normalised (the row's norm), the values too (without a scale, ε from `rms_norm_eps`), and
+/// no further scale.
+pub(super) fn vision(top: &Obj, attention: AttentionConfig) -> Result<AttentionConfig> {
+    Ok(attention
+        .with_softmax_scale(1.0)
+        .with_value_norm(Some(top.f64("rms_norm_eps")?.unwrap_or(1e-6))))
 }
 
 /// The head width and key/value heads of layer `layer` (of kind `kind`) where they differ

@@ -13,7 +13,9 @@ use super::defaults::LOCAL_ROPE_THETA;
 use super::gemma4;
 use super::json::{first, parse_root, problem, Obj};
 use super::llama4;
-use super::pattern::{check_layer, layer_kind, layers_differ, uses_rope, LayerKind};
+use super::pattern::{
+    check_layer, layer_kind, layers_differ, refuse_windowed, uses_rope, LayerKind,
+};
 use super::registry::{
     self, Bias, HeadDim, LayerRope, ModelSpec, PerTypeRope, QkNorm, Quirks, Scale, TextConfig,
     Window,
@@ -65,7 +67,20 @@ pub enum HfFamily {
     /// θ on full-attention layers and a local θ on sliding ones, which see `local_attention / 2`
     /// keys on either side.
     ModernBert,
-    /// `deepseek_v2`, `deepseek_v3`: multi-head latent attention (`q_a_proj`, `q_a_layernorm`,
+    /// `qwen2_vl_vision`, `qwen2_5_vl_vision`, `qwen3_vl_vision`, `qwen3_vl_moe_vision`: the
+    /// vision encoders' attention, one fused `qkv` (rows `[q; k; v]`) and `proj`, both with
+    /// biases; bidirectional; axial 2-D RoPE over the patches' rows and columns
+    /// ([`PositionIds::multimodal`](crate::positions::PositionIds::multimodal)). A sequence is
+    /// one span of HF's `cu_seqlens` (an image): several images are several sequences, as HF
+    /// attends within each. Qwen2.5-VL's layers that `fullatt_block_indexes` does not list
+    /// attend within windows of HF's reordered patches and are refused.
+    QwenVision,
+    /// `gemma4_vision`: Gemma 4's vision encoder, `q_proj`, `k_proj`, `v_proj`, `o_proj`, each
+    /// under `.linear` (HF's clippable linears; clipping, `use_clipped_linears`, is refused),
+    /// `q_norm`, `k_norm`; values normalised without a scale, no softmax scale; bidirectional;
+    /// axial 2-D RoPE rotating each half of the head by rows and by columns.
+    Gemma4Vision,
+    /// `deepseek_v2`, `deepseek_v3` (and `kimi_k2`, read as `deepseek_v3`): multi-head latent attention (`q_a_proj`, `q_a_layernorm`,
     /// `q_b_proj` or `q_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`; `o_proj`),
     /// RoPE on `qk_rope_head_dim` features of each head (interleaved pairs), YaRN's
     /// `mscale_all_dim` in the softmax scale.
@@ -86,8 +101,8 @@ impl HfFamily {
 /// - the family from `model_type` ([`HfFamily::from_model_type`]); for Qwen2-VL, Qwen2.5-VL,
 ///   Qwen3-VL and Llama 4 the language model under `text_config` (the first two read as Qwen2
 ///   and Qwen3, with multimodal RoPE);
-/// - sizes: `hidden_size` (`n_embd`, `d_model`), `num_attention_heads` (`n_head`,
-///   `num_heads`), `num_key_value_heads` (Falcon: `multi_query`, `new_decoder_architecture`,
+/// - sizes: `hidden_size` (`n_embd`, `d_model`, `n_embed`; Qwen2-VL's vision encoder:
+///   `embed_dim`), `num_attention_heads` (`n_head`, `num_heads`, `n_heads`), `num_key_value_heads` (Falcon: `multi_query`, `new_decoder_architecture`,
 ///   `num_kv_heads`), `head_dim` (T5: `d_kv`), else `hidden_size / heads`;
 /// - biases: `attention_bias` (Llama, Qwen3, Gemma, OLMo 2, GPT-NeoX, ModernBERT), `bias` (Falcon),
 ///   `use_bias` (StarCoder2); Qwen2 has biases on q, k and v but not on the output, BLOOM and
@@ -131,8 +146,9 @@ impl HfFamily {
 /// file whose layers differ (sliding and full, or GPT-2's scale per layer) is read one layer at
 /// a time.
 ///
-/// Decoders are causal; ModernBERT and Pixtral's vision encoder (`pixtral`, axial 2-D RoPE
-/// over multimodal positions) are not; T5 reads as its encoder's self-attention
+/// Decoders are causal; ModernBERT and the vision encoders (`pixtral` and the Qwen-VL ones,
+/// [`HfFamily::QwenVision`]: axial 2-D RoPE over multimodal positions, refusing one position
+/// per token) are not; T5 reads as its encoder's self-attention
 /// (bidirectional buckets, not causal), [`Self::with_causal`] gives its decoder's.
 ///
 /// # Example
@@ -235,6 +251,7 @@ impl HfAttentionConfig {
         refuse_unsupported(&top, spec)?;
         refuse_typed_nulls(&top, spec)?;
         check_layer(&top, layer)?;
+        refuse_windowed(&top, spec, layer)?;
         if spec.quirks == Quirks::Gemma4 {
             gemma4::check_layer(&top, layer)?;
         }
@@ -379,6 +396,12 @@ impl HfAttentionConfig {
             HfFamily::Mpt => fused(QkvLayout::Stacked("Wqkv"), "out_proj"),
             HfFamily::ModernBert => fused(QkvLayout::Stacked("Wqkv"), "Wo"),
             HfFamily::DeepSeek => fused(QkvLayout::Latent, "o_proj"),
+            HfFamily::QwenVision => fused(QkvLayout::Stacked("qkv"), "proj"),
+            HfFamily::Gemma4Vision => WeightLayout {
+                qkv: QkvLayout::Separate(["q_proj.linear", "k_proj.linear", "v_proj.linear"]),
+                out: "o_proj.linear",
+                out_conv1d: false,
+            },
         }
     }
 }
@@ -398,9 +421,17 @@ fn loaded_spec(top: &Obj) -> Result<(&'static ModelSpec, HfFamily)> {
                 .filter(|m| m.family.is_some())
                 .map(|m| m.model_type)
                 .collect();
+            // A row without a family: its rotation alone is read, and the refusal says so.
+            let rope_only = match spec {
+                Some(_) => ", whose rotary settings alone the crate reads (RopeConfig::from_hf_json), not its attention layer;",
+                None => ",",
+            };
             Err(problem(
                 "model_type",
-                format!("is `{model_type}`, expected one of {}", known.join(", ")),
+                format!(
+                    "is `{model_type}`{rope_only} expected one of {}",
+                    known.join(", ")
+                ),
             ))
         }
     }
@@ -420,11 +451,8 @@ impl LayerFile<'_> {
     /// Width, heads, key/value heads and head width (Gemma 4's per-layer ones included).
     fn sizes(&self, keys: &mut Keys) -> Result<AttentionConfig> {
         let top = self.top;
-        let (hidden, hidden_key) = first(top, &["hidden_size", "n_embd", "d_model", "n_embed"])?;
-        let (heads, heads_key) = first(
-            top,
-            &["num_attention_heads", "n_head", "num_heads", "n_heads"],
-        )?;
+        let (hidden, hidden_key) = first(top, self.spec.widths)?;
+        let (heads, heads_key) = first(top, registry::HEADS)?;
         keys.set("d_model", hidden_key);
         keys.set("num_heads", heads_key);
         check_even_split(self.spec, (hidden, hidden_key), (heads, heads_key))?;
@@ -464,7 +492,7 @@ impl LayerFile<'_> {
                     Ok(heads)
                 }
             }
-            HfFamily::Llama | HfFamily::Phi3 => {
+            HfFamily::Llama | HfFamily::Phi3 | HfFamily::Gemma4Vision => {
                 keys.set("num_kv_heads", "num_key_value_heads");
                 match top.map.get("num_key_value_heads") {
                     Some(Value::Null) if self.spec.null_kv_heads => Ok(heads),
@@ -508,8 +536,10 @@ impl LayerFile<'_> {
                 ),
             ));
         }
-        if matches!(self.family, HfFamily::Llama | HfFamily::Phi3)
-            && top.map.get("head_dim").is_some_and(Value::is_null)
+        if matches!(
+            self.family,
+            HfFamily::Llama | HfFamily::Phi3 | HfFamily::Gemma4Vision
+        ) && top.map.get("head_dim").is_some_and(Value::is_null)
             && !spec.null_head_dim
         {
             return Err(null_refused("head_dim"));
@@ -592,6 +622,10 @@ impl LayerFile<'_> {
         attention = attention.with_sinks(self.spec.sinks);
         if self.spec.quirks == Quirks::Gemma4 {
             attention = gemma4::attention(top, self.kind, attention)?;
+            keys.set("value_norm", "rms_norm_eps");
+        }
+        if self.spec.quirks == Quirks::Gemma4Vision {
+            attention = gemma4::vision(top, attention)?;
             keys.set("value_norm", "rms_norm_eps");
         }
         Ok(attention)
@@ -858,6 +892,12 @@ fn refuse_unsupported(top: &Obj, spec: &ModelSpec) -> Result<()> {
                 return Err(unsupported("attn_config.qk_ln", "layer norms of q and k"));
             }
         }
+    }
+    if spec.quirks == Quirks::Gemma4Vision && top.bool("use_clipped_linears")? == Some(true) {
+        return Err(unsupported(
+            "use_clipped_linears",
+            "clamps of the projections' inputs and outputs",
+        ));
     }
     if spec.quirks == Quirks::Gemma4 && top.str("use_bidirectional_attention")?.is_some() {
         return Err(unsupported(

@@ -23,7 +23,9 @@
 //! | `t5` | `q`, `k`, `v` | `o` | T5 buckets (`relative_attention_bias`) |
 //! | `mpt` | `Wqkv`, rows `[q; k; v]` | `out_proj` | ALiBi with MPT's slopes, largest exponent 8 (HF reads neither `attn_config.alibi` nor `attn_config.alibi_bias_max`) |
 //! | `modernbert` | `Wqkv`, rows `[q; k; v]` | `Wo` | RoPE, global and local θ; bidirectional |
-//! | `deepseek_v2`, `deepseek_v3` | `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj`); `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj` | `o_proj` | RoPE over `qk_rope_head_dim` features |
+//! | `qwen2_vl_vision`, `qwen2_5_vl_vision`, `qwen3_vl_vision`, `qwen3_vl_moe_vision` | `qkv`, rows `[q; k; v]` | `proj` | axial 2-D RoPE, bidirectional; one image per sequence (Qwen2.5-VL's windowed layers refused) |
+//! | `gemma4_vision` | `q_proj.linear`, `k_proj.linear`, `v_proj.linear` (+ `q_norm`, `k_norm`) | `o_proj.linear` | axial 2-D RoPE over each half of the head, bidirectional |
+//! | `deepseek_v2`, `deepseek_v3`, `kimi_k2` (read as `deepseek_v3`) | `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj`); `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj` | `o_proj` | RoPE over `qk_rope_head_dim` features |
 //! <!-- /model_types -->
 //!
 //! Each family is checked against a layer of HF transformers' own module (`tests/it/hf/layers.rs`).

@@ -54,7 +54,8 @@ pub(super) fn layer_kind(top: &Obj, spec: &ModelSpec, layer: usize) -> Result<La
         return llama4::layer_kind(top, spec, layer);
     }
     let window = window_size(top, spec)?;
-    if spec.layers == Layers::Uniform {
+    // (Qwen2.5-VL's vision layers outside its list are refused before: `refuse_windowed`.)
+    if matches!(spec.layers, Layers::Uniform | Layers::FullListed { .. }) {
         return Ok(window.map_or(LayerKind::Full, LayerKind::Sliding));
     }
     if let Some(entry) = layer_entry(top, "layer_types", layer, "a list of layer types")? {
@@ -158,7 +159,7 @@ fn pattern_slides(top: &Obj, spec: &ModelSpec, layer: usize) -> Result<bool> {
         }
         // Ministral's class lists every layer as sliding when the model has a window.
         Layers::Listed => true,
-        Layers::Uniform | Layers::Chunked => false,
+        Layers::Uniform | Layers::Chunked | Layers::FullListed { .. } => false,
     })
 }
 
@@ -169,12 +170,13 @@ fn every_nth(layer: usize, n: usize) -> bool {
 }
 
 /// Refuses a layer index past the model's layers when the file gives their number
-/// (`num_hidden_layers`, or GPT-2's, BLOOM's and GPT-J's `n_layer`, MPT's `n_layers`).
+/// (`num_hidden_layers`, or GPT-2's, BLOOM's and GPT-J's `n_layer`, MPT's `n_layers`, the
+/// Qwen-VL vision encoders' `depth`).
 ///
 /// # Errors
 /// [`Error::HfConfig`] naming the count's key for `layer ≥` the count.
 pub(super) fn check_layer(top: &Obj, layer: usize) -> Result<()> {
-    for key in ["num_hidden_layers", "n_layer", "n_layers"] {
+    for key in ["num_hidden_layers", "n_layer", "n_layers", "depth"] {
         if let Some(layers) = top.usize(key)? {
             if layer >= layers {
                 return Err(problem(
@@ -186,6 +188,48 @@ pub(super) fn check_layer(top: &Obj, layer: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Refuses a layer that attends within windows of reordered patches, which the block does not
+/// build: Qwen2.5-VL's vision layers that `fullatt_block_indexes` (7, 15, 23 and 31 by default)
+/// does not list, where HF's vision model reorders the patches into windows of `window_size`
+/// pixels and attends within each.
+///
+/// # Errors
+/// [`Error::HfConfig`](crate::error::Error::HfConfig) naming the list's key for a layer it
+/// does not list, or for a list that is not one of layer indices.
+pub(super) fn refuse_windowed(top: &Obj, spec: &ModelSpec, layer: usize) -> Result<()> {
+    let Layers::FullListed { key, default } = spec.layers else {
+        return Ok(());
+    };
+    let listed = match top.get(key) {
+        None => default.contains(&layer),
+        Some(value) => {
+            let indices = value.as_array().and_then(|list| {
+                list.iter()
+                    .map(|v| v.as_u64().and_then(|i| usize::try_from(i).ok()))
+                    .collect::<Option<Vec<usize>>>()
+            });
+            match indices {
+                Some(indices) => indices.contains(&layer),
+                None => {
+                    return Err(problem(
+                        key,
+                        format!("is {value}, expected a list of layer indices"),
+                    ))
+                }
+            }
+        }
+    };
+    if listed {
+        return Ok(());
+    }
+    Err(problem(
+        key,
+        format!(
+            "does not list layer {layer}: HF's vision model runs it within windows of the patches it reorders (window_size), which the attention block does not build; its attention module is a listed layer's, so read a listed layer and give each window as a sequence of its own"
+        ),
+    ))
 }
 
 /// Entry `layer` of the per-layer list at `key` (`None` when the key is absent).

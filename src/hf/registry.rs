@@ -8,7 +8,7 @@
 //!   ├─ family: Option<HfFamily>          weight layout (hf::weights); None: RoPE only
 //!   ├─ text_config                       a vision-language wrapper of `{type}_text`
 //!   ├─ defaults: ClassDefaults           the config class's values for absent keys
-//!   ├─ bias, scale, logit_softcap, sinks, causal, qk_norm, head_dim
+//!   ├─ bias, scale, logit_softcap, sinks, causal, qk_norm, head_dim, widths
 //!   ├─ window, layers, rope_layers       which layers slide, chunk or skip RoPE
 //!   ├─ rope: RopeSpec                    θ source, partial rotary, pair layout, axial, per-type
 //!   ├─ typed_nulls, null_kv_heads, null_head_dim, even_split   what the class refuses
@@ -54,6 +54,8 @@ pub(crate) struct ModelSpec {
     pub(crate) qk_norm: QkNorm,
     /// How the attention's head width follows from `head_dim`.
     pub(crate) head_dim: HeadDim,
+    /// The keys the model's width is read from, first found first (both readers read these).
+    pub(crate) widths: &'static [&'static str],
     /// Where a sliding layer's window comes from.
     pub(crate) window: Window,
     /// Which layers slide (or chunk).
@@ -158,6 +160,13 @@ pub(crate) enum Window {
 pub(crate) enum Layers {
     /// All alike, no `layer_types`: every layer slides when the model has a window.
     Uniform,
+    /// Full attention on the layers `key` lists (`default` when absent), attention within
+    /// windows of reordered patches on the others, which the block does not build: those are
+    /// refused (Qwen2.5-VL's vision encoder, `fullatt_block_indexes`).
+    FullListed {
+        key: &'static str,
+        default: &'static [usize],
+    },
     /// `layer_types`, else all alike as `Uniform` (Ministral).
     Listed,
     /// Layers from `max_window_layers` on slide (Qwen).
@@ -204,8 +213,6 @@ pub(crate) struct RopeSpec {
     pub(crate) longrope_only: bool,
     /// The axial 2-D layout of a vision encoder's `rope_type: "axial"`.
     pub(crate) axial: Option<Axial>,
-    /// The width keys for `hidden_size / heads`.
-    pub(crate) widths: &'static [&'static str],
     /// Multi-head latent attention: its rotary part alone is not a whole head (refused).
     pub(crate) latent: bool,
     /// How a layer type's parameters are found.
@@ -223,7 +230,8 @@ pub(crate) enum RopeSource {
     Fixed,
 }
 
-/// An axial 2-D RoPE's layout, and whether it is the model's default type (Pixtral).
+/// An axial 2-D RoPE's layout, and whether it is the model's default type (the config class's
+/// `default_rope_type = "axial"`: Pixtral, the Qwen-VL and Gemma 4 vision encoders).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Axial {
     pub(crate) layout: AxialRope,
@@ -273,9 +281,15 @@ pub(crate) enum Quirks {
     None,
     Gemma4,
     Llama4,
+    /// Gemma 4's vision encoder: values normalised, no softmax scale (`hf::gemma4::vision`).
+    Gemma4Vision,
 }
 
-const WIDTHS: &[&str] = &["hidden_size", "n_embd", "d_model"];
+/// The width keys of most models, first found first.
+const WIDTHS: &[&str] = &["hidden_size", "n_embd", "d_model", "n_embed"];
+
+/// The head-count keys, first found first (one list for both readers).
+pub(crate) const HEADS: &[&str] = &["num_attention_heads", "n_head", "num_heads", "n_heads"];
 
 const PLAIN_ROPE: RopeSpec = RopeSpec {
     source: RopeSource::Standard,
@@ -284,7 +298,6 @@ const PLAIN_ROPE: RopeSpec = RopeSpec {
     phi3: false,
     longrope_only: false,
     axial: None,
-    widths: WIDTHS,
     latent: false,
     per_layer: LayerRope::Shared,
 };
@@ -312,6 +325,7 @@ pub(crate) const GENERIC: ModelSpec = ModelSpec {
     causal: true,
     qk_norm: QkNorm::None,
     head_dim: HeadDim::Read,
+    widths: WIDTHS,
     window: Window::None,
     layers: Layers::Uniform,
     rope_layers: RopeLayers::All,
@@ -404,19 +418,48 @@ const fn interleaved(model_type: &'static str) -> ModelSpec {
     }
 }
 
-const fn axial(model_type: &'static str, layout: AxialRope) -> ModelSpec {
+/// A vision encoder's rotation: axial 2-D RoPE over the whole head, the type its config class
+/// gives a file without one (`default_rope_type = "axial"`), the only one its rotary
+/// embedding takes.
+const fn axial(layout: AxialRope) -> RopeSpec {
+    RopeSpec {
+        axial: Some(Axial {
+            layout,
+            by_default: true,
+        }),
+        ..WHOLE_HEAD
+    }
+}
+
+/// The Qwen-VL vision encoders' attention (transformers' `VisionAttention`,
+/// `Qwen2_5_VLVisionAttention`, `Qwen3VLVisionAttention`, `Qwen3VLMoeVisionAttention`): one
+/// fused `qkv` and `proj`, both with biases, bidirectional, the head width the width over
+/// the heads (a `head_dim` that differs is refused: the rotation reads it, the attention
+/// does not), axial RoPE repeating a half-width head's frequencies, the width under `widths`.
+const fn qwen_vision(model_type: &'static str, widths: &'static [&'static str]) -> ModelSpec {
     ModelSpec {
         model_type,
-        rope: RopeSpec {
-            axial: Some(Axial {
-                layout,
-                by_default: false,
-            }),
-            ..PLAIN_ROPE
-        },
+        family: Some(HfFamily::QwenVision),
+        bias: Bias::All,
+        causal: false,
+        head_dim: HeadDim::MustSplit,
+        widths,
+        rope: axial(AxialRope::Repeated),
         ..GENERIC
     }
 }
+
+const DEEPSEEK_V3: ModelSpec = ModelSpec {
+    model_type: "deepseek_v3",
+    family: Some(HfFamily::DeepSeek),
+    defaults: defaults(10_000.0, Some(128), None, 4096, None),
+    rope: RopeSpec {
+        latent: true,
+        ..PLAIN_ROPE
+    },
+    null_kv_heads: true,
+    ..GENERIC
+};
 
 /// Every `model_type` the crate reads.
 pub(crate) const MODELS: &[ModelSpec] = &[
@@ -601,13 +644,7 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         model_type: "pixtral",
         causal: false,
         head_dim: HeadDim::FromWidth,
-        rope: RopeSpec {
-            axial: Some(Axial {
-                layout: AxialRope::EvenOdd,
-                by_default: true,
-            }),
-            ..WHOLE_HEAD
-        },
+        rope: axial(AxialRope::EvenOdd),
         null_kv_heads: true,
         null_head_dim: true,
         ..LLAMA_LIKE
@@ -752,15 +789,35 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         even_split: true,
         ..GENERIC
     },
+    DEEPSEEK_V3,
+    // Kimi K2's files name DeepSeek V3's configuration `kimi_k2`; HF reads them as
+    // `deepseek_v3` (Kimi K2.5's configuration maps the type), and so does the loader.
     ModelSpec {
-        model_type: "deepseek_v3",
-        family: Some(HfFamily::DeepSeek),
-        defaults: defaults(10_000.0, Some(128), None, 4096, None),
-        rope: RopeSpec {
-            latent: true,
-            ..PLAIN_ROPE
+        model_type: "kimi_k2",
+        ..DEEPSEEK_V3
+    },
+    // Vision encoders' attention (one image, or one `cu_seqlens` span, per sequence).
+    qwen_vision("qwen2_vl_vision", &["embed_dim"]),
+    ModelSpec {
+        layers: Layers::FullListed {
+            key: "fullatt_block_indexes",
+            default: &[7, 15, 23, 31],
         },
-        null_kv_heads: true,
+        ..qwen_vision("qwen2_5_vl_vision", WIDTHS)
+    },
+    qwen_vision("qwen3_vl_vision", WIDTHS),
+    qwen_vision("qwen3_vl_moe_vision", WIDTHS),
+    // Gemma 4's vision encoder (`Gemma4VisionAttention`): q, k, v and o under `.linear` (its
+    // clippable linears), per-head q/k norms, values normalised, no scale, bidirectional,
+    // axial RoPE over each half of the head; θ 100 and 64-wide heads by default.
+    ModelSpec {
+        model_type: "gemma4_vision",
+        family: Some(HfFamily::Gemma4Vision),
+        defaults: defaults(100.0, Some(12), Some(64), 131_072, None),
+        causal: false,
+        qk_norm: QkNorm::PerHead,
+        rope: axial(AxialRope::SplitHalves),
+        quirks: Quirks::Gemma4Vision,
         ..GENERIC
     },
     // Vision-language models: their language model's attention.
@@ -786,29 +843,6 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         },
         ..GENERIC
     },
-    ModelSpec {
-        model_type: "qwen2_vl_vision",
-        rope: RopeSpec {
-            axial: Some(Axial {
-                layout: AxialRope::Repeated,
-                by_default: false,
-            }),
-            widths: &["embed_dim"],
-            ..PLAIN_ROPE
-        },
-        ..GENERIC
-    },
-    axial("qwen2_5_vl_vision", AxialRope::Repeated),
-    axial("qwen3_vl_vision", AxialRope::Repeated),
-    axial("gemma4_vision", AxialRope::SplitHalves),
-    ModelSpec {
-        model_type: "kimi_k2",
-        rope: RopeSpec {
-            latent: true,
-            ..PLAIN_ROPE
-        },
-        ..GENERIC
-    },
 ];
 
 /// The row of `model_type`, if it has one.
@@ -828,4 +862,26 @@ pub fn model_types() -> impl Iterator<Item = &'static str> {
         .iter()
         .filter(|m| m.family.is_some() || m.text_config.is_some())
         .map(|m| m.model_type)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The RoPE reader never takes a rotation whose layer the layer reader refuses without
+    /// saying so: every vision encoder whose axial rotation it reads, and every latent
+    /// attention whose rotation it refuses (pointing at `HfAttentionConfig`), has a family
+    /// that loads the layer. (A row without either is one whose RoPE alone is read.)
+    #[test]
+    fn every_vision_or_latent_type_loads() {
+        for m in MODELS {
+            if m.rope.axial.is_some() || m.rope.latent {
+                assert!(
+                    m.family.is_some(),
+                    "{}: read but not loadable",
+                    m.model_type
+                );
+            }
+        }
+    }
 }

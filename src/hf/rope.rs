@@ -18,8 +18,9 @@
 //!   rotate over the whole head;
 //! - multimodal RoPE's `mrope_section` and `mrope_interleaved` in the parameters (Qwen2-VL,
 //!   Qwen3-VL; the old `type: "mrope"` is plain RoPE's frequencies), and `rope_type: "axial"`
-//!   (axial 2-D RoPE over the patch grid), which Pixtral's config class also makes of a
-//!   missing or `default` type;
+//!   (axial 2-D RoPE over the patch grid), which the vision encoders' config classes (Pixtral's,
+//!   the Qwen-VL and Gemma 4 vision ones) also make of a missing or `default` type, refusing
+//!   any other;
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5, Llama 4
 //!   rotate adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is read by
 //!   `HfAttentionConfig` (its rotary part alone is not a whole head);
@@ -29,9 +30,14 @@
 //!
 //! Keys the file leaves out take the model's class defaults (the table in `hf::defaults`, held by `hf::registry`'s rows):
 //! `rope_theta` (10000 for most, Llama 4's 500000, SmolLM3's 2e6, the Qwen-VL text models'
-//! 1e6 and 500000, ...), `max_position_embeddings`, gpt-oss's YaRN parameters, the Qwen-VL
+//! 1e6 and 500000, Gemma 4's vision encoder's 100, ...), Gemma 4's vision `head_dim` (64), `max_position_embeddings`, gpt-oss's YaRN parameters, the Qwen-VL
 //! text models' `mrope_section` (Qwen3-VL's always interleaved, as its HF code is), GPT-J's
 //! `rotary_dim` (64). Not read: per-layer-type parameters.
+//!
+//! Every type whose layer `HfAttentionConfig` loads reads its rotation here, the same; a few
+//! types have a row for their rotation alone (`codegen`, `cohere`, `glm`, `glm4`, `helium`,
+//! `ernie4_5`, `phi4_multimodal`), whose layers `HfAttentionConfig` refuses, saying so, and
+//! types without a row read as a generic model.
 //!
 //! Each `rope_type` is one reader function in the table `ROPE_TYPES` (as HF's
 //! `ROPE_INIT_FUNCTIONS`); what differs by `model_type` is the row's `RopeSpec` in
@@ -41,7 +47,7 @@ use serde_json::{Map, Value};
 
 use super::defaults::{gpt_oss_rope, GPTJ_ROPE_THETA, GPTJ_ROTARY_DIM};
 use super::json::{first, parse_root, problem, Obj};
-use super::registry::{spec, ModelSpec, PartialRotary, RopeSource, RopeSpec};
+use super::registry::{spec, ModelSpec, PartialRotary, RopeSource, RopeSpec, HEADS};
 use crate::error::{Error, Result};
 use crate::rotary::mrope::{AxialRope, MropeSection};
 use crate::rotary::rope::{RopeConfig, RopeLayout};
@@ -234,8 +240,8 @@ impl<'a> RopeFile<'a> {
             keys.head = "head_dim".into();
             return Ok(d);
         }
-        let (hidden, hidden_key) = first(top, self.rope().widths)?;
-        let (heads, heads_key) = first(top, &["num_attention_heads", "n_head", "num_heads"])?;
+        let (hidden, hidden_key) = first(top, self.spec.widths)?;
+        let (heads, heads_key) = first(top, HEADS)?;
         if heads == 0 || !hidden.is_multiple_of(heads) {
             return Err(problem(
                 heads_key,
@@ -457,10 +463,11 @@ impl<'a> RopeFile<'a> {
 
     /// The scaling type to read, and whether the rotation is axial 2-D.
     ///
-    /// Pixtral's config class turns a missing or "default" type into its own default,
-    /// "axial" (`default_rope_type`, applied by `standardize_rope_params`), and its rotary
-    /// embedding fails on any other type. Qwen2-VL's older files name multimodal RoPE as a
-    /// type; its frequencies are plain. Phi-3's config maps `yarn` to LongRoPE.
+    /// The vision encoders' config classes (Pixtral's, the Qwen-VL and Gemma 4 vision ones)
+    /// turn a missing or "default" type into their own default, "axial" (`default_rope_type`,
+    /// applied by `standardize_rope_params`), and their rotary embeddings fail on any other
+    /// type. Qwen2-VL's older files name multimodal RoPE as a type; its frequencies are plain.
+    /// Phi-3's config maps `yarn` to LongRoPE.
     fn rope_type(&self) -> Result<(&str, bool)> {
         let given = self.given_type()?.unwrap_or("default");
         let by_default = self.rope().axial.is_some_and(|a| a.by_default);
@@ -470,7 +477,8 @@ impl<'a> RopeFile<'a> {
                 return Err(problem(
                     type_key(&self.params()),
                     format!(
-                        "is `{other}`, but Pixtral's vision encoder has only axial 2-D RoPE (HF's PixtralVisionRotaryEmbedding fails on any other type); leave it out or give `axial`"
+                        "is `{other}`, but the vision encoder of `{}` has only axial 2-D RoPE (HF's rotary embedding for it fails on any other type); leave it out or give `axial`",
+                        self.spec.model_type
                     ),
                 ))
             }
@@ -486,29 +494,25 @@ impl<'a> RopeFile<'a> {
 
     /// The axial layout: Pixtral interleaves the rows' and columns' frequencies; the Qwen-VL
     /// and Gemma 4 vision encoders repeat a half-width head's frequencies, and Gemma 4 rotates
-    /// each half of the head on its own. (A Qwen-VL vision type without a row of its own reads
-    /// as theirs.)
+    /// each half of the head on its own. A type without a row is refused, its layout unknown
+    /// (HF's vision encoders lay their frequencies out in more ways than these three).
     fn axial_layout(&self) -> Result<AxialRope> {
         if let Some(axial) = self.rope().axial {
             return Ok(axial.layout);
         }
-        match self.model_type {
-            Some(t) if t.ends_with("_vl_vision") => Ok(AxialRope::Repeated),
-            other => {
-                let known: Vec<&str> = super::registry::MODELS
-                    .iter()
-                    .filter(|m| m.rope.axial.is_some())
-                    .map(|m| m.model_type)
-                    .collect();
-                Err(problem(
-                    type_key(&self.params()),
-                    format!(
-                        "is `axial` for model_type {other:?}, whose frequency layout is not known ({})",
-                        known.join(", ")
-                    ),
-                ))
-            }
-        }
+        let known: Vec<&str> = super::registry::MODELS
+            .iter()
+            .filter(|m| m.rope.axial.is_some())
+            .map(|m| m.model_type)
+            .collect();
+        Err(problem(
+            type_key(&self.params()),
+            format!(
+                "is `axial` for model_type {:?}, whose frequency layout is not known ({})",
+                self.model_type,
+                known.join(", ")
+            ),
+        ))
     }
 
     /// Multimodal RoPE's sections: the parameters' `mrope_section` (interleaved by

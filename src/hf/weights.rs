@@ -6,7 +6,7 @@
 //!
 //! | layout | rows of the fused weight (each row `d_model` wide) |
 //! |---|---|
-//! | stacked (Phi-3 `qkv_proj`, Falcon multi-query) | `[q (H·D); k (Hkv·D); v (Hkv·D)]` |
+//! | stacked (Phi-3 `qkv_proj`, Falcon multi-query, the Qwen-VL vision encoders' `qkv`) | `[q (H·D); k (Hkv·D); v (Hkv·D)]` |
 //! | per head (GPT-NeoX, BLOOM, Falcon without multi-query) | `(H, 3, D)`: each head's q, k, v |
 //! | grouped (Falcon's new decoder architecture) | `(Hkv, H/Hkv + 2, D)`: a group's queries, then its k and v |
 //! | Conv1D (GPT-2 `c_attn`) | stored transposed, `(d_model, 3·H·D)`, columns `[q | k | v]` |

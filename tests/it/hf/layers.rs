@@ -129,6 +129,15 @@ families! {
     min_t5 = "min.t5",
     min_qwen2_vl = "min.qwen2_vl",
     min_qwen3_vl = "min.qwen3_vl",
+    // The Qwen-VL vision encoders: two images, a sequence each, at their patches' rows and
+    // columns.
+    qwen2_vl_vision = "qwen2_vl_vision",
+    min_qwen2_vl_vision = "min.qwen2_vl_vision",
+    qwen2_5_vl_vision_1 = "qwen2_5_vl_vision.1",
+    min_qwen3_vl_vision = "min.qwen3_vl_vision",
+    qwen3_vl_moe_vision = "qwen3_vl_moe_vision",
+    gemma4_vision = "gemma4_vision",
+    min_gemma4_vision = "min.gemma4_vision",
 }
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {

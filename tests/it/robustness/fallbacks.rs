@@ -9,9 +9,9 @@ use crate::common;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    AttentionConfig, AttentionContext, AttentionOptions, AxialRope, Checkpoint, Error,
-    HfAttentionConfig, KvCache, MultiHeadAttention, PositionIds, PositionalEncoding, Positions,
-    QkLayout, RopeConfig, RopeKernel, RopeMixed, RopeMixedConfig, RotaryEmbedding,
+    AttentionConfig, AttentionContext, AttentionOptions, AxialRope, Checkpoint, EncodingConfig,
+    Error, HfAttentionConfig, KvCache, MultiHeadAttention, PositionIds, PositionalEncoding,
+    Positions, QkLayout, RopeConfig, RopeKernel, RopeMixed, RopeMixedConfig, RotaryEmbedding,
 };
 use common::{assert_close, get};
 
@@ -391,7 +391,34 @@ fn rope_mixed_refuses_one_position_per_token(dev: &Device) -> anyhow::Result<()>
 }
 
 /// The HF vision layers whose rotation is axial (fixture tags in `hf_layers.safetensors`).
-const VISION_LAYERS: [&str; 2] = ["pixtral", "pixtral_default"];
+const VISION_LAYERS: [&str; 9] = [
+    "pixtral",
+    "pixtral_default",
+    "qwen2_vl_vision",
+    "min.qwen2_vl_vision",
+    "qwen2_5_vl_vision.1",
+    "min.qwen3_vl_vision",
+    "qwen3_vl_moe_vision",
+    "gemma4_vision",
+    "min.gemma4_vision",
+];
+
+/// The HF layers fixture (`generate.py hf_layers`): HF's modules, their tensors and
+/// `config.json` texts.
+fn hf_layers(dev: &Device) -> anyhow::Result<Checkpoint> {
+    let path = format!(
+        "{}/tests/fixtures/hf_layers.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    Ok(Checkpoint::load(path, dev)?)
+}
+
+/// The `config.json` of fixture `tag`, read for its layer.
+fn hf_config(ckpt: &Checkpoint, tag: &str) -> anyhow::Result<HfAttentionConfig> {
+    let meta = ckpt.metadata();
+    let layer = meta[&format!("{tag}.layer")].parse()?;
+    Ok(HfAttentionConfig::from_json_layer(&meta[tag], layer)?)
+}
 
 /// A vision encoder's attention layer loaded from its `config.json` and HF's tensors refuses
 /// to run at one position per token, through `Module::forward`, `forward_with` and a KV cache
@@ -399,16 +426,10 @@ const VISION_LAYERS: [&str; 2] = ["pixtral", "pixtral_default"];
 /// module. (A Pixtral layer at `Positions::Offset(0)` used to be 0.81 off HF's, silently.)
 fn vision_layers_refuse_one_position_per_token(dev: &Device) -> anyhow::Result<()> {
     let what = "axial RoPE positions";
-    let ckpt = Checkpoint::load(
-        format!(
-            "{}/tests/fixtures/hf_layers.safetensors",
-            env!("CARGO_MANIFEST_DIR")
-        ),
-        dev,
-    )?;
+    let ckpt = hf_layers(dev)?;
     let meta = ckpt.metadata();
     for tag in VISION_LAYERS {
-        let config = HfAttentionConfig::from_json(&meta[tag])?;
+        let config = hf_config(&ckpt, tag)?;
         let prefix = format!("{tag}/{}", meta[&format!("{tag}.prefix")]);
         let x = get(ckpt.tensors(), &format!("{tag}.x"));
         let want = get(ckpt.tensors(), &format!("{tag}.out"));
@@ -456,10 +477,191 @@ fn vision_layers_refuse_one_position_per_token(dev: &Device) -> anyhow::Result<(
     Ok(())
 }
 
+/// One `config.json` text of a vision encoder of `model_type`, 32 wide with 4 heads of 8 (each
+/// class's width and head keys given), with `extra` keys.
+fn vision_file(model_type: &str, extra: &str) -> String {
+    format!(
+        r#"{{"model_type": "{model_type}", "hidden_size": 32, "embed_dim": 32,
+            "num_attention_heads": 4, "num_heads": 4, "num_key_value_heads": 4,
+            "head_dim": 8{extra}}}"#
+    )
+}
+
+/// The `config.json` error of `result`: its key and problem.
+#[track_caller]
+fn hf_refusal<T: std::fmt::Debug>(result: Result<T, Error>) -> (String, String) {
+    match result {
+        Err(Error::HfConfig { key, problem }) => (key, problem),
+        other => panic!("expected Error::HfConfig, got {other:?}"),
+    }
+}
+
+/// The two HF readers agree on every type whose rotation the RoPE reader takes as a vision
+/// encoder's or as latent attention's: each loads through `HfAttentionConfig` (with the RoPE
+/// reader's rotation), or both refuse the file with the same error. The Qwen2/2.5/3-VL and
+/// Gemma 4 vision encoders used to be refused by `HfAttentionConfig` (their fused `qkv` had no
+/// loader), and their files without rotary parameters were read as plain RoPE (HF's classes
+/// make them axial); `kimi_k2` was refused by both, each pointing at the other.
+fn hf_readers_agree_on_every_type(dev: &Device) -> anyhow::Result<()> {
+    let ckpt = hf_layers(dev)?;
+    let meta = ckpt.metadata();
+    // Each vision layer rotates as the RoPE reader reads its file, axial even where the file
+    // names no rotary type ("min." files).
+    for tag in VISION_LAYERS {
+        let config = hf_config(&ckpt, tag)?;
+        let rope = RopeConfig::from_hf_json(&meta[tag])?;
+        assert!(rope.axial.is_some(), "{tag}");
+        assert_eq!(config.encoding, EncodingConfig::Rotary(rope), "{tag}");
+    }
+    // Kimi K2's files are DeepSeek V3's under another name (HF maps the type): the same
+    // layer, equal to HF's DeepSeek V3 module; the RoPE reader refuses its latent rotation
+    // and points at HfAttentionConfig, which loads it.
+    for tag in ["deepseek_v3", "min.deepseek_v3"] {
+        let mut file: serde_json::Value = serde_json::from_str(&meta[tag])?;
+        file["model_type"] = "kimi_k2".into();
+        let kimi = file.to_string();
+        let config = HfAttentionConfig::from_json(&kimi)?;
+        assert_eq!(config, HfAttentionConfig::from_json(&meta[tag])?, "{tag}");
+        let prefix = format!("{tag}/{}", meta[&format!("{tag}.prefix")]);
+        let block = config.load(ckpt.var_builder(DType::F32, dev).pp(prefix))?;
+        let x = get(ckpt.tensors(), &format!("{tag}.x"));
+        let got = block.forward_with(x, &AttentionOptions::default(), None)?;
+        assert_close(
+            &got.output,
+            get(ckpt.tensors(), &format!("{tag}.out")),
+            1e-5,
+            tag,
+        )?;
+        let (key, problem) = hf_refusal(RopeConfig::from_hf_json(&kimi));
+        assert_eq!(key, "model_type", "{tag}");
+        assert!(problem.contains("HfAttentionConfig"), "{tag}: {problem}");
+    }
+    // A vision encoder's file: without rotary parameters both readers take HF's axial RoPE;
+    // with another type both refuse it with one error (HF's rotary embeddings fail on it).
+    let visions = [
+        ("pixtral", ""),
+        ("qwen2_vl_vision", ""),
+        ("qwen2_5_vl_vision", r#", "fullatt_block_indexes": [0]"#),
+        ("qwen3_vl_vision", ""),
+        ("qwen3_vl_moe_vision", ""),
+        ("gemma4_vision", ""),
+    ];
+    for (model_type, extra) in visions {
+        let plain = vision_file(model_type, extra);
+        let rope = RopeConfig::from_hf_json(&plain)?;
+        assert!(rope.axial.is_some(), "{model_type}");
+        let layer = HfAttentionConfig::from_json(&plain)?;
+        assert_eq!(layer.encoding, EncodingConfig::Rotary(rope), "{model_type}");
+        let linear = vision_file(
+            model_type,
+            &format!(r#"{extra}, "rope_parameters": {{"rope_type": "linear", "factor": 2.0}}"#),
+        );
+        let from_rope = hf_refusal(RopeConfig::from_hf_json(&linear));
+        assert_eq!(from_rope.0, "rope_parameters.rope_type", "{model_type}");
+        assert!(
+            from_rope.1.contains("only axial 2-D RoPE"),
+            "{}",
+            from_rope.1
+        );
+        assert_eq!(
+            hf_refusal(HfAttentionConfig::from_json(&linear)),
+            from_rope,
+            "{model_type}"
+        );
+    }
+    // The types whose rotation alone is read (their layers are not loaded): the layer reader
+    // says so; a type without a row is refused as unknown.
+    let rope_only = [
+        "codegen",
+        "cohere",
+        "glm",
+        "glm4",
+        "helium",
+        "ernie4_5",
+        "phi4_multimodal",
+    ];
+    for model_type in rope_only.into_iter().chain(["unknown_type"]) {
+        let file = format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4}}"#
+        );
+        RopeConfig::from_hf_json(&file)?;
+        let (key, problem) = hf_refusal(HfAttentionConfig::from_json(&file));
+        assert_eq!(key, "model_type", "{model_type}");
+        let says = problem.contains("rotary settings alone the crate reads");
+        assert_eq!(
+            says,
+            model_type != "unknown_type",
+            "{model_type}: {problem}"
+        );
+        assert!(problem.contains("expected one of llama"), "{problem}");
+    }
+    // A vision type without a row: its layout is not guessed (it used to read as Qwen's).
+    let unknown = vision_file(
+        "paddleocr_vl_vision",
+        r#", "rope_parameters": {"rope_type": "axial"}"#,
+    );
+    let (key, problem) = hf_refusal(RopeConfig::from_hf_json(&unknown));
+    assert_eq!(key, "rope_parameters.rope_type");
+    assert!(problem.contains("not known"), "{problem}");
+    Ok(())
+}
+
+/// What the vision encoders' layers have that the block does not build is refused under its
+/// key: Qwen2.5-VL's windowed layers (those `fullatt_block_indexes` does not list, 7, 15, 23
+/// and 31 by default), Gemma 4's clipped linears; and a `head_dim` that the Qwen-VL
+/// attention does not split by (HF fails on it).
+fn vision_layers_refuse_what_the_block_lacks(_dev: &Device) -> anyhow::Result<()> {
+    let qwen25 = |extra: &str| vision_file("qwen2_5_vl_vision", extra);
+    for (file, layer, listed) in [
+        (qwen25(""), 0, false),
+        (qwen25(""), 6, false),
+        (qwen25(""), 7, true),
+        (qwen25(""), 31, true),
+        (qwen25(r#", "fullatt_block_indexes": [1]"#), 0, false),
+        (qwen25(r#", "fullatt_block_indexes": [1]"#), 1, true),
+    ] {
+        match HfAttentionConfig::from_json_layer(&file, layer) {
+            Ok(config) if listed => assert!(!config.attention.causal, "layer {layer}"),
+            Err(Error::HfConfig { key, problem }) if !listed => {
+                assert_eq!(key, "fullatt_block_indexes", "layer {layer}");
+                assert!(
+                    problem.contains(&format!("does not list layer {layer}"))
+                        && problem.contains("windows"),
+                    "{problem}"
+                );
+            }
+            other => panic!("layer {layer} (listed {listed}): {other:?}"),
+        }
+    }
+    // from_json reads layer 0, a windowed one by default.
+    let (key, _) = hf_refusal(HfAttentionConfig::from_json(&qwen25("")));
+    assert_eq!(key, "fullatt_block_indexes");
+    let (key, problem) = hf_refusal(HfAttentionConfig::from_json(&qwen25(
+        r#", "fullatt_block_indexes": "all""#,
+    )));
+    assert_eq!(key, "fullatt_block_indexes");
+    assert!(problem.contains("list of layer indices"), "{problem}");
+    let (key, problem) = hf_refusal(HfAttentionConfig::from_json(&vision_file(
+        "gemma4_vision",
+        r#", "use_clipped_linears": true"#,
+    )));
+    assert_eq!(key, "use_clipped_linears");
+    assert!(problem.contains("does not support"), "{problem}");
+    for model_type in ["qwen2_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"] {
+        let file = vision_file(model_type, "").replace(r#""head_dim": 8"#, r#""head_dim": 16"#);
+        let (key, problem) = hf_refusal(HfAttentionConfig::from_json(&file));
+        assert_eq!(key, "head_dim", "{model_type}");
+        assert!(problem.contains("is 16"), "{problem}");
+    }
+    Ok(())
+}
+
 device_tests!(
     axial_rope_refuses_one_position_per_token,
     vision_rope_entry_points_match_hf_or_refuse,
     mrope_keeps_hf_meaning_of_one_position_per_token,
     rope_mixed_refuses_one_position_per_token,
     vision_layers_refuse_one_position_per_token,
+    hf_readers_agree_on_every_type,
+    vision_layers_refuse_what_the_block_lacks,
 );
