@@ -66,6 +66,8 @@ pub(crate) struct ClassDefaults {
     pub(crate) mrope: Option<MropeSection>,
     /// Whether the class's default rotary parameters are gpt-oss's YaRN.
     pub(crate) yarn: bool,
+    /// `partial_rotary_factor` when the file gives none (GLM's 0.5); `None`: the whole head.
+    pub(crate) partial_rotary_factor: Option<f64>,
 }
 
 /// The defaults of a class without its own (and the base of every row's).
@@ -78,6 +80,7 @@ pub(crate) const GENERIC: ClassDefaults = ClassDefaults {
     max_window_layers: 28,
     mrope: None,
     yarn: false,
+    partial_rotary_factor: None,
 };
 
 /// The sliding layers' θ of the models with two (Gemma 3's `rope_local_base_freq`,

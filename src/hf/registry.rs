@@ -261,9 +261,9 @@ pub(crate) struct PerTypeRope {
 ///
 /// | variant | rows | reads | partial rotation |
 /// |---|---|---|---|
-/// | `Factor` | `phi3`, `phi4_multimodal` | `partial_rotary_factor` (parameters, then top level) | yes, any RoPE type (`apply_rotary_pos_emb` splits at the table's width) |
+/// | `Factor` | `phi3`, `phi4_multimodal`, `glm`, `glm4` | `partial_rotary_factor` (parameters, then top level; GLM's class gives 0.5 without it) | yes, any RoPE type (`apply_rotary_pos_emb` splits at the table's width) |
 /// | `NeoX` | `gpt_neox` | `rope_parameters.partial_rotary_factor`, else `rotary_pct`, else 0.25 (a top-level `partial_rotary_factor` is not read) | yes, any RoPE type |
-/// | `RotaryDim` | `gptj` | `rotary_dim` | yes |
+/// | `RotaryDim` | `gptj`, `codegen` | `rotary_dim` (64 without it) | yes |
 /// | `WholeHead` | the Llama-style rows, `falcon`, `modernbert`, `pixtral` (and DeepSeek V2/V3's rotary part) | nothing for the default RoPE: `compute_default_rope_parameters` takes the whole head | no: the whole head rotates; with a scaled type (`linear`, `dynamic`, `yarn`, `llama3`, `longrope`) the shared functions of `modeling_rope_utils` honour the factor and the model's rotation fails on the shorter table, so a factor that shortens it is refused; `proportional` reads it as a fraction of frequencies |
 /// | `AnyKey` | any other, or none | `partial_rotary_factor`, `rotary_pct`, `rotary_dim`, in that order | yes |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -410,13 +410,35 @@ const fn wrapper(model_type: &'static str, text_config: TextConfig) -> ModelSpec
     }
 }
 
-const fn interleaved(model_type: &'static str) -> ModelSpec {
+/// A model whose rotation alone is read, on adjacent pairs, with its class's defaults.
+const fn interleaved(model_type: &'static str, defaults: ClassDefaults) -> ModelSpec {
     ModelSpec {
         model_type,
+        defaults,
         rope: INTERLEAVED,
         ..GENERIC
     }
 }
+
+/// GPT-J's and CodeGen's rotation: θ 10000 whatever the file says, adjacent pairs of the first
+/// `rotary_dim` features (64 by default).
+const GPTJ_ROPE: RopeSpec = RopeSpec {
+    source: RopeSource::Fixed,
+    partial: PartialRotary::RotaryDim,
+    ..INTERLEAVED
+};
+
+/// GLM's and GLM-4's class: heads of 128, half of which rotate (`partial_rotary_factor`).
+const GLM_DEFAULTS: ClassDefaults = ClassDefaults {
+    partial_rotary_factor: Some(0.5),
+    ..defaults(10_000.0, Some(2), Some(128), 131_072, None)
+};
+
+/// GLM's and GLM-4's rotation: adjacent pairs of the `partial_rotary_factor` part.
+const GLM_ROPE: RopeSpec = RopeSpec {
+    partial: PartialRotary::Factor,
+    ..INTERLEAVED
+};
 
 /// A vision encoder's rotation: axial 2-D RoPE over the whole head, the type its config class
 /// gives a file without one (`default_rope_type = "axial"`), the only one its rotary
@@ -723,11 +745,7 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         model_type: "gptj",
         family: Some(HfFamily::GptJ),
         defaults: defaults(10_000.0, None, None, 2048, None),
-        rope: RopeSpec {
-            source: RopeSource::Fixed,
-            partial: PartialRotary::RotaryDim,
-            ..INTERLEAVED
-        },
+        rope: GPTJ_ROPE,
         ..GENERIC
     },
     ModelSpec {
@@ -827,13 +845,31 @@ pub(crate) const MODELS: &[ModelSpec] = &[
     wrapper("qwen3_vl_moe", TextConfig::Nested),
     wrapper("llama4", TextConfig::Nested),
     wrapper("gemma4", TextConfig::Nested),
-    // Types whose RoPE alone is read (RopeConfig::from_hf_json).
-    interleaved("codegen"),
-    interleaved("cohere"),
-    interleaved("glm"),
-    interleaved("glm4"),
-    interleaved("helium"),
-    interleaved("ernie4_5"),
+    // Types whose RoPE alone is read (RopeConfig::from_hf_json), with their classes' defaults.
+    // CodeGen: θ 10000 and the first `rotary_dim` (64) features, as GPT-J.
+    ModelSpec {
+        model_type: "codegen",
+        defaults: defaults(10_000.0, None, None, 2048, None),
+        rope: GPTJ_ROPE,
+        ..GENERIC
+    },
+    interleaved("cohere", defaults(500_000.0, None, None, 8192, None)),
+    ModelSpec {
+        rope: GLM_ROPE,
+        ..interleaved("glm", GLM_DEFAULTS)
+    },
+    ModelSpec {
+        rope: GLM_ROPE,
+        ..interleaved("glm4", GLM_DEFAULTS)
+    },
+    interleaved(
+        "helium",
+        defaults(100_000.0, Some(20), Some(128), 4096, None),
+    ),
+    interleaved(
+        "ernie4_5",
+        defaults(500_000.0, Some(2), Some(128), 131_072, None),
+    ),
     ModelSpec {
         model_type: "phi4_multimodal",
         rope: RopeSpec {

@@ -5,11 +5,13 @@
 //!   `rope_type` or `type` (`su` is LongRoPE's old name); absent or `null` means plain RoPE;
 //! - `rope_theta` inside the parameters or at the top level, default 10000 (GPT-NeoX: the
 //!   parameters' θ, else `rotary_emb_base`, else 10000; a top-level `rope_theta` is not read;
-//!   GPT-J: always 10000, and neither `rope_parameters` nor `rope_scaling` is read);
+//!   GPT-J and CodeGen: always 10000, and neither `rope_parameters` nor `rope_scaling` is
+//!   read);
 //! - `head_dim`, else `hidden_size / num_attention_heads` (GPT-2-style `n_embd` / `n_head`);
 //! - partial rotary as the model's HF code reads it (the table at `hf::registry::PartialRotary`): Phi-3 from
 //!   `partial_rotary_factor`, GPT-NeoX from `rope_parameters.partial_rotary_factor` or
-//!   `rotary_pct` (25% without either, as its config class does), GPT-J from `rotary_dim`;
+//!   `rotary_pct` (25% without either, as its config class does), GLM and GLM-4 from
+//!   `partial_rotary_factor` (half without it), GPT-J and CodeGen from `rotary_dim`;
 //!   the Llama-style models HF's attention layers load (Llama, Mistral, Qwen, Gemma, ...)
 //!   rotate the whole head with the default RoPE whatever `partial_rotary_factor` says, and
 //!   a factor that shortens a scaled RoPE's table is refused there (HF's layer fails on it);
@@ -28,11 +30,14 @@
 //!   level (which takes precedence; Phi-3 defaults it to 4096) or in the parameters, defaulting
 //!   to the former.
 //!
-//! Keys the file leaves out take the model's class defaults (the table in `hf::defaults`, held by `hf::registry`'s rows):
-//! `rope_theta` (10000 for most, Llama 4's 500000, SmolLM3's 2e6, the Qwen-VL text models'
-//! 1e6 and 500000, Gemma 4's vision encoder's 100, ...), Gemma 4's vision `head_dim` (64), `max_position_embeddings`, gpt-oss's YaRN parameters, the Qwen-VL
-//! text models' `mrope_section` (Qwen3-VL's always interleaved, as its HF code is), GPT-J's
-//! `rotary_dim` (64). Not read: per-layer-type parameters.
+//! Keys the file leaves out take the model's class defaults (the table in `hf::defaults`, held
+//! by `hf::registry`'s rows): `rope_theta` (10000 for most, Llama 4's 500000, SmolLM3's 2e6, the
+//! Qwen-VL text models' 1e6 and 500000, Gemma 4's vision encoder's 100, Cohere's and ERNIE
+//! 4.5's 500000, Helium's 100000, ...), `head_dim` (Gemma 4's vision encoder's 64; GLM's,
+//! GLM-4's, Helium's and ERNIE 4.5's 128), `max_position_embeddings`, gpt-oss's YaRN
+//! parameters, the Qwen-VL text models' `mrope_section` (Qwen3-VL's always interleaved, as its
+//! HF code is), GPT-J's and CodeGen's `rotary_dim` (64), GLM's `partial_rotary_factor` (0.5).
+//! Not read: per-layer-type parameters.
 //!
 //! Every type whose layer `HfAttentionConfig` loads reads its rotation here, the same; a few
 //! types have a row for their rotation alone (`codegen`, `cohere`, `glm`, `glm4`, `helium`,
@@ -350,10 +355,17 @@ impl<'a> RopeFile<'a> {
                     },
                 },
             },
-            PartialRotary::Factor => match self.factor()? {
-                Some((f, key)) => (config.with_partial_rotary_factor(f), key),
-                None => return Ok(config),
-            },
+            PartialRotary::Factor => {
+                match (self.factor()?, self.spec.defaults.partial_rotary_factor) {
+                    (Some((f, key)), _) => (config.with_partial_rotary_factor(f), key),
+                    // The class's own factor (GLM's 0.5).
+                    (None, Some(f)) => (
+                        config.with_partial_rotary_factor(f),
+                        "partial_rotary_factor".into(),
+                    ),
+                    (None, None) => return Ok(config),
+                }
+            }
             PartialRotary::NeoX => self.neox_partial(config)?,
             PartialRotary::RotaryDim => {
                 // GPTJConfig's default when absent.

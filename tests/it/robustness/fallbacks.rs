@@ -581,8 +581,10 @@ fn hf_readers_agree_on_every_type(dev: &Device) -> anyhow::Result<()> {
         "phi4_multimodal",
     ];
     for model_type in rope_only.into_iter().chain(["unknown_type"]) {
+        // (CodeGen rotates 64 features unless its file says otherwise.)
         let file = format!(
-            r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4}}"#
+            r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4,
+                "rotary_dim": 4}}"#
         );
         RopeConfig::from_hf_json(&file)?;
         let (key, problem) = hf_refusal(HfAttentionConfig::from_json(&file));
@@ -656,6 +658,38 @@ fn vision_layers_refuse_what_the_block_lacks(_dev: &Device) -> anyhow::Result<()
     Ok(())
 }
 
+/// The types whose rotation alone is read take their config classes' defaults for the keys a
+/// file leaves out, as HF does, rather than a generic model's (θ 10000, the width over the
+/// heads, the whole head): Cohere's θ 500000, GLM's and GLM-4's heads of 128 half of which
+/// rotate, Helium's θ 100000 and ERNIE 4.5's 500000 with heads of 128, CodeGen's first 64
+/// features at θ 10000 whatever `rope_theta` says. Against each model's own rotary embedding
+/// and apply function (`generate.py rotary_rope_only`), both kernels.
+fn rope_only_types_take_their_class_defaults(dev: &Device) -> anyhow::Result<()> {
+    let file = Checkpoint::load(
+        format!(
+            "{}/tests/fixtures/rotary_rope_only.safetensors",
+            env!("CARGO_MANIFEST_DIR")
+        ),
+        dev,
+    )?;
+    let fx = file.tensors();
+    let positions = Positions::Ids(PositionIds::new(get(fx, "positions"))?);
+    for name in ["cohere", "glm", "glm4", "helium", "ernie4_5", "codegen"] {
+        let config = RopeConfig::from_hf_json(&file.metadata()[name])?;
+        let (q, k) = (get(fx, &format!("{name}.q")), get(fx, &format!("{name}.k")));
+        assert_eq!(config.head_dim, q.dim(3)?, "{name}");
+        for kernel in KERNELS {
+            let rope = RotaryEmbedding::new(&config.clone().with_kernel(kernel), dev)?;
+            for (entry, qe, ke) in every_entry_point(&rope, q, k, &positions)? {
+                let case = format!("{name} {kernel:?} {entry}");
+                assert_close(&qe, get(fx, &format!("{name}.q_rot")), 1e-5, &case)?;
+                assert_close(&ke, get(fx, &format!("{name}.k_rot")), 1e-5, &case)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
     axial_rope_refuses_one_position_per_token,
     vision_rope_entry_points_match_hf_or_refuse,
@@ -664,4 +698,5 @@ device_tests!(
     vision_layers_refuse_one_position_per_token,
     hf_readers_agree_on_every_type,
     vision_layers_refuse_what_the_block_lacks,
+    rope_only_types_take_their_class_defaults,
 );
