@@ -3,6 +3,10 @@
 //! plug's `rotate` hook, `Module::forward`, the block, a loaded HF layer), with
 //! [`Error::Positions`] naming what was given and what was expected; where HF gives one
 //! position per token a meaning (M-RoPE's text, all three axes alike) it is kept, exactly.
+//! And the HF readers agree: every type whose rotation `RopeConfig::from_hf_json` reads as a
+//! vision encoder's or latent attention's loads through `HfAttentionConfig` (or both refuse
+//! the file with one error), the types whose rotation alone is read say so and take their
+//! config classes' defaults, never a generic model's.
 
 use crate::common;
 
