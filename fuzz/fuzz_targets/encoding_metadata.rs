@@ -48,6 +48,9 @@ fn small(c: &EncodingConfig) -> Option<(usize, usize)> {
         EncodingConfig::RopeMixed(m) => {
             (m.num_heads <= 16 && m.head_dim <= 64).then_some((m.num_heads, m.head_dim))
         }
+        EncodingConfig::ScaledSinusoidal(s) => {
+            (s.d_model <= 64 && s.max_len <= 4096).then_some((2, 4))
+        }
     }
 }
 
@@ -58,6 +61,7 @@ fn run(c: &EncodingConfig, data: &[u8]) {
     let d_model = match c {
         EncodingConfig::Sinusoidal(s) => s.d_model,
         EncodingConfig::Learned(l) => l.d_model,
+        EncodingConfig::ScaledSinusoidal(s) => s.d_model,
         _ => 8,
     };
     let dev = Device::Cpu;
@@ -79,7 +83,9 @@ fn run(c: &EncodingConfig, data: &[u8]) {
         .take(3)
         .fold(0usize, |a, &b| (a << 8) | b as usize);
     let start = match c {
-        EncodingConfig::Sinusoidal(_) | EncodingConfig::Learned(_) => tail % 5000,
+        EncodingConfig::Sinusoidal(_)
+        | EncodingConfig::Learned(_)
+        | EncodingConfig::ScaledSinusoidal(_) => tail % 5000,
         EncodingConfig::Rotary(_) => tail % (1 << 13),
         _ => tail % (1 << 20),
     };
