@@ -52,6 +52,10 @@ pub struct KvCache {
     /// `(B, Hkv, capacity, D)` buffers, allocated at the first append.
     k: Option<Tensor>,
     v: Option<Tensor>,
+    /// A streaming cache's keys kept rotated, beside the unrotated `k` (see [`Frame`]).
+    rotated: Option<Tensor>,
+    /// Where the kept rotated keys sit, while they are valid.
+    frame: Option<Frame>,
     /// The buffers' index of slot 0: a streaming cache evicts by moving its sinks forward
     /// (O(sinks)) rather than its window back, and compacts when the end is reached.
     start: usize,
@@ -86,6 +90,8 @@ impl KvCache {
         Self {
             k: None,
             v: None,
+            rotated: None,
+            frame: None,
             start: 0,
             len: 0,
             capacity: capacity.max(1),
@@ -104,6 +110,12 @@ impl KvCache {
     /// pass `sinks + window + chunk` however long the stream. (Rotating each key once at its
     /// text position, as the plain cache does, would leave a gap between the sinks and the
     /// window that grows without bound, past the positions the model was trained on.)
+    ///
+    /// Where the logits depend on positions only through their differences (RoPE at fixed
+    /// frequencies, [`crate::PositionalEncoding::relative_rotation`]) the cache also keeps its
+    /// keys rotated, all shifted alike, so that a decoding step rotates only its own token and
+    /// the sinks rather than every held key: the same logits, at a plain cache's cost per
+    /// step, for storage of the keys twice (unrotated and rotated) beside the values.
     ///
     /// Each chunk attends to the cache as it stands plus itself (causally); the eviction
     /// follows the chunk. Fed token by token, each token sees the sinks, the last `window`
@@ -219,6 +231,8 @@ impl KvCache {
     pub fn reset(&mut self) {
         self.k = None;
         self.v = None;
+        self.rotated = None;
+        self.frame = None;
         self.start = 0;
         self.len = 0;
         self.positions = None;
@@ -256,6 +270,7 @@ impl KvCache {
                 if !same {
                     self.k = None;
                     self.v = None;
+                    self.rotated = None;
                 }
             }
         }
@@ -290,13 +305,7 @@ impl KvCache {
         self.reserve(total, (b, h, d), k)?;
         let (kb, vb) = match (&self.k, &self.v) {
             (Some(kb), Some(vb)) => (kb, vb),
-            _ => {
-                return Err(Error::config(
-                    "KV cache",
-                    "no storage",
-                    "storage after reserve",
-                ))
-            }
+            _ => return Err(no_storage()),
         };
         if new_len > 0 {
             kb.slice_set(&k.contiguous()?, 2, self.start + self.len)?;
@@ -304,6 +313,9 @@ impl KvCache {
         }
         self.len = total;
         self.positions = Some(all_positions.clone());
+        // The kept rotated keys lack this chunk's: the caller that keeps them writes them and
+        // puts the frame back ([`Self::keep_rotated`]).
+        self.frame = None;
         Ok((
             kb.narrow(2, self.start, total)?,
             vb.narrow(2, self.start, total)?,
@@ -344,6 +356,55 @@ impl KvCache {
         self.start += drop;
         self.len = keep;
         self.positions = Some(Positions::Offset(0));
+        // The window moved `drop` slots towards the sinks; its kept rotated keys stay where
+        // they were rotated, so the frame's offset grows by as much.
+        if let Some(f) = &mut self.frame {
+            f.shift = f.shift.saturating_add(drop);
+        }
+        Ok(())
+    }
+
+    /// The frame of the kept rotated keys ([`Frame`]), or `None` when they are all to be
+    /// rotated again: none kept yet, a chunk appended without its rotated keys, or the
+    /// window's offset grown past a quarter of the window (at least 16), so that the
+    /// positions a rotation reads stay within `sinks + window + chunk + max(window / 4, 16)`.
+    pub(crate) fn frame(&self) -> Option<Frame> {
+        let bound = self.streaming.map_or(0, |(_, w)| (w / 4).max(16));
+        self.frame.filter(|f| f.shift < bound)
+    }
+
+    /// Records where the kept rotated keys of every held token now sit.
+    pub(crate) fn keep_frame(&mut self, frame: Frame) {
+        self.frame = Some(frame);
+    }
+
+    /// The sinks a streaming cache holds now (at most its length).
+    pub(crate) fn held_sinks(&self) -> usize {
+        self.streaming.map_or(0, |(s, _)| s.min(self.len))
+    }
+
+    /// The unrotated keys of held slots `slots`, `(B, Hkv, n, D)` (a view of the storage).
+    pub(crate) fn raw_keys(&self, slots: std::ops::Range<usize>) -> Result<Tensor> {
+        let k = self.k.as_ref().ok_or_else(no_storage)?;
+        Ok(k.narrow(2, self.start + slots.start, slots.len())?)
+    }
+
+    /// The kept rotated keys of every held token, `(B, Hkv, len, D)` (a view of the storage).
+    pub(crate) fn rotated_keys(&self) -> Result<Tensor> {
+        let r = self.rotated.as_ref().ok_or_else(no_storage)?;
+        Ok(r.narrow(2, self.start, self.len)?)
+    }
+
+    /// Writes rotated keys `(B, Hkv, n, D)` at held slots `slot..slot + n`, making the buffer
+    /// of kept rotated keys (as large as the unrotated one's) at the first write. Called after
+    /// an append, which made the storage this cache's own.
+    pub(crate) fn write_rotated(&mut self, slot: usize, keys: &Tensor) -> Result<()> {
+        let k = self.k.as_ref().ok_or_else(no_storage)?;
+        if self.rotated.is_none() {
+            self.rotated = Some(Tensor::zeros(k.shape(), keys.dtype(), k.device())?);
+        }
+        let r = self.rotated.as_ref().ok_or_else(no_storage)?;
+        r.slice_set(&keys.contiguous()?, 2, self.start + slot)?;
         Ok(())
     }
 
@@ -397,8 +458,13 @@ impl KvCache {
             Ok(fresh)
         };
         let (k, v) = (grow(&self.k)?, grow(&self.v)?);
+        let rotated = match &self.rotated {
+            Some(_) => Some(grow(&self.rotated)?),
+            None => None,
+        };
         self.k = Some(k);
         self.v = Some(v);
+        self.rotated = rotated;
         self.start = 0;
         self.owner = Arc::new(());
         Ok(())
@@ -410,7 +476,10 @@ impl KvCache {
             return Ok(());
         }
         if let (Some(k), Some(v)) = (&self.k, &self.v) {
-            for t in [k, v] {
+            for t in [Some(k), Some(v), self.rotated.as_ref()]
+                .into_iter()
+                .flatten()
+            {
                 if self.len > 0 {
                     let held = t.narrow(2, self.start, self.len)?.force_contiguous()?;
                     t.slice_set(&held, 2, 0)?;
@@ -420,6 +489,27 @@ impl KvCache {
         self.start = 0;
         Ok(())
     }
+}
+
+/// The error for storage that should be there (after an append) and is not.
+fn no_storage() -> Error {
+    Error::config("KV cache", "no storage", "storage after an append")
+}
+
+/// Where a streaming cache's kept rotated keys sit. The block keeps them for encodings whose
+/// rotation depends on positions only through their differences
+/// ([`PositionalEncoding::relative_rotation`](crate::PositionalEncoding::relative_rotation)):
+/// held token `j` (slot `j`) is rotated at position `j + shift`, so the logits are those of
+/// every token rotated at its slot, as the cache's definition says, while a decoding step
+/// rotates only its own token and the sinks. Evicting `n` tokens moves the window `n` slots
+/// towards the sinks and adds `n` to `shift`; the sinks, which stay at slots `0..sinks`, are
+/// rotated again when `sinks_shift` falls behind `shift`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Frame {
+    /// Added to a held token's slot to give the position it is rotated at.
+    pub(crate) shift: usize,
+    /// The `shift` the kept rotated sinks were rotated with.
+    pub(crate) sinks_shift: usize,
 }
 
 /// A call's KV cache, put back as it was when the guard drops uncommitted: a chunk that fails

@@ -36,6 +36,7 @@ use super::latent::LatentProjections;
 use super::mask::check_padding;
 use super::projection::{self, parts};
 use super::qk_norm::{rms_normalized, QkNorm};
+use super::streaming;
 use crate::cpu::linear_node::{self, Arrange};
 use crate::error::{
     check_device, check_factor, check_float, check_var_builder, is_float, learned, Error, Result,
@@ -332,8 +333,9 @@ impl MultiHeadAttention {
 
     /// Queries and keys rotated, and the chunk's keys and values appended to the cache:
     /// q `(B, H, T, D)`, every key and value `(B, Hkv, Tk, D)`, and the keys' positions. A
-    /// plain cache keeps rotated keys; a streaming one keeps them unrotated, and all of them
-    /// are rotated at their slots.
+    /// plain cache keeps rotated keys; a streaming one keeps them unrotated, and either keeps
+    /// them rotated in a frame as well (`streaming`, for rotations that read only position
+    /// differences) or rotates all of them at their slots.
     fn rotate_and_cache(
         &self,
         q: Tensor,
@@ -345,8 +347,19 @@ impl MultiHeadAttention {
     ) -> Result<(Tensor, Tensor, Tensor, Positions)> {
         let (b, t) = (call.b, call.t);
         let enc = self.encoding.as_deref();
-        match cache {
-            Some(cache) if call.streaming => {
+        match (cache, enc) {
+            (Some(cache), Some(e)) if call.streaming && e.relative_rotation() => {
+                let rotate =
+                    |q, k, (qp, qn): (&Positions, usize), (kp, kn): (&Positions, usize)| {
+                        let ctx = AttentionContext::new(qp, qn, kp, kn)
+                            .with_causal(self.config.causal)
+                            .with_train(ctx.train)
+                            .with_sinks(self.config.sinks);
+                        self.check_rotated(e.rotate(q, k, &ctx)?, (b, qn, kn))
+                    };
+                streaming::append(cache, (q, k, v), &call.positions, &rotate)
+            }
+            (Some(cache), enc) if call.streaming => {
                 let (k, v, k_positions) = cache.append(&k, &v, &call.positions)?;
                 let (q, k) = match enc {
                     Some(e) => {
@@ -364,7 +377,7 @@ impl MultiHeadAttention {
                 };
                 Ok((q, k, v, k_positions))
             }
-            cache => {
+            (cache, enc) => {
                 let (q, k) = match enc {
                     Some(e) => self.check_rotated(e.rotate(q, k, ctx)?, (b, t, t))?,
                     None => (q, k),

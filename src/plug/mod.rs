@@ -254,6 +254,18 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
         let _ = ctx;
         Footprint::Unknown
     }
+
+    /// A declaration, not a hook: whether the logits [`Self::rotate`] gives depend on the
+    /// positions of a query and a key only through their difference, at any positions (RoPE
+    /// at frequencies that do not follow the sequence's length, without xPos's scale), and
+    /// the encoding has no other hook that reads positions. A streaming
+    /// [`KvCache`](crate::KvCache) then keeps its keys rotated and a decoding step rotates
+    /// only its own token and the cache's sinks, instead of every held key at its slot; the
+    /// rotation hook may then be handed keys with no queries (`(B, H, 0, D)`). Default
+    /// `false`.
+    fn relative_rotation(&self) -> bool {
+        false
+    }
 }
 
 /// How much of an encoding's answers for a query block grows with the block's queries

@@ -1086,6 +1086,14 @@ impl PositionalEncoding for RotaryEmbedding {
     fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
         self.rotate_queries_keys_owned(q, k, ctx.queries, ctx.keys, QkLayout::Bhtd)
     }
+
+    /// Rotations at fixed frequencies (not dynamic NTK's or LongRoPE's, which follow the
+    /// sequence's length), without xPos's position-dependent scale, over one position per
+    /// token (not axial 2-D RoPE's rows and columns).
+    fn relative_rotation(&self) -> bool {
+        let c = &self.config;
+        c.xpos_scale_base.is_none() && c.axial.is_none() && !c.scaling.follows_length()
+    }
 }
 
 impl crate::plug::SchemeConfig for RopeConfig {

@@ -413,6 +413,11 @@ impl RopeScaling {
         Ok(freqs)
     }
 
+    /// Whether the frequencies change with the sequence's length (dynamic NTK, LongRoPE).
+    pub(crate) fn follows_length(&self) -> bool {
+        matches!(self, RopeScaling::Dynamic { .. } | RopeScaling::LongRope(_))
+    }
+
     /// Which table a sequence ending at `seq_len` needs: tables only change with the length for
     /// `Dynamic` (past its original length) and `LongRope` (short or long factors).
     pub(crate) fn regime(&self, seq_len: usize) -> Regime {

@@ -13,7 +13,9 @@ use candle_posenc::plug::{
     AttentionContext, Columns, LogitsBias, PositionalEncoding, RelativeValues,
 };
 use candle_posenc::relative::alibi::{Alibi, AlibiConfig, AlibiMode};
-use candle_posenc::rotary::{RopeConfig, RotaryEmbedding};
+use candle_posenc::rotary::{
+    LongRopeScaling, RopeConfig, RopeLayout, RopeScaling, RotaryEmbedding, YarnScaling,
+};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, Error, KvCache, LearnedConfig, LearnedPositionalEncoding,
     MultiHeadAttention, PositionIds, Positions, Result, SinusoidalConfig,
@@ -1245,9 +1247,9 @@ fn latent_attention_block(dev: &Device) -> anyhow::Result<()> {
 
 /// A streaming KV cache (StreamingLLM): fed token by token, each token attends to the sinks,
 /// the last `window` tokens before it and itself, all at their cache slots; until the stream
-/// passes `sinks + window` tokens it equals the full forward. Checked with RoPE (keys rotated
-/// at their slots every step) and ALiBi against a plain forward over exactly those tokens, in a
-/// row. Positions given with a streaming cache are refused; a failed call leaves it as it was.
+/// passes `sinks + window` tokens it equals the full forward. Checked with RoPE (keys kept
+/// rotated in the cache's frame, or rotated at their slots every step where the frequencies
+/// follow the length) and ALiBi against a plain forward over exactly those tokens, in a row. Positions given with a streaming cache are refused; a failed call leaves it as it was.
 fn streaming_cache_keeps_sinks_and_a_window(dev: &Device) -> anyhow::Result<()> {
     let (sinks, window, n) = (2, 4, 13);
     // Two sequences over two KV heads, and one over one (the cache's slots are then one
@@ -1272,14 +1274,33 @@ fn streaming_case(
         .with_causal(true);
     let weights = random_weights(&cfg, 0.4, dev)?;
     let vb = VarBuilder::from_tensors(weights, DType::F32, dev);
-    let encodings: [Arc<dyn PositionalEncoding>; 2] = [
-        Arc::new(RotaryEmbedding::new(&RopeConfig::new(4), dev)?),
-        Arc::new(Alibi::new(&AlibiConfig::new(4), dev)?),
+    // RoPE whose rotation depends only on position differences (plain; interleaved, partial,
+    // YaRN) keeps its keys rotated in the cache's frame; LongRoPE, whose frequencies follow
+    // the length, and ALiBi are computed at the slots every step.
+    let yarn = RopeConfig::new(4)
+        .with_layout(RopeLayout::Interleaved)
+        .with_rotary_dim(2)
+        .with_scaling(RopeScaling::Yarn(YarnScaling::new(4.0, 8)));
+    let longrope = RopeConfig::new(4).with_scaling(RopeScaling::LongRope(LongRopeScaling {
+        short_factor: vec![1.0, 1.5],
+        long_factor: vec![2.0, 4.0],
+        original_max_position_embeddings: 5,
+        factor: 4.0,
+        attention_factor: None,
+    }));
+    let encodings: [(Arc<dyn PositionalEncoding>, bool); 4] = [
+        (
+            Arc::new(RotaryEmbedding::new(&RopeConfig::new(4), dev)?),
+            true,
+        ),
+        (Arc::new(RotaryEmbedding::new(&yarn, dev)?), true),
+        (Arc::new(RotaryEmbedding::new(&longrope, dev)?), false),
+        (Arc::new(Alibi::new(&AlibiConfig::new(4), dev)?), false),
     ];
     let x = Tensor::randn(0f32, 1.0, (batch, n, 16), dev)?;
-    for enc in encodings {
+    for (enc, kept) in encodings {
+        assert_eq!(enc.relative_rotation(), kept, "{enc:?}");
         let block = MultiHeadAttention::new(&cfg, Some(enc), vb.pp("a"))?;
-        let full = block.forward(&x)?;
         let mut cache = KvCache::streaming(sinks, window);
         assert_eq!(cache.streaming_window(), Some((sinks, window)));
         for i in 0..n {
@@ -1290,7 +1311,8 @@ fn streaming_case(
             )?;
             assert_eq!(cache.len(), (i + 1).min(sinks + window));
             let want = if i < sinks + window {
-                full.i((.., i..i + 1))?
+                // The prefix's forward (LongRoPE's frequencies follow the length).
+                block.forward(&x.i((.., 0..i + 1))?)?.i((.., i..i + 1))?
             } else {
                 // The sinks, the window before token i, and token i, in a row from slot 0.
                 let kept = Tensor::cat(&[x.i((.., 0..sinks))?, x.i((.., i - window..i + 1))?], 1)?;
