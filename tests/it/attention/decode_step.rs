@@ -3,48 +3,13 @@
 //! distances excepted, which are their answer, `H × (L + 1)` values, widened to f32 for the
 //! core in half precision).
 //!
-//! The allocator counts every thread, so the test runs itself alone in a child process of the
-//! test binary (`common::run_alone`); elsewhere the allocator only counts.
+//! The test binary's allocator counts every thread (`common::peak`), so the test runs itself
+//! alone in a child process of the test binary (`common::run_alone`).
 
 use crate::common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use candle_core::{DType, Device, Tensor};
 use candle_posenc::{AttentionConfig, AttentionOptions, EncodingConfig, KvCache};
-
-/// The system allocator, counting the bytes asked for.
-struct Counting;
-
-static BYTES: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        BYTES.fetch_add(layout.size(), Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        BYTES.fetch_add(layout.size(), Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on (the system's calloc: pages zeroed lazily,
-        // as the tests beside this one expect of the default allocator).
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        BYTES.fetch_add(new_size, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
 
 /// Bytes allocated by one decoding step after `len` cached tokens (after three warm-up steps,
 /// which size the threads' reusable buffers; the fewest of five steps).
@@ -71,9 +36,9 @@ fn step_bytes(
     // changes it), once, not per step.
     let mut fewest = usize::MAX;
     for _ in 0..5 {
-        let before = BYTES.load(Ordering::SeqCst);
+        let before = common::peak::asked();
         let y = mha.forward_with(&token, &opts, Some(&mut cache))?;
-        fewest = fewest.min(BYTES.load(Ordering::SeqCst) - before);
+        fewest = fewest.min(common::peak::asked() - before);
         assert_eq!(y.output.dims(), [1, 1, d_model]);
         drop(y);
         cache.truncate(len)?;

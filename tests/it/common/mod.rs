@@ -1,5 +1,6 @@
 //! Shared test helpers: fixture loading, closeness checks, and the per-device test macro.
 
+pub mod peak;
 pub mod zoo;
 
 use std::collections::HashMap;

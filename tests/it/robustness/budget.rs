@@ -281,3 +281,116 @@ fn work_follows_what_a_call_reads() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The bound the README states: a call whose every checked size is at the budget of `E`
+/// elements peaks under 8 × E × 4 bytes allocated beyond what was live before it (the largest
+/// set of its stages' live intermediates, f32). Counted by the test binary's allocator in a
+/// child process, each call at the largest sizes the budget admits: the block's weights
+/// returned, its fused core, a training step with gradients, a RoPE table, a KV cache filled
+/// to its storage limit.
+#[test]
+fn a_call_at_the_budget_peaks_under_its_bound() -> anyhow::Result<()> {
+    if !crate::common::alone() {
+        return crate::common::run_alone(concat!(
+            module_path!(),
+            "::a_call_at_the_budget_peaks_under_its_bound"
+        ));
+    }
+    const E: usize = 1 << 21;
+    set_max_elements(E);
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let rope = std::sync::Arc::new(RotaryEmbedding::new(&RopeConfig::new(64), &dev)?);
+    // Query blocks of 32, so that the projections, not the logits, bound the fused call.
+    let cfg = AttentionConfig::new(512, 8)
+        .with_causal(true)
+        .with_query_block(Some(32));
+    let mha = MultiHeadAttention::new(&cfg, Some(rope), vb.pp("a"))?;
+    // One small call of each kind first: the thread pool and its arenas are not the call's.
+    let small = Tensor::randn(0f32, 1.0, (1, 64, 512), &dev)?;
+    let small_var = candle_core::Var::from_tensor(&small)?;
+    for options in [
+        AttentionOptions::default(),
+        AttentionOptions {
+            return_weights: true,
+            ..Default::default()
+        },
+        AttentionOptions {
+            train: true,
+            ..Default::default()
+        },
+    ] {
+        let y = mha.forward_with(small_var.as_tensor(), &options, None)?;
+        y.output.sum_all()?.backward()?;
+    }
+    let mut peaks = Vec::new();
+    // Weights returned: 8 heads × T × T logits at the budget.
+    let t = ((E / 8) as f64).sqrt() as usize;
+    let x = Tensor::randn(0f32, 1.0, (1, t, 512), &dev)?;
+    let weights = AttentionOptions {
+        return_weights: true,
+        ..Default::default()
+    };
+    peaks.push((
+        "weights",
+        crate::common::peak::peak_of(|| Ok(mha.forward_with(&x, &weights, None)?))?,
+    ));
+    // A relative bias (T5's buckets, as a dense row per query) with the weights returned.
+    let t5 = std::sync::Arc::new(T5RelativeBias::new(&T5Config::new(8), vb.pp("t5"))?);
+    let biased = MultiHeadAttention::new(&cfg, Some(t5), vb.pp("b"))?;
+    biased.forward_with(&small, &weights, None)?;
+    peaks.push((
+        "t5 weights",
+        crate::common::peak::peak_of(|| Ok(biased.forward_with(&x, &weights, None)?))?,
+    ));
+    // The fused core: the projections (T × 3 × 512) at the budget.
+    let t = E / (3 * 512);
+    let x = Tensor::randn(0f32, 1.0, (1, t, 512), &dev)?;
+    peaks.push((
+        "fused",
+        crate::common::peak::peak_of(|| Ok(mha.forward(&x)?))?,
+    ));
+    let xv = candle_core::Var::from_tensor(&x)?;
+    let train = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    peaks.push((
+        "training",
+        crate::common::peak::peak_of(|| {
+            let y = mha.forward_with(xv.as_tensor(), &train, None)?;
+            Ok(y.output.sqr()?.sum_all()?.backward()?)
+        })?,
+    ));
+    peaks.push((
+        "rope table",
+        crate::common::peak::peak_of(|| {
+            // Two f32 tables and the f64 frequencies, 32 pairs per row.
+            let rope = RotaryEmbedding::new(&RopeConfig::new(64), &dev)?;
+            Ok(rope.cos_sin(&Positions::Offset(0), E / 64 - 1)?)
+        })?,
+    ));
+    let token = Tensor::randn(0f32, 1.0, (1, 1, 512), &dev)?;
+    let chunk = Tensor::randn(0f32, 1.0, (1, 128, 512), &dev)?;
+    peaks.push((
+        "kv cache",
+        crate::common::peak::peak_of(|| {
+            let mut cache = KvCache::new();
+            let opts = AttentionOptions::default();
+            while mha.forward_with(&chunk, &opts, Some(&mut cache)).is_ok() {}
+            while mha.forward_with(&token, &opts, Some(&mut cache)).is_ok() {}
+            Ok(())
+        })?,
+    ));
+    let bound = 8 * E * 4;
+    for (what, peak) in &peaks {
+        println!("{what}: {:.2} × E × 4 bytes", *peak as f64 / (E * 4) as f64);
+    }
+    for (what, peak) in peaks {
+        assert!(peak < bound, "{what}: {peak} bytes, bound {bound}");
+        // Each call did hold about a budget's worth (the sizes are at the budget).
+        assert!(peak > E * 4 / 2, "{what}: {peak} bytes, not at the budget");
+    }
+    Ok(())
+}
