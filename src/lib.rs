@@ -30,7 +30,8 @@
 //! `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`,
 //! `llama4_text`, `gemma4_text`, `pixtral`, `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
 //! `qwen3_vl_moe_text`, `phi3`, `gpt_neox`, `bloom`, `gpt2`, `gptj`, `falcon`, `t5`, `mpt`,
-//! `modernbert`, `deepseek_v2`, `deepseek_v3`, `kimi_k2`, the vision encoders `qwen2_vl_vision`,
+//! `modernbert`, `deepseek_v2`, `deepseek_v3`, `kimi_k2`, `codegen`, `cohere`, `glm`, `glm4`,
+//! `helium`, `ernie4_5`, `phi4_multimodal`, the vision encoders `qwen2_vl_vision`,
 //! `qwen2_5_vl_vision`, `qwen3_vl_vision`, `qwen3_vl_moe_vision`, `gemma4_vision`, and the
 //! vision-language models
 //! `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe`, `llama4`, `gemma4` (their language

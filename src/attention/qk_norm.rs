@@ -1,23 +1,30 @@
-//! RMS normalisation of the projected queries and keys, before the rotation (Qwen3, Gemma 3,
-//! OLMo 2, Llama 4).
+//! Normalisation of the projected queries and keys, before the rotation (Qwen3, Gemma 3,
+//! OLMo 2, Llama 4, Cohere).
 //!
 //! ```text
 //! n(y) = y / √(mean(y²) + ε) · w            w the learned scale; Gemma stores w − 1: · (1 + w);
 //!                                           Llama 4's L2 norm has none (w = 1)
+//! n(y) = (y − ȳ) / √(mean((y − ȳ)²) + ε) · w   centred (Cohere's layer norm without bias)
 //! ```
 //!
 //! Llama 4 normalises after its rotation; a per-head norm without a scale commutes with the
 //! rotation (which keeps each head's sum of squares), so normalising before it is the same
 //! map, up to rounding.
 //!
-//! The mean runs over one head's features ([`QkNormScope::PerHead`]: Qwen3, Gemma 3) or over
-//! every head's features of a token ([`QkNormScope::AllHeads`]: OLMo 2, which normalises the
-//! whole projection before splitting it into heads). The normalisation runs in f32 and the
-//! result is cast back to the projection's dtype, as HF's RMS norms do.
+//! Which features one statistic covers, and the shape of the scale, by [`QkNormScope`]:
+//!
+//! | scope | statistic over | `q_norm.weight` | `k_norm.weight` | models |
+//! |---|---|---|---|---|
+//! | `PerHead` | one head's features | `(head_dim)` | `(head_dim)` | Qwen3, Gemma 3 |
+//! | `AllHeads` | every head's features of a token | `(num_heads · head_dim)` | `(num_kv_heads · head_dim)` | OLMo 2 (the whole projection, before the split into heads) |
+//! | `EachHead` | one head's features | `(num_heads, head_dim)` | `(num_kv_heads, head_dim)` | Cohere (a scale per head) |
+//!
+//! The normalisation runs in f32 and the result is cast back to the projection's dtype, as
+//! HF's norms do.
 //!
 //! # Shapes
-//! - `q_norm.weight`: `(head_dim)` per head, `(num_heads · head_dim)` over all heads;
-//! - `k_norm.weight`: `(head_dim)` per head, `(num_kv_heads · head_dim)` over all heads.
+//! The scales as the table gives them; the projections `(B, T, heads · head_dim)` in, `(B, T,
+//! heads, head_dim)` out.
 //!
 //! Reference: Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters"
 //! (query-key normalisation); Zhang & Sennrich 2019 (RMSNorm).
@@ -28,21 +35,41 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{check_normal_f32, learned, Result};
 
-/// Which features one RMS statistic covers.
+/// Which features one statistic covers, and the scale's shape (the [module docs](self)'s
+/// table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QkNormScope {
-    /// One head's `head_dim` features (Qwen3, Gemma 3).
+    /// One head's `head_dim` features, one scale `(head_dim)` for every head (Qwen3, Gemma 3).
     PerHead,
-    /// All heads of one token together (OLMo 2).
+    /// All heads of one token together, a scale `(heads · head_dim)` (OLMo 2).
     AllHeads,
+    /// One head's `head_dim` features, each head with a scale of its own, `(heads,
+    /// head_dim)` (Cohere).
+    EachHead,
+}
+
+impl QkNormScope {
+    /// The scale's shape for `heads` heads of `head_dim` features.
+    pub(crate) fn scale_shape(self, heads: usize, head_dim: usize) -> Vec<usize> {
+        match self {
+            Self::PerHead => vec![head_dim],
+            Self::AllHeads => vec![heads * head_dim],
+            Self::EachHead => vec![heads, head_dim],
+        }
+    }
+
+    /// Whether one statistic covers one head (the projection is split into heads first).
+    fn per_head(self) -> bool {
+        !matches!(self, Self::AllHeads)
+    }
 }
 
 /// Configuration of the query/key RMS norm of an [`AttentionConfig`](super::AttentionConfig).
 ///
 /// Serialised (serde) as `{"eps": 1e-6, "scope": "per_head", "unit_offset": false,
-/// "learned_scale": true}`; every field may be left out and takes the default of
-/// [`QkNormConfig::new`].
+/// "learned_scale": true, "centered": false}`; every field may be left out and takes the
+/// default of [`QkNormConfig::new`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QkNormConfig {
@@ -59,6 +86,10 @@ pub struct QkNormConfig {
     /// Llama 4's L2 norm has none).
     #[serde(default = "QkNormConfig::default_learned_scale")]
     pub learned_scale: bool,
+    /// Whether the mean is subtracted first, making it a layer norm without bias (Cohere;
+    /// default false: an RMS norm).
+    #[serde(default)]
+    pub centered: bool,
 }
 
 impl Default for QkNormConfig {
@@ -75,6 +106,7 @@ impl QkNormConfig {
             scope: Self::default_scope(),
             unit_offset: false,
             learned_scale: true,
+            centered: false,
         }
     }
 
@@ -114,6 +146,12 @@ impl QkNormConfig {
         self
     }
 
+    /// Subtracts the mean first (a layer norm without bias, Cohere) or not (an RMS norm).
+    pub fn with_centered(mut self, centered: bool) -> Self {
+        self.centered = centered;
+        self
+    }
+
     /// Checks ε.
     ///
     /// # Errors
@@ -147,16 +185,12 @@ impl QkNorm {
         vb: &VarBuilder,
     ) -> Result<Self> {
         config.validate()?;
-        let width = |h: usize| match config.scope {
-            QkNormScope::PerHead => head_dim,
-            QkNormScope::AllHeads => h * head_dim,
-        };
         let identity = Init::Const(if config.unit_offset { 0.0 } else { 1.0 });
         let load = |name: &str, h: usize| -> Result<Tensor> {
             learned(
                 &vb.pp(name),
                 "query/key norm scale",
-                width(h),
+                config.scope.scale_shape(h, head_dim),
                 "weight",
                 identity,
             )
@@ -182,9 +216,13 @@ impl QkNorm {
         let (b, t, width) = y.dims3()?;
         let d = width / heads;
         let y32 = y.to_dtype(DType::F32)?;
-        let y32 = match self.config.scope {
-            QkNormScope::PerHead => y32.reshape((b, t, heads, d))?,
-            QkNormScope::AllHeads => y32,
+        let y32 = match self.config.scope.per_head() {
+            true => y32.reshape((b, t, heads, d))?,
+            false => y32,
+        };
+        let y32 = match self.config.centered {
+            true => y32.broadcast_sub(&y32.mean_keepdim(D::Minus1)?)?,
+            false => y32,
         };
         let mut normed = rms_normalized(&y32, self.config.eps)?;
         if let Some((q, k)) = &self.scales {

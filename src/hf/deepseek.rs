@@ -10,9 +10,11 @@
 
 use serde_json::Value;
 
+use super::checks::check_even_split;
 use super::json::{first, parse_root, problem, Obj};
-use super::layer::{blame, check_even_split, HfAttentionConfig, HfFamily, Keys};
+use super::layer::{blame, HfAttentionConfig, HfFamily, Keys};
 use super::registry::ModelSpec;
+use super::rope::rope_of_file;
 use crate::attention::{AttentionConfig, LatentConfig};
 use crate::encoding::EncodingConfig;
 use crate::error::{Error, Result};
@@ -124,15 +126,14 @@ fn rope(
     map.insert("model_type".into(), Value::from("llama"));
     map.insert("head_dim".into(), Value::from(rope_dim));
     map.insert("rope_interleave".into(), Value::from(interleaved));
-    let mut rope =
-        RopeConfig::from_hf_json(&Value::Object(map).to_string()).map_err(|e| match e {
-            // The head width given to the rotary settings is qk_rope_head_dim.
-            Error::HfConfig { key, problem } if key == "head_dim" => Error::HfConfig {
-                key: "qk_rope_head_dim".into(),
-                problem,
-            },
-            other => other,
-        })?;
+    let mut rope = rope_of_file(&Value::Object(map).to_string()).map_err(|e| match e {
+        // The head width given to the rotary settings is qk_rope_head_dim.
+        Error::HfConfig { key, problem } if key == "head_dim" => Error::HfConfig {
+            key: "qk_rope_head_dim".into(),
+            problem,
+        },
+        other => other,
+    })?;
     rope.head_dim = head_dim;
     Ok(rope)
 }

@@ -35,7 +35,12 @@
 //! | `deepseek_v2` | 10000 | heads | (latent) | 2048 | |
 //! | `deepseek_v3`, `kimi_k2` | 10000 | 128 (HF's attention needs it equal to the heads) | (latent) | 4096 | |
 //! | `qwen2_vl_vision`, `qwen2_5_vl_vision`, `qwen3_vl_vision`, `qwen3_vl_moe_vision` | 10000 | heads | width / heads (a `head_dim` that differs is refused) | — | axial 2-D RoPE when the file names no type; the width under `embed_dim` for Qwen2-VL's (its `hidden_size` is the merger's); Qwen2.5-VL's `fullatt_block_indexes` 7, 15, 23, 31 |
-//! | `gptj` | 10000, fixed (no θ or scaling key is read) | heads | width / heads | 2048 (`n_positions`) | `rotary_dim` 64 |
+//! | `gptj`, `codegen` | 10000, fixed (no θ or scaling key is read) | heads | width / heads | 2048 (`n_positions`) | `rotary_dim` 64 |
+//! | `cohere` | 500000 | heads | width / heads | 8192 | `use_qk_norm` false, `layer_norm_eps` 1e-5 |
+//! | `glm`, `glm4` | 10000 | 2 | 128 | 131072 | `attention_bias` true; `partial_rotary_factor` 0.5 |
+//! | `helium` | 100000 | 20 | 128 (the heads must fill the width) | 4096 | |
+//! | `ernie4_5` | 500000 | 2 | 128 | 131072 | |
+//! | `phi4_multimodal` | 10000 | 8 | width / heads | 131072 | as Phi-3 |
 //! | `t5` | — | heads | 64 (`d_kv`) | — | 32 buckets, largest distance 128 |
 //! | `gemma4_vision` | 100 | 12 | 64 | 131072 | axial 2-D RoPE when the file names no type |
 //! | others (`bloom`, `gpt2`, `mpt`, `pixtral`, none) | 10000 | heads | width / heads | — | |

@@ -8,6 +8,8 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use serde_json::Value;
 
+use super::checks::{check_file, null_refused};
+use super::codegen;
 use super::deepseek;
 use super::defaults::LOCAL_ROPE_THETA;
 use super::gemma4;
@@ -20,6 +22,7 @@ use super::registry::{
     self, Bias, HeadDim, LayerRope, ModelSpec, PerTypeRope, QkNorm, Quirks, Scale, TextConfig,
     Window,
 };
+use super::rope::rope_of_file;
 use super::weights::{remap, QkvLayout, WeightLayout};
 use crate::attention::{AttentionConfig, MultiHeadAttention, QkNormConfig, QkNormScope};
 use crate::encoding::EncodingConfig;
@@ -34,13 +37,15 @@ use crate::rotary::RopeConfig;
 #[non_exhaustive]
 pub enum HfFamily {
     /// `llama`, `mistral`, `ministral`, `starcoder2`, `qwen2`, `qwen3`, `gemma`, `gemma2`,
-    /// `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere2`, `llama4_text`, `gemma4_text`, `pixtral` and
-    /// the Qwen-VL text models (`qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
-    /// `qwen3_vl_moe_text`): `q_proj`, `k_proj`, `v_proj`, `o_proj`
-    /// (and `q_norm`, `k_norm` for Qwen3, Gemma 3 and OLMo 2; `sinks` for gpt-oss); RoPE (none
-    /// on the NoPE layers of SmolLM3 and Llama 4 and on Cohere2's full-attention layers).
+    /// `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere`, `cohere2`, `llama4_text`,
+    /// `gemma4_text`, `glm`, `glm4`, `helium`, `ernie4_5`, `pixtral` and the Qwen-VL text
+    /// models (`qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`, `qwen3_vl_moe_text`):
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` for Qwen3, Gemma 3,
+    /// OLMo 2 and Cohere; `sinks` for gpt-oss); RoPE (none on the NoPE layers of SmolLM3 and
+    /// Llama 4 and on Cohere2's full-attention layers).
     Llama,
-    /// `phi3`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE (LongRoPE).
+    /// `phi3`, `phi4_multimodal`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE
+    /// (LongRoPE), partial with `partial_rotary_factor`.
     Phi3,
     /// `gpt_neox`: fused `query_key_value` (rows per head), `dense`; partial RoPE.
     GptNeoX,
@@ -52,6 +57,9 @@ pub enum HfFamily {
     /// `gptj`: `q_proj`, `k_proj`, `v_proj`, `out_proj`; RoPE on adjacent pairs of the first
     /// `rotary_dim` features.
     GptJ,
+    /// `codegen`: fused `qkv_proj` in CodeGen's 4 model-parallel shards, each rows `[q; v;
+    /// k]` (see `hf::codegen`), `out_proj`, no biases; RoPE as GPT-J's.
+    CodeGen,
     /// `falcon`: fused `query_key_value` (multi-query, grouped or per head), `dense`; RoPE.
     Falcon,
     /// `t5`: `q`, `k`, `v`, `o` and the first layer's `relative_attention_bias`; T5 buckets,
@@ -248,8 +256,7 @@ impl HfAttentionConfig {
             prefix: "",
         };
         let (spec, family) = loaded_spec(&top)?;
-        refuse_unsupported(&top, spec)?;
-        refuse_typed_nulls(&top, spec)?;
+        check_file(&top, spec)?;
         check_layer(&top, layer)?;
         refuse_windowed(&top, spec, layer)?;
         if spec.quirks == Quirks::Gemma4 {
@@ -368,6 +375,10 @@ impl HfAttentionConfig {
         match self.family {
             HfFamily::Llama => separate("o_proj"),
             HfFamily::GptJ => separate("out_proj"),
+            HfFamily::CodeGen => fused(
+                QkvLayout::Sharded("qkv_proj", codegen::shard_rows(self.attention.d_model)),
+                "out_proj",
+            ),
             HfFamily::Phi3 => fused(QkvLayout::Stacked("qkv_proj"), "o_proj"),
             HfFamily::GptNeoX | HfFamily::Bloom => {
                 fused(QkvLayout::PerHead("query_key_value"), "dense")
@@ -421,17 +432,9 @@ fn loaded_spec(top: &Obj) -> Result<(&'static ModelSpec, HfFamily)> {
                 .filter(|m| m.family.is_some())
                 .map(|m| m.model_type)
                 .collect();
-            // A row without a family: its rotation alone is read, and the refusal says so.
-            let rope_only = match spec {
-                Some(_) => ", whose rotary settings alone the crate reads (RopeConfig::from_hf_json), not its attention layer;",
-                None => ",",
-            };
             Err(problem(
                 "model_type",
-                format!(
-                    "is `{model_type}`{rope_only} expected one of {}",
-                    known.join(", ")
-                ),
+                format!("is `{model_type}`, expected one of {}", known.join(", ")),
             ))
         }
     }
@@ -455,7 +458,6 @@ impl LayerFile<'_> {
         let (heads, heads_key) = first(top, registry::HEADS)?;
         keys.set("d_model", hidden_key);
         keys.set("num_heads", heads_key);
-        check_even_split(self.spec, (hidden, hidden_key), (heads, heads_key))?;
         let kv_heads = self.kv_heads(heads, keys)?;
         let attention = AttentionConfig::new(hidden, heads)
             .with_causal(true)
@@ -519,37 +521,9 @@ impl LayerFile<'_> {
             HfFamily::T5 => "d_kv",
             _ => "head_dim",
         };
-        if self.family == HfFamily::Falcon && top.map.contains_key("head_dim") {
-            // FalconConfig's head_dim is a read-only property (hidden_size / heads): HF fails
-            // to load a file that sets it.
-            return Err(problem(
-                "head_dim",
-                "is set, but HF's FalconConfig derives it as hidden_size / num_attention_heads and fails to load a file that gives it; leave the key out",
-            ));
-        }
-        if spec.head_dim == HeadDim::Required && top.get("head_dim").is_none() {
-            return Err(problem(
-                "head_dim",
-                format!(
-                    "is absent or null, which HF's {} attention takes as its head width and fails on (the class does not derive it from hidden_size / num_attention_heads); give the width",
-                    spec.model_type
-                ),
-            ));
-        }
-        if matches!(
-            self.family,
-            HfFamily::Llama | HfFamily::Phi3 | HfFamily::Gemma4Vision
-        ) && top.map.get("head_dim").is_some_and(Value::is_null)
-            && !spec.null_head_dim
-        {
-            return Err(null_refused("head_dim"));
-        }
         let given = top.usize(head_key)?;
-        if spec.head_dim == HeadDim::MustSplit {
-            check_split(given, &attention, (hidden_key, heads_key))?;
-        }
         let derived = format!("{hidden_key} / {heads_key}");
-        Ok(match (given, spec.defaults.head_dim) {
+        let attention = match (given, spec.defaults.head_dim) {
             // Pixtral's attention splits hidden_size evenly, whatever head_dim says (its
             // rotary embedding reads head_dim; a mismatch is refused with the encoding).
             (Some(_), _) if spec.head_dim == HeadDim::FromWidth => {
@@ -565,7 +539,8 @@ impl LayerFile<'_> {
                 keys.set("head_dim", derived);
                 attention
             }
-        })
+        };
+        Ok(attention)
     }
 
     /// The biases the row gives.
@@ -578,6 +553,7 @@ impl LayerFile<'_> {
                 let b = self.top.bool(key)?.unwrap_or(default);
                 (b, b)
             }
+            Bias::QkvFlag(key, default) => (self.top.bool(key)?.unwrap_or(default), false),
         };
         Ok(attention.with_bias(bias).with_out_bias(out_bias))
     }
@@ -666,9 +642,22 @@ impl LayerFile<'_> {
                     .with_eps(eps(1e-5)?),
             ),
             QkNorm::Llama4 => llama4::qk_norm(top, self.spec, self.layer)?,
+            QkNorm::LayerNormEachHead => match top.bool("use_qk_norm")?.unwrap_or(false) {
+                true => Some(
+                    QkNormConfig::new()
+                        .with_scope(QkNormScope::EachHead)
+                        .with_centered(true)
+                        .with_eps(top.f64("layer_norm_eps")?.unwrap_or(1e-5)),
+                ),
+                false => None,
+            },
         };
         if norm.is_some() {
-            keys.set("qk_norm.eps", "rms_norm_eps");
+            let key = match self.spec.qk_norm {
+                QkNorm::LayerNormEachHead => "layer_norm_eps",
+                _ => "rms_norm_eps",
+            };
+            keys.set("qk_norm.eps", key);
         }
         let attention = attention.with_qk_norm(norm);
         if self.spec.quirks != Quirks::Llama4 {
@@ -768,30 +757,9 @@ fn t5_buckets(top: &Obj, heads: usize, keys: &mut Keys) -> Result<T5Config> {
     Ok(t5)
 }
 
-/// Qwen2-VL's and Qwen2.5-VL's attention splits hidden_size evenly while their rotary
-/// embedding reads head_dim, so HF fails on a file where the two differ.
-fn check_split(
-    given: Option<usize>,
-    attention: &AttentionConfig,
-    (hidden_key, heads_key): (&str, &str),
-) -> Result<()> {
-    let (hidden, heads) = (attention.d_model, attention.num_heads);
-    match given {
-        Some(d) if heads == 0 || d.checked_mul(heads) != Some(hidden) => Err(problem(
-            "head_dim",
-            format!(
-                "is {d}, but this model's attention splits {hidden_key} ({hidden}) \
-                 evenly over {heads_key} ({heads}) and its rotation reads head_dim: \
-                 HF fails unless they agree"
-            ),
-        )),
-        _ => Ok(()),
-    }
-}
-
 /// The `text_config` of a vision-language model's `config.json`, as text, if this is one
-/// (a row with [`ModelSpec::text_config`]).
-fn text_model(text: &str) -> Result<Option<String>> {
+/// (a row with [`ModelSpec::text_config`]); both readers read the language model from it.
+pub(super) fn text_model(text: &str) -> Result<Option<String>> {
     let map = parse_root(text)?;
     let top = Obj {
         map: &map,
@@ -823,89 +791,6 @@ fn text_model(text: &str) -> Result<Option<String>> {
             format!("is missing, expected the language model's configuration of `{t}`"),
         )),
     }
-}
-
-/// Refuses a width that the heads do not divide where the model's HF config class refuses
-/// it (its `validate_architecture`), whatever `head_dim` says.
-pub(super) fn check_even_split(
-    spec: &ModelSpec,
-    (hidden, hidden_key): (usize, &str),
-    (heads, heads_key): (usize, &str),
-) -> Result<()> {
-    if spec.even_split && (heads == 0 || !hidden.is_multiple_of(heads)) {
-        return Err(problem(
-            heads_key,
-            format!(
-                "is {heads}, which does not divide {hidden_key} ({hidden}); HF's configuration \
-                 of {} refuses the file",
-                spec.model_type
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Refuses an explicit null at a key that HF's config class for `model_type` types without
-/// one (transformers 5.24's strict fields refuse such a file) or computes with (Gemma 3's and
-/// Cohere2's `sliding_window_pattern`), rather than reading it as absent and taking the
-/// default. (Keys whose null the classes replace, or that they do not have, are read as
-/// absent; `num_key_value_heads` and `head_dim` are handled where they are read.)
-fn refuse_typed_nulls(top: &Obj, spec: &ModelSpec) -> Result<()> {
-    let keys = spec.typed_nulls;
-    // (The pattern is read only to build layer_types the file does not give.)
-    let listed = top.get("layer_types").is_some();
-    for &key in keys {
-        if key == "sliding_window_pattern" && listed {
-            continue;
-        }
-        if top.map.get(key).is_some_and(Value::is_null) {
-            return Err(problem(
-                key,
-                format!(
-                    "is null, which HF's configuration of {} refuses or cannot compute \
-                     with; leave the key out for its default",
-                    spec.model_type
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Refuses the settings that would change HF's answer and that the block does not have.
-fn refuse_unsupported(top: &Obj, spec: &ModelSpec) -> Result<()> {
-    let unsupported = |key: &str, what: &str| -> Error {
-        problem(
-            key,
-            format!("asks for {what}, which the attention block does not support yet"),
-        )
-    };
-    if spec.family == Some(HfFamily::Mpt) {
-        if let Some(Value::Object(a)) = top.get("attn_config") {
-            if a.get("clip_qkv").is_some_and(|v| !v.is_null()) {
-                return Err(unsupported(
-                    "attn_config.clip_qkv",
-                    "a clamp of the projections",
-                ));
-            }
-            if a.get("qk_ln").and_then(Value::as_bool) == Some(true) {
-                return Err(unsupported("attn_config.qk_ln", "layer norms of q and k"));
-            }
-        }
-    }
-    if spec.quirks == Quirks::Gemma4Vision && top.bool("use_clipped_linears")? == Some(true) {
-        return Err(unsupported(
-            "use_clipped_linears",
-            "clamps of the projections' inputs and outputs",
-        ));
-    }
-    if spec.quirks == Quirks::Gemma4 && top.str("use_bidirectional_attention")?.is_some() {
-        return Err(unsupported(
-            "use_bidirectional_attention",
-            "bidirectional attention over some or all tokens",
-        ));
-    }
-    Ok(())
 }
 
 /// The rotary configuration of a layer of `kind`.
@@ -952,10 +837,10 @@ fn rope_of_layer(
             map.insert("rope_parameters".into(), entry);
             map.remove("rope_scaling");
         }
-        None if head_dim == 0 => return RopeConfig::from_hf_json(text),
+        None if head_dim == 0 => return rope_of_file(text),
         None => {}
     }
-    RopeConfig::from_hf_json(&Value::Object(map).to_string())
+    rope_of_file(&Value::Object(map).to_string())
 }
 
 /// Gemma 3's or ModernBERT's parameters for the layer type `type_name`, as their classes'
@@ -1031,12 +916,4 @@ pub(super) fn blame(err: Error, keys: &Keys) -> Error {
         }
         other => other,
     }
-}
-
-/// A `null` that the model's HF class refuses.
-fn null_refused(key: &str) -> Error {
-    problem(
-        key,
-        "is null, which this model's HF configuration class refuses (or fails on); leave the key out for the class default",
-    )
 }

@@ -5,7 +5,7 @@
 //! ```text
 //! MODELS: [ModelSpec]                    find("qwen3") ──► &ModelSpec
 //!   ModelSpec
-//!   ├─ family: Option<HfFamily>          weight layout (hf::weights); None: RoPE only
+//!   ├─ family: Option<HfFamily>          weight layout (hf::weights); None: a wrapper
 //!   ├─ text_config                       a vision-language wrapper of `{type}_text`
 //!   ├─ defaults: ClassDefaults           the config class's values for absent keys
 //!   ├─ bias, scale, logit_softcap, sinks, causal, qk_norm, head_dim, widths
@@ -20,7 +20,9 @@
 //!
 //! A family that reads as Llama does (separate projections, `attention_bias`, RoPE over the
 //! whole head) is one row: `ModelSpec { model_type: "…", defaults: …, ..LLAMA_LIKE }`.
-//! Types without a row read as [`GENERIC`]: their RoPE only.
+//! Every row loads a layer (its family's, or a wrapper's language model's); a type without a
+//! row is refused by `HfAttentionConfig`, and `RopeConfig::from_hf_json` reads it as
+//! [`GENERIC`].
 
 use super::defaults::{ClassDefaults, GENERIC as GENERIC_DEFAULTS};
 use super::gemma4;
@@ -32,8 +34,8 @@ use crate::rotary::mrope::{AxialRope, MropeSection};
 pub(crate) struct ModelSpec {
     /// HF's `model_type`.
     pub(crate) model_type: &'static str,
-    /// The family whose weights and block it loads as; `None`: only its RoPE is read
-    /// ([`RopeConfig::from_hf_json`](crate::rotary::RopeConfig::from_hf_json)), or a wrapper.
+    /// The family whose weights and block it loads as; `None`: a vision-language wrapper
+    /// ([`Self::text_config`]), or [`GENERIC`].
     pub(crate) family: Option<HfFamily>,
     /// A vision-language model whose language model is `{model_type}_text` under
     /// `text_config`.
@@ -96,6 +98,9 @@ pub(crate) enum Bias {
     All,
     /// All four or none, as the key says (with its class default).
     Flag(&'static str, bool),
+    /// q, k and v or none, as the key says (with its class default); never the output (GLM,
+    /// GLM-4, Helium).
+    QkvFlag(&'static str, bool),
 }
 
 /// The softmax scale.
@@ -126,6 +131,9 @@ pub(crate) enum QkNorm {
     AllHeads,
     /// Llama 4's: no scale, RoPE layers only, under `use_qk_norm`.
     Llama4,
+    /// Cohere's, under `use_qk_norm` (default false): a layer norm without bias per head, each
+    /// head with its own scale, ε from `layer_norm_eps` (1e-5 by default).
+    LayerNormEachHead,
 }
 
 /// How the attention's head width follows from `head_dim`.
@@ -140,6 +148,9 @@ pub(crate) enum HeadDim {
     /// `head_dim` must be given: the class leaves an absent one null, and the attention
     /// fails on that (Ministral).
     Required,
+    /// `head_dim` (or the class's) times the heads must be the width: the output projection
+    /// takes `hidden_size` features (Helium).
+    FillsWidth,
 }
 
 /// Where a sliding layer's window comes from.
@@ -217,6 +228,20 @@ pub(crate) struct RopeSpec {
     pub(crate) latent: bool,
     /// How a layer type's parameters are found.
     pub(crate) per_layer: LayerRope,
+    /// Whether the attention has another encoding instead of RoPE (the RoPE reader refuses
+    /// such a file, pointing at `HfAttentionConfig`).
+    pub(crate) instead: Instead,
+}
+
+/// Whether a model's attention encodes positions otherwise than by RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Instead {
+    /// It rotates q and k.
+    Nothing,
+    /// Always this encoding.
+    Always(&'static str),
+    /// This encoding when the key is true (Falcon's `alibi`).
+    WhenSet(&'static str, &'static str),
 }
 
 /// Where θ and the rotary parameters come from.
@@ -300,7 +325,16 @@ const PLAIN_ROPE: RopeSpec = RopeSpec {
     axial: None,
     latent: false,
     per_layer: LayerRope::Shared,
+    instead: Instead::Nothing,
 };
+
+/// The rotary settings of a model whose attention has `encoding` instead.
+const fn no_rope(encoding: &'static str) -> RopeSpec {
+    RopeSpec {
+        instead: Instead::Always(encoding),
+        ..PLAIN_ROPE
+    }
+}
 
 const WHOLE_HEAD: RopeSpec = RopeSpec {
     partial: PartialRotary::WholeHead,
@@ -312,7 +346,8 @@ const INTERLEAVED: RopeSpec = RopeSpec {
     ..PLAIN_ROPE
 };
 
-/// A type without a row: its RoPE read with the generic defaults, no block.
+/// A type without a row: its RoPE read with the generic defaults (by `RopeConfig::from_hf_json`
+/// only; `HfAttentionConfig` refuses it).
 pub(crate) const GENERIC: ModelSpec = ModelSpec {
     model_type: "",
     family: None,
@@ -410,15 +445,15 @@ const fn wrapper(model_type: &'static str, text_config: TextConfig) -> ModelSpec
     }
 }
 
-/// A model whose rotation alone is read, on adjacent pairs, with its class's defaults.
-const fn interleaved(model_type: &'static str, defaults: ClassDefaults) -> ModelSpec {
-    ModelSpec {
-        model_type,
-        defaults,
-        rope: INTERLEAVED,
-        ..GENERIC
-    }
-}
+/// A family read as Llama is, rotating adjacent pairs of the whole head (Cohere, Helium,
+/// ERNIE 4.5: their `rotate_half` takes even and odd features).
+const LLAMA_INTERLEAVED: ModelSpec = ModelSpec {
+    rope: RopeSpec {
+        interleaved: true,
+        ..WHOLE_HEAD
+    },
+    ..LLAMA_LIKE
+};
 
 /// GPT-J's and CodeGen's rotation: θ 10000 whatever the file says, adjacent pairs of the first
 /// `rotary_dim` features (64 by default).
@@ -470,6 +505,23 @@ const fn qwen_vision(model_type: &'static str, widths: &'static [&'static str]) 
         ..GENERIC
     }
 }
+
+/// Phi-3's attention: one `qkv_proj` (rows `[q; k; v]`), `o_proj`, no biases; LongRoPE's
+/// class (`yarn` and `su` are LongRoPE, no other scaling), the partial factor read.
+const PHI3: ModelSpec = ModelSpec {
+    model_type: "phi3",
+    family: Some(HfFamily::Phi3),
+    defaults: defaults(10_000.0, None, None, 4096, None),
+    window: Window::Sliding,
+    rope: RopeSpec {
+        partial: PartialRotary::Factor,
+        phi3: true,
+        longrope_only: true,
+        ..PLAIN_ROPE
+    },
+    null_kv_heads: true,
+    ..GENERIC
+};
 
 const DEEPSEEK_V3: ModelSpec = ModelSpec {
     model_type: "deepseek_v3",
@@ -701,20 +753,7 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         null_head_dim: true,
         ..QWEN3
     },
-    ModelSpec {
-        model_type: "phi3",
-        family: Some(HfFamily::Phi3),
-        defaults: defaults(10_000.0, None, None, 4096, None),
-        window: Window::Sliding,
-        rope: RopeSpec {
-            partial: PartialRotary::Factor,
-            phi3: true,
-            longrope_only: true,
-            ..PLAIN_ROPE
-        },
-        null_kv_heads: true,
-        ..GENERIC
-    },
+    PHI3,
     ModelSpec {
         model_type: "gpt_neox",
         family: Some(HfFamily::GptNeoX),
@@ -732,6 +771,7 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         model_type: "bloom",
         family: Some(HfFamily::Bloom),
         bias: Bias::All,
+        rope: no_rope("ALiBi"),
         ..GENERIC
     },
     ModelSpec {
@@ -739,6 +779,7 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         family: Some(HfFamily::Gpt2),
         bias: Bias::All,
         scale: Scale::Gpt2,
+        rope: no_rope("learned absolute positions, added at the embeddings (`wpe`)"),
         ..GENERIC
     },
     ModelSpec {
@@ -753,7 +794,10 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         family: Some(HfFamily::Falcon),
         defaults: defaults(10_000.0, None, None, 2048, None),
         bias: Bias::Flag("bias", false),
-        rope: WHOLE_HEAD,
+        rope: RopeSpec {
+            instead: Instead::WhenSet("alibi", "ALiBi"),
+            ..WHOLE_HEAD
+        },
         ..GENERIC
     },
     ModelSpec {
@@ -765,12 +809,14 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         },
         scale: Scale::One,
         causal: false,
+        rope: no_rope("T5's relative position buckets"),
         ..GENERIC
     },
     ModelSpec {
         model_type: "mpt",
         family: Some(HfFamily::Mpt),
         scale: Scale::AttnConfig,
+        rope: no_rope("ALiBi"),
         ..GENERIC
     },
     ModelSpec {
@@ -845,39 +891,68 @@ pub(crate) const MODELS: &[ModelSpec] = &[
     wrapper("qwen3_vl_moe", TextConfig::Nested),
     wrapper("llama4", TextConfig::Nested),
     wrapper("gemma4", TextConfig::Nested),
-    // Types whose RoPE alone is read (RopeConfig::from_hf_json), with their classes' defaults.
-    // CodeGen: θ 10000 and the first `rotary_dim` (64) features, as GPT-J.
+    // CodeGen: one `qkv_proj` in 4 model-parallel shards of [q; v; k], `out_proj`, no
+    // biases; GPT-J's rotation (θ 10000, adjacent pairs of the first `rotary_dim`, 64).
     ModelSpec {
         model_type: "codegen",
+        family: Some(HfFamily::CodeGen),
         defaults: defaults(10_000.0, None, None, 2048, None),
         rope: GPTJ_ROPE,
+        typed_nulls: &["rotary_dim"],
+        even_split: true,
         ..GENERIC
     },
-    interleaved("cohere", defaults(500_000.0, None, None, 8192, None)),
+    // Cohere: `attention_bias` on all four; `use_qk_norm`'s per-head layer norms.
     ModelSpec {
+        model_type: "cohere",
+        defaults: defaults(500_000.0, None, None, 8192, None),
+        qk_norm: QkNorm::LayerNormEachHead,
+        typed_nulls: &["attention_bias", "layer_norm_eps"],
+        null_kv_heads: true,
+        ..LLAMA_INTERLEAVED
+    },
+    // GLM and GLM-4: biases on q, k and v (`attention_bias`, default true), none on the
+    // output; adjacent pairs of the rotating half.
+    ModelSpec {
+        model_type: "glm",
+        defaults: GLM_DEFAULTS,
+        bias: Bias::QkvFlag("attention_bias", true),
         rope: GLM_ROPE,
-        ..interleaved("glm", GLM_DEFAULTS)
+        typed_nulls: &["attention_bias"],
+        ..LLAMA_LIKE
     },
     ModelSpec {
+        model_type: "glm4",
+        defaults: GLM_DEFAULTS,
+        bias: Bias::QkvFlag("attention_bias", true),
         rope: GLM_ROPE,
-        ..interleaved("glm4", GLM_DEFAULTS)
+        typed_nulls: &["attention_bias"],
+        ..LLAMA_LIKE
     },
-    interleaved(
-        "helium",
-        defaults(100_000.0, Some(20), Some(128), 4096, None),
-    ),
-    interleaved(
-        "ernie4_5",
-        defaults(500_000.0, Some(2), Some(128), 131_072, None),
-    ),
+    // Helium: biases on q, k and v (`attention_bias`), none on the output, whose input is
+    // `hidden_size` wide (HF fails unless the heads fill it).
+    ModelSpec {
+        model_type: "helium",
+        defaults: defaults(100_000.0, Some(20), Some(128), 4096, None),
+        bias: Bias::QkvFlag("attention_bias", false),
+        head_dim: HeadDim::FillsWidth,
+        typed_nulls: &["attention_bias"],
+        ..LLAMA_INTERLEAVED
+    },
+    // ERNIE 4.5: `use_bias` on all four.
+    ModelSpec {
+        model_type: "ernie4_5",
+        defaults: defaults(500_000.0, Some(2), Some(128), 131_072, None),
+        bias: Bias::Flag("use_bias", false),
+        null_kv_heads: true,
+        null_head_dim: true,
+        ..LLAMA_INTERLEAVED
+    },
+    // Phi-4-multimodal's language model: Phi-3's attention and rotation.
     ModelSpec {
         model_type: "phi4_multimodal",
-        rope: RopeSpec {
-            partial: PartialRotary::Factor,
-            phi3: true,
-            ..PLAIN_ROPE
-        },
-        ..GENERIC
+        defaults: defaults(10_000.0, Some(8), None, 131_072, None),
+        ..PHI3
     },
 ];
 
@@ -904,20 +979,15 @@ pub fn model_types() -> impl Iterator<Item = &'static str> {
 mod tests {
     use super::*;
 
-    /// The RoPE reader never takes a rotation whose layer the layer reader refuses without
-    /// saying so: every vision encoder whose axial rotation it reads, and every latent
-    /// attention whose rotation it refuses (pointing at `HfAttentionConfig`), has a family
-    /// that loads the layer. (A row without either is one whose RoPE alone is read.)
+    /// Every row loads a layer: a family's, or a wrapper's language model's.
     #[test]
-    fn every_vision_or_latent_type_loads() {
+    fn every_row_loads_a_layer() {
         for m in MODELS {
-            if m.rope.axial.is_some() || m.rope.latent {
-                assert!(
-                    m.family.is_some(),
-                    "{}: read but not loadable",
-                    m.model_type
-                );
-            }
+            assert!(
+                m.family.is_some() != m.text_config.is_some(),
+                "{}: a family or a wrapper",
+                m.model_type
+            );
         }
     }
 }

@@ -24,8 +24,7 @@
 //!   the Qwen-VL and Gemma 4 vision ones) also make of a missing or `default` type, refusing
 //!   any other;
 //! - the pair layout from `model_type` (GPT-J, CodeGen, Cohere, GLM, Helium, ERNIE 4.5, Llama 4
-//!   rotate adjacent pairs) or `rope_interleave`; DeepSeek-style latent attention is read by
-//!   `HfAttentionConfig` (its rotary part alone is not a whole head);
+//!   rotate adjacent pairs) or `rope_interleave`;
 //! - `max_position_embeddings` (`n_positions`), and `original_max_position_embeddings` at the top
 //!   level (which takes precedence; Phi-3 defaults it to 4096) or in the parameters, defaulting
 //!   to the former.
@@ -39,10 +38,14 @@
 //! HF code is), GPT-J's and CodeGen's `rotary_dim` (64), GLM's `partial_rotary_factor` (0.5).
 //! Not read: per-layer-type parameters.
 //!
-//! Every type whose layer `HfAttentionConfig` loads reads its rotation here, the same; a few
-//! types have a row for their rotation alone (`codegen`, `cohere`, `glm`, `glm4`, `helium`,
-//! `ernie4_5`, `phi4_multimodal`), whose layers `HfAttentionConfig` refuses, saying so, and
-//! types without a row read as a generic model.
+//! Every type with a row in `hf::registry` is a layer `HfAttentionConfig` loads, and reads its
+//! rotation here, the same (a vision-language wrapper's from its `text_config`, as the layer
+//! reader does); both run the file-wide checks of `hf::checks` first, so a file one refuses
+//! the other refuses with the same error. A layer whose rotation is not read here alone is
+//! refused under `model_type` pointing at `HfAttentionConfig`: latent attention (its rotary
+//! part is not a whole head), and attention with another encoding (BLOOM's and MPT's ALiBi,
+//! Falcon's under `alibi`, T5's buckets, GPT-2's learned positions). Types without a row read
+//! as a generic model here and are refused there.
 //!
 //! Each `rope_type` is one reader function in the table `ROPE_TYPES` (as HF's
 //! `ROPE_INIT_FUNCTIONS`); what differs by `model_type` is the row's `RopeSpec` in
@@ -50,9 +53,11 @@
 
 use serde_json::{Map, Value};
 
+use super::checks::check_file;
 use super::defaults::{gpt_oss_rope, GPTJ_ROPE_THETA, GPTJ_ROTARY_DIM};
 use super::json::{first, parse_root, problem, Obj};
-use super::registry::{spec, ModelSpec, PartialRotary, RopeSource, RopeSpec, HEADS};
+use super::layer::text_model;
+use super::registry::{spec, Instead, ModelSpec, PartialRotary, RopeSource, RopeSpec, HEADS};
 use crate::error::{Error, Result};
 use crate::rotary::mrope::{AxialRope, MropeSection};
 use crate::rotary::rope::{RopeConfig, RopeLayout};
@@ -85,41 +90,58 @@ impl RopeConfig {
     /// the wrong type, an unknown `rope_type`, per-layer-type parameters, or an odd rotary
     /// dimension; then the errors of [`RopeConfig::validate`].
     pub fn from_hf_json(text: &str) -> Result<Self> {
+        if let Some(inner) = text_model(text)? {
+            return Self::from_hf_json(&inner);
+        }
         let map = parse_root(text)?;
-        let file = RopeFile::new(&map)?;
-        let mut keys = Blame::default();
-        let head_dim = file.head_dim(&mut keys)?;
-        file.refuse_null_theta()?;
-        let base = file.base(&mut keys)?;
-        let mut config = RopeConfig::new(head_dim).with_base(base);
-        file.refuse_other_types()?;
-        keys.rotary = keys.head.clone();
-        config = file.partial(config, &mut keys)?;
-        file.check_rotary(&config, &keys)?;
-        if file.layout_interleaved()? {
-            config = config.with_layout(RopeLayout::Interleaved);
-        }
-        let max_pos = file.max_position()?;
-        if let Some(n) = max_pos {
-            config = config.with_max_position(n);
-        }
-        let (rope_type, axial) = file.rope_type()?;
-        let lengths = Lengths {
-            file: &file,
-            max_pos,
+        let top = Obj {
+            map: &map,
+            prefix: "",
         };
-        keys.original = lengths.original_key();
-        keys.kind = type_key(&file.params());
-        config = config.with_scaling(read_scaling(&lengths, rope_type)?);
-        if axial {
-            config = config.with_axial(Some(file.axial_layout()?));
-        }
-        config = file.mrope(config)?;
-        config
-            .validate()
-            .map_err(|e| keys.blame(&file.params(), e))?;
-        Ok(config)
+        check_file(&top, spec(top.str("model_type")?))?;
+        rope_of_file(text)
     }
+}
+
+/// The rotation of a `config.json` whose file-wide checks (`hf::checks`) have passed: the
+/// steps of [`RopeConfig::from_hf_json`], which the layer reader runs on the file (or the
+/// layer's entry) it has checked.
+pub(super) fn rope_of_file(text: &str) -> Result<RopeConfig> {
+    let map = parse_root(text)?;
+    let file = RopeFile::new(&map)?;
+    file.refuse_other_encoding()?;
+    let mut keys = Blame::default();
+    let head_dim = file.head_dim(&mut keys)?;
+    file.refuse_null_theta()?;
+    let base = file.base(&mut keys)?;
+    let mut config = RopeConfig::new(head_dim).with_base(base);
+    file.refuse_other_types()?;
+    keys.rotary = keys.head.clone();
+    config = file.partial(config, &mut keys)?;
+    file.check_rotary(&config, &keys)?;
+    if file.layout_interleaved()? {
+        config = config.with_layout(RopeLayout::Interleaved);
+    }
+    let max_pos = file.max_position()?;
+    if let Some(n) = max_pos {
+        config = config.with_max_position(n);
+    }
+    let (rope_type, axial) = file.rope_type()?;
+    let lengths = Lengths {
+        file: &file,
+        max_pos,
+    };
+    keys.original = lengths.original_key();
+    keys.kind = type_key(&file.params());
+    config = config.with_scaling(read_scaling(&lengths, rope_type)?);
+    if axial {
+        config = config.with_axial(Some(file.axial_layout()?));
+    }
+    config = file.mrope(config)?;
+    config
+        .validate()
+        .map_err(|e| keys.blame(&file.params(), e))?;
+    Ok(config)
 }
 
 /// A `config.json` being read: its top level, the rotary parameters and the model's row.
@@ -430,7 +452,44 @@ impl<'a> RopeFile<'a> {
         ))
     }
 
-    /// Refuses an odd rotary width, and latent attention's rotary part read as a whole head.
+    /// Refuses the file of a model whose attention has another encoding than RoPE (ALiBi, T5's
+    /// buckets, GPT-2's learned positions), whose rotation read alone would be none the model
+    /// applies, or latent attention, whose rotary part alone is not a whole head.
+    fn refuse_other_encoding(&self) -> Result<()> {
+        let model_type = self.spec.model_type;
+        if self.rope().latent {
+            return Err(problem(
+                "model_type",
+                format!(
+                    "is `{model_type}`: multi-head latent attention rotates `qk_rope_head_dim` features of each head; read the layer with HfAttentionConfig, which builds its RopeConfig"
+                ),
+            ));
+        }
+        let (key, problem_text) = match self.rope().instead {
+            Instead::Nothing => return Ok(()),
+            Instead::Always(encoding) => (
+                "model_type",
+                format!(
+                    "is `{model_type}`, whose attention has no rotary embedding but {encoding}"
+                ),
+            ),
+            Instead::WhenSet(key, encoding) if self.top.bool(key)?.unwrap_or(false) => (
+                key,
+                format!(
+                    "is true: `{model_type}`'s attention then has {encoding}, no rotary embedding"
+                ),
+            ),
+            Instead::WhenSet(..) => return Ok(()),
+        };
+        Err(problem(
+            key,
+            format!(
+                "{problem_text}; read the layer with HfAttentionConfig, which builds its encoding"
+            ),
+        ))
+    }
+
+    /// Refuses an odd rotary width.
     fn check_rotary(&self, config: &RopeConfig, keys: &Blame) -> Result<()> {
         if !config.rotary_dim.is_multiple_of(2) {
             return Err(problem(
@@ -438,15 +497,6 @@ impl<'a> RopeFile<'a> {
                 format!(
                     "gives an odd rotary dimension {} for head_dim {}, expected an even one",
                     config.rotary_dim, config.head_dim
-                ),
-            ));
-        }
-        if self.rope().latent {
-            return Err(problem(
-                "model_type",
-                format!(
-                    "is `{}`: multi-head latent attention rotates `qk_rope_head_dim` features of each head; read the layer with HfAttentionConfig, which builds its RopeConfig",
-                    self.spec.model_type
                 ),
             ));
         }

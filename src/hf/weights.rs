@@ -9,6 +9,7 @@
 //! | stacked (Phi-3 `qkv_proj`, Falcon multi-query, the Qwen-VL vision encoders' `qkv`) | `[q (H·D); k (Hkv·D); v (Hkv·D)]` |
 //! | per head (GPT-NeoX, BLOOM, Falcon without multi-query) | `(H, 3, D)`: each head's q, k, v |
 //! | grouped (Falcon's new decoder architecture) | `(Hkv, H/Hkv + 2, D)`: a group's queries, then its k and v |
+//! | sharded (CodeGen `qkv_proj`) | `(S, 3, w)`: shard `s` holds rows `s·w ..` of q, then of v, then of k |
 //! | Conv1D (GPT-2 `c_attn`) | stored transposed, `(d_model, 3·H·D)`, columns `[q | k | v]` |
 
 use std::collections::HashMap;
@@ -16,7 +17,7 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use crate::attention::{AttentionConfig, QkNormScope};
+use crate::attention::AttentionConfig;
 use crate::error::{check_float, Error, Result};
 
 /// `a × b` (or `a + b`) of the layer's sizes, or [`Error::InvalidConfig`] naming `what`: the
@@ -42,6 +43,9 @@ pub(super) enum QkvLayout {
     PerHead(&'static str),
     /// One projection, rows `(Hkv, H/Hkv + 2, D)`.
     Grouped(&'static str),
+    /// One projection in shards of this many rows each of q, v and k: rows `(S, 3, w)`, in
+    /// that order (CodeGen, `hf::codegen`).
+    Sharded(&'static str, usize),
     /// One Conv1D (`y = x W + b`, `W` of shape `(d_model, 3·H·D)`), columns `[q | k | v]`.
     Conv1D(&'static str),
     /// Multi-head latent attention (DeepSeek): `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or
@@ -78,6 +82,7 @@ pub(super) fn remap(
         QkvLayout::Conv1D(name) => layer.stacked(name, true)?,
         QkvLayout::PerHead(name) => layer.per_head(name)?,
         QkvLayout::Grouped(name) => layer.grouped(name)?,
+        QkvLayout::Sharded(name, rows) => layer.sharded(name, rows)?,
     }
     layer.output(layout)?;
     layer.norms_and_sinks()?;
@@ -268,6 +273,36 @@ impl<'a> Layer<'a> {
         Ok(())
     }
 
+    /// One projection in shards of `w` rows each of q, v and k (only multi-head attention is
+    /// stored this way).
+    fn sharded(&mut self, name: &str, w: usize) -> Result<()> {
+        let (d, n) = (self.cfg.d_model, self.q_rows);
+        if self.kv_rows != n || w == 0 || !n.is_multiple_of(w) {
+            return Err(Error::config(
+                "num_kv_heads",
+                self.cfg.num_kv_heads,
+                "as many key/value heads as heads, whose rows shards of the fused weight divide",
+            ));
+        }
+        let shards = n / w;
+        let weight = self
+            .weight(name, (self.fused_rows, d))?
+            .reshape((shards, 3, w, d))?;
+        let bias = self
+            .bias(name, self.fused_rows, self.cfg.bias)?
+            .map(|b| b.reshape((shards, 3, w)))
+            .transpose()?;
+        for (ours, i) in [("q_proj", 0), ("v_proj", 1), ("k_proj", 2)] {
+            let w = weight.narrow(1, i, 1)?.reshape((n, d))?;
+            let b = bias
+                .as_ref()
+                .map(|b| b.narrow(1, i, 1)?.reshape(n))
+                .transpose()?;
+            self.put(ours, w, b)?;
+        }
+        Ok(())
+    }
+
     /// The output projection (a Conv1D's stored transposed).
     fn output(&mut self, layout: &WeightLayout) -> Result<()> {
         let cfg = self.cfg;
@@ -287,11 +322,8 @@ impl<'a> Layer<'a> {
         let (h, hkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         if let Some(norm) = cfg.qk_norm.as_ref().filter(|n| n.learned_scale) {
             for (name, heads) in [("q_norm", h), ("k_norm", hkv)] {
-                let width = match norm.scope {
-                    QkNormScope::PerHead => hd,
-                    QkNormScope::AllHeads => size("heads × head_dim", heads.checked_mul(hd))?,
-                };
-                let w = self.weight(name, width)?;
+                size("heads × head_dim", heads.checked_mul(hd))?;
+                let w = self.weight(name, norm.scope.scale_shape(heads, hd))?;
                 self.out.insert(format!("{name}.weight"), w);
             }
         }

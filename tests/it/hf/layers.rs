@@ -138,6 +138,24 @@ families! {
     qwen3_vl_moe_vision = "qwen3_vl_moe_vision",
     gemma4_vision = "gemma4_vision",
     min_gemma4_vision = "min.gemma4_vision",
+    // The families whose rotation alone used to be read: CodeGen's sharded qkv_proj, Cohere's
+    // per-head layer norms, GLM's and Helium's q/k/v-only biases, Phi-4-multimodal's Phi-3
+    // attention, each also from a minimal config.json.
+    codegen = "codegen",
+    min_codegen = "min.codegen",
+    cohere = "cohere",
+    cohere_padded = "cohere.padded",
+    min_cohere = "min.cohere",
+    glm = "glm",
+    min_glm = "min.glm",
+    glm4 = "glm4",
+    min_glm4 = "min.glm4",
+    helium = "helium",
+    min_helium = "min.helium",
+    ernie4_5 = "ernie4_5",
+    min_ernie4_5 = "min.ernie4_5",
+    phi4_multimodal = "phi4_multimodal",
+    min_phi4_multimodal = "min.phi4_multimodal",
 }
 
 fn fixtures(dev: &Device) -> anyhow::Result<Checkpoint> {
@@ -1296,9 +1314,12 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "olmo2",
         "gpt_oss",
         "smollm3",
+        "cohere",
         "cohere2",
         "llama4_text",
         "gemma4_text",
+        "helium",
+        "ernie4_5",
         "falcon",
         "modernbert",
         "qwen2_vl_text",
@@ -1306,12 +1327,20 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "qwen3_vl_text",
         "qwen3_vl_moe_text",
     ];
-    // Heads of 128 (Cohere2's width over the heads, the others' head_dim), which the
-    // Qwen-VL text models' default sections fit.
-    let wide = r#""hidden_size": 512, "num_attention_heads": 4, "head_dim": 128,
-        "max_position_embeddings": 64"#;
+    // Heads of 128 (Cohere's and Falcon's width over the heads, the others' head_dim, which
+    // HF's FalconConfig refuses), which the Qwen-VL text models' default sections fit.
+    let wide_of = |model_type: &str| match model_type {
+        "falcon" => {
+            r#""hidden_size": 512, "num_attention_heads": 4, "max_position_embeddings": 64"#
+        }
+        _ => {
+            r#""hidden_size": 512, "num_attention_heads": 4, "head_dim": 128,
+        "max_position_embeddings": 64"#
+        }
+    };
     let base = r#""hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64"#;
     for model_type in whole_head {
+        let wide = wide_of(model_type);
         let rope = |extra: &str| {
             RopeConfig::from_hf_json(&format!(
                 r#"{{"model_type": "{model_type}", {wide}, {extra}}}"#

@@ -3,10 +3,11 @@
 //! plug's `rotate` hook, `Module::forward`, the block, a loaded HF layer), with
 //! [`Error::Positions`] naming what was given and what was expected; where HF gives one
 //! position per token a meaning (M-RoPE's text, all three axes alike) it is kept, exactly.
-//! And the HF readers agree: every type whose rotation `RopeConfig::from_hf_json` reads as a
-//! vision encoder's or latent attention's loads through `HfAttentionConfig` (or both refuse
-//! the file with one error), the types whose rotation alone is read say so and take their
-//! config classes' defaults, never a generic model's.
+//! And the HF readers agree: every `model_type` of the registry loads through
+//! `HfAttentionConfig`, and `RopeConfig::from_hf_json` reads its rotation, or both refuse the
+//! file with one error, or (latent attention, and attention without RoPE) the RoPE reader
+//! refuses it pointing at `HfAttentionConfig`, which loads it; rotations take their config
+//! classes' defaults, never a generic model's.
 
 use crate::common;
 
@@ -573,34 +574,11 @@ fn hf_readers_agree_on_every_type(dev: &Device) -> anyhow::Result<()> {
             "{model_type}"
         );
     }
-    // The types whose rotation alone is read (their layers are not loaded): the layer reader
-    // says so; a type without a row is refused as unknown.
-    let rope_only = [
-        "codegen",
-        "cohere",
-        "glm",
-        "glm4",
-        "helium",
-        "ernie4_5",
-        "phi4_multimodal",
-    ];
-    for model_type in rope_only.into_iter().chain(["unknown_type"]) {
-        // (CodeGen rotates 64 features unless its file says otherwise.)
-        let file = format!(
-            r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4,
-                "rotary_dim": 4}}"#
-        );
-        RopeConfig::from_hf_json(&file)?;
-        let (key, problem) = hf_refusal(HfAttentionConfig::from_json(&file));
-        assert_eq!(key, "model_type", "{model_type}");
-        let says = problem.contains("rotary settings alone the crate reads");
-        assert_eq!(
-            says,
-            model_type != "unknown_type",
-            "{model_type}: {problem}"
-        );
-        assert!(problem.contains("expected one of llama"), "{problem}");
-    }
+    // A type without a row: the layer reader refuses it as unknown.
+    let file = r#"{"model_type": "unknown_type", "hidden_size": 32, "num_attention_heads": 4}"#;
+    let (key, problem) = hf_refusal(HfAttentionConfig::from_json(file));
+    assert_eq!(key, "model_type");
+    assert!(problem.contains("expected one of llama"), "{problem}");
     // A vision type without a row: its layout is not guessed (it used to read as Qwen's).
     let unknown = vision_file(
         "paddleocr_vl_vision",
@@ -662,23 +640,34 @@ fn vision_layers_refuse_what_the_block_lacks(_dev: &Device) -> anyhow::Result<()
     Ok(())
 }
 
-/// The types whose rotation alone is read take their config classes' defaults for the keys a
-/// file leaves out, as HF does, rather than a generic model's (θ 10000, the width over the
-/// heads, the whole head): Cohere's θ 500000, GLM's and GLM-4's heads of 128 half of which
-/// rotate, Helium's θ 100000 and ERNIE 4.5's 500000 with heads of 128, CodeGen's first 64
-/// features at θ 10000 whatever `rope_theta` says. Against each model's own rotary embedding
-/// and apply function (`generate.py rotary_rope_only`), both kernels.
-fn rope_only_types_take_their_class_defaults(dev: &Device) -> anyhow::Result<()> {
+/// Rotations take their config classes' defaults for the keys a file leaves out, as HF does,
+/// rather than a generic model's (θ 10000, the width over the heads, the whole head):
+/// Cohere's θ 500000, GLM's and GLM-4's heads of 128 half of which rotate, ERNIE 4.5's θ
+/// 500000 with heads of 128 (Helium's θ 100000 with its layer), CodeGen's first 64 features at θ 10000 whatever
+/// `rope_theta` says. Against each model's own rotary embedding and apply function
+/// (`generate.py rotary_class_defaults`), both kernels.
+fn rotations_take_their_class_defaults(dev: &Device) -> anyhow::Result<()> {
     let file = Checkpoint::load(
         format!(
-            "{}/tests/fixtures/rotary_rope_only.safetensors",
+            "{}/tests/fixtures/rotary_class_defaults.safetensors",
             env!("CARGO_MANIFEST_DIR")
         ),
         dev,
     )?;
     let fx = file.tensors();
     let positions = Positions::Ids(PositionIds::new(get(fx, "positions"))?);
-    for name in ["cohere", "glm", "glm4", "helium", "ernie4_5", "codegen"] {
+    // Helium's file (64 wide, 4 heads of the class's 128) is one whose model HF fails to
+    // build (its output projection takes 64 features): both readers refuse it alike (its
+    // rotation, from a file HF builds, is checked with its layer in `hf::layers`).
+    let helium = &file.metadata()["helium"];
+    let (key, problem) = hf_refusal(RopeConfig::from_hf_json(helium));
+    assert_eq!(key, "head_dim");
+    assert!(problem.contains("is 128"), "{problem}");
+    assert_eq!(
+        hf_refusal(HfAttentionConfig::from_json(helium)),
+        (key, problem)
+    );
+    for name in ["cohere", "glm", "glm4", "ernie4_5", "codegen"] {
         let config = RopeConfig::from_hf_json(&file.metadata()[name])?;
         let (q, k) = (get(fx, &format!("{name}.q")), get(fx, &format!("{name}.k")));
         assert_eq!(config.head_dim, q.dim(3)?, "{name}");
@@ -702,5 +691,99 @@ device_tests!(
     vision_layers_refuse_one_position_per_token,
     hf_readers_agree_on_every_type,
     vision_layers_refuse_what_the_block_lacks,
-    rope_only_types_take_their_class_defaults,
+    rotations_take_their_class_defaults,
 );
+
+/// Whether `e` is the RoPE reader's refusal of a layer whose rotation it does not read alone
+/// (latent attention, or another encoding), pointing at `HfAttentionConfig`.
+fn points_at_layer_reader(e: &Error) -> bool {
+    matches!(e, Error::HfConfig { key, problem }
+        if ["model_type", "alibi"].contains(&key.as_str())
+            && problem.contains("read the layer with HfAttentionConfig"))
+}
+
+/// The rows whose rotary parameters are one entry per layer type.
+const PER_LAYER_TYPE: [&str; 5] = [
+    "gemma3_text",
+    "gemma4_text",
+    "modernbert",
+    "gemma4",
+    "llama4",
+];
+
+/// A minimal `config.json` of `model_type`: 256 wide, 2 heads of 128 and 2 key/value heads
+/// under every key some class reads them from, nested under `text_config` too (a
+/// vision-language wrapper's language model), and Qwen2.5-VL's vision layer 0 listed as a
+/// full-attention one.
+fn minimal_file(model_type: &str) -> String {
+    // Ministral's class has no head width of its own (HF's attention fails without one).
+    let head = match model_type {
+        "ministral" => r#", "head_dim": 128"#,
+        _ => "",
+    };
+    let sizes = format!(
+        r#""hidden_size": 256, "n_embd": 256, "d_model": 256, "embed_dim": 256,
+        "num_attention_heads": 2, "n_head": 2, "num_heads": 2, "n_heads": 2,
+        "num_key_value_heads": 2, "fullatt_block_indexes": [0]{head}"#
+    );
+    format!(r#"{{"model_type": "{model_type}", {sizes}, "text_config": {{{sizes}}}}}"#)
+}
+
+/// The class (issue 42, class 5): for every `model_type` of the registry, a minimal file, and
+/// the same file with a defect both readers see (an unknown `rope_type`, a width the heads do
+/// not divide), is either read by both readers, or refused by both with the same error, or
+/// refused by the RoPE reader alone under `model_type` (or Falcon's `alibi`) pointing at
+/// `HfAttentionConfig`, which reads it: a layer whose rotation is part of latent attention,
+/// or that has another encoding.
+#[test]
+fn hf_readers_agree_on_every_registered_type() -> anyhow::Result<()> {
+    let mut refused_by_both = 0;
+    for model_type in candle_posenc::hf::model_types() {
+        let minimal = minimal_file(model_type);
+        let files = [
+            minimal.clone(),
+            minimal.replace(
+                r#""num_key_value_heads": 2"#,
+                r#""num_key_value_heads": 2, "rope_parameters": {"rope_type": "sideways"}"#,
+            ),
+            minimal.replace("256", "255"),
+        ];
+        for (i, file) in files.iter().enumerate() {
+            // The per-layer-type classes do not read flat rotary parameters (Gemma 3's and
+            // Gemma 4's keep them beside their own entries, ModernBERT's refuses them).
+            if i == 1 && PER_LAYER_TYPE.contains(&model_type) {
+                continue;
+            }
+            let case = format!("{model_type} file {i}");
+            let layer = HfAttentionConfig::from_json(file);
+            let rope = RopeConfig::from_hf_json(file);
+            if i == 0 {
+                assert!(layer.is_ok(), "{case}: {layer:?}");
+            }
+            match (layer, rope) {
+                (Ok(_), Ok(_)) => {}
+                // (Latent attention's rotation is refused by the RoPE reader whatever else
+                // the file has.)
+                (Err(a), Err(b)) if !points_at_layer_reader(&b) => {
+                    assert_eq!(a.to_string(), b.to_string(), "{case}");
+                    refused_by_both += 1;
+                }
+                (Err(_), Err(_)) => {}
+                (Ok(layer), Err(e)) => {
+                    assert!(points_at_layer_reader(&e), "{case}: {e}");
+                    let (_, problem) = hf_refusal(Err::<(), _>(e));
+                    assert!(
+                        !matches!(layer.encoding, EncodingConfig::Rotary(_))
+                            || problem.contains("latent"),
+                        "{case}: {problem}"
+                    );
+                }
+                (Err(e), Ok(_)) => {
+                    panic!("{case}: the RoPE reader reads a file whose layer is refused: {e}")
+                }
+            }
+        }
+    }
+    assert!(refused_by_both > 0, "the defects are refused somewhere");
+    Ok(())
+}
