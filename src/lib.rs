@@ -105,6 +105,7 @@ pub mod plug;
 pub mod positions;
 pub mod relative;
 pub mod rotary;
+pub mod vision;
 
 pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};
 pub use absolute::scaled_sinusoidal::{ScaledSinusoidalConfig, ScaledSinusoidalPositionalEncoding};

@@ -78,9 +78,10 @@ pub enum HfFamily {
     /// `qwen2_vl_vision`, `qwen2_5_vl_vision`, `qwen3_vl_vision`, `qwen3_vl_moe_vision`: the
     /// vision encoders' attention, one fused `qkv` (rows `[q; k; v]`) and `proj`, both with
     /// biases; bidirectional; axial 2-D RoPE over the patches' rows and columns
-    /// ([`PositionIds::multimodal`](crate::positions::PositionIds::multimodal)). A sequence is
-    /// one span of HF's `cu_seqlens` (an image): several images are several sequences, as HF
-    /// attends within each. Qwen2.5-VL's layers that `fullatt_block_indexes` does not list
+    /// ([`PositionIds::from_patch_grids`](crate::positions::PositionIds::from_patch_grids) in
+    /// merge blocks, or [`PositionIds::patches`](crate::positions::PositionIds::patches) from
+    /// HF's ids). Packed images attend within their spans of HF's `cu_seqlens`: one sequence
+    /// with [`crate::vision::block_diagonal_mask`], or a sequence per span. Qwen2.5-VL's layers that `fullatt_block_indexes` does not list
     /// attend within windows of HF's reordered patches and are refused.
     QwenVision,
     /// `gemma4_vision`: Gemma 4's vision encoder, `q_proj`, `k_proj`, `v_proj`, `o_proj`, each

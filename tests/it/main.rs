@@ -21,3 +21,4 @@ mod relative;
 mod robustness;
 mod rotary;
 mod structure;
+mod vision;

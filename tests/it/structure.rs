@@ -5,10 +5,11 @@
 use std::path::{Path, PathBuf};
 
 /// The crate's modules (files or folders under `src/`) by layer, lowest first.
-const BASE: [&str; 9] = [
+const BASE: [&str; 10] = [
     "error",
     "limits",
     "positions",
+    "vision",
     "matmul",
     "graft",
     "checkpoint",
