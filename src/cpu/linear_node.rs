@@ -138,6 +138,35 @@ fn values<'a>(s: &'a CpuStorage, l: &Layout, n: usize) -> candle_core::Result<&'
     }
 }
 
+/// Rows up to which a projection computes its output's columns: `gemm` then reads the weights
+/// in place, where for rows it would copy all of them into its packed panels on every call (a
+/// pass over the weights that costs more than a few rows' products).
+const FEW_ROWS: usize = 64;
+
+/// `columns (out × rows) = W · xᵀ + b`: the projection's output transposed, written in
+/// `gemm`'s native column order.
+fn product_columns(
+    columns: &mut [f32],
+    (x, w, bias): (&[f32], &[f32], Option<&[f32]>),
+    (rows, out, inner): (usize, usize, usize),
+) {
+    if let Some(b) = bias {
+        for (column, &bj) in columns.chunks_exact_mut(rows).zip(b) {
+            column.fill(bj);
+        }
+    }
+    // SAFETY: W holds out × in values, x rows × in (checked by `values`), `columns` out ×
+    // rows; `xᵀ` is read with column stride `in`.
+    unsafe {
+        product_parallel(
+            (out, rows, inner),
+            (columns.as_mut_ptr(), rows, bias.is_some()),
+            (w.as_ptr(), 1, inner),
+            (x.as_ptr(), inner, 1),
+        )
+    }
+}
+
 /// `(B, H, T, D)` from rows `(B·T, H·D)`.
 fn rows_to_heads(rows: &[f32], heads_first: &mut [f32], (len, heads, d): (usize, usize, usize)) {
     let out = heads * d;
@@ -209,6 +238,14 @@ impl Node {
         let x = values(x, lx, rows * inner)?;
         let w = values(w, lw, out * inner)?;
         let bias = bias.map(|(b, lb)| values(b, lb, out)).transpose()?;
+        let mut y = zeroed(rows * out, "projection output")?;
+        if rows <= FEW_ROWS {
+            with_scratch(rows * out, |columns| {
+                product_columns(columns, (x, w, bias), (rows, out, inner));
+                self.arrange_columns(columns, &mut y, rows);
+            })?;
+            return Ok((CpuStorage::F32(y), self.shape()));
+        }
         let product = |y: &mut [f32]| {
             if let Some(b) = bias {
                 y.par_chunks_mut(out)
@@ -226,7 +263,6 @@ impl Node {
                 )
             }
         };
-        let mut y = zeroed(rows * out, "projection output")?;
         match self.heads() {
             None => product(&mut y),
             Some(dims) => with_scratch(rows * out, |scratch| {
@@ -235,6 +271,32 @@ impl Node {
             })?,
         }
         Ok((CpuStorage::F32(y), self.shape()))
+    }
+
+    /// The output in the node's arrangement from its columns `(out, rows)`.
+    fn arrange_columns(&self, columns: &[f32], y: &mut [f32], rows: usize) {
+        let out = self.out;
+        match self.heads() {
+            // y[r, j] = columns[j, r]
+            None => y.chunks_exact_mut(out).enumerate().for_each(|(r, row)| {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = columns[j * rows + r];
+                }
+            }),
+            // y[b, h, t, d] = columns[h·D + d, b·T + t]
+            Some((len, heads, d)) => {
+                y.chunks_exact_mut(len * d)
+                    .enumerate()
+                    .for_each(|(bh, head)| {
+                        let (b, h) = (bh / heads, bh % heads);
+                        for (t, dst) in head.chunks_exact_mut(d).enumerate() {
+                            for (i, v) in dst.iter_mut().enumerate() {
+                                *v = columns[(h * d + i) * rows + b * len + t];
+                            }
+                        }
+                    })
+            }
+        }
     }
 
     /// ∂x, ∂W and ∂b from ∂y, each for an input that tracks gradients.
@@ -401,9 +463,10 @@ mod tests {
     #[test]
     fn equals_candle_autograd() -> anyhow::Result<()> {
         let dev = Device::Cpu;
-        let (b, t, heads, d, inner) = (2, 5, 3, 4, 7);
+        let (b, heads, d, inner) = (2, 3, 4, 7);
         let out = heads * d;
-        for bias in [false, true] {
+        // 10 rows (the output's columns computed) and 80 (its rows).
+        for (t, bias) in [5, 40].into_iter().flat_map(|t| [(t, false), (t, true)]) {
             for (track_x, track_w) in [(true, true), (true, false), (false, true)] {
                 for strided in [false, true] {
                     for by_heads in [false, true] {
@@ -439,7 +502,7 @@ mod tests {
                             false => want,
                             true => want.reshape((b, t, heads, d))?.transpose(1, 2)?,
                         };
-                        assert!(max_diff(&got, &want)? < 1e-5);
+                        assert!(max_diff(&got, &want)? < 1e-5, "t {t} forward");
                         // A probe that is not all ones, so that each gradient mixes rows.
                         let probe = Tensor::randn(0f32, 1.0, got.shape(), &dev)?;
                         let g_got = (&got * &probe)?.sum_all()?.backward()?;
@@ -449,7 +512,7 @@ mod tests {
                             match tracked {
                                 true => {
                                     let (a, e) = (a.expect("a gradient"), e.expect("candle's"));
-                                    assert!(max_diff(a, e)? < 1e-5, "bias {bias} x {track_x} w {track_w} strided {strided} heads {by_heads}");
+                                    assert!(max_diff(a, e)? < 1e-5, "t {t} bias {bias} x {track_x} w {track_w} strided {strided} heads {by_heads}");
                                 }
                                 false => assert!(a.is_none() && e.is_none()),
                             }
