@@ -25,7 +25,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::widen::Widen;
-use crate::cpu::gemm::{product, product_parallel};
+use crate::cpu::gemm::product;
 use crate::error::Result;
 use crate::matmul;
 
@@ -64,20 +64,12 @@ pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
     let x = x.contiguous()?;
     let w = w.contiguous()?;
     let rows = x.elem_count() / inner.max(1);
-    let mut y = Vec::new();
-    y.try_reserve_exact(rows * out).map_err(|e| {
-        crate::error::Error::from(candle_core::Error::Msg(format!("projection output: {e}")))
-    })?;
-    match linear.bias() {
-        Some(b) => {
-            let b = b.flatten_all()?.to_vec1::<f32>()?;
-            for _ in 0..rows {
-                y.extend_from_slice(&b);
-            }
-        }
-        None => y.resize(rows * out, 0.0),
-    }
-    if rows > 0 && out > 0 && inner > 0 {
+    let mut y = crate::cpu::zeroed(rows * out, "projection output")?;
+    let bias = match linear.bias() {
+        Some(b) => Some(b.flatten_all()?.to_vec1::<f32>()?),
+        None => None,
+    };
+    {
         let (xs, _) = x.storage_and_layout();
         let (ws, _) = w.storage_and_layout();
         let (
@@ -88,19 +80,11 @@ pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
             return matmul::linear(linear, &x);
         };
         let (xo, wo) = (x.layout().start_offset(), w.layout().start_offset());
-        if xd.len() < xo + rows * inner || wd.len() < wo + out * inner {
+        let (Some(xd), Some(wd)) = (xd.get(xo..xo + rows * inner), wd.get(wo..wo + out * inner))
+        else {
             return matmul::linear(linear, &x);
-        }
-        // SAFETY: x holds rows × in values from xo and W out × in from wo (checked above),
-        // both contiguous; y holds rows × out; `Wᵀ` is read with column stride `in`.
-        unsafe {
-            product_parallel(
-                (rows, out, inner),
-                (y.as_mut_ptr(), out, linear.bias().is_some()),
-                (xd.as_ptr().add(xo), 1, inner),
-                (wd.as_ptr().add(wo), inner, 1),
-            )
         };
+        crate::cpu::gemm::linear(&mut y, (xd, wd, bias.as_deref()), (rows, out, inner))?;
     }
     let mut dims = x.dims().to_vec();
     if let Some(last) = dims.last_mut() {

@@ -39,6 +39,74 @@ pub(crate) unsafe fn product_parallel(
     unsafe { product_on(parallelism, dims, dst, lhs, rhs) }
 }
 
+/// Rows up to which [`linear`] computes the output's columns: `gemm` then reads the weights in
+/// place, where for rows it would copy all of them into its packed panels on every call (a
+/// pass over the weights that costs more than a few rows' products).
+const FEW_ROWS: usize = 64;
+
+/// `y (rows × out) = x (rows × in) · Wᵀ + b`, W `(out, in)`, all row-major, on rayon's threads
+/// when large enough ([`product_parallel`]): the one linear product of both projection paths.
+/// Few rows are computed as the output's columns `W · xᵀ` (`gemm`'s native order, which reads
+/// the weights unpacked), then transposed into `y`.
+///
+/// # Panics
+/// If a slice is shorter than its dimensions say (callers size them from the same numbers).
+pub(crate) fn linear(
+    y: &mut [f32],
+    (x, w, bias): (&[f32], &[f32], Option<&[f32]>),
+    (rows, out, inner): (usize, usize, usize),
+) -> candle_core::Result<()> {
+    assert!(y.len() >= rows * out && x.len() >= rows * inner && w.len() >= out * inner);
+    assert!(bias.is_none_or(|b| b.len() >= out));
+    if rows == 0 || out == 0 {
+        return Ok(());
+    }
+    if let (true, Some(b)) = (rows > FEW_ROWS || inner == 0, bias) {
+        y.chunks_exact_mut(out)
+            .take(rows)
+            .for_each(|row| row.copy_from_slice(&b[..out]));
+    }
+    if inner == 0 {
+        // No products: the bias, or the zeros `y` holds.
+        return Ok(());
+    }
+    if rows > FEW_ROWS {
+        // SAFETY: x holds rows × in values, W out × in, y rows × out (asserted above); `Wᵀ`
+        // is read with column stride `in`.
+        unsafe {
+            product_parallel(
+                (rows, out, inner),
+                (y.as_mut_ptr(), out, bias.is_some()),
+                (x.as_ptr(), 1, inner),
+                (w.as_ptr(), inner, 1),
+            )
+        };
+        return Ok(());
+    }
+    let mut columns = super::zeroed(rows * out, "projection columns")?;
+    if let Some(b) = bias {
+        for (column, &bj) in columns.chunks_exact_mut(rows).zip(b) {
+            column.fill(bj);
+        }
+    }
+    // SAFETY: W holds out × in values, x rows × in, `columns` out × rows (asserted and
+    // allocated above); `xᵀ` is read with column stride `in`.
+    unsafe {
+        product_parallel(
+            (out, rows, inner),
+            (columns.as_mut_ptr(), rows, bias.is_some()),
+            (w.as_ptr(), 1, inner),
+            (x.as_ptr(), inner, 1),
+        )
+    };
+    for (r, row) in y.chunks_exact_mut(out).take(rows).enumerate() {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = columns[j * rows + r];
+        }
+    }
+    Ok(())
+}
+
 /// [`product`] with the given parallelism.
 ///
 /// # Safety

@@ -25,7 +25,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor
 use candle_nn::Linear;
 use rayon::prelude::*;
 
-use super::gemm::product_parallel;
+use super::gemm::{linear as linear_product, product_parallel};
 use super::zeroed;
 use crate::error::Result;
 
@@ -138,35 +138,6 @@ fn values<'a>(s: &'a CpuStorage, l: &Layout, n: usize) -> candle_core::Result<&'
     }
 }
 
-/// Rows up to which a projection computes its output's columns: `gemm` then reads the weights
-/// in place, where for rows it would copy all of them into its packed panels on every call (a
-/// pass over the weights that costs more than a few rows' products).
-const FEW_ROWS: usize = 64;
-
-/// `columns (out × rows) = W · xᵀ + b`: the projection's output transposed, written in
-/// `gemm`'s native column order.
-fn product_columns(
-    columns: &mut [f32],
-    (x, w, bias): (&[f32], &[f32], Option<&[f32]>),
-    (rows, out, inner): (usize, usize, usize),
-) {
-    if let Some(b) = bias {
-        for (column, &bj) in columns.chunks_exact_mut(rows).zip(b) {
-            column.fill(bj);
-        }
-    }
-    // SAFETY: W holds out × in values, x rows × in (checked by `values`), `columns` out ×
-    // rows; `xᵀ` is read with column stride `in`.
-    unsafe {
-        product_parallel(
-            (out, rows, inner),
-            (columns.as_mut_ptr(), rows, bias.is_some()),
-            (w.as_ptr(), 1, inner),
-            (x.as_ptr(), inner, 1),
-        )
-    }
-}
-
 /// `(B, H, T, D)` from rows `(B·T, H·D)`.
 fn rows_to_heads(rows: &[f32], heads_first: &mut [f32], (len, heads, d): (usize, usize, usize)) {
     let out = heads * d;
@@ -239,64 +210,16 @@ impl Node {
         let w = values(w, lw, out * inner)?;
         let bias = bias.map(|(b, lb)| values(b, lb, out)).transpose()?;
         let mut y = zeroed(rows * out, "projection output")?;
-        if rows <= FEW_ROWS {
-            with_scratch(rows * out, |columns| {
-                product_columns(columns, (x, w, bias), (rows, out, inner));
-                self.arrange_columns(columns, &mut y, rows);
-            })?;
-            return Ok((CpuStorage::F32(y), self.shape()));
-        }
-        let product = |y: &mut [f32]| {
-            if let Some(b) = bias {
-                y.par_chunks_mut(out)
-                    .with_min_len(64)
-                    .for_each(|row| row.copy_from_slice(b));
-            }
-            // SAFETY: x holds rows × in values, W out × in (checked by `values`), y rows ×
-            // out; `Wᵀ` is read with column stride `in`.
-            unsafe {
-                product_parallel(
-                    (rows, out, inner),
-                    (y.as_mut_ptr(), out, bias.is_some()),
-                    (x.as_ptr(), 1, inner),
-                    (w.as_ptr(), inner, 1),
-                )
-            }
-        };
+        let dims = (rows, out, inner);
         match self.heads() {
-            None => product(&mut y),
-            Some(dims) => with_scratch(rows * out, |scratch| {
-                product(scratch);
-                rows_to_heads(scratch, &mut y, dims);
-            })?,
+            None => linear_product(&mut y, (x, w, bias), dims)?,
+            Some(heads) => with_scratch(rows * out, |scratch| {
+                linear_product(scratch, (x, w, bias), dims)?;
+                rows_to_heads(scratch, &mut y, heads);
+                Ok::<_, candle_core::Error>(())
+            })??,
         }
         Ok((CpuStorage::F32(y), self.shape()))
-    }
-
-    /// The output in the node's arrangement from its columns `(out, rows)`.
-    fn arrange_columns(&self, columns: &[f32], y: &mut [f32], rows: usize) {
-        let out = self.out;
-        match self.heads() {
-            // y[r, j] = columns[j, r]
-            None => y.chunks_exact_mut(out).enumerate().for_each(|(r, row)| {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = columns[j * rows + r];
-                }
-            }),
-            // y[b, h, t, d] = columns[h·D + d, b·T + t]
-            Some((len, heads, d)) => {
-                y.chunks_exact_mut(len * d)
-                    .enumerate()
-                    .for_each(|(bh, head)| {
-                        let (b, h) = (bh / heads, bh % heads);
-                        for (t, dst) in head.chunks_exact_mut(d).enumerate() {
-                            for (i, v) in dst.iter_mut().enumerate() {
-                                *v = columns[(h * d + i) * rows + b * len + t];
-                            }
-                        }
-                    })
-            }
-        }
     }
 
     /// ∂x, ∂W and ∂b from ∂y, each for an input that tracks gradients.
