@@ -38,6 +38,7 @@ use super::projection::{self, parts};
 use super::qk_norm::{rms_normalized, QkNorm};
 use super::streaming;
 use crate::cpu::linear_node::{self, Arrange};
+use crate::cpu::pool::on_pool;
 use crate::error::{
     check_device, check_factor, check_float, check_var_builder, is_float, learned, Error, Result,
 };
@@ -216,6 +217,21 @@ impl MultiHeadAttention {
     /// for an input, mask or position ids on another device than the block's weights; the
     /// encoding's own errors (e.g. [`Error::PositionOutOfRange`]).
     pub fn forward_with(
+        &self,
+        x: &Tensor,
+        options: &AttentionOptions,
+        cache: Option<&mut KvCache>,
+    ) -> Result<AttentionOutput> {
+        // On the CPU the call runs on rayon's pool, whose threads fork its stages cheaply;
+        // other devices launch their kernels from the calling thread.
+        match x.device().is_cpu() {
+            true => on_pool(|| self.forward_on(x, options, cache)),
+            false => self.forward_on(x, options, cache),
+        }
+    }
+
+    /// [`Self::forward_with`] on the thread it runs on.
+    fn forward_on(
         &self,
         x: &Tensor,
         options: &AttentionOptions,
