@@ -12,8 +12,8 @@
 //! cargo bench --bench attention -- --json    # one JSON object per line as well
 //! cargo bench --bench attention -- --quick   # fewer, smaller runs (a smoke test)
 //! cargo bench --bench attention -- --only decode   # one section: encodings, half, blocks,
-//!                                                  # decode, memory, training, long, lengths
-//!                                                  # or streaming
+//!                                                  # decode, memory, training, long, lengths,
+//!                                                  # small (a small model's layer) or streaming
 //! cargo bench --bench attention -- --only lengths --pytorch pytorch.jsonl --plot docs/img/lengths.png
 //!     # forwards from T = 1k to 32k, drawn beside `pytorch_baseline.py --lengths --json`'s
 //! cargo bench --features cuda --bench attention -- --only cuda [--max-t 4096]
@@ -32,6 +32,8 @@ mod common;
 #[path = "../examples/common/plot.rs"]
 #[allow(dead_code)] // the benchmark draws one kind of chart
 mod plot;
+#[path = "sections/small_layer.rs"]
+mod small_layer;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Module, Tensor};
@@ -1123,6 +1125,9 @@ fn main() -> Result<()> {
     }
 
     // A streaming cache's decoding step against a plain cache's holding as many keys.
+    if section("small") {
+        small_layer::run(json, runs)?;
+    }
     if section("streaming") && only.is_some() {
         let rope = all
             .iter()

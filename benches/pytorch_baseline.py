@@ -8,6 +8,7 @@ Run by hand (CI never needs Python), on the same quiet machine as `cargo bench -
     python benches/pytorch_baseline.py --train    # also training steps (forward + backward)
     python benches/pytorch_baseline.py --decode   # also one decoding step against a cache
     python benches/pytorch_baseline.py --lengths --json > pytorch.jsonl   # T = 1k..32k, for the plot
+    python benches/pytorch_baseline.py --small    # only a small model's layer (SmolLM2's shape)
 
 Each case is the crate's block written with torch: four bias-free projections of d_model = 512,
 `scaled_dot_product_attention` with ALiBi as a float mask (BLOOM's slopes; `-m|i - j|` for the
@@ -28,6 +29,10 @@ as a float mask of one row; medians of 200 steps. The counterpart of `--only dec
 `--lengths` times one block forward without a bias (B1, SDPA's flash kernel) at T = 1024 to
 32768, causal and bidirectional (medians of 3 up to T = 8192, then one run after a warm-up):
 the PyTorch side of `cargo bench --bench attention -- --only lengths --pytorch FILE`.
+`--small` times only SmolLM2-135M's attention layer (d_model 576, 9 heads, 3 KV heads of 64,
+HF's rotate-half RoPE with θ 1e5 from a precomputed table, SDPA with grouped KV heads, causal,
+B1): a 30-token and a 512-token prefill (medians of 125), and one decoding step against a
+preallocated cache of 100 and 2048 keys (medians of 625): the counterpart of `--only small`.
 
 `--device cuda` runs the GPU table instead (bf16, B4 d_model 1024 H16 D64; B1 at T = 16384),
 the counterpart of `cargo bench --features cuda --bench attention -- --only cuda`: per scheme
@@ -87,6 +92,7 @@ def main() -> None:
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--decode", action="store_true")
     parser.add_argument("--lengths", action="store_true")
+    parser.add_argument("--small", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--max-t", type=int, default=None,
@@ -97,6 +103,9 @@ def main() -> None:
         return
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    if args.small:
+        small_layer(args.json)
+        return
     b, h, t, d = 2, 8, 1024, 64
     dm = h * d
     proj = [torch.nn.Linear(dm, dm, bias=False) for _ in range(4)]
@@ -205,6 +214,53 @@ def decode(proj, h: int, d: int, as_json: bool) -> None:
                 print(f"{case:<34} {ms:>10.3f}")
                 if as_json:
                     print(json.dumps({"bench": "pytorch", "case": case, "median_ms": round(ms, 4)}))
+
+
+def small_layer(as_json: bool) -> None:
+    """SmolLM2-135M's attention layer (B1): prefills of 30 and 512 tokens, decoding steps."""
+    dm, h, kv, d, theta = 576, 9, 3, 64, 1e5
+    q_proj, o_proj = (torch.nn.Linear(dm, h * d, bias=False), torch.nn.Linear(h * d, dm, bias=False))
+    k_proj, v_proj = (torch.nn.Linear(dm, kv * d, bias=False) for _ in range(2))
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.outer(torch.arange(4096, dtype=torch.float32), inv)
+    cos_all, sin_all = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+    def rot(y, cos, sin):
+        return y * cos + torch.cat([-y[..., d // 2 :], y[..., : d // 2]], -1) * sin
+
+    def heads(p, x, n):
+        return p(x).view(1, x.shape[1], n, d).transpose(1, 2)
+
+    def prefill(x):
+        t = x.shape[1]
+        cos, sin = cos_all[:t], sin_all[:t]
+        q, k = rot(heads(q_proj, x, h), cos, sin), rot(heads(k_proj, x, kv), cos, sin)
+        out = F.scaled_dot_product_attention(q, k, heads(v_proj, x, kv), is_causal=True, enable_gqa=True)
+        return o_proj(out.transpose(1, 2).reshape(1, t, h * d))
+
+    print(f"\na small model's layer (SmolLM2-135M: d_model {dm}, {h} heads, {kv} KV heads), causal, B1")
+    with torch.inference_mode():
+        rows = []
+        for t in (30, 512):
+            x = torch.randn(1, t, dm)
+            rows.append((f"prefill {t}", median_ms(lambda x=x: prefill(x), runs=125)))
+        for n in (100, 2048):
+            cache_k, cache_v = torch.randn(1, kv, n + 1, d), torch.randn(1, kv, n + 1, d)
+            x = torch.randn(1, 1, dm)
+
+            def step(n=n, cache_k=cache_k, cache_v=cache_v, x=x):
+                cos, sin = cos_all[n : n + 1], sin_all[n : n + 1]
+                q, k = rot(heads(q_proj, x, h), cos, sin), rot(heads(k_proj, x, kv), cos, sin)
+                cache_k[:, :, n : n + 1] = k
+                cache_v[:, :, n : n + 1] = heads(v_proj, x, kv)
+                out = F.scaled_dot_product_attention(q, cache_k, cache_v, enable_gqa=True)
+                return o_proj(out.transpose(1, 2).reshape(1, 1, h * d))
+
+            rows.append((f"decode at {n}", median_ms(step, runs=625)))
+        for case, ms in rows:
+            print(f"{case:<34} {ms:>10.3f}")
+            if as_json:
+                print(json.dumps({"bench": "pytorch_small", "case": case, "median_ms": round(ms, 4)}))
 
 
 def rope(x: torch.Tensor) -> torch.Tensor:
