@@ -23,6 +23,7 @@ use super::registry::{
     Window,
 };
 use super::rope::rope_of_file;
+use super::shared::SharedEncodings;
 use super::weights::{remap, QkvLayout, WeightLayout};
 use crate::attention::{AttentionConfig, MultiHeadAttention, QkNormConfig, QkNormScope};
 use crate::encoding::EncodingConfig;
@@ -318,6 +319,10 @@ impl HfAttentionConfig {
     /// (T5's) are read from the same prefix; a T5 layer past the first has none, so pass the
     /// first layer's encoding to [`Self::load_with_encoding`].
     ///
+    /// Each call builds the layer its own encoding (a RoPE layer its own cos/sin tables); to
+    /// load a model's layers, use [`Self::load_shared`], which gives every layer with the same
+    /// encoding configuration one shared `Arc`.
+    ///
     /// # Errors
     /// [`Error::MissingTensor`] / [`Error::TensorShape`] naming the HF tensor that is absent or
     /// misshapen; [`Error::DType`] for an integer `VarBuilder`, or a tensor it hands back as
@@ -325,9 +330,34 @@ impl HfAttentionConfig {
     /// [`AttentionConfig::validate`] and [`EncodingConfig::validate`] when the public fields
     /// were changed after parsing (checked before any size is computed from them).
     pub fn load(&self, vb: VarBuilder) -> Result<MultiHeadAttention> {
-        let mut map = self.tensors(&vb, true)?;
-        let ours = VarBuilder::from_tensors(std::mem::take(&mut map), vb.dtype(), vb.device());
-        let encoding = self.encoding.build(ours.clone())?;
+        self.load_shared(&mut SharedEncodings::new(), vb)
+    }
+
+    /// Builds the block from one layer's tensors as [`Self::load`] does, taking its encoding
+    /// from `shared` when an earlier layer built one for the same configuration (and dtype and
+    /// device), else building it and keeping it there for the layers that follow. Loading
+    /// every layer of a model through one [`SharedEncodings`] gives one `Arc` encoding per
+    /// distinct configuration: one RoPE table for a Llama, two for Gemma 3's local and global
+    /// θ, T5's first-layer table for every layer.
+    ///
+    /// ```text
+    /// let mut shared = SharedEncodings::new();
+    /// for i in 0..layers { blocks.push(config.load_shared(&mut shared, vb.pp(format!("model.layers.{i}.self_attn")))?) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::load`].
+    pub fn load_shared(
+        &self,
+        shared: &mut SharedEncodings,
+        vb: VarBuilder,
+    ) -> Result<MultiHeadAttention> {
+        if let Some(encoding) = shared.find(&self.encoding, &vb) {
+            return self.load_with_encoding(encoding, vb);
+        }
+        let map = self.tensors(&vb, true)?;
+        let ours = VarBuilder::from_tensors(map, vb.dtype(), vb.device());
+        let encoding = shared.build(&self.encoding, ours.clone())?;
         MultiHeadAttention::new(&self.attention, encoding, ours)
     }
 

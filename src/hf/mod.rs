@@ -3,7 +3,9 @@
 //! [`HfAttentionConfig::from_json`] reads the block's settings (heads, key/value heads, head
 //! width, biases, scale, query/key norms) and its positional encoding from `config.json`;
 //! [`HfAttentionConfig::load`] builds the block from one layer's tensors under HF's own names,
-//! splitting fused projections and transposing Conv1D weights once, at load.
+//! splitting fused projections and transposing Conv1D weights once, at load;
+//! [`HfAttentionConfig::load_shared`] loads a model's layers with one encoding per distinct
+//! configuration ([`SharedEncodings`]: one RoPE table for all the layers of a Llama).
 //!
 //! Every `model_type` read ([`model_types`]; one row each in the registry, `hf::registry`):
 //!
@@ -44,7 +46,9 @@ mod llama4;
 mod pattern;
 mod registry;
 pub mod rope;
+mod shared;
 mod weights;
 
 pub use layer::{HfAttentionConfig, HfFamily};
 pub use registry::model_types;
+pub use shared::SharedEncodings;

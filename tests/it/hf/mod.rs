@@ -3,3 +3,4 @@
 mod docs;
 mod layers;
 mod registry;
+mod shared;
