@@ -40,6 +40,7 @@ mod codegen;
 mod deepseek;
 pub(crate) mod defaults;
 mod gemma4;
+pub mod gguf;
 pub(crate) mod json;
 pub mod layer;
 mod llama4;

@@ -22,6 +22,15 @@ fn max_table_elements() -> usize {
 
 /// Which features form the rotated pairs.
 ///
+/// The two layouts are the same rotation of a permuted head, so a checkpoint's q and k
+/// projections decide which one a model needs. llama.cpp rotates [`Self::Interleaved`] pairs,
+/// and its converter reorders each head's rows of HF's `q_proj` and `k_proj` to match (HF's
+/// row `i` becomes row `2i`, row `i + d/2` row `2i + 1`): a Llama read from GGUF is rotated
+/// with [`Self::Half`] once those rows are put back (the default of
+/// [`GgufFile::tensors`](crate::hf::gguf::GgufFile::tensors)), or with [`Self::Interleaved`]
+/// on the rows as stored ([`QkRows`](crate::hf::gguf::QkRows)). The other pairing runs
+/// without error and gives fluent-looking text that is not the model's.
+///
 /// Serialised in snake case: `"half"`, `"interleaved"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -1,0 +1,263 @@
+//! A Llama decoder: token embeddings, layers of RMSNorm → the crate's attention → RMSNorm →
+//! SwiGLU MLP, each with a residual, a last RMSNorm and the head (tied to the embeddings when
+//! the file has no `lm_head`).
+//!
+//! ```text
+//! h = embed(ids)
+//! per layer:  h = h + attn(rms₁(h))                    (MultiHeadAttention with RoPE, a KV cache each)
+//!             h = h + W_down (silu(W_gate x) ⊙ W_up x),  x = rms₂(h)
+//! logits = W_head rms(h)
+//! ```
+//!
+//! The attention of every layer comes from the model's `config.json` through
+//! `HfAttentionConfig::from_json_layer` and `load_shared`, so the layers share one RoPE table.
+//!
+//! # Shapes
+//! `ids`: `(B, T)` u32 → hidden `(B, T, d_model)` → logits `(B, T, vocab)`.
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use candle_posenc::hf::gguf::{GgufFile, QkRows};
+use candle_posenc::hf::{HfAttentionConfig, SharedEncodings};
+use candle_posenc::{AttentionOptions, EncodingConfig, KvCache, MultiHeadAttention};
+use serde::Deserialize;
+
+/// What the model reads of its `config.json` besides the attention.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaConfig {
+    /// Width.
+    pub hidden_size: usize,
+    /// The MLP's hidden width.
+    pub intermediate_size: usize,
+    /// Layers.
+    pub num_hidden_layers: usize,
+    /// The RMSNorms' ε.
+    pub rms_norm_eps: f64,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Whether the head is the token embeddings.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+struct Layer {
+    input_norm: RmsNorm,
+    attention: MultiHeadAttention,
+    post_norm: RmsNorm,
+    /// `[W_gate; W_up]`, one product for both.
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// The model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    config: LlamaConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    head: Linear,
+    dtype: DType,
+}
+
+impl Llama {
+    /// The model of a GGUF file, its weights dequantized to `dtype` on `device`, the rows of q
+    /// and k in the order `rows` asks and rotated to match.
+    pub fn from_gguf(
+        file: &GgufFile,
+        dtype: DType,
+        device: &Device,
+        rows: QkRows,
+    ) -> anyhow::Result<Self> {
+        let json = file.config_json()?;
+        let tensors = file.tensors(dtype, device, rows)?;
+        Self::from_tensors(&json, tensors, dtype, device, rows)
+    }
+
+    /// The model from its `config.json` and its tensors under HF's names (`model.layers.{i}.…`),
+    /// the rows of q and k in the order `rows` says.
+    pub fn from_tensors(
+        json: &str,
+        mut tensors: HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+        rows: QkRows,
+    ) -> anyhow::Result<Self> {
+        let config: LlamaConfig =
+            serde_json::from_str(json).context("config.json: the model's sizes")?;
+        // Each layer's gate and up projections become one matrix; taking them out of the map
+        // first frees each pair as it is joined, so the weights are never held twice.
+        for i in 0..config.num_hidden_layers {
+            let mut take = |name: &str| {
+                let key = format!("model.layers.{i}.mlp.{name}.weight");
+                tensors.remove(&key).context(key)
+            };
+            let gate_up = Tensor::cat(&[take("gate_proj")?, take("up_proj")?], 0)?;
+            tensors.insert(format!("model.layers.{i}.mlp.gate_up.weight"), gate_up);
+        }
+        let vb = VarBuilder::from_tensors(tensors, dtype, device);
+        let (d, vocab) = (config.hidden_size, config.vocab_size);
+        let embed_weight = vb.get((vocab, d), "model.embed_tokens.weight")?;
+        let head_weight = match config.tie_word_embeddings {
+            true => embed_weight.clone(),
+            false => vb.get((vocab, d), "lm_head.weight")?,
+        };
+        let mut shared = SharedEncodings::new();
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| {
+                Layer::load(
+                    json,
+                    i,
+                    &config,
+                    &mut shared,
+                    rows,
+                    vb.pp(format!("model.layers.{i}")),
+                )
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Self {
+            embed: Embedding::new(embed_weight, d),
+            layers,
+            norm: rms_norm(&config, vb.pp("model.norm"))?,
+            head: Linear::new(head_weight, None),
+            config,
+            dtype,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The layers' attention blocks.
+    pub fn attention(&self) -> impl Iterator<Item = &MultiHeadAttention> {
+        self.layers.iter().map(|l| &l.attention)
+    }
+
+    /// One empty KV cache per layer.
+    pub fn caches(&self) -> Vec<KvCache> {
+        self.layers.iter().map(|_| KvCache::new()).collect()
+    }
+
+    /// The last hidden states (after the final norm) of `ids`, continuing from `caches`.
+    pub fn hidden(&self, ids: &Tensor, caches: &mut [KvCache]) -> anyhow::Result<Tensor> {
+        anyhow::ensure!(
+            caches.len() == self.layers.len(),
+            "{} caches for {} layers",
+            caches.len(),
+            self.layers.len()
+        );
+        let mut h = self.embed.forward(ids)?;
+        for (layer, cache) in self.layers.iter().zip(caches) {
+            h = layer.forward(&h, cache)?;
+        }
+        Ok(self.norm.forward(&h)?)
+    }
+
+    /// The logits (f32) of hidden states.
+    pub fn logits(&self, hidden: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(linear(&self.head, hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// The logits (f32) of every position of `ids`, continuing from `caches`.
+    pub fn forward(&self, ids: &Tensor, caches: &mut [KvCache]) -> anyhow::Result<Tensor> {
+        let hidden = self.hidden(ids, caches)?;
+        self.logits(&hidden)
+    }
+
+    /// The logits (f32) of the last position of `ids` only, `(B, vocab)`: a prompt's
+    /// prefill, which needs no head over the positions before.
+    pub fn forward_last(&self, ids: &Tensor, caches: &mut [KvCache]) -> anyhow::Result<Tensor> {
+        let hidden = self.hidden(ids, caches)?;
+        let t = hidden.dim(1)?;
+        self.logits(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)
+    }
+
+    /// The bytes of weights one decoding step reads: every matrix and norm, the head once
+    /// (tied or not), and of the embeddings only one row.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let linear = |l: &Linear| bytes(l.weight()) + l.bias().map_or(0, bytes);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                attention_bytes(&l.attention, self.dtype)
+                    + bytes(l.input_norm.weight())
+                    + bytes(l.post_norm.weight())
+                    + linear(&l.gate_up)
+                    + linear(&l.down)
+            })
+            .sum();
+        let row = self.config.hidden_size * self.dtype.size_in_bytes();
+        layers + bytes(self.norm.weight()) + linear(&self.head) + row
+    }
+}
+
+impl Layer {
+    fn load(
+        json: &str,
+        i: usize,
+        config: &LlamaConfig,
+        shared: &mut SharedEncodings,
+        rows: QkRows,
+        vb: VarBuilder,
+    ) -> anyhow::Result<Self> {
+        let mut attention = HfAttentionConfig::from_json_layer(json, i)?;
+        if let EncodingConfig::Rotary(rope) = &mut attention.encoding {
+            rope.layout = rows.rope_layout();
+        }
+        let (d, hidden) = (config.hidden_size, config.intermediate_size);
+        Ok(Self {
+            input_norm: rms_norm(config, vb.pp("input_layernorm"))?,
+            attention: attention.load_shared(shared, vb.pp("self_attn"))?,
+            post_norm: rms_norm(config, vb.pp("post_attention_layernorm"))?,
+            gate_up: Linear::new(vb.get((2 * hidden, d), "mlp.gate_up.weight")?, None),
+            down: Linear::new(vb.get((d, hidden), "mlp.down_proj.weight")?, None),
+        })
+    }
+
+    fn forward(&self, h: &Tensor, cache: &mut KvCache) -> anyhow::Result<Tensor> {
+        let x = self.input_norm.forward(h)?;
+        let opts = AttentionOptions::default();
+        let h = (h + self.attention.forward_with(&x, &opts, Some(cache))?.output)?;
+        let x = self.post_norm.forward(&h)?;
+        let mlp = linear(
+            &self.down,
+            &candle_nn::ops::swiglu(&linear(&self.gate_up, &x)?)?,
+        )?;
+        Ok((h + mlp)?)
+    }
+}
+
+/// The bytes of one attention block's projections (and their biases) in `dtype`.
+fn attention_bytes(attention: &MultiHeadAttention, dtype: DType) -> usize {
+    let a = attention.config();
+    let (q, kv) = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);
+    let weights = (q + 2 * kv) * a.d_model + a.d_model * q;
+    let biases = usize::from(a.bias) * (q + 2 * kv) + usize::from(a.out_bias) * a.d_model;
+    (weights + biases) * dtype.size_in_bytes()
+}
+
+fn rms_norm(config: &LlamaConfig, vb: VarBuilder) -> anyhow::Result<RmsNorm> {
+    let weight = vb.get(config.hidden_size, "weight")?;
+    Ok(RmsNorm::new(weight, config.rms_norm_eps))
+}
+
+/// `x Wᵀ` over the last axis, with `x`'s leading axes flattened into rows first, so candle
+/// multiplies two matrices (no broadcast weight).
+fn linear(l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
+    let width = x.dim(D::Minus1)?;
+    let rows = x.elem_count().checked_div(width).unwrap_or(0);
+    let y = l.forward(&x.reshape((rows, width))?)?;
+    let mut dims = x.dims().to_vec();
+    dims.pop();
+    dims.push(y.dim(1)?);
+    y.reshape(dims)
+}
