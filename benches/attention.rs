@@ -562,6 +562,31 @@ fn train_step(
     Ok(())
 }
 
+/// Child mode: the training step of `name` as a user's process runs it (B2, the block on a
+/// `VarMap`, nothing else run before), the median of 9 steps after 2, printed in ms.
+fn train_steps_child(name: &str, t: usize, causal: bool) -> Result<()> {
+    let dev = Device::Cpu;
+    let (d_model, heads, head_dim) = (512, 8, 64);
+    let varmap = candle_nn::VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dev);
+    let all = cases(d_model, heads, head_dim, t, &dev, &vb)?;
+    let case = all
+        .iter()
+        .find(|c| c.name == name)
+        .context("unknown case")?;
+    let mha = block(case, causal, d_model, heads, &vb)?;
+    let xv = candle_core::Var::randn(0f32, 1.0, (2, t, d_model), &dev)?;
+    let probe = Tensor::randn(0f32, 1.0, (2, t, d_model), &dev)?;
+    let opts = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    train_step(&mha, &xv, &probe, &opts, &dev)?;
+    let ms = common::median_ms(9, || train_step(&mha, &xv, &probe, &opts, &dev))?;
+    println!("{ms}");
+    Ok(())
+}
+
 fn peak_rss_mib() -> Result<f64> {
     let status = std::fs::read_to_string("/proc/self/status")?;
     let line = status
@@ -688,6 +713,25 @@ fn run_child_as(mode: &str, name: &str, t: usize, causal: bool) -> Result<(f64, 
     }
 }
 
+/// Runs [`train_steps_child`] in a fresh process: the median step in ms.
+fn train_steps_in_child(name: &str, t: usize, causal: bool) -> Result<f64> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--train-steps-child",
+            name,
+            &t.to_string(),
+            &causal.to_string(),
+        ])
+        .output()?;
+    let text = String::from_utf8(out.stdout)?;
+    text.trim().parse().map_err(|_| {
+        anyhow::anyhow!(
+            "child {name} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
 fn json_line(json: bool, fields: &str) {
     if json {
         println!("{{{fields}}}");
@@ -700,6 +744,11 @@ fn main() -> Result<()> {
         let t = args[i + 2].parse()?;
         let causal = args[i + 3].parse()?;
         return peak_child(&args[i + 1], t, causal, false);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--train-steps-child") {
+        let t = args[i + 2].parse()?;
+        let causal = args[i + 3].parse()?;
+        return train_steps_child(&args[i + 1], t, causal);
     }
     if let Some(i) = args.iter().position(|a| a == "--peak-child-train") {
         let t = args[i + 2].parse()?;
@@ -1055,11 +1104,11 @@ fn main() -> Result<()> {
     // against the same step on candle's ops (the path that returns the weights), paired.
     if section("training") {
         println!(
-            "\ntraining step (forward + backward), B{b} H{heads} T{t} D{head_dim}: fused core vs candle ops"
+            "\ntraining step (forward + backward), B{b} H{heads} T{t} D{head_dim}: fused core vs candle ops, paired in this process (for causes);\nown proc: the fused step alone in a fresh process, as a user's runs (the figure to publish)"
         );
         println!(
-            "{:<18} {:>8} {:>12} {:>12} {:>10}",
-            "encoding", "causal", "ops ms", "fused ms", "fused/ops"
+            "{:<18} {:>8} {:>12} {:>12} {:>10} {:>12}",
+            "encoding", "causal", "ops ms", "fused ms", "fused/ops", "own proc ms"
         );
     }
     let train_runs = if quick { 3 } else { 7 };
@@ -1084,12 +1133,13 @@ fn main() -> Result<()> {
                 train_step(&mha, &xv, &probe, &opts, &dev)
             };
             let p = common::paired(train_runs, || step(true), || step(false))?;
+            let own = train_steps_in_child(name, t, causal)?;
             println!(
-                "{name:<18} {causal:>8} {:>12.1} {:>12.1} {:>9.2}x",
+                "{name:<18} {causal:>8} {:>12.1} {:>12.1} {:>9.2}x {own:>12.1}",
                 p.a_ms, p.b_ms, p.ratio
             );
             json_line(json, &format!(
-                "\"bench\":\"training\",\"encoding\":\"{name}\",\"causal\":{causal},\"t\":{t},\"ops_ms\":{:.3},\"fused_ms\":{:.3},\"pair_ratio\":{:.4}",
+                "\"bench\":\"training\",\"encoding\":\"{name}\",\"causal\":{causal},\"t\":{t},\"ops_ms\":{:.3},\"fused_ms\":{:.3},\"pair_ratio\":{:.4},\"own_process_ms\":{own:.3}",
                 p.a_ms, p.b_ms, p.ratio
             ));
         }
