@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+import transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "data", "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -60,7 +61,7 @@ def main():
     runs = [run(model, ids) for _ in range(REPEATS)]
     prefill = [p for p, _ in runs]
     decode = [DECODE / d for _, d in runs]
-    print(f"HF transformers {torch.__version__} / eager, {dtype}: prefill {PREFILL} tokens "
+    print(f"HF transformers {transformers.__version__} (torch {torch.__version__}) / eager, {dtype}: prefill {PREFILL} tokens "
           f"{min(prefill):.3f} s best, {statistics.median(prefill):.3f} s median; decode "
           f"{max(decode):.1f} tokens/s best, {statistics.median(decode):.1f} median "
           f"({torch.get_num_threads()} threads)")
