@@ -120,7 +120,7 @@ pub use error::{Error, Result};
 pub use hf::{HfAttentionConfig, HfFamily};
 pub use plug::{
     AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
-    RelativeValues,
+    RelativeValues, SeparableBias,
 };
 pub use positions::{PositionIds, Positions};
 pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode, AlibiSlopes};

@@ -18,7 +18,7 @@ use candle_core::{DType, Tensor};
 use super::cuda::{CudaCore, Mode};
 use super::dropout::Dropout;
 use super::fused_attention;
-use super::fused_softmax::RowRule;
+use super::fused_softmax::{RowRule, SeparableTerm};
 use super::fused_training;
 use super::mask::{cast_mask, widened_mask};
 use super::unfused;
@@ -55,6 +55,12 @@ impl Path {
             Path::Fused | Path::FusedTrain | Path::RowPass | Path::Cuda(_) => true,
             Path::Ops => false,
         }
+    }
+
+    /// Whether the path reads a separable bias as its pairs (the CPU's fused paths), rather
+    /// than summed to a dense bias.
+    fn reads_pairs(self) -> bool {
+        matches!(self, Path::Fused | Path::FusedTrain | Path::RowPass)
     }
 
     /// Whether the path is a fused core (CPU or CUDA), which allocates no logits and reads
@@ -255,6 +261,7 @@ fn tracks((bias, values): &Answers) -> bool {
     let bias = match bias {
         Some(LogitsBias::Dense(t)) => t.track_op(),
         Some(LogitsBias::Relative(r)) => r.values().track_op(),
+        Some(LogitsBias::Separable(s)) => s.track_op(),
         None => false,
     };
     bias || values.as_ref().is_some_and(|v| v.table().track_op())
@@ -514,6 +521,7 @@ impl Chunk<'_> {
             dense: terms.dense.iter().collect(),
             dense_masks: self.attn_mask.is_some(),
             relative: terms.rows.iter().collect(),
+            separable: terms.separable.iter().collect(),
             padding: part.padding,
             rule: &part.rule,
             values: values.as_ref(),
@@ -640,6 +648,8 @@ pub(crate) struct LogitTerms {
     pub(crate) dense: Vec<Tensor>,
     /// f32 rows with shifted columns (fused core and row pass only).
     pub(crate) rows: Vec<RelativeBias>,
+    /// f32 separable pairs, packed (the CPU's fused core and row pass only).
+    pub(crate) separable: Vec<SeparableTerm>,
 }
 
 impl LogitTerms {
@@ -658,6 +668,7 @@ impl LogitTerms {
         let mut terms = Self {
             dense: Vec::new(),
             rows: Vec::new(),
+            separable: Vec::new(),
         };
         if let Some(mask) = mask {
             let mask = cast_mask(&mask, range)?;
@@ -698,6 +709,22 @@ impl LogitTerms {
                         RelativeBias::new(bias_in(what, r.values(), dtype)?, r.columns().clone())?
                             .to_dense(dims.2, dims.3)?,
                     ),
+                }
+            }
+            Some(LogitsBias::Separable(s)) => {
+                for (q, _, _) in s.parts() {
+                    check_device("separable logits bias", q, device)?;
+                }
+                s.check_block(dims)?;
+                let what = "separable logits bias from the encoding";
+                match path.reads_pairs() {
+                    true => terms.separable.extend(SeparableTerm::of(
+                        &s.map(|t| bias_in(what, t, DType::F32))?,
+                    )?),
+                    // Each pair summed in f32 and cast after, as the fused paths add it.
+                    false => terms
+                        .dense
+                        .push(bias_in(what, &s.to_dense(dims.2, dims.3)?, dtype)?),
                 }
             }
         }
@@ -788,6 +815,7 @@ fn fused_grads((bias, _): &Answers) -> bool {
         Some(LogitsBias::Relative(r)) if r.values().track_op() => {
             matches!(r.columns(), Columns::Shift(_))
         }
+        // (A separable bias gets the row and column sums of dS.)
         _ => true,
     }
 }
@@ -803,6 +831,8 @@ fn shared_answers((bias, values): &Answers) -> bool {
         Some(LogitsBias::Relative(r)) => {
             one_row(r.values()) && matches!(r.columns(), Columns::Shift(_))
         }
+        // One value per query and head: as small as a row of the output.
+        Some(LogitsBias::Separable(_)) => true,
     };
     bias && values
         .as_ref()

@@ -40,7 +40,9 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::fused_softmax::{read_storage, strided_terms, RowPass, RowRule, Running, TermGuards};
+use super::fused_softmax::{
+    read_storage, strided_terms, RowPass, RowRule, Running, SeparableTerm, TermGuards,
+};
 use super::widen::Widen;
 use crate::cpu::gemm::product;
 use crate::error::{Error, Result};
@@ -82,6 +84,8 @@ pub(crate) struct Core<'a> {
     pub dense_masks: bool,
     /// Relative terms with shifted columns, f32 (checked against the block by the caller).
     pub relative: Vec<&'a RelativeBias>,
+    /// Separable pairs, packed (checked against the block by the caller).
+    pub separable: Vec<&'a SeparableTerm>,
     /// `(B, Tk)` u8, non-zero = keep.
     pub padding: Option<&'a Tensor>,
     /// Which keys each row sees, soft cap and sinks.
@@ -100,7 +104,7 @@ impl Core<'_> {
         let (b, h, tq, d) = self.q.dims4()?;
         let (_, _, tk, _) = self.k.dims4()?;
         Ok(CoreSpec {
-            terms: strided_terms((b, h, tq, tk), &self.dense, &self.relative)?,
+            terms: strided_terms((b, h, tq, tk), &self.dense, &self.relative, &self.separable)?,
             padding: self.padding.map(|p| p.contiguous()).transpose()?,
             // Keys no row of a tile sees may be left out only when no row can be masked whole
             // (such a row is uniform over every key).
@@ -890,6 +894,7 @@ mod tests {
                         dense: vec![&dense],
                         dense_masks: true,
                         relative: vec![&relative],
+                        separable: vec![],
                         padding: pad,
                         rule: &rule,
                         values: Some(values),
@@ -931,6 +936,7 @@ mod tests {
                 dense: vec![],
                 dense_masks: false,
                 relative: vec![],
+                separable: vec![],
                 padding: None,
                 rule: &rule,
                 values: None,
@@ -993,6 +999,7 @@ mod tests {
                             dense: vec![],
                             dense_masks: false,
                             relative: vec![&relative],
+                            separable: vec![],
                             padding: Some(&padding),
                             rule: &rule,
                             values: Some(&values),
@@ -1075,7 +1082,7 @@ mod tests {
         for rule in &rules {
             for pad in [None, Some(&padding)] {
                 let s = matmul(&q, &k.t()?)?.contiguous()?;
-                bias_mask_softmax_in_place(&s, &[], &[&relative], pad, rule)?;
+                bias_mask_softmax_in_place(&s, (&[], &[&relative], &[]), pad, rule)?;
                 let want = (matmul(&s, &v)? + values.weighted_sum(&s)?)?.transpose(1, 2)?;
                 let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
                 for (tile, key_tile) in [(19, 1), (3, 4), (4, 7), (19, 31), (1, 1024)] {
@@ -1087,6 +1094,7 @@ mod tests {
                         dense: vec![],
                         dense_masks: false,
                         relative: vec![&relative],
+                        separable: vec![],
                         padding: pad,
                         rule,
                         values: Some(&values),

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! s'[b,h,i,j] = cap(s[b,h,i,j]) + Σ dense[b,h,i,j] + Σ rel.values[b,h,i,c(i,j)]
+//!               + Σ (a[b,h,i] + c[b,h,j])              separable pairs, over their keys
 //! p[b,h,i,:] = softmax over kept j of s'[b,h,i,j], joined by the head's sink logit (no value)
 //! kept(i, j) = j in the row's causal limit, window and chunk (RowRule) and padding[b, j] ≠ 0
 //! cap(x) = c·tanh(x / c) with a soft cap c, else x
@@ -12,7 +13,9 @@
 //! entries into another and normalises into a third; here each row is read and written once
 //! while it is in cache. Dense terms are read through their broadcast strides (an ALiBi
 //! `(1, H, 1, Tk)` row is never expanded); relative terms ([`RelativeBias`]) are read as short
-//! rows of values per distance. Keys past the causal limit are never touched but to write 0.
+//! rows of values per distance, separable ones ([`SeparableBias`](crate::plug::SeparableBias)) as
+//! one value per query and one per key. Keys past the causal limit are never touched but to
+//! write 0.
 //! Used for inference only: the logits must not be part of a graph.
 
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
@@ -20,16 +23,45 @@ use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::plug::relative::add_shifted_sums_from;
+use crate::plug::separable::KeySide;
 use crate::plug::{row_segments_from, Columns, RelativeBias};
 
 /// A broadcast view of an additive term: storage offset and the strides of `(B, H, Tq, X)`,
-/// where `X` is `Tk` for a dense term and the row width for a relative one.
+/// where `X` is `Tk` for a dense term, the row width for a relative one, and `Tq + Tk` for a
+/// separable pair (its queries' values, then its keys', on one row per head).
 pub(crate) struct Strided {
     tensor: Tensor,
     offset: usize,
     strides: [usize; 4],
     /// `Some((shift, width))` for a relative term.
     pub(crate) relative: Option<(i64, usize)>,
+    /// `Some((Tq, keys))` for a separable pair.
+    pub(crate) separable: Option<(usize, KeySide)>,
+}
+
+/// One pair of a separable bias as the fused passes read it: `(1|B, 1|H, Tq + Tk)` f32, the
+/// queries' values then the keys', and the keys of each row it covers.
+pub(crate) struct SeparableTerm {
+    pub(crate) packed: Tensor,
+    pub(crate) side: KeySide,
+}
+
+impl SeparableTerm {
+    /// The pairs of `bias` packed in f32 (gradients flow back through the packing).
+    pub(crate) fn of(bias: &crate::plug::SeparableBias) -> Result<Vec<Self>> {
+        bias.parts()
+            .into_iter()
+            .map(|(q, k, side)| {
+                // Batch and head axes broadcast to the pair's own (1 where both are 1).
+                let (qb, qh, tq) = q.dims3()?;
+                let (kb, kh, tk) = k.dims3()?;
+                let (b, h) = (qb.max(kb), qh.max(kh));
+                let (q, k) = (q.broadcast_as((b, h, tq))?, k.broadcast_as((b, h, tk))?);
+                let packed = Tensor::cat(&[&q, &k], 2)?.to_dtype(candle_core::DType::F32)?;
+                Ok(Self { packed, side })
+            })
+            .collect()
+    }
 }
 
 impl Strided {
@@ -46,6 +78,7 @@ impl Strided {
             strides: [s[0], s[1], s[2], s[3]],
             tensor: t,
             relative,
+            separable: None,
         })
     }
 
@@ -53,6 +86,16 @@ impl Strided {
     #[inline(always)]
     fn add_row(&self, src: &[f32], (bi, hi, i): (usize, usize, usize), j0: usize, row: &mut [f32]) {
         let [s0, s1, s2, s3] = self.strides;
+        if let Some((tq, side)) = self.separable {
+            // Contiguous packed values (checked when built): a_i, then c_j at Tq + j.
+            let base = self.offset + bi * s0 + hi * s1;
+            let a = src[base + i];
+            let (lo, up) = side.range(i, j0, row.len());
+            for (x, c) in row[lo..up].iter_mut().zip(&src[base + tq + j0 + lo..]) {
+                *x += a + c;
+            }
+            return;
+        }
         let base = self.offset + bi * s0 + hi * s1 + i * s2;
         match self.relative {
             None if s3 == 1 => {
@@ -273,13 +316,12 @@ pub(crate) struct BiasMaskSoftmax {
 /// [`RowRule`] says (its sinks one per head of `scores`).
 pub(crate) fn bias_mask_softmax_in_place(
     scores: &Tensor,
-    dense: &[&Tensor],
-    relative: &[&RelativeBias],
+    (dense, relative, separable): (&[&Tensor], &[&RelativeBias], &[&SeparableTerm]),
     padding: Option<&Tensor>,
     rule: &RowRule,
 ) -> Result<()> {
     let op = BiasMaskSoftmax {
-        terms: strided_terms(scores.dims4()?, dense, relative)?,
+        terms: strided_terms(scores.dims4()?, dense, relative, separable)?,
         padding: padding.map(|p| p.contiguous()).transpose()?,
         rule: rule.clone(),
     };
@@ -287,11 +329,13 @@ pub(crate) fn bias_mask_softmax_in_place(
     Ok(())
 }
 
-/// Broadcast views of the dense and relative terms of logits shaped `shape` = `(B, H, Tq, Tk)`.
+/// Broadcast views of the dense, relative and separable terms of logits shaped `shape` =
+/// `(B, H, Tq, Tk)`, in that order.
 pub(crate) fn strided_terms(
     shape: (usize, usize, usize, usize),
     dense: &[&Tensor],
     relative: &[&RelativeBias],
+    separable: &[&SeparableTerm],
 ) -> Result<Vec<Strided>> {
     let mut terms = dense
         .iter()
@@ -313,6 +357,21 @@ pub(crate) fn strided_terms(
             (b, h, tq, width),
             Some((*shift, width)),
         )?);
+    }
+    let (b, h, tq, tk) = shape;
+    for term in separable {
+        let packed = term.packed.contiguous()?;
+        let (_, _, len) = packed.dims3()?;
+        if len != tq + tk {
+            return Err(crate::error::Error::shape(
+                "separable bias for a fused pass",
+                format!("(batch, heads, {tq} + {tk}) = the queries' values, then the keys'"),
+                packed.shape(),
+            ));
+        }
+        let mut strided = Strided::new(&packed.unsqueeze(2)?, (b, h, 1, len), None)?;
+        strided.separable = Some((tq, term.side));
+        terms.push(strided);
     }
     Ok(terms)
 }

@@ -102,12 +102,28 @@ impl TrainCore<'_> {
         let operands = core
             .dense
             .iter()
-            .map(|t| (*t, false))
-            .chain(core.relative.iter().map(|r| (r.values(), true)));
-        for (index, (tensor, relative)) in operands.enumerate() {
+            .map(|t| (*t, TermKind::Dense))
+            .chain(
+                core.relative
+                    .iter()
+                    .map(|r| (r.values(), TermKind::Relative)),
+            )
+            .chain(
+                core.separable
+                    .iter()
+                    .map(|s| (&s.packed, TermKind::Separable)),
+            );
+        for (index, (tensor, kind)) in operands.enumerate() {
             if tensor.track_op() {
-                let dims = padded_dims(tensor)?;
-                check_grad_dims(&dims, &spec, relative)?;
+                let dims = match kind {
+                    // One row per head: the queries' values, then the keys'.
+                    TermKind::Separable => {
+                        let (sb, sh, len) = tensor.dims3()?;
+                        [sb, sh, 1, len]
+                    }
+                    _ => padded_dims(tensor)?,
+                };
+                check_grad_dims(&dims, &spec, kind)?;
                 terms.push(TermGrad {
                     index,
                     dims,
@@ -193,16 +209,31 @@ pub(crate) fn padded_dims(t: &Tensor) -> Result<[usize; 4]> {
     Ok(out)
 }
 
+/// What kind of term a gradient goes to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TermKind {
+    Dense,
+    Relative,
+    Separable,
+}
+
 /// Checks that a term's gradient fits the pass: its batch, head and query axes are 1 or the
-/// block's (dense terms broadcast to it, relative ones were checked against it), and its
-/// per-task partial sums fit the element budget.
-fn check_grad_dims(dims: &[usize; 4], spec: &CoreSpec, relative: bool) -> Result<()> {
+/// block's (dense terms broadcast to it, relative ones were checked against it, a separable
+/// pair is one row of `Tq + Tk` per head), and its per-task partial sums fit the element
+/// budget.
+fn check_grad_dims(dims: &[usize; 4], spec: &CoreSpec, kind: TermKind) -> Result<()> {
     let (b, h, tq, tk, _) = spec.dims;
-    let full = [b, h, tq, tk];
-    let fits = dims
+    let full = match kind {
+        TermKind::Separable => [b, h, 1, tq + tk],
+        _ => [b, h, tq, tk],
+    };
+    let fits = match kind {
+        TermKind::Separable => dims[3] == full[3],
+        _ => true,
+    } && dims
         .iter()
         .zip(full)
-        .take(if relative { 3 } else { 4 })
+        .take(if kind == TermKind::Dense { 4 } else { 3 })
         .all(|(&n, f)| n == 1 || n == f);
     if !fits {
         return Err(Error::shape(
@@ -1047,18 +1078,29 @@ impl Ctx<'_> {
     }
 
     /// Each tracked term's gradient, dS summed as the term is read: per shifted column, per
-    /// key, or whole.
+    /// key, or whole; a separable pair's per row (its queries' values) and per key (its keys'),
+    /// over the keys it covers.
     fn term_gradients(&self, key: &KeyTile, tile: QueryTile, ds: &[f32], parts: &mut [Vec<f32>]) {
         let n = key.n;
         for (term, part) in self.terms.iter().zip(parts.iter_mut()) {
             let [_, th, tr, tw] = term.dims;
             let hrow = if th == 1 { 0 } else { tile.gi };
+            let strided = &self.spec.terms[term.index];
             for (li, dsrow) in ds.chunks_exact(n).enumerate() {
                 let i = tile.i0 + li;
                 let rrow = if tr == 1 { 0 } else { i };
                 let at = (hrow * tr + rrow) * tw;
                 let dst = &mut part[at..at + tw];
-                match self.spec.terms[term.index].relative {
+                if let Some((tq, side)) = strided.separable {
+                    let (lo, up) = side.range(i, key.j0, n);
+                    dst[i] += dsrow[lo..up].iter().sum::<f32>();
+                    let keys = &mut dst[tq + key.j0 + lo..tq + key.j0 + up];
+                    for (x, y) in keys.iter_mut().zip(&dsrow[lo..up]) {
+                        *x += y;
+                    }
+                    continue;
+                }
+                match strided.relative {
                     Some((shift, _)) => {
                         self.pass
                             .add_shifted_sums_best(dsrow, (i, shift, key.j0), dst)
@@ -1138,6 +1180,7 @@ mod tests {
                     dense: vec![self.dense.as_tensor()],
                     dense_masks: false,
                     relative: vec![relative],
+                    separable: vec![],
                     padding,
                     rule,
                     values: Some(values),

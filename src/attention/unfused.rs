@@ -2,7 +2,8 @@
 //! the path that returns the weights, trains, and runs on every device and dtype.
 //!
 //! ```text
-//! s = cap(q kᵀ) + Σ terms             q already scaled; terms dense (B, H, n, kv) or shifted rows
+//! s = cap(q kᵀ) + Σ terms             q already scaled; terms dense (B, H, n, kv), shifted rows
+//!                                     or separable pairs (the row pass)
 //! α = softmax(s masked ‖ sink)[..kv]  masked logits filled with the dtype's lowest value; a
 //!                                     head's sink logit joins the softmax and is dropped after
 //! out = dropout(α) v + Σ_j dropout(α)_ij table[c(i, j)]
@@ -34,8 +35,11 @@ pub(crate) fn attend(
     let probs = if row_pass {
         fused_softmax::bias_mask_softmax_in_place(
             &scores,
-            &terms.dense.iter().collect::<Vec<_>>(),
-            &terms.rows.iter().collect::<Vec<_>>(),
+            (
+                &terms.dense.iter().collect::<Vec<_>>(),
+                &terms.rows.iter().collect::<Vec<_>>(),
+                &terms.separable.iter().collect::<Vec<_>>(),
+            ),
             part.padding,
             rule,
         )?;

@@ -16,8 +16,9 @@
 //! blocks of the sizes each execution path runs (the fused cores one block where candle's ops
 //! run the logits budget's), and expects the same bias for a pair of positions in any of them.
 //! Encodings answer with
-//! data, not with code the block must call back: a bias is a dense tensor or rows per clamped
-//! distance ([`LogitsBias`], [`RelativeBias`]); a value term is a table row per clamped distance
+//! data, not with code the block must call back: a bias is a dense tensor, rows per clamped
+//! distance or one value per query plus one per key ([`LogitsBias`], [`RelativeBias`],
+//! [`SeparableBias`]); a value term is a table row per clamped distance
 //! ([`RelativeValues`]). The block decides how each form is consumed on each of its execution
 //! paths (a fused CPU core that reads the rows directly, a row pass, plain candle ops that
 //! expand them), and never looks at the concrete encoding type. Beside the hooks, an encoding
@@ -27,9 +28,11 @@
 //! This module depends on neither the encodings nor the attention block; both depend on it.
 
 pub(crate) mod relative;
+pub(crate) mod separable;
 
 pub(crate) use relative::row_segments_from;
 pub use relative::{Columns, RelativeBias, RelativeValues};
+pub use separable::SeparableBias;
 
 use std::sync::Arc;
 
@@ -142,18 +145,23 @@ pub enum LogitsBias {
     /// Rows of values per clamped column ([`RelativeBias`]): never expanded on the fused CPU
     /// path, expanded to `(B, H, Tq, Tk)` by the others.
     Relative(RelativeBias),
+    /// One value per query plus one per key ([`SeparableBias`]): never expanded on the fused
+    /// CPU paths, expanded to `(B, H, Tq, Tk)` by the others.
+    Separable(SeparableBias),
 }
 
 impl LogitsBias {
     /// The bias for `tq` queries and `tk` keys as a tensor broadcastable to `(B, H, Tq, Tk)`:
-    /// a dense bias as it is, rows expanded ([`RelativeBias::to_dense`]).
+    /// a dense bias as it is, rows expanded ([`RelativeBias::to_dense`]), a separable bias
+    /// summed ([`SeparableBias::to_dense`]).
     ///
     /// # Errors
-    /// As [`RelativeBias::to_dense`].
+    /// As [`RelativeBias::to_dense`] and [`SeparableBias::to_dense`].
     pub fn to_dense(&self, tq: usize, tk: usize) -> Result<Tensor> {
         match self {
             LogitsBias::Dense(t) => Ok(t.clone()),
             LogitsBias::Relative(rows) => rows.to_dense(tq, tk),
+            LogitsBias::Separable(pairs) => pairs.to_dense(tq, tk),
         }
     }
 }
@@ -224,7 +232,8 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
     ///
     /// # Shapes
     /// `q`: `(B, H, Tq, D)`; a [`LogitsBias::Dense`] broadcasts to `(B, H, Tq, Tk)`, a
-    /// [`LogitsBias::Relative`] has `(1|B, 1|H, 1|Tq, W)` values (checked by the block).
+    /// [`LogitsBias::Relative`] has `(1|B, 1|H, 1|Tq, W)` values, a [`LogitsBias::Separable`]
+    /// `(1|B, 1|H, Tq)` and `(1|B, 1|H, Tk)` pairs (checked by the block).
     ///
     /// # Errors
     /// Implementations report shape and range problems.

@@ -107,7 +107,8 @@ impl Mode {
 
     /// The mode once the first block's answers are known (`None`: candle's ops). Answers that
     /// track gradients leave inference; the backward gives dense terms, relative rows and a
-    /// value table read through a shift their gradients. A value term read through an index
+    /// value table read through a shift their gradients (a separable bias, which this path
+    /// reads summed, takes candle's ops). A value term read through an index
     /// map takes candle's ops either way.
     pub(crate) fn rechoose(
         self,
@@ -119,6 +120,8 @@ impl Mode {
             (Mode::Infer, true) => false,
             (Mode::Train, true) => match bias {
                 Some(LogitsBias::Relative(r)) => shifted(r.columns()),
+                // Summed to a dense (B, H, Tq, Tk) bias on this path: candle's ops instead.
+                Some(LogitsBias::Separable(_)) => false,
                 _ => true,
             },
             (_, false) => true,

@@ -6,5 +6,6 @@ mod fused_core;
 mod gradients;
 mod half_precision;
 mod plug;
+mod separable;
 mod threads;
 mod traits;

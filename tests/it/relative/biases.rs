@@ -472,10 +472,7 @@ fn shaw_gradients_match_torch(dev: &Device) -> anyhow::Result<()> {
 
 /// The dense bias a hook's answer stands for.
 fn dense_of(bias: Option<LogitsBias>, tq: usize, tk: usize) -> anyhow::Result<Tensor> {
-    Ok(match bias.expect("a bias") {
-        LogitsBias::Dense(t) => t,
-        LogitsBias::Relative(rows) => rows.to_dense(tq, tk)?,
-    })
+    Ok(bias.expect("a bias").to_dense(tq, tk)?)
 }
 
 /// Positions `start..start + len` as explicit ids.
