@@ -29,6 +29,7 @@ use crate::error::{check_var_builder, Result};
 use crate::plug::{PositionalEncoding, SchemeConfig};
 use crate::relative::alibi::AlibiConfig;
 use crate::relative::clipped_bias::ClippedBiasConfig;
+use crate::relative::fox::FoxConfig;
 use crate::relative::shaw::ShawConfig;
 use crate::relative::t5::T5Config;
 use crate::rotary::mixed::RopeMixedConfig;
@@ -114,6 +115,9 @@ pub enum EncodingConfig {
         RopeMixed(RopeMixedConfig) = "rope_mixed",
         /// [`ScaledSinusoidalPositionalEncoding`](crate::absolute::scaled_sinusoidal::ScaledSinusoidalPositionalEncoding).
         ScaledSinusoidal(ScaledSinusoidalConfig) = "scaled_sinusoidal",
+        /// [`ForgettingGates`](crate::relative::fox::ForgettingGates): FoX's forget gates, read
+        /// from the block's input.
+        Fox(FoxConfig) = "fox",
     }
 }
 

@@ -119,12 +119,13 @@ pub use encoding::EncodingConfig;
 pub use error::{Error, Result};
 pub use hf::{HfAttentionConfig, HfFamily};
 pub use plug::{
-    AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
-    RelativeValues, SeparableBias,
+    AttentionContext, Columns, Content, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
+    RelativeValues, SeparableBias, TokenStates,
 };
 pub use positions::{PositionIds, Positions};
 pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode, AlibiSlopes};
 pub use relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
+pub use relative::fox::{ForgettingGates, FoxConfig};
 pub use relative::shaw::{ShawConfig, ShawRelativePosition};
 pub use relative::t5::{T5Config, T5RelativeBias};
 pub use relative::{BucketedRelativeBias, RelativeBucketing};

@@ -51,6 +51,9 @@ fn small(c: &EncodingConfig) -> Option<(usize, usize)> {
         EncodingConfig::ScaledSinusoidal(s) => {
             (s.d_model <= 64 && s.max_len <= 4096).then_some((2, 4))
         }
+        EncodingConfig::Fox(f) => {
+            (f.d_model <= 64 && f.num_heads <= 16).then_some((f.num_heads, 4))
+        }
     }
 }
 
@@ -62,6 +65,7 @@ fn run(c: &EncodingConfig, data: &[u8]) {
         EncodingConfig::Sinusoidal(s) => s.d_model,
         EncodingConfig::Learned(l) => l.d_model,
         EncodingConfig::ScaledSinusoidal(s) => s.d_model,
+        EncodingConfig::Fox(f) => f.d_model,
         _ => 8,
     };
     let dev = Device::Cpu;

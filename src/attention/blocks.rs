@@ -26,7 +26,7 @@ use crate::error::{check_device, check_float, largest_finite, overflowed, shown,
 use crate::limits::check_elements;
 use crate::plug::{
     AttentionContext, Columns, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
-    RelativeValues,
+    RelativeValues, TokenStates,
 };
 use crate::positions::Positions;
 
@@ -211,6 +211,9 @@ pub(crate) struct Chunk<'a> {
     /// The block's own dtype (q, k and v may be widened to f32 for the fused core): an
     /// additive mask saturates to its range, as it would on the block's own ops.
     pub(crate) dtype: DType,
+    /// `(B, C, Tk)`: every key's per-token states, for an encoding that reads the block's
+    /// input (the chunk's tokens are the last `T`).
+    pub(crate) states: Option<Tensor>,
 }
 
 /// One query block's inputs, narrowed from the chunk.
@@ -618,7 +621,22 @@ impl Chunk<'_> {
         let tk = self.k.dim(2)?;
         let q_positions = narrowed_positions(self.q_positions, start, n, t)?;
         let k_positions = narrowed_positions(self.k_positions, 0, kv, tk)?;
-        let ctx = self.context(&q_positions, n, &k_positions, kv);
+        // Query row i's own token is key start + tk − t + i.
+        let first = start + tk - t;
+        let states = self
+            .states
+            .as_ref()
+            .map(|s| -> Result<TokenStates> {
+                Ok(TokenStates {
+                    queries: narrowed(s, 2, first, n, tk)?,
+                    keys: narrowed(s, 2, 0, kv, tk)?,
+                    first,
+                })
+            })
+            .transpose()?;
+        let ctx = self
+            .context(&q_positions, n, &k_positions, kv)
+            .with_states(states.as_ref());
         let q = narrowed(&self.q, 2, start, n, t)?;
         let (bias, values) = (e.logits_bias(&q, &ctx)?, e.value_term(&ctx)?);
         if let Some(values) = &values {

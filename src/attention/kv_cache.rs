@@ -20,6 +20,11 @@ const DEFAULT_CAPACITY: usize = 512;
 /// chunk does not fit, so appending a token costs O(1) amortised copies and the storage follows
 /// the tokens held ([`Self::capacity`]).
 ///
+/// Beside the keys it keeps the per-token states of an encoding that reads the block's input
+/// ([`Content::Input`](crate::plug::Content::Input): FoX's cumulative log gates), so that a
+/// chunk continues them; truncating, a failed call and a streaming cache's eviction treat them
+/// as the keys.
+///
 /// A clone is an independent cache (beam search, branching): clones share storage only until
 /// one of them appends, which first copies what it holds (copy on write), so no clone ever sees
 /// another's keys.
@@ -67,7 +72,13 @@ pub struct KvCache {
     owner: Arc<()>,
     /// `Some((sinks, window))`: a streaming cache (see [`Self::streaming`]).
     streaming: Option<(usize, usize)>,
+    /// `(B, C, len)`: the held tokens' states, for an encoding that reads its input
+    /// ([`Content::Input`](crate::plug::Content::Input)); detached.
+    states: Option<Tensor>,
 }
+
+/// What [`KvCache::append`] and [`KvCache::append_states`] change, to put back.
+pub(crate) type Mark = (usize, Option<Positions>, Option<Tensor>);
 
 impl Default for KvCache {
     fn default() -> Self {
@@ -98,6 +109,7 @@ impl KvCache {
             positions: None,
             owner: Arc::new(()),
             streaming: None,
+            states: None,
         }
     }
 
@@ -211,20 +223,71 @@ impl KvCache {
             // Exact, so `next_position` does not count the forgotten tokens.
             self.positions = Some(p.prefix(len)?);
         }
+        self.states = match &self.states {
+            Some(s) if len > 0 && s.dim(2)? >= len => Some(s.narrow(2, 0, len)?),
+            _ => None,
+        };
         self.len = len;
         Ok(())
     }
 
-    /// What [`Self::append`] changes (the length and the positions; storage past the length is
-    /// free to overwrite), to [`Self::restore`] when the chunk fails after it was appended.
-    pub(crate) fn mark(&self) -> (usize, Option<Positions>) {
-        (self.len, self.positions.clone())
+    /// What [`Self::append`] and [`Self::append_states`] change (the length, the positions and
+    /// the states; storage past the length is free to overwrite), to [`Self::restore`] when
+    /// the chunk fails after it was appended.
+    pub(crate) fn mark(&self) -> Mark {
+        (self.len, self.positions.clone(), self.states.clone())
     }
 
-    /// Puts back the length and positions of [`Self::mark`].
-    pub(crate) fn restore(&mut self, (len, positions): (usize, Option<Positions>)) {
+    /// Puts back the length, positions and states of [`Self::mark`].
+    pub(crate) fn restore(&mut self, (len, positions, states): Mark) {
         self.len = len;
         self.positions = positions;
+        self.states = states;
+    }
+
+    /// The held tokens' states `(B, C, len)`, when the tokens were appended with them.
+    pub(crate) fn states(&self) -> Option<&Tensor> {
+        self.states
+            .as_ref()
+            .filter(|s| s.dim(2).ok() == Some(self.len))
+    }
+
+    /// Appends the states `(B, C, n)` of the chunk [`Self::append`] just appended (its last
+    /// `n` tokens), returning every held token's, the chunk's still in the graph of `states`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for states whose batch or channels differ from the held ones, or
+    /// [`Error::InvalidConfig`] when the tokens held before the chunk were appended without
+    /// states (by a block whose encoding reads no input).
+    pub(crate) fn append_states(&mut self, states: &Tensor) -> Result<Tensor> {
+        let (b, c, n) = states.dims3()?;
+        let before = self.len.checked_sub(n).ok_or_else(|| {
+            Error::config("token states", n, "no more than the tokens just appended")
+        })?;
+        let all = match (before, &self.states) {
+            (0, _) => states.clone(),
+            (_, Some(held)) if held.dim(2)? == before => {
+                let (hb, hc, _) = held.dims3()?;
+                if (hb, hc) != (b, c) {
+                    return Err(Error::shape(
+                        "token states appended to the KV cache",
+                        format!("(batch {hb}, {hc} channels, T) like the held states"),
+                        states.shape(),
+                    ));
+                }
+                Tensor::cat(&[held, states], 2)?
+            }
+            _ => {
+                return Err(Error::config(
+                    "KV cache",
+                    "tokens held without their states",
+                    "a cache filled by this block: its encoding reads the block's input, \
+                     and the tokens before this chunk were cached by a block that does not",
+                ))
+            }
+        };
+        self.states = Some(all.detach());
+        Ok(all)
     }
 
     /// Drops everything.
@@ -237,6 +300,7 @@ impl KvCache {
         self.len = 0;
         self.positions = None;
         self.owner = Arc::new(());
+        self.states = None;
     }
 
     /// Appends a chunk and returns every cached key and value with the keys' positions.
@@ -352,6 +416,15 @@ impl KvCache {
                 let moved = t.narrow(2, self.start, sinks)?.force_contiguous()?;
                 t.slice_set(&moved, 2, self.start + drop)?;
             }
+        }
+        if let Some(s) = self
+            .states
+            .as_ref()
+            .filter(|s| s.dim(2).ok() == Some(self.len))
+        {
+            // The sinks' states, then the window's.
+            let window = s.narrow(2, self.len - (keep - sinks), keep - sinks)?;
+            self.states = Some(Tensor::cat(&[&s.narrow(2, 0, sinks)?, &window], 2)?);
         }
         self.start += drop;
         self.len = keep;
@@ -516,7 +589,7 @@ pub(crate) struct Frame {
 /// at any stage after the cache is opened leaves nothing of itself in the cache.
 pub(crate) struct CacheGuard<'c> {
     cache: Option<&'c mut KvCache>,
-    mark: Option<(usize, Option<Positions>)>,
+    mark: Option<Mark>,
 }
 
 impl<'c> CacheGuard<'c> {

@@ -44,7 +44,9 @@ use crate::error::{
 };
 use crate::graft::{graft, GraftBackward};
 use crate::limits::check_elements;
-use crate::plug::{check_input_answer, shares_storage, AttentionContext, PositionalEncoding};
+use crate::plug::{
+    check_input_answer, shares_storage, AttentionContext, Content, PositionalEncoding,
+};
 use crate::positions::Positions;
 
 /// Multi-head self-attention that consumes any [`PositionalEncoding`].
@@ -245,20 +247,27 @@ impl MultiHeadAttention {
             .with_causal(self.config.causal)
             .with_train(options.train)
             .with_sinks(self.config.sinks);
+        let input = x;
         let x = self.add_positions(x, &ctx, call.streaming)?;
         let differentiable = self.differentiable(&x, options);
         let (q, k, v) = self.project(&x, differentiable)?;
         let mut cache = CacheGuard::open(cache);
+        let fresh = self.token_states(input, &ctx, cache.get().map(|c| &*c))?;
         let (q, k, v, k_positions) = self.rotate_and_cache(q, k, v, &call, &ctx, cache.get())?;
+        let states = match (fresh, cache.get()) {
+            (Some(fresh), Some(cache)) => Some(cache.append_states(&fresh)?),
+            (fresh, _) => fresh,
+        };
         let dtype = v.dtype();
         let q = self.temper_queries(q, &call)?;
-        let chunk = self.chunk(
+        let mut chunk = self.chunk(
             &call,
             (q, k, v, dtype),
             &k_positions,
             differentiable,
             options,
         );
+        chunk.states = states;
         let attended = chunk.attend()?;
         let heads = attended.out.to_dtype(dtype)?;
         let output = self.merge_and_project(&heads, (call.b, call.t), differentiable)?;
@@ -334,6 +343,45 @@ impl MultiHeadAttention {
             ));
         }
         Ok(added)
+    }
+
+    /// The per-token states of the chunk's tokens, for an encoding that reads the block's
+    /// `input` ([`Content::Input`]), continuing those of the tokens `cache` holds: checked to
+    /// be `(B, C, T)` floats on the block's device, with as many channels as the held ones.
+    fn token_states(
+        &self,
+        input: &Tensor,
+        ctx: &AttentionContext,
+        cache: Option<&KvCache>,
+    ) -> Result<Option<Tensor>> {
+        let Some(e) = self.encoding.as_deref() else {
+            return Ok(None);
+        };
+        if e.content() != Content::Input {
+            return Ok(None);
+        }
+        let carried = cache.and_then(KvCache::states);
+        let Some(states) = e.token_states(input, carried, ctx)? else {
+            return Ok(None);
+        };
+        let what = "token states (the content hook's answer)";
+        let (b, t, _) = input.dims3()?;
+        let channels = carried.map(|c| c.dim(1)).transpose()?;
+        let fits = states.rank() == 3
+            && states.dim(0)? == b
+            && states.dim(2)? == t
+            && channels.is_none_or(|c| states.dim(1).ok() == Some(c));
+        if !fits {
+            let c = channels.map_or("C".to_string(), |c| c.to_string());
+            return Err(Error::shape(
+                what,
+                format!("({b}, {c}, {t}) = (batch, channels, the chunk's tokens)"),
+                states.shape(),
+            ));
+        }
+        check_float(what, states.dtype())?;
+        check_device(what, &states, input.device())?;
+        Ok(Some(states))
     }
 
     /// Whether the call keeps gradients: whenever anything upstream tracks them (the input,
@@ -456,6 +504,7 @@ impl MultiHeadAttention {
             return_weights: options.return_weights,
             encoding: self.encoding.as_deref(),
             dtype,
+            states: None,
         }
     }
 

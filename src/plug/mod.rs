@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | [`add_to_input`](PositionalEncoding::add_to_input) | `x + p[pos]` before the q/k/v projections | sinusoidal, learned |
 //! | [`rotate`](PositionalEncoding::rotate) | `q' = R(pos_q) q`, `k' = R(pos_k) k` after projection | rotary |
-//! | [`logits_bias`](PositionalEncoding::logits_bias) | `scores += b(pos_q, pos_k)`, may read `q` | ALiBi, T5, clipped bias, Shaw keys |
+//! | [`logits_bias`](PositionalEncoding::logits_bias) | `scores += b(pos_q, pos_k)`, may read `q` or per-token states | ALiBi, T5, clipped bias, Shaw keys, FoX |
 //! | [`value_term`](PositionalEncoding::value_term) | `out_i += Σ_j α_ij table[c(i, j)]` | Shaw values |
 //!
 //! Each hook receives an [`AttentionContext`]: the positions of the queries and keys, how many
@@ -23,7 +23,10 @@
 //! paths (a fused CPU core that reads the rows directly, a row pass, plain candle ops that
 //! expand them), and never looks at the concrete encoding type. Beside the hooks, an encoding
 //! may declare its [`Footprint`]: how wide its answers get per query, which the block sizes its
-//! query blocks from before it asks for any.
+//! query blocks from before it asks for any, and its [`Content`]: whether its answers read
+//! per-token states computed from the block's input (FoX's forget gates) through a fifth hook,
+//! [`PositionalEncoding::token_states`], whose answers the block (and its KV cache) keeps
+//! beside the keys.
 //!
 //! This module depends on neither the encodings nor the attention block; both depend on it.
 
@@ -77,6 +80,10 @@ pub struct AttentionContext<'a> {
     /// constant added along a logits row, so a bias may be given in a form that differs from
     /// its formula by one (ALiBi's per-key causal form); with them it may not.
     pub sinks: bool,
+    /// The per-token states of the block's queries and keys, for an encoding that declares
+    /// [`Content::Input`] (given to [`PositionalEncoding::logits_bias`] and
+    /// [`PositionalEncoding::value_term`]); `None` otherwise.
+    pub states: Option<&'a TokenStates>,
 }
 
 impl<'a> AttentionContext<'a> {
@@ -91,6 +98,7 @@ impl<'a> AttentionContext<'a> {
             masks_unseen: false,
             train: false,
             sinks: false,
+            states: None,
         }
     }
 
@@ -134,6 +142,42 @@ impl<'a> AttentionContext<'a> {
         self.sinks = sinks;
         self
     }
+
+    /// Sets the queries' and keys' per-token states.
+    pub fn with_states(mut self, states: Option<&'a TokenStates>) -> Self {
+        self.states = states;
+        self
+    }
+}
+
+/// What an encoding's answers read besides positions ([`PositionalEncoding::content`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Content {
+    /// Positions only (the default).
+    #[default]
+    Positions,
+    /// Per-token states computed from the block's input by
+    /// [`PositionalEncoding::token_states`]: the block keeps them beside its keys (a
+    /// [`KvCache`](crate::KvCache) holds the cached tokens' states) and hands each query
+    /// block's to the bias and value hooks ([`AttentionContext::states`]).
+    Input,
+}
+
+/// The per-token states of one query block's queries and keys, as the block hands them to
+/// the bias and value hooks of an encoding that reads its input ([`Content::Input`]).
+///
+/// # Shapes
+/// `queries`: `(B, C, Tq)`; `keys`: `(B, C, Tk)`, the cached tokens' first; query `i`'s own
+/// token is key `first + i`.
+#[derive(Debug, Clone)]
+pub struct TokenStates {
+    /// The queries' states, `(B, C, Tq)`.
+    pub queries: Tensor,
+    /// Every key's states, `(B, C, Tk)`.
+    pub keys: Tensor,
+    /// The key index of the first query's own token.
+    pub first: usize,
 }
 
 /// An additive term for the attention logits, as returned by
@@ -253,6 +297,37 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
     fn value_term(&self, ctx: &AttentionContext) -> Result<Option<RelativeValues>> {
         let _ = ctx;
         Ok(None)
+    }
+
+    /// Content hook: per-token states computed from the block's input, which the bias and
+    /// value hooks then read through [`AttentionContext::states`], for an encoding that
+    /// declares [`Content::Input`] (the block calls it for no other). `carried` holds the
+    /// states of the tokens a [`KvCache`](crate::KvCache) holds before this chunk, which a
+    /// state that runs over the sequence (a cumulative sum) continues; the block appends the
+    /// answer to them. Gradients flow from the answers back to `x` and to the encoding's
+    /// parameters.
+    ///
+    /// # Shapes
+    /// `x`: `(B, T, d_model)`, the block's input; `carried`: `(B, C, T_cached)`; returns
+    /// `(B, C, T)` (checked by the block).
+    ///
+    /// # Errors
+    /// Implementations report shape and range problems.
+    fn token_states(
+        &self,
+        x: &Tensor,
+        carried: Option<&Tensor>,
+        ctx: &AttentionContext,
+    ) -> Result<Option<Tensor>> {
+        let _ = (x, carried, ctx);
+        Ok(None)
+    }
+
+    /// A declaration, not a hook: what the answers read besides positions. With
+    /// [`Content::Input`] the block calls [`Self::token_states`] on its input and hands each
+    /// query block's states to the bias and value hooks. Default [`Content::Positions`].
+    fn content(&self) -> Content {
+        Content::Positions
     }
 
     /// A declaration, not a hook: how much of the answers for a query block of `ctx` grows

@@ -9,6 +9,7 @@
 
 pub mod alibi;
 pub mod clipped_bias;
+pub mod fox;
 pub mod shaw;
 pub mod t5;
 
