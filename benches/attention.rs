@@ -41,9 +41,10 @@ use candle_nn::{linear_no_bias, Linear, VarBuilder};
 use candle_posenc::plug::{AttentionContext, Columns, LogitsBias, RelativeValues};
 use candle_posenc::{
     Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig,
-    ClippedRelativeBias, KvCache, LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention,
-    PositionalEncoding, Positions, RopeConfig, RotaryEmbedding, ShawConfig, ShawRelativePosition,
-    SinusoidalConfig, SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
+    ClippedRelativeBias, ForgettingGates, FoxConfig, KvCache, LearnedConfig,
+    LearnedPositionalEncoding, MultiHeadAttention, PositionalEncoding, Positions, RopeConfig,
+    RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
+    SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
 };
 use std::sync::Arc;
 
@@ -177,8 +178,28 @@ fn cases(
         ),
         case("shaw_k64", Arc::new(shaw)),
         case("shaw_direct_k64", Arc::new(direct)),
+        // Both halves of gates, so that one case serves causal and bidirectional blocks (a
+        // causal block masks the reverse half's keys).
+        case(
+            "fox",
+            Arc::new(ForgettingGates::new(
+                &FoxConfig::new(d_model, heads).with_bidirectional(true),
+                vb.pp("fox"),
+            )?),
+        ),
     ])
 }
+
+/// The cases of the CPU training steps.
+const TRAINED: [&str; 7] = [
+    "none",
+    "rope",
+    "alibi",
+    "t5",
+    "clipped_bias",
+    "shaw_k64",
+    "fox",
+];
 
 fn block(
     case: &Case,
@@ -1113,7 +1134,7 @@ fn main() -> Result<()> {
     }
     let train_runs = if quick { 3 } else { 7 };
     for causal in [false, true].into_iter().filter(|_| section("training")) {
-        for name in ["none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"] {
+        for name in TRAINED {
             let varmap = candle_nn::VarMap::new();
             let tvb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dev);
             let trained = cases(d_model, heads, head_dim, t, &dev, &tvb)?;
@@ -1155,7 +1176,7 @@ fn main() -> Result<()> {
             "encoding", "before MiB", "peak MiB", "seconds"
         );
     }
-    for name in ["none", "rope", "alibi", "t5", "shaw_k64"]
+    for name in ["none", "rope", "alibi", "t5", "shaw_k64", "fox"]
         .into_iter()
         .filter(|_| section("training"))
     {

@@ -21,7 +21,8 @@ step of the block per encoding (forward, then autograd's backward of `sum(probe 
 input and every weight and table), medians of 7: no encoding and RoPE (HF's rotate-half, θ 10000)
 through SDPA's causal flag; ALiBi, T5 (32 buckets, 128 distance) and the clipped bias (k = 64) as
 a float mask that tracks gradients; Shaw (k = 64, keys and values) as eager attention whose
-relative terms are gathered from `q aᴷᵀ` rows and scattered back per distance. The counterpart of
+relative terms are gathered from `q aᴷᵀ` rows and scattered back per distance; FoX (both halves of
+gates, as x-transformers' `DataDependentAlibi`) as its dense float mask. The counterpart of
 `cargo bench --bench attention -- --only training`. `--decode` times one decoding step of the
 block (B1, one token) against a preallocated cache of L = 1024, 4096 and 16384 keys, the new
 key and value written in place: RoPE at the token's position (cos and sin of one row), or ALiBi
@@ -287,9 +288,11 @@ def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
     print(f"\ntraining step (forward + backward), B{b} H{h} T{t} D{d}")
     for causal in (False, True):
         tri = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
-        for name in ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"):
+        for name in ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64", "fox"):
             torch.manual_seed(0)
             proj = [torch.nn.Linear(dm, dm, bias=False) for _ in range(4)]
+            # FoX's gates, both halves (x-transformers' DataDependentAlibi, bidirectional).
+            gates = torch.nn.Linear(dm, 2 * h)
             x = torch.randn(b, t, dm, requires_grad=True)
             probe = torch.randn(b, t, dm)
             table = {
@@ -304,11 +307,20 @@ def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
             def split(y: torch.Tensor) -> torch.Tensor:
                 return y.view(b, t, h, d).transpose(1, 2)
 
-            def step(name=name, table=table, buckets=buckets, clipped=clipped) -> None:
+            def step(name=name, table=table, buckets=buckets, clipped=clipped, gates=gates) -> None:
                 q, k, v = (split(p(x)) for p in proj[:3])
                 mask, is_causal = None, causal
                 if name == "rope":
                     q, k = rope(q), rope(k)
+                elif name == "fox":
+                    # The dense (B, H, T, T) bias, as x-transformers builds it.
+                    c = F.logsigmoid(gates(x)).transpose(1, 2).cumsum(-1)
+                    fwd, rev = c[:, :h], c[:, h:]
+                    mask = (fwd[..., :, None] - fwd[..., None, :]).tril() + (
+                        rev[..., None, :] - rev[..., :, None]).triu()
+                    if causal:
+                        mask = mask.masked_fill(tri, float("-inf"))
+                    is_causal = False
                 elif name == "alibi":
                     mask = alibi_mask(h, t, causal)
                     is_causal = False
