@@ -171,6 +171,8 @@ pub(crate) struct Chunk<'a> {
     pub(crate) q: Tensor,
     /// The softmax scale, `1/√D` unless configured.
     pub(crate) scale: f64,
+    /// Whether `q` comes scaled already (by its projection).
+    pub(crate) q_scaled: bool,
     /// `(B, Hkv, Tk, D)`, cached keys included.
     pub(crate) k: Tensor,
     /// `(B, Hkv, Tk, D)`.
@@ -334,7 +336,11 @@ impl Chunk<'_> {
             Compute::F32 { .. } => self.q.to_dtype(DType::F32)?,
             Compute::AsGiven => self.q.clone(),
         };
-        self.q = (q * self.scale)?;
+        // (The fused cores read packed queries: a fresh tensor, or the projection's own.)
+        self.q = match self.q_scaled {
+            true => q.contiguous()?,
+            false => (q * self.scale)?,
+        };
         if compute == (Compute::F32 { tiles: false }) {
             self.k = self.k.to_dtype(DType::F32)?;
             self.v = self.v.to_dtype(DType::F32)?;

@@ -250,7 +250,7 @@ impl MultiHeadAttention {
         let input = x;
         let x = self.add_positions(x, &ctx, call.streaming)?;
         let differentiable = self.differentiable(&x, options);
-        let (q, k, v) = self.project(&x, differentiable)?;
+        let (q, k, v, q_scaled) = self.project(&x, differentiable)?;
         let mut cache = CacheGuard::open(cache);
         let fresh = self.token_states(input, &ctx, cache.get().map(|c| &*c))?;
         let (q, k, v, k_positions) = self.rotate_and_cache(q, k, v, &call, &ctx, cache.get())?;
@@ -268,6 +268,7 @@ impl MultiHeadAttention {
             options,
         );
         chunk.states = states;
+        chunk.q_scaled = q_scaled;
         let attended = chunk.attend()?;
         let heads = attended.out.to_dtype(dtype)?;
         let output = self.merge_and_project(&heads, (call.b, call.t), differentiable)?;
@@ -485,6 +486,7 @@ impl MultiHeadAttention {
             v,
             // (Latent attention's values are v_head_dim wide, padded to the heads.)
             scale: cfg.softmax_scale,
+            q_scaled: false,
             value_dim: cfg.latent.map_or(cfg.head_dim, |l| l.v_head_dim),
             q_positions: &call.positions,
             k_positions,
@@ -649,14 +651,14 @@ impl MultiHeadAttention {
     /// The projections split into heads (queries and keys normalised when configured): q
     /// `(B, H, T, D)`, k and v `(B, Hkv, T, D)`. Unless `differentiable`, they leave the graph,
     /// so they can be rotated and normalised in place.
-    fn project(&self, x: &Tensor, differentiable: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    fn project(&self, x: &Tensor, differentiable: bool) -> Result<(Tensor, Tensor, Tensor, bool)> {
         let cfg = &self.config;
         let (q, k, v) = match &self.projections {
             Projections::Separate { q, k, v } => (q, k, v),
             Projections::Latent(latent) => {
                 let (q, k, v) = latent.project(x)?;
                 let keep = |y: Tensor| if differentiable { y } else { y.detach() };
-                return Ok((keep(q), keep(k), keep(v)));
+                return Ok((keep(q), keep(k), keep(v), false));
             }
         };
         // On the CPU in f32 without norms: each projection written heads first by `gemm` and
@@ -665,8 +667,15 @@ impl MultiHeadAttention {
         let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
         let nodes = differentiable || rows > projection::FEW_ROWS;
         if nodes && self.qk_norm.is_none() && cfg.value_norm.is_none() {
-            if let Some(qkv) = self.project_nodes(x, (q, k, v.as_ref()))? {
-                return Ok(qkv);
+            // The softmax scale taken into the queries' node, where what follows is linear
+            // in q (no encoding, or a rotation alone): one pass and one node fewer.
+            let scale = match self.encoding.as_deref() {
+                None => cfg.softmax_scale as f32,
+                Some(e) if e.relative_rotation() => cfg.softmax_scale as f32,
+                Some(_) => 1.0,
+            };
+            if let Some((q, k, v)) = self.project_nodes(x, (q, k, v.as_ref()), scale)? {
+                return Ok((q, k, v, scale != 1.0));
             }
         }
         // `norm`: Some(false) queries, Some(true) keys (their norms), None values.
@@ -727,7 +736,12 @@ impl MultiHeadAttention {
             true => values.copy()?,
             false => values,
         };
-        Ok((split(queries, cfg.num_heads, Some(false))?, keys, values))
+        Ok((
+            split(queries, cfg.num_heads, Some(false))?,
+            keys,
+            values,
+            false,
+        ))
     }
 
     /// The projections written heads first ([`linear_node`]; nodes of the graph where
@@ -737,6 +751,7 @@ impl MultiHeadAttention {
         &self,
         x: &Tensor,
         (q, k, v): (&Linear, &Linear, Option<&Linear>),
+        q_scale: f32,
     ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
         let cfg = &self.config;
         let Ok((batch, len, _)) = x.dims3() else {
@@ -744,21 +759,23 @@ impl MultiHeadAttention {
         };
         // One copy of a strided input for all three (each node would make its own).
         let x = &x.contiguous()?;
-        let node = |linear: &Linear, heads: usize| {
+        let node = |linear: &Linear, heads: usize, scale: f32| {
             let arrange = Arrange::Heads {
                 batch,
                 len,
                 heads,
                 head_dim: cfg.head_dim,
             };
-            linear_node::linear(linear, x, arrange)
+            linear_node::scaled(linear, x, arrange, scale)
         };
-        let (Some(queries), Some(keys)) = (node(q, cfg.num_heads)?, node(k, cfg.num_kv_heads)?)
-        else {
+        let (Some(queries), Some(keys)) = (
+            node(q, cfg.num_heads, q_scale)?,
+            node(k, cfg.num_kv_heads, 1.0)?,
+        ) else {
             return Ok(None);
         };
         let values = match v {
-            Some(v) => match node(v, cfg.num_kv_heads)? {
+            Some(v) => match node(v, cfg.num_kv_heads, 1.0)? {
                 Some(values) => values,
                 None => return Ok(None),
             },

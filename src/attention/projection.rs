@@ -84,7 +84,7 @@ pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
         else {
             return matmul::linear(linear, &x);
         };
-        crate::cpu::gemm::linear(&mut y, (xd, wd, bias.as_deref()), (rows, out, inner))?;
+        crate::cpu::gemm::linear(&mut y, (xd, wd, bias.as_deref()), (rows, out, inner), 1.0)?;
     }
     let mut dims = x.dims().to_vec();
     if let Some(last) = dims.last_mut() {

@@ -15,10 +15,10 @@ pub(crate) unsafe fn product(
     rhs: (*const f32, usize, usize),
 ) {
     // SAFETY: the caller's contract.
-    unsafe { product_on(gemm::Parallelism::None, dims, dst, lhs, rhs) }
+    unsafe { product_on(gemm::Parallelism::None, dims, dst, lhs, rhs, 1.0) }
 }
 
-/// [`product`] on rayon's threads when it is large enough to share (2^17 multiply-adds or more;
+/// `scale ·` [`product`] on rayon's threads when it is large enough to share (2^17 multiply-adds or more;
 /// a decoding step's projection of one token is 2^18), else on this thread. Not for use inside
 /// a rayon task that holds the per-thread buffers.
 ///
@@ -29,6 +29,7 @@ pub(crate) unsafe fn product_parallel(
     dst: (*mut f32, usize, bool),
     lhs: (*const f32, usize, usize),
     rhs: (*const f32, usize, usize),
+    scale: f32,
 ) {
     let (m, n, k) = dims;
     let parallelism = match m.saturating_mul(n).saturating_mul(k) >= 1 << 17 {
@@ -36,7 +37,7 @@ pub(crate) unsafe fn product_parallel(
         false => gemm::Parallelism::None,
     };
     // SAFETY: the caller's contract.
-    unsafe { product_on(parallelism, dims, dst, lhs, rhs) }
+    unsafe { product_on(parallelism, dims, dst, lhs, rhs, scale) }
 }
 
 /// Rows up to which [`linear`] computes the output's columns: `gemm` then reads the weights in
@@ -44,7 +45,7 @@ pub(crate) unsafe fn product_parallel(
 /// pass over the weights that costs more than a few rows' products).
 const FEW_ROWS: usize = 64;
 
-/// `y (rows × out) = x (rows × in) · Wᵀ + b`, W `(out, in)`, all row-major, on rayon's threads
+/// `y (rows × out) = scale · (x (rows × in) · Wᵀ + b)`, W `(out, in)`, all row-major, on rayon's threads
 /// when large enough ([`product_parallel`]): the one linear product of both projection paths.
 /// Few rows are computed as the output's columns `W · xᵀ` (`gemm`'s native order, which reads
 /// the weights unpacked), then transposed into `y`.
@@ -55,6 +56,7 @@ pub(crate) fn linear(
     y: &mut [f32],
     (x, w, bias): (&[f32], &[f32], Option<&[f32]>),
     (rows, out, inner): (usize, usize, usize),
+    scale: f32,
 ) -> candle_core::Result<()> {
     assert!(y.len() >= rows * out && x.len() >= rows * inner && w.len() >= out * inner);
     assert!(bias.is_none_or(|b| b.len() >= out));
@@ -62,9 +64,9 @@ pub(crate) fn linear(
         return Ok(());
     }
     if let (true, Some(b)) = (rows > FEW_ROWS || inner == 0, bias) {
-        y.chunks_exact_mut(out)
-            .take(rows)
-            .for_each(|row| row.copy_from_slice(&b[..out]));
+        y.chunks_exact_mut(out).take(rows).for_each(|row| {
+            row.iter_mut().zip(b).for_each(|(y, &b)| *y = scale * b);
+        });
     }
     if inner == 0 {
         // No products: the bias, or the zeros `y` holds.
@@ -79,6 +81,7 @@ pub(crate) fn linear(
                 (y.as_mut_ptr(), out, bias.is_some()),
                 (x.as_ptr(), 1, inner),
                 (w.as_ptr(), inner, 1),
+                scale,
             )
         };
         return Ok(());
@@ -86,7 +89,7 @@ pub(crate) fn linear(
     let mut columns = super::zeroed(rows * out, "projection columns")?;
     if let Some(b) = bias {
         for (column, &bj) in columns.chunks_exact_mut(rows).zip(b) {
-            column.fill(bj);
+            column.fill(scale * bj);
         }
     }
     // SAFETY: W holds out × in values, x rows × in, `columns` out × rows (asserted and
@@ -97,6 +100,7 @@ pub(crate) fn linear(
             (columns.as_mut_ptr(), rows, bias.is_some()),
             (w.as_ptr(), 1, inner),
             (x.as_ptr(), inner, 1),
+            scale,
         )
     };
     for (r, row) in y.chunks_exact_mut(out).take(rows).enumerate() {
@@ -117,6 +121,7 @@ unsafe fn product_on(
     (dst, dst_rs, accumulate): (*mut f32, usize, bool),
     (lhs, lhs_cs, lhs_rs): (*const f32, usize, usize),
     (rhs, rhs_cs, rhs_rs): (*const f32, usize, usize),
+    scale: f32,
 ) {
     // Under Miri, a scalar product through the same pointers and strides, so that Miri checks
     // every address the views and the output hand out (gemm's SIMD kernels are outside what
@@ -135,7 +140,11 @@ unsafe fn product_on(
                 // SAFETY: the caller's contract: (i, j) lies inside dst, written by us alone.
                 unsafe {
                     let out = dst.add(i * dst_rs + j);
-                    *out = if accumulate { *out + acc } else { acc };
+                    *out = if accumulate {
+                        *out + scale * acc
+                    } else {
+                        scale * acc
+                    };
                 }
             }
         }
@@ -159,7 +168,7 @@ unsafe fn product_on(
             rhs_cs as isize,
             rhs_rs as isize,
             1.0,
-            1.0,
+            scale,
             false,
             false,
             false,

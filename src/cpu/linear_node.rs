@@ -50,6 +50,20 @@ pub(crate) enum Arrange {
 /// # Errors
 /// The output or its scratch rows cannot be allocated; candle's errors.
 pub(crate) fn linear(linear: &Linear, x: &Tensor, arrange: Arrange) -> Result<Option<Tensor>> {
+    scaled(linear, x, arrange, 1.0)
+}
+
+/// [`linear`] times `scale`, `scale · (x Wᵀ + b)`, in the same node (the queries' softmax scale
+/// taken into their projection instead of a pass of its own, forward and backward).
+///
+/// # Errors
+/// As [`linear`].
+pub(crate) fn scaled(
+    linear: &Linear,
+    x: &Tensor,
+    arrange: Arrange,
+    scale: f32,
+) -> Result<Option<Tensor>> {
     let w = linear.weight();
     let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     let Ok((out, inner)) = w.dims2() else {
@@ -88,6 +102,7 @@ pub(crate) fn linear(linear: &Linear, x: &Tensor, arrange: Arrange) -> Result<Op
         arrange,
         out,
         inner,
+        scale,
     };
     let (x, w) = (x.contiguous()?, w.contiguous()?);
     Ok(Some(match linear.bias() {
@@ -96,11 +111,12 @@ pub(crate) fn linear(linear: &Linear, x: &Tensor, arrange: Arrange) -> Result<Op
     }))
 }
 
-/// The op: its output's arrangement and the weight's `(out, in)`.
+/// The op: its output's arrangement, the weight's `(out, in)` and the factor on its output.
 struct Node {
     arrange: Arrange,
     out: usize,
     inner: usize,
+    scale: f32,
 }
 
 /// Scratch rows kept per thread up to this many values (64 MiB); larger ones are freed.
@@ -212,9 +228,9 @@ impl Node {
         let mut y = zeroed(rows * out, "projection output")?;
         let dims = (rows, out, inner);
         match self.heads() {
-            None => linear_product(&mut y, (x, w, bias), dims)?,
+            None => linear_product(&mut y, (x, w, bias), dims, self.scale)?,
             Some(heads) => with_scratch(rows * out, |scratch| {
-                linear_product(scratch, (x, w, bias), dims)?;
+                linear_product(scratch, (x, w, bias), dims, self.scale)?;
                 rows_to_heads(scratch, &mut y, heads);
                 Ok::<_, candle_core::Error>(())
             })??,
@@ -256,6 +272,7 @@ impl Node {
                     (rows, inner, out),
                     (g.as_ptr(), 1, out),
                     (wv.as_ptr(), 1, inner),
+                    self.scale,
                 )
             }?;
             // SAFETY: ∂yᵀ is read from rows × out values with column stride `out`; x holds
@@ -266,6 +283,7 @@ impl Node {
                     (out, inner, rows),
                     (g.as_ptr(), out, 1),
                     (xv.as_ptr(), 1, inner),
+                    self.scale,
                 )
             }?;
             let db = match bias.filter(|b| b.track_op()) {
@@ -274,6 +292,7 @@ impl Node {
                     for row in g.chunks_exact(out) {
                         db.iter_mut().zip(row).for_each(|(s, g)| *s += g);
                     }
+                    db.iter_mut().for_each(|s| *s *= self.scale);
                     Some(Tensor::from_vec(db, b.shape(), b.device())?)
                 }
                 None => None,
@@ -290,8 +309,8 @@ impl Node {
     }
 }
 
-/// `lhs · rhs`, `(m, n)` with `n` contiguous, as a tensor of `input`'s shape (its gradient),
-/// or `None` when `input` tracks no gradients.
+/// `scale · lhs · rhs`, `(m, n)` with `n` contiguous, as a tensor of `input`'s shape (its
+/// gradient), or `None` when `input` tracks no gradients.
 ///
 /// # Safety
 /// As [`product_parallel`]'s lhs and rhs: the views `(pointer, column stride, row stride)` of
@@ -301,13 +320,14 @@ unsafe fn gradient(
     (m, n, k): (usize, usize, usize),
     lhs: (*const f32, usize, usize),
     rhs: (*const f32, usize, usize),
+    scale: f32,
 ) -> candle_core::Result<Option<Tensor>> {
     if !input.track_op() {
         return Ok(None);
     }
     let mut grad = zeroed(m * n, "projection gradient")?;
     // SAFETY: the caller's contract; `grad` holds m × n values.
-    unsafe { product_parallel((m, n, k), (grad.as_mut_ptr(), n, false), lhs, rhs) };
+    unsafe { product_parallel((m, n, k), (grad.as_mut_ptr(), n, false), lhs, rhs, scale) };
     Ok(Some(Tensor::from_vec(grad, input.shape(), input.device())?))
 }
 
@@ -388,8 +408,12 @@ mod tests {
         let dev = Device::Cpu;
         let (b, heads, d, inner) = (2, 3, 4, 7);
         let out = heads * d;
-        // 10 rows (the output's columns computed) and 80 (its rows).
-        for (t, bias) in [5, 40].into_iter().flat_map(|t| [(t, false), (t, true)]) {
+        // 10 rows (the output's columns computed) and 80 (its rows); a factor on the output
+        // (the queries' softmax scale) or none.
+        let cases = [5, 40]
+            .into_iter()
+            .flat_map(|t| [(t, false, 1.0), (t, true, 1.0), (t, true, 0.37)]);
+        for (t, bias, scale) in cases {
             for (track_x, track_w) in [(true, true), (true, false), (false, true)] {
                 for strided in [false, true] {
                     for by_heads in [false, true] {
@@ -419,8 +443,9 @@ mod tests {
                                 head_dim: d,
                             },
                         };
-                        let got = super::linear(&linear, &x, arrange)?.expect("f32 on the CPU");
-                        let want = linear.forward(&x)?;
+                        let got = super::scaled(&linear, &x, arrange, scale as f32)?
+                            .expect("f32 on the CPU");
+                        let want = (linear.forward(&x)? * scale)?;
                         let want = match by_heads {
                             false => want,
                             true => want.reshape((b, t, heads, d))?.transpose(1, 2)?,
