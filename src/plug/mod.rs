@@ -345,7 +345,8 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
     /// the encoding has no other hook that reads positions. A streaming
     /// [`KvCache`](crate::KvCache) then keeps its keys rotated and a decoding step rotates
     /// only its own token and the cache's sinks, instead of every held key at its slot; the
-    /// rotation hook may then be handed keys with no queries (`(B, H, 0, D)`). Default
+    /// rotation hook may then be handed keys with no queries (`(B, H, 0, D)`), and queries
+    /// already multiplied by the softmax scale (the rotation is linear in them). Default
     /// `false`.
     fn relative_rotation(&self) -> bool {
         false
