@@ -35,8 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{check_normal_f32, learned, Result};
 
-/// Which features one statistic covers, and the scale's shape (the [module docs](self)'s
-/// table).
+/// Which features one statistic covers, and the scale's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QkNormScope {
