@@ -22,7 +22,7 @@
 //!   `G = H` causal or `2H` bidirectional (x-transformers' names under its
 //!   `data_dependent_alibi` module).
 //! - per-token states ([`PositionalEncoding::token_states`]): the cumulative sums `c`,
-//!   `(B, G, T)`, f32.
+//!   `(B, G, T)`, f64 in an f64 block and f32 otherwise.
 //! - bias: a [`SeparableBias`] with `a = c_q`, `c = −c_k` (and for keys after the query
 //!   `a = −r_q`, `c = r_k`), so that no `(Tq, Tk)` tensor is built on the fused paths.
 //!
@@ -215,7 +215,8 @@ impl ForgettingGates {
         &self.config
     }
 
-    /// The log gates `s · logsigmoid(x W_fᵀ + b_f)`, `(B, G, T)` f32.
+    /// The log gates `s · logsigmoid(x W_fᵀ + b_f)`, `(B, G, T)`, f64 for an f64 input and f32
+    /// otherwise.
     ///
     /// # Shapes
     /// `x`: `(B, T, d_model)`.
@@ -234,9 +235,9 @@ impl ForgettingGates {
         let w = self.weight.to_dtype(x.dtype())?;
         let z = broadcast_matmul(x, &w.t()?)?
             .broadcast_add(&self.bias.to_dtype(x.dtype())?)?
-            .to_dtype(DType::F32)?;
+            .to_dtype(work_dtype(x.dtype()))?;
         // logsigmoid(z) = min(z, 0) − ln(1 + e^−|z|), finite for every finite z.
-        let log_f = (z.minimum(0f32)? - z.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?)?;
+        let log_f = (z.minimum(0.0)? - z.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?)?;
         Ok((log_f * self.config.post_log_scale)?
             .transpose(1, 2)?
             .contiguous()?)
@@ -255,7 +256,7 @@ impl PositionalEncoding for ForgettingGates {
         let start = match carried {
             Some(c) if c.dim(2)? > 0 => {
                 let last = c.narrow(2, c.dim(2)? - 1, 1)?;
-                Some(last.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+                Some(last.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
             }
             _ => None,
         };
@@ -296,12 +297,24 @@ impl PositionalEncoding for ForgettingGates {
     }
 }
 
-/// `start[b·G + g] + Σ_{u ≤ t} log_f[b, g, u]` along the last axis of `(B, G, T)` f32, summed
-/// in f64 in order (as torch's CPU `cumsum`), with gradients flowing to `log_f` (the reverse
-/// cumulative sum of theirs).
-fn cumulative_sum(log_f: &Tensor, start: Option<Vec<f32>>) -> Result<Tensor> {
+/// The dtype the gates and their sums are kept in: f64 for an f64 block (its biases as exact
+/// as its logits), f32 otherwise.
+fn work_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// `start[b·G + g] + Σ_{u ≤ t} log_f[b, g, u]` along the last axis of `(B, G, T)`, summed in
+/// f64 in order (as torch's CPU `cumsum`) and kept in `log_f`'s dtype, with gradients flowing
+/// to `log_f` (the reverse cumulative sum of theirs).
+fn cumulative_sum(log_f: &Tensor, start: Option<Vec<f64>>) -> Result<Tensor> {
     let (b, g, t) = log_f.dims3()?;
-    let values = log_f.flatten_all()?.to_vec1::<f32>()?;
+    let values = log_f
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
     if start.as_ref().is_some_and(|s| s.len() != b * g) {
         return Err(Error::shape(
             "forget gates' carried sums",
@@ -309,19 +322,19 @@ fn cumulative_sum(log_f: &Tensor, start: Option<Vec<f32>>) -> Result<Tensor> {
             &candle_core::Shape::from(start.map_or(0, |s| s.len())),
         ));
     }
-    let mut sums = vec![0f32; values.len()];
+    let mut sums = vec![0f64; values.len()];
     for (row, (src, dst)) in values
         .chunks_exact(t.max(1))
         .zip(sums.chunks_exact_mut(t.max(1)))
         .enumerate()
     {
-        let mut acc = start.as_ref().map_or(0.0, |s| f64::from(s[row]));
+        let mut acc = start.as_ref().map_or(0.0, |s| s[row]);
         for (x, y) in src.iter().zip(dst) {
-            acc += f64::from(*x);
-            *y = acc as f32;
+            acc += *x;
+            *y = acc;
         }
     }
-    let sums = Tensor::from_vec(sums, (b, g, t), log_f.device())?;
+    let sums = Tensor::from_vec(sums, (b, g, t), log_f.device())?.to_dtype(log_f.dtype())?;
     match log_f.track_op() {
         true => graft(log_f, &sums, ReverseSum),
         false => Ok(sums),
@@ -337,14 +350,14 @@ impl GraftBackward for ReverseSum {
     fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
         let (b, g, t) = grad_y.dims3()?;
         let mut grad = grad_y
-            .to_dtype(DType::F32)?
+            .to_dtype(DType::F64)?
             .flatten_all()?
-            .to_vec1::<f32>()?;
+            .to_vec1::<f64>()?;
         for row in grad.chunks_exact_mut(t.max(1)) {
             let mut acc = 0f64;
             for x in row.iter_mut().rev() {
-                acc += f64::from(*x);
-                *x = acc as f32;
+                acc += *x;
+                *x = acc;
             }
         }
         Tensor::from_vec(grad, (b, g, t), grad_y.device())?.to_dtype(grad_y.dtype())

@@ -74,6 +74,10 @@ fn a_step_allocates_nothing_that_grows_with_the_cache() -> anyhow::Result<()> {
                 EncodingConfig::T5(_) | EncodingConfig::ClippedBias(_) => {
                     heads * (dtype.size_in_bytes() + widened)
                 }
+                // FoX's answer is a sum per key and gate (G = 2H, f32): the cache's states grow
+                // by concatenation and the keys' half reaches the core negated, three copies
+                // of G values per key (kept in place, as keys are, would leave one).
+                EncodingConfig::Fox(_) => 3 * (2 * heads) * 4,
                 _ => 0,
             };
             let allowed = rows * (long - short);

@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    AlibiConfig, AlibiMode, AttentionConfig, ClippedBiasConfig, EncodingConfig, LearnedConfig,
-    MultiHeadAttention, RopeConfig, RopeKernel, RopeLayout, RopeScaling, ScaledSinusoidalConfig,
-    ShawConfig, SinusoidalConfig, T5Config, YarnScaling,
+    AlibiConfig, AlibiMode, AttentionConfig, ClippedBiasConfig, EncodingConfig, FoxConfig,
+    LearnedConfig, MultiHeadAttention, RopeConfig, RopeKernel, RopeLayout, RopeScaling,
+    ScaledSinusoidalConfig, ShawConfig, SinusoidalConfig, T5Config, YarnScaling,
 };
 
 /// Positions the learned table covers (tests keep their positions below it).
@@ -51,6 +51,9 @@ pub fn configs(d_model: usize, num_heads: usize, head_dim: usize) -> Vec<Encodin
         EncodingConfig::ClippedBias(ClippedBiasConfig::new(num_heads, 4)),
         EncodingConfig::Shaw(ShawConfig::new(head_dim, 3).with_values(true)),
         EncodingConfig::ScaledSinusoidal(ScaledSinusoidalConfig::new(d_model)),
+        // Both halves of the gates: causal and bidirectional blocks alike (last: tests pick
+        // entries by index).
+        EncodingConfig::Fox(FoxConfig::new(d_model, num_heads).with_bidirectional(true)),
     ]
 }
 
