@@ -824,6 +824,8 @@ impl candle_posenc::plug::PositionalEncoding for Recorded {
         let width = match &bias {
             Some(LogitsBias::Relative(r)) => r.width(),
             Some(LogitsBias::Dense(t)) => t.dims().last().copied().unwrap_or(0),
+            // One value per key: as wide as the keys.
+            Some(LogitsBias::Separable(_)) => ctx.k_len,
             None => 0,
         };
         self.calls
