@@ -30,6 +30,7 @@ use crate::plug::{PositionalEncoding, SchemeConfig};
 use crate::relative::alibi::AlibiConfig;
 use crate::relative::clipped_bias::ClippedBiasConfig;
 use crate::relative::fox::FoxConfig;
+use crate::relative::inkling::InklingConfig;
 use crate::relative::shaw::ShawConfig;
 use crate::relative::t5::T5Config;
 use crate::rotary::mixed::RopeMixedConfig;
@@ -118,6 +119,9 @@ pub enum EncodingConfig {
         /// [`ForgettingGates`](crate::relative::fox::ForgettingGates): FoX's forget gates, read
         /// from the block's input.
         Fox(FoxConfig) = "fox",
+        /// [`InklingRelativeLogits`](crate::relative::inkling::InklingRelativeLogits): Inkling's
+        /// bias per backward distance, mixed per query from the block's input.
+        Inkling(InklingConfig) = "inkling",
     }
 }
 

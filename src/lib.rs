@@ -31,7 +31,7 @@
 //! `llama4_text`, `gemma4_text`, `pixtral`, `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`,
 //! `qwen3_vl_moe_text`, `phi3`, `gpt_neox`, `bloom`, `gpt2`, `gptj`, `falcon`, `t5`, `mpt`,
 //! `modernbert`, `deepseek_v2`, `deepseek_v3`, `kimi_k2`, `codegen`, `cohere`, `glm`, `glm4`,
-//! `helium`, `ernie4_5`, `phi4_multimodal`, the vision encoders `qwen2_vl_vision`,
+//! `helium`, `ernie4_5`, `inkling_text`, `phi4_multimodal`, the vision encoders `qwen2_vl_vision`,
 //! `qwen2_5_vl_vision`, `qwen3_vl_vision`, `qwen3_vl_moe_vision`, `gemma4_vision`, and the
 //! vision-language models
 //! `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe`, `llama4`, `gemma4` (their language
@@ -126,6 +126,7 @@ pub use positions::{PositionIds, Positions};
 pub use relative::alibi::{alibi_slopes, Alibi, AlibiConfig, AlibiMode, AlibiSlopes};
 pub use relative::clipped_bias::{ClippedBiasConfig, ClippedRelativeBias};
 pub use relative::fox::{ForgettingGates, FoxConfig};
+pub use relative::inkling::{InklingConfig, InklingRelativeLogits, LogScaling};
 pub use relative::shaw::{ShawConfig, ShawRelativePosition};
 pub use relative::t5::{T5Config, T5RelativeBias};
 pub use relative::{BucketedRelativeBias, RelativeBucketing};

@@ -20,7 +20,8 @@ use super::temperature::AttentionTemperature;
 /// `{"d_model": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "bias": false,
 /// "out_bias": false, "dropout": 0.0, "causal": false, "softmax_scale": 0.125, "qk_norm": null,
 /// "sliding_window": null, "attention_chunk": null, "attention_temperature": null,
-/// "logit_softcap": null, "sinks": false, "latent": null, "k_eq_v": false, "value_norm": null}`.
+/// "logit_softcap": null, "sinks": false, "latent": null, "k_eq_v": false, "value_norm": null,
+/// "short_conv": null}`.
 /// Only `d_model` and `num_heads` are required (`out_bias` defaults to `bias`); the other fields default as in [`AttentionConfig::new`] and its builders (a
 /// `head_dim` without a `softmax_scale` gives the scale `1 / √head_dim`). The runtime settings
 /// [`Self::query_block`] and [`Self::logits_budget`] are not serialised and read back as
@@ -80,6 +81,11 @@ pub struct AttentionConfig {
     /// RMS normalisation of each value head without a scale, with this ε (Gemma 4; default
     /// none).
     pub value_norm: Option<f64>,
+    /// Short causal convolutions of `K` taps on the projected keys and values, before the key
+    /// norm, with the projections as residuals (Inkling's `k_sconv`, `v_sconv`; default none):
+    /// weights `k_sconv.conv1d.weight` and `v_sconv.conv1d.weight`, `(Hkv·D, 1, K)`; a
+    /// [`KvCache`](super::KvCache) keeps their last `K − 1` inputs.
+    pub short_conv: Option<usize>,
     /// Queries per block: attention runs over blocks of this many queries, each against all
     /// its keys (exact softmax per block). `None` (the default) chooses it from the sequence
     /// and [`Self::logits_budget`]. A runtime setting, not stored in checkpoints.
@@ -130,6 +136,8 @@ struct AttentionConfigFields {
     k_eq_v: bool,
     #[serde(default)]
     value_norm: Option<f64>,
+    #[serde(default)]
+    short_conv: Option<usize>,
 }
 
 impl From<AttentionConfigFields> for AttentionConfig {
@@ -166,6 +174,7 @@ impl From<AttentionConfigFields> for AttentionConfig {
             .with_latent(f.latent)
             .with_k_eq_v(f.k_eq_v)
             .with_value_norm(f.value_norm)
+            .with_short_conv(f.short_conv)
     }
 }
 
@@ -206,6 +215,7 @@ impl AttentionConfig {
             latent: None,
             k_eq_v: false,
             value_norm: None,
+            short_conv: None,
             query_block: None,
             logits_budget: DEFAULT_LOGITS_BUDGET,
         }
@@ -281,6 +291,12 @@ impl AttentionConfig {
     /// Sets the scale-free RMS norm of the values (its ε; `None`: none).
     pub fn with_value_norm(mut self, eps: Option<f64>) -> Self {
         self.value_norm = eps;
+        self
+    }
+
+    /// Sets the short convolutions on the keys and values (their taps; `None`: none).
+    pub fn with_short_conv(mut self, taps: Option<usize>) -> Self {
+        self.short_conv = taps;
         self
     }
 
@@ -374,7 +390,8 @@ impl AttentionConfig {
     /// width is given), KV heads that do not divide the heads, a dropout outside `[0, 1)`, a
     /// scale, soft cap or query/key norm ε that is not a positive normal f32, a causal sliding
     /// window of 0, an attention chunk of 0 or in a bidirectional block, an attention
-    /// temperature out of range ([`AttentionTemperature::validate`]), a query block of 0, a logits budget of 0, or projection weights past
+    /// temperature out of range ([`AttentionTemperature::validate`]), short convolutions of 0 taps
+    /// (or past 2^16, or beside latent attention or `k_eq_v`), a query block of 0, a logits budget of 0, or projection weights past
     /// [`crate::limits::max_elements`].
     pub fn validate(&self) -> Result<()> {
         self.validate_heads()?;
@@ -388,6 +405,7 @@ impl AttentionConfig {
             check_normal_f32("value_norm", eps)?;
         }
         self.validate_latent()?;
+        self.validate_short_conv()?;
         if let Some(t) = &self.attention_temperature {
             t.validate()?;
         }
@@ -505,6 +523,24 @@ impl AttentionConfig {
                 ))
             }
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// Short convolutions of 1 to 2^16 taps, on separate key and value projections.
+    fn validate_short_conv(&self) -> Result<()> {
+        let Some(taps) = self.short_conv else {
+            return Ok(());
+        };
+        if taps == 0 || taps > 1 << 16 {
+            return Err(Error::config("short_conv", taps, "1 to 2^16 taps, or None"));
+        }
+        if self.latent.is_some() || self.k_eq_v {
+            return Err(Error::config(
+                "short_conv",
+                taps,
+                "None with latent attention or k_eq_v (the convolutions read separate key and value projections)",
+            ));
         }
         Ok(())
     }

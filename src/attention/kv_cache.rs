@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use super::short_conv::ConvState;
 use crate::error::{Error, Result};
 use crate::limits::max_elements;
 use crate::positions::Positions;
@@ -23,7 +24,10 @@ const DEFAULT_CAPACITY: usize = 512;
 /// Beside the keys it keeps the per-token states of an encoding that reads the block's input
 /// ([`Content::Input`](crate::plug::Content::Input): FoX's cumulative log gates), so that a
 /// chunk continues them; truncating, a failed call and a streaming cache's eviction treat them
-/// as the keys.
+/// as the keys. It also keeps the state of a block's short convolutions
+/// ([`AttentionConfig::short_conv`](crate::AttentionConfig::short_conv): the last inputs of
+/// its key and value convolutions), which eviction leaves as it is (it is the newest tokens')
+/// and which cannot be truncated back.
 ///
 /// A clone is an independent cache (beam search, branching): clones share storage only until
 /// one of them appends, which first copies what it holds (copy on write), so no clone ever sees
@@ -75,10 +79,13 @@ pub struct KvCache {
     /// `(B, C, len)`: the held tokens' states, for an encoding that reads its input
     /// ([`Content::Input`](crate::plug::Content::Input)); detached.
     states: Option<Tensor>,
+    /// The short convolutions' last inputs after the held tokens, when the block has them.
+    conv: Option<ConvState>,
 }
 
-/// What [`KvCache::append`] and [`KvCache::append_states`] change, to put back.
-pub(crate) type Mark = (usize, Option<Positions>, Option<Tensor>);
+/// What [`KvCache::append`], [`KvCache::append_states`] and [`KvCache::set_conv_state`]
+/// change, to put back.
+pub(crate) type Mark = (usize, Option<Positions>, Option<Tensor>, Option<ConvState>);
 
 impl Default for KvCache {
     fn default() -> Self {
@@ -110,6 +117,7 @@ impl KvCache {
             owner: Arc::new(()),
             streaming: None,
             states: None,
+            conv: None,
         }
     }
 
@@ -208,7 +216,8 @@ impl KvCache {
     /// speculative decoding, or one step undone); the storage is kept for the next appends.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if `len` is more than the cache holds.
+    /// [`Error::InvalidConfig`] if `len` is more than the cache holds, or less while it holds
+    /// a short convolution's state (which keeps only the newest tokens' inputs).
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len > self.len {
             return Err(Error::config(
@@ -216,6 +225,20 @@ impl KvCache {
                 len,
                 format!("at most the {} cached", self.len),
             ));
+        }
+        if len < self.len && len > 0 && self.conv.is_some() {
+            return Err(Error::config(
+                "cached tokens to keep",
+                len,
+                format!(
+                    "all {} cached, or none: the cache holds a short convolution's state, \
+                     the inputs after its last token only",
+                    self.len
+                ),
+            ));
+        }
+        if len == 0 {
+            self.conv = None;
         }
         if len == 0 {
             self.positions = None;
@@ -235,14 +258,31 @@ impl KvCache {
     /// the states; storage past the length is free to overwrite), to [`Self::restore`] when
     /// the chunk fails after it was appended.
     pub(crate) fn mark(&self) -> Mark {
-        (self.len, self.positions.clone(), self.states.clone())
+        (
+            self.len,
+            self.positions.clone(),
+            self.states.clone(),
+            self.conv.clone(),
+        )
     }
 
     /// Puts back the length, positions and states of [`Self::mark`].
-    pub(crate) fn restore(&mut self, (len, positions, states): Mark) {
+    pub(crate) fn restore(&mut self, (len, positions, states, conv): Mark) {
         self.len = len;
         self.positions = positions;
         self.states = states;
+        self.conv = conv;
+    }
+
+    /// The short convolutions' state after the held tokens, when they left one (none in an
+    /// empty cache).
+    pub(crate) fn conv_state(&self) -> Option<&ConvState> {
+        self.conv.as_ref().filter(|_| self.len > 0)
+    }
+
+    /// Keeps the short convolutions' state after the chunk just appended.
+    pub(crate) fn set_conv_state(&mut self, state: ConvState) {
+        self.conv = Some(state);
     }
 
     /// The held tokens' states `(B, C, len)`, when the tokens were appended with them.
@@ -301,6 +341,7 @@ impl KvCache {
         self.positions = None;
         self.owner = Arc::new(());
         self.states = None;
+        self.conv = None;
     }
 
     /// Appends a chunk and returns every cached key and value with the keys' positions.

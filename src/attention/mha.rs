@@ -3,6 +3,7 @@
 //! ```text
 //! x' = enc.add_to_input(x)
 //! q = x' W_qᵀ, k = x' W_kᵀ, v = x' W_vᵀ              split into H (q) and Hkv (k, v) heads
+//! k, v = k + conv_k(k), v + conv_v(v)                short causal convolutions, when configured
 //! q, k = q_norm(q), k_norm(k)                        when configured (RMS, per head or all)
 //! q, k = enc.rotate(q, k)
 //! q = q · (1 + s·ln(1 + ⌊(p + 1)/f⌋))                attention temperature, when configured
@@ -36,6 +37,7 @@ use super::latent::LatentProjections;
 use super::mask::check_padding;
 use super::projection::{self, parts};
 use super::qk_norm::{rms_normalized, QkNorm};
+use super::short_conv::{ConvState, ShortConvs};
 use super::streaming;
 use crate::cpu::linear_node::{self, Arrange};
 use crate::cpu::pool::on_pool;
@@ -79,6 +81,8 @@ pub struct MultiHeadAttention {
     projections: Projections,
     o_proj: Linear,
     qk_norm: Option<QkNorm>,
+    /// Short convolutions on the keys and values.
+    short_conv: Option<ShortConvs>,
     /// `(H)` learned sink logits.
     sinks: Option<Tensor>,
     encoding: Option<Arc<dyn PositionalEncoding>>,
@@ -155,6 +159,10 @@ impl MultiHeadAttention {
             .as_ref()
             .map(|norm| QkNorm::new(norm, (config.num_heads, config.num_kv_heads, hd), &vb))
             .transpose()?;
+        let short_conv = config
+            .short_conv
+            .map(|taps| ShortConvs::new(taps, config.num_kv_heads * hd, &vb))
+            .transpose()?;
         let sinks = match config.sinks {
             true => Some(learned(
                 &vb,
@@ -170,6 +178,7 @@ impl MultiHeadAttention {
             projections,
             o_proj,
             qk_norm,
+            short_conv,
             sinks,
             encoding,
         };
@@ -250,8 +259,12 @@ impl MultiHeadAttention {
         let input = x;
         let x = self.add_positions(x, &ctx, call.streaming)?;
         let differentiable = self.differentiable(&x, options);
-        let (q, k, v, q_scaled) = self.project(&x, differentiable)?;
         let mut cache = CacheGuard::open(cache);
+        let conv = self.conv_input(&call, cache.get().map(|c| &*c))?;
+        let (q, k, v, conv_state, q_scaled) = self.project(&x, differentiable, conv)?;
+        if let (Some(state), Some(cache)) = (conv_state, cache.get()) {
+            cache.set_conv_state(state);
+        }
         let fresh = self.token_states(input, &ctx, cache.get().map(|c| &*c))?;
         let (q, k, v, k_positions) = self.rotate_and_cache(q, k, v, &call, &ctx, cache.get())?;
         let states = match (fresh, cache.get()) {
@@ -344,6 +357,35 @@ impl MultiHeadAttention {
             ));
         }
         Ok(added)
+    }
+
+    /// What the short convolutions read besides the chunk, when the block has them: the
+    /// state the cache holds and the chunk's part of the padding mask.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a cache that holds tokens without a convolution state
+    /// (filled by a block without short convolutions).
+    fn conv_input(&self, call: &Call, cache: Option<&KvCache>) -> Result<Option<ConvInput>> {
+        if self.short_conv.is_none() {
+            return Ok(None);
+        }
+        let state = match cache {
+            Some(c) if !c.is_empty() => Some(c.conv_state().cloned().ok_or_else(|| {
+                Error::config(
+                    "KV cache",
+                    "tokens held without a short convolution state",
+                    "a cache filled by this block (its keys and values are convolved over \
+                     the tokens before the chunk)",
+                )
+            })?),
+            _ => None,
+        };
+        let keep = call
+            .padding
+            .as_ref()
+            .map(|p| p.narrow(1, call.cached, call.t))
+            .transpose()?;
+        Ok(Some(ConvInput { state, keep }))
     }
 
     /// The per-token states of the chunk's tokens, for an encoding that reads the block's
@@ -639,6 +681,7 @@ impl MultiHeadAttention {
         };
         held.extend(parts(&self.o_proj));
         held.extend(self.qk_norm.iter().flat_map(QkNorm::held));
+        held.extend(self.short_conv.iter().flat_map(ShortConvs::held));
         held.extend(&self.sinks);
         held
     }
@@ -648,17 +691,24 @@ impl MultiHeadAttention {
         self.held().into_iter().any(Tensor::track_op)
     }
 
-    /// The projections split into heads (queries and keys normalised when configured): q
-    /// `(B, H, T, D)`, k and v `(B, Hkv, T, D)`. Unless `differentiable`, they leave the graph,
-    /// so they can be rotated and normalised in place.
-    fn project(&self, x: &Tensor, differentiable: bool) -> Result<(Tensor, Tensor, Tensor, bool)> {
+    /// The projections split into heads (keys and values convolved, queries and keys
+    /// normalised, when configured): q `(B, H, T, D)`, k and v `(B, Hkv, T, D)`, and the
+    /// convolutions' state after the chunk, and whether q comes scaled by the softmax scale.
+    /// Unless `differentiable`, they leave the graph, so they can be rotated and normalised in
+    /// place.
+    fn project(
+        &self,
+        x: &Tensor,
+        differentiable: bool,
+        conv: Option<ConvInput>,
+    ) -> Result<Projected> {
         let cfg = &self.config;
         let (q, k, v) = match &self.projections {
             Projections::Separate { q, k, v } => (q, k, v),
             Projections::Latent(latent) => {
                 let (q, k, v) = latent.project(x)?;
                 let keep = |y: Tensor| if differentiable { y } else { y.detach() };
-                return Ok((keep(q), keep(k), keep(v), false));
+                return Ok((keep(q), keep(k), keep(v), None, false));
             }
         };
         // On the CPU in f32 without norms: each projection written heads first by `gemm` and
@@ -666,7 +716,8 @@ impl MultiHeadAttention {
         // (a decoding step) take the one pass over all three weights below instead.
         let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
         let nodes = differentiable || rows > projection::FEW_ROWS;
-        if nodes && self.qk_norm.is_none() && cfg.value_norm.is_none() {
+        let plain = self.qk_norm.is_none() && cfg.value_norm.is_none() && conv.is_none();
+        if nodes && plain {
             // The softmax scale taken into the queries' node, where what follows is linear
             // in q (no encoding, or a rotation alone): one pass and one node fewer.
             let scale = match self.encoding.as_deref() {
@@ -675,7 +726,7 @@ impl MultiHeadAttention {
                 Some(_) => 1.0,
             };
             if let Some((q, k, v)) = self.project_nodes(x, (q, k, v.as_ref()), scale)? {
-                return Ok((q, k, v, scale != 1.0));
+                return Ok((q, k, v, None, scale != 1.0));
             }
         }
         // `norm`: Some(false) queries, Some(true) keys (their norms), None values.
@@ -725,6 +776,14 @@ impl MultiHeadAttention {
             ));
         };
         let values = ys.next().unwrap_or_else(|| keys.clone());
+        let (keys, values, conv_state) = match (&self.short_conv, conv) {
+            (Some(convs), Some(input)) => {
+                let (k, v, state) =
+                    convs.apply((&keys, &values), input.state.as_ref(), input.keep.as_ref())?;
+                (k, v, Some(state))
+            }
+            _ => (keys, values, None),
+        };
         let (keys, values) = (
             split(keys, cfg.num_kv_heads, Some(true))?,
             split(values, cfg.num_kv_heads, None)?,
@@ -736,12 +795,8 @@ impl MultiHeadAttention {
             true => values.copy()?,
             false => values,
         };
-        Ok((
-            split(queries, cfg.num_heads, Some(false))?,
-            keys,
-            values,
-            false,
-        ))
+        let queries = split(queries, cfg.num_heads, Some(false))?;
+        Ok((queries, keys, values, conv_state, false))
     }
 
     /// The projections written heads first ([`linear_node`]; nodes of the graph where
@@ -848,6 +903,18 @@ impl MultiHeadAttention {
             )
         })?))
     }
+}
+
+/// What [`MultiHeadAttention::project`] gives: q, k, v, the short convolutions' state after
+/// the chunk, and whether q comes scaled by the softmax scale.
+type Projected = (Tensor, Tensor, Tensor, Option<ConvState>, bool);
+
+/// What the short convolutions read besides the chunk.
+struct ConvInput {
+    /// The state the cache holds (`None`: zeros, the start of the sequence).
+    state: Option<ConvState>,
+    /// The chunk's part of the padding mask, `(B, T)` 0/1.
+    keep: Option<Tensor>,
 }
 
 /// One call's settings, checked by [`MultiHeadAttention::check_call`] and read by the stages

@@ -37,6 +37,7 @@ mod mask;
 mod mha;
 mod projection;
 mod qk_norm;
+mod short_conv;
 mod streaming;
 mod temperature;
 mod unfused;

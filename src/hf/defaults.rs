@@ -25,6 +25,7 @@
 //! | `cohere2` | 10000 | heads | width / heads (the class sets it, then a file's `head_dim` replaces it) | 8192 | `sliding_window` 4096 |
 //! | `llama4_text` | 500000 | 8 | 128 | 131072 | |
 //! | `gemma4_text` | per layer type (`rope_parameters`, read in `hf::gemma4`): 10000 on sliding layers, proportional RoPE over a quarter of the frequencies at 1e6 on full ones; a top-level `rope_theta` is not read | 4; full layers `num_global_key_value_heads` under `attention_k_eq_v` | 256; full layers `global_head_dim` 512 | 131072 | `sliding_window` 512; every sixth layer and the last one full; `per_layer_config` replaces the full layers' widths |
+//! | `inkling_text` | — (no RoPE) | 8; sliding layers `swa_num_key_value_heads` 16 | 128; sliding layers `swa_head_dim` 128 | — | `sliding_window_size` 512, every sixth layer full (`local_layer_ids`, `layer_types`); sliding layers `swa_num_attention_heads` 64; `d_rel` 16, `rel_extent` 1024, `conv_kernel_size` 4, `log_scaling_n_floor` none, `log_scaling_alpha` 0.1 |
 //! | `phi3` | 10000 | heads | width / heads | 4096 | `original_max_position_embeddings` 4096 |
 //! | `qwen2_vl_text`, `qwen2_5_vl_text` | 1e6 | 8 | width / heads | 32768 | `mrope_section` [16, 24, 24]; `max_window_layers` 80 |
 //! | `qwen3_vl_text` | 500000 | 32 | 128 | 128000 | `mrope_section` [24, 20, 20], always interleaved; no sliding window |

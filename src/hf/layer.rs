@@ -13,6 +13,7 @@ use super::codegen;
 use super::deepseek;
 use super::defaults::LOCAL_ROPE_THETA;
 use super::gemma4;
+use super::inkling;
 use super::json::{first, parse_root, problem, Obj};
 use super::llama4;
 use super::pattern::{
@@ -24,7 +25,7 @@ use super::registry::{
 };
 use super::rope::rope_of_file;
 use super::shared::SharedEncodings;
-use super::weights::{remap, QkvLayout, WeightLayout};
+use super::weights::{remap, QkvLayout, Shared, WeightLayout};
 use crate::attention::{AttentionConfig, MultiHeadAttention, QkNormConfig, QkNormScope};
 use crate::encoding::EncodingConfig;
 use crate::error::{Error, Result};
@@ -39,11 +40,13 @@ use crate::rotary::RopeConfig;
 pub enum HfFamily {
     /// `llama`, `mistral`, `ministral`, `starcoder2`, `qwen2`, `qwen3`, `gemma`, `gemma2`,
     /// `gemma3_text`, `olmo2`, `gpt_oss`, `smollm3`, `cohere`, `cohere2`, `llama4_text`,
-    /// `gemma4_text`, `glm`, `glm4`, `helium`, `ernie4_5`, `pixtral` and the Qwen-VL text
+    /// `gemma4_text`, `glm`, `glm4`, `helium`, `ernie4_5`, `inkling_text`, `pixtral` and the Qwen-VL text
     /// models (`qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`, `qwen3_vl_moe_text`):
     /// `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` for Qwen3, Gemma 3,
-    /// OLMo 2 and Cohere; `sinks` for gpt-oss); RoPE (none on the NoPE layers of SmolLM3 and
-    /// Llama 4 and on Cohere2's full-attention layers).
+    /// OLMo 2, Cohere and Inkling; `sinks` for gpt-oss; Inkling's short convolutions
+    /// `k_sconv`, `v_sconv`); RoPE (none on the NoPE layers of SmolLM3 and Llama 4 and on
+    /// Cohere2's full-attention layers; Inkling's relative logits, `r_proj` and
+    /// `rel_logits_proj.proj`, instead).
     Llama,
     /// `phi3`, `phi4_multimodal`: fused `qkv_proj` (rows `[q; k; v]`), `o_proj`; RoPE
     /// (LongRoPE), partial with `partial_rotary_factor`.
@@ -130,6 +133,12 @@ impl HfFamily {
 ///   on sliding layers, proportional over a quarter at 1e6 on full ones) unless the file
 ///   nests its own; q/k norms, the values' scale-free norm, `attention_k_eq_v` on full layers,
 ///   a scale of 1; KV-sharing layers and bidirectional attention are refused;
+/// - Inkling (`inkling_text`, see `hf::inkling`): `layer_types` (`hybrid`, `hybrid_sliding`)
+///   or `local_layer_ids`, the sliding layers' `swa_num_attention_heads`,
+///   `swa_num_key_value_heads`, `swa_head_dim` and `sliding_window_size`, the scale
+///   `1/head_dim`, the short convolutions' `conv_kernel_size`, and its relative logits (`d_rel`,
+///   `rel_extent`, the window on sliding layers; `log_scaling_n_floor`, `log_scaling_alpha` on
+///   full layers);
 /// - Llama 4's chunked attention on its RoPE layers (`attention_chunk_size`, or `layer_types`)
 ///   and its attention temperature on its NoPE layers (`attn_temperature_tuning`,
 ///   `attn_scale`, `floor_scale`);
@@ -384,11 +393,28 @@ impl HfAttentionConfig {
         // table's shape comes from the encoding).
         self.attention.validate()?;
         self.encoding.validate()?;
-        let table = match (&self.encoding, with_table) {
-            (EncodingConfig::T5(t5), true) => Some((t5.num_buckets, t5.num_heads)),
-            _ => None,
-        };
-        remap(&self.layout(), &self.attention, table, vb)
+        let mut shared: Vec<Shared> = Vec::new();
+        match (&self.encoding, with_table) {
+            (EncodingConfig::T5(t5), true) => shared.push((
+                "relative_attention_bias.weight",
+                vec![t5.num_buckets, t5.num_heads],
+            )),
+            (EncodingConfig::Inkling(rel), true) => {
+                shared.push((
+                    "r_proj.weight",
+                    vec![rel.num_heads * rel.d_rel, rel.d_model],
+                ));
+                shared.push(("rel_logits_proj.proj", vec![rel.d_rel, rel.rel_extent]));
+            }
+            _ => {}
+        }
+        if let Some(taps) = self.attention.short_conv {
+            let channels = self.attention.num_kv_heads * self.attention.head_dim;
+            for name in ["k_sconv.conv1d.weight", "v_sconv.conv1d.weight"] {
+                shared.push((name, vec![channels, 1, taps]));
+            }
+        }
+        remap(&self.layout(), &self.attention, &shared, vb)
     }
 
     /// Where this layer's family keeps its weights.
@@ -504,6 +530,9 @@ impl LayerFile<'_> {
                 attention = attention.with_kv_heads(kv);
                 keys.set("num_kv_heads", key);
             }
+        }
+        if self.spec.quirks == Quirks::Inkling {
+            attention = inkling::sizes(top, self.kind, attention, keys)?;
         }
         Ok(attention)
     }
@@ -635,6 +664,9 @@ impl LayerFile<'_> {
             attention = gemma4::vision(top, attention)?;
             keys.set("value_norm", "rms_norm_eps");
         }
+        if self.spec.quirks == Quirks::Inkling {
+            attention = inkling::attention(top, attention, keys)?;
+        }
         Ok(attention)
     }
 
@@ -722,6 +754,11 @@ impl LayerFile<'_> {
                 AlibiConfig::new(heads).with_slopes(AlibiSlopes::Mpt { max_bias: 8.0 }),
             ),
             HfFamily::T5 => EncodingConfig::T5(t5_buckets(top, heads, keys)?),
+            _ if self.spec.quirks == Quirks::Inkling => {
+                let rel = inkling::encoding(top, self.kind, attention, keys)?;
+                rel.validate().map_err(|e| blame(e, keys))?;
+                EncodingConfig::Inkling(rel)
+            }
             _ if !uses_rope(top, self.spec, self.layer)? => EncodingConfig::None,
             _ => EncodingConfig::Rotary(self.rope(text, attention)?),
         })

@@ -18,6 +18,7 @@
 //! | `qwen2_vl_text`, `qwen2_5_vl_text`, `qwen3_vl_text`, `qwen3_vl_moe_text` | `q_proj`, `k_proj`, `v_proj` (+ `q_norm`, `k_norm`) | `o_proj` | multimodal RoPE |
 //! | `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe`, `llama4`, `gemma4` | their language model's, read from `text_config` (Qwen2-VL's and Qwen2.5-VL's also from a flat file) | | |
 //! | `pixtral` | `q_proj`, `k_proj`, `v_proj` | `o_proj` | axial 2-D RoPE, bidirectional |
+//! | `inkling_text` | `q_proj`, `k_proj`, `v_proj`, `q_norm`, `k_norm`, `k_sconv`, `v_sconv` (short convolutions) | `o_proj` | Inkling's relative logits (`r_proj`, `rel_logits_proj.proj`), log-n scaling on full layers |
 //! | `phi3`, `phi4_multimodal` | `qkv_proj`, rows `[q; k; v]` | `o_proj` | RoPE (LongRoPE), partial with `partial_rotary_factor` |
 //! | `gpt_neox` | `query_key_value`, rows `(H, 3, D)` | `dense` | partial RoPE |
 //! | `bloom` | `query_key_value`, rows `(H, 3, D)` | `dense` | ALiBi |
@@ -41,6 +42,7 @@ mod deepseek;
 pub(crate) mod defaults;
 mod gemma4;
 pub mod gguf;
+mod inkling;
 pub(crate) mod json;
 pub mod layer;
 mod llama4;

@@ -5,6 +5,7 @@
 
 use serde_json::Value;
 
+use super::inkling;
 use super::json::{first, problem, Obj};
 use super::llama4;
 use super::registry::{Layers, ModelSpec, RopeLayers, Scale, Window};
@@ -52,6 +53,9 @@ fn window_size(top: &Obj, spec: &ModelSpec) -> Result<Option<usize>> {
 pub(super) fn layer_kind(top: &Obj, spec: &ModelSpec, layer: usize) -> Result<LayerKind> {
     if spec.layers == Layers::Chunked {
         return llama4::layer_kind(top, spec, layer);
+    }
+    if spec.layers == Layers::Hybrid {
+        return inkling::layer_kind(top, layer);
     }
     let window = window_size(top, spec)?;
     // (Qwen2.5-VL's vision layers outside its list are refused before: `refuse_windowed`.)
@@ -159,7 +163,7 @@ fn pattern_slides(top: &Obj, spec: &ModelSpec, layer: usize) -> Result<bool> {
         }
         // Ministral's class lists every layer as sliding when the model has a window.
         Layers::Listed => true,
-        Layers::Uniform | Layers::Chunked | Layers::FullListed { .. } => false,
+        Layers::Uniform | Layers::Chunked | Layers::FullListed { .. } | Layers::Hybrid => false,
     })
 }
 
@@ -303,6 +307,15 @@ pub(super) fn layers_differ(top: &Obj, spec: &ModelSpec) -> Result<Option<&'stat
         && first(top, &["n_layer", "num_hidden_layers"]).map_or(true, |(n, _)| n > 1)
     {
         return Ok(Some("scale_attn_by_inverse_layer_idx"));
+    }
+    if spec.layers == Layers::Hybrid {
+        let first_kind = layer_kind(top, spec, 0)?;
+        for layer in 1..inkling::layers(top)?.min(1 << 16) {
+            if layer_kind(top, spec, layer)? != first_kind {
+                return Ok(Some("layer_types"));
+            }
+        }
+        return Ok(None);
     }
     let windows = window_size(top, spec)?.is_some();
     let no_rope = matches!(spec.rope_layers, RopeLayers::NoRopeList { .. });

@@ -195,6 +195,8 @@ pub(crate) enum Layers {
     },
     /// Llama 4's chunked RoPE layers.
     Chunked,
+    /// Inkling's `hybrid` and `hybrid_sliding` layers (`hf::inkling`).
+    Hybrid,
 }
 
 /// Which layers rotate q and k.
@@ -308,6 +310,9 @@ pub(crate) enum Quirks {
     Llama4,
     /// Gemma 4's vision encoder: values normalised, no softmax scale (`hf::gemma4::vision`).
     Gemma4Vision,
+    /// Inkling's sliding layers' own heads, scale, short convolutions and relative logits
+    /// (`hf::inkling`).
+    Inkling,
 }
 
 /// The width keys of most models, first found first.
@@ -947,6 +952,18 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         null_kv_heads: true,
         null_head_dim: true,
         ..LLAMA_INTERLEAVED
+    },
+    // Inkling's language model: no RoPE but relative logits read from the input, q/k norms,
+    // short convolutions on k and v, full and sliding layers with their own heads.
+    ModelSpec {
+        model_type: "inkling_text",
+        defaults: defaults(10_000.0, Some(8), Some(128), 131_072, Some(512)),
+        bias: Bias::None,
+        qk_norm: QkNorm::PerHead,
+        layers: Layers::Hybrid,
+        rope: no_rope("Inkling's relative logits"),
+        quirks: Quirks::Inkling,
+        ..LLAMA_LIKE
     },
     // Phi-4-multimodal's language model: Phi-3's attention and rotation.
     ModelSpec {

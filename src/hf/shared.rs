@@ -22,6 +22,8 @@ use crate::plug::PositionalEncoding;
 /// later layers with that configuration reuse it, as HF's T5 does with its first layer's
 /// bias. Keep one `SharedEncodings` per stack of layers that shares its tables (a T5 encoder
 /// and its decoder each their own); it is a cache for loading, and can be dropped afterwards.
+/// Encodings whose learned weights are every layer's own (Inkling's relative logits) are never
+/// shared: each layer builds its own from its tensors.
 ///
 /// # Example
 /// ```
@@ -81,6 +83,9 @@ impl SharedEncodings {
         config: &EncodingConfig,
         vb: &VarBuilder,
     ) -> Option<Option<Arc<dyn PositionalEncoding>>> {
+        if per_layer(config) {
+            return None;
+        }
         self.built
             .iter()
             .find(|b| {
@@ -101,6 +106,9 @@ impl SharedEncodings {
     ) -> Result<Option<Arc<dyn PositionalEncoding>>> {
         let (dtype, device) = (vb.dtype(), vb.device().clone());
         let encoding = config.build(vb)?;
+        if per_layer(config) {
+            return Ok(encoding);
+        }
         self.built.push(Built {
             config: config.clone(),
             dtype,
@@ -109,4 +117,10 @@ impl SharedEncodings {
         });
         Ok(encoding)
     }
+}
+
+/// Whether each layer's encoding of `config` has weights of its own (Inkling's `r_proj` and
+/// bank), so that no two layers share one.
+fn per_layer(config: &EncodingConfig) -> bool {
+    matches!(config, EncodingConfig::Inkling(_))
 }

@@ -63,12 +63,17 @@ pub(super) struct WeightLayout {
     pub(super) out_conv1d: bool,
 }
 
+/// A tensor HF and the crate name alike (T5's table, Inkling's relative logits and short
+/// convolutions), read as it is: its name under the layer's prefix and its shape.
+pub(super) type Shared = (&'static str, Vec<usize>);
+
 /// Reads the HF tensors of one attention layer from `vb` (shape-checked, so errors name the
-/// HF tensor) and returns them under the block's names, split and transposed.
+/// HF tensor) and returns them under the block's names, split and transposed, with the
+/// `shared` tensors as they are.
 pub(super) fn remap(
     layout: &WeightLayout,
     cfg: &AttentionConfig,
-    relative_bias: Option<(usize, usize)>,
+    shared: &[Shared],
     vb: &VarBuilder,
 ) -> Result<HashMap<String, Tensor>> {
     // The fields are public and may have changed since parsing: check them before any
@@ -86,11 +91,13 @@ pub(super) fn remap(
     }
     layer.output(layout)?;
     layer.norms_and_sinks()?;
-    if let Some(shape) = relative_bias {
-        layer.out.insert(
-            "relative_attention_bias.weight".to_string(),
-            vb.pp("relative_attention_bias").get(shape, "weight")?,
-        );
+    for (name, shape) in shared {
+        let (prefix, last) = name.rsplit_once('.').unwrap_or(("", name));
+        let held = match prefix {
+            "" => vb.get(shape.as_slice(), last)?,
+            _ => vb.pp(prefix).get(shape.as_slice(), last)?,
+        };
+        layer.out.insert(name.to_string(), held);
     }
     // The one dtype rule of what a builder hands back (a `VarMap` hands back a variable in its
     // own dtype, which the block's builder over these tensors would convert silently).

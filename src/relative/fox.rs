@@ -37,9 +37,9 @@ use candle_core::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::input_projection;
 use crate::error::{check_var_builder, learned, Error, Result};
 use crate::graft::{graft, GraftBackward};
-use crate::matmul::broadcast_matmul;
 use crate::plug::{
     AttentionContext, Content, LogitsBias, PositionalEncoding, SchemeConfig, SeparableBias,
 };
@@ -224,16 +224,8 @@ impl ForgettingGates {
     /// # Errors
     /// [`Error::Shape`] for an input of another width.
     pub fn log_gates(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, d) = x.dims3()?;
-        if d != self.config.d_model {
-            return Err(Error::shape(
-                "input of the forget gates",
-                format!("(batch, tokens, {})", self.config.d_model),
-                x.shape(),
-            ));
-        }
-        let w = self.weight.to_dtype(x.dtype())?;
-        let z = broadcast_matmul(x, &w.t()?)?
+        let what = "input of the forget gates";
+        let z = input_projection(what, x, &self.weight, self.config.d_model)?
             .broadcast_add(&self.bias.to_dtype(x.dtype())?)?
             .to_dtype(work_dtype(x.dtype()))?;
         // logsigmoid(z) = min(z, 0) − ln(1 + e^−|z|), finite for every finite z.

@@ -10,6 +10,7 @@
 pub mod alibi;
 pub mod clipped_bias;
 pub mod fox;
+pub mod inkling;
 pub mod shaw;
 pub mod t5;
 
@@ -461,6 +462,30 @@ impl<C: RelativeBucketing> candle_core::Module for BucketedRelativeBias<C> {
         let bias = self.bias(&Positions::Offset(tk - tq), tq, &Positions::Offset(0), tk)?;
         logits.broadcast_add(&bias.to_dtype(logits.dtype())?)
     }
+}
+
+/// `x · Wᵀ` in `x`'s dtype, `(B, T, C)`, for an encoding whose answers read the block's input
+/// `x` `(B, T, d_model)` through a learned `(C, d_model)` weight (FoX's gates, Inkling's
+/// relative states); `what` names the projection in the error.
+///
+/// # Errors
+/// [`Error::Shape`] for an input of another width than `d_model`.
+pub(crate) fn input_projection(
+    what: &'static str,
+    x: &Tensor,
+    weight: &Tensor,
+    d_model: usize,
+) -> Result<Tensor> {
+    let (_, _, d) = x.dims3()?;
+    if d != d_model {
+        return Err(Error::shape(
+            what,
+            format!("(batch, tokens, {d_model})"),
+            x.shape(),
+        ));
+    }
+    let w = weight.to_dtype(x.dtype())?;
+    crate::matmul::broadcast_matmul(x, &w.t()?)
 }
 
 /// Checks that the query tensor handed to a bias hook is `(B, H, Tq, D)` and float (Shaw

@@ -2,3 +2,4 @@
 
 mod biases;
 mod fox;
+mod inkling;

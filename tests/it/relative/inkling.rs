@@ -1,0 +1,86 @@
+//! Inkling's relative logits alone: the bias equals HF transformers 5.24's
+//! `InklingRelativeLogits` (queries at offset 2 against keys from 0, inside and outside the
+//! bank), through offsets and explicit ids alike; the configuration through serde and
+//! checkpoint metadata. (The whole layer is checked in `hf::inkling`.)
+
+use crate::common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_posenc::{EncodingConfig, InklingConfig, InklingRelativeLogits, LogScaling, Positions};
+use common::{assert_close, fixture, get};
+
+/// HF's module: 3 heads, d_rel 2, a bank of 4 distances; 7 queries from position 2, 9 keys.
+fn bias_equals_hf(dev: &Device) -> anyhow::Result<()> {
+    let tensors = fixture("inkling.safetensors", dev)?;
+    let states = get(&tensors, "rel.states");
+    let want = get(&tensors, "rel.bias");
+    let config = InklingConfig::new(5, 3).with_d_rel(2).with_rel_extent(4);
+    let held = HashMap::from([
+        (
+            "r_proj.weight".to_string(),
+            Tensor::zeros((6, 5), DType::F32, dev)?,
+        ),
+        (
+            "rel_logits_proj.proj".to_string(),
+            get(&tensors, "rel.proj").clone(),
+        ),
+    ]);
+    let rel = InklingRelativeLogits::new(&config, VarBuilder::from_tensors(held, DType::F32, dev))?;
+    let got = rel.bias(states, &Positions::Offset(2), &Positions::Offset(0), 9)?;
+    assert_close(&got, want, 1e-6, "offsets")?;
+    // The same positions as explicit ids (one row per sequence).
+    let ids = |start: u32, n: u32| -> anyhow::Result<Positions> {
+        let row: Vec<u32> = (start..start + n).collect();
+        Ok(Positions::ids(&Tensor::new(row, dev)?.unsqueeze(0)?)?)
+    };
+    let got = rel.bias(states, &ids(2, 7)?, &ids(0, 9)?, 9)?;
+    assert_close(&got, want, 1e-6, "ids")?;
+    Ok(())
+}
+
+/// The configuration: required fields only in JSON, the rest defaulted as HF's class; the
+/// checkpoint metadata round trip; refusals.
+fn config_round_trips(_dev: &Device) -> anyhow::Result<()> {
+    let json = r#"{"kind": "inkling", "d_model": 64, "num_heads": 4}"#;
+    let config: EncodingConfig = serde_json::from_str(json)?;
+    assert_eq!(config, EncodingConfig::Inkling(InklingConfig::new(64, 4)));
+    let scaled =
+        EncodingConfig::Inkling(InklingConfig::new(64, 4).with_log_scaling(Some(LogScaling {
+            n_floor: 8192,
+            alpha: 0.1,
+        })));
+    for c in [&config, &scaled] {
+        assert_eq!(&EncodingConfig::from_metadata(&c.to_metadata(), "test")?, c);
+    }
+    let zero = EncodingConfig::Inkling(InklingConfig::new(64, 4).with_rel_extent(0));
+    assert!(zero.validate().is_err());
+    let floor = LogScaling {
+        n_floor: 0,
+        alpha: 0.1,
+    };
+    assert!(floor.validate().is_err());
+    assert!(
+        (LogScaling {
+            n_floor: 4,
+            alpha: 0.5
+        }
+        .factor(7)
+            - (1.0 + 0.5 * 2f64.ln()))
+        .abs()
+            < 1e-12
+    );
+    assert_eq!(
+        LogScaling {
+            n_floor: 4,
+            alpha: 0.5
+        }
+        .factor(2),
+        1.0
+    );
+    Ok(())
+}
+
+device_tests!(bias_equals_hf, config_round_trips);
