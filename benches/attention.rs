@@ -41,9 +41,9 @@ use candle_nn::{linear_no_bias, Linear, VarBuilder};
 use candle_posenc::plug::{AttentionContext, Columns, LogitsBias, RelativeValues};
 use candle_posenc::{
     Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, ClippedBiasConfig,
-    ClippedRelativeBias, ForgettingGates, FoxConfig, KvCache, LearnedConfig,
-    LearnedPositionalEncoding, MultiHeadAttention, PositionalEncoding, Positions, RopeConfig,
-    RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
+    ClippedRelativeBias, ForgettingGates, FoxConfig, InklingConfig, InklingRelativeLogits, KvCache,
+    LearnedConfig, LearnedPositionalEncoding, MultiHeadAttention, PositionalEncoding, Positions,
+    RopeConfig, RotaryEmbedding, ShawConfig, ShawRelativePosition, SinusoidalConfig,
     SinusoidalPositionalEncoding, T5Config, T5RelativeBias,
 };
 use std::sync::Arc;
@@ -187,11 +187,26 @@ fn cases(
                 vb.pp("fox"),
             )?),
         ),
+        // Inkling's full layers: d_rel 16, a bank of 1024 distances (HF's defaults), log-n
+        // scaling from position 256 (alpha 0.1), so that a T = 1024 step scales and a T = 8192
+        // one reaches past the bank.
+        case(
+            "inkling",
+            Arc::new(InklingRelativeLogits::new(
+                &InklingConfig::new(d_model, heads).with_log_scaling(Some(
+                    candle_posenc::LogScaling {
+                        n_floor: 256,
+                        alpha: 0.1,
+                    },
+                )),
+                vb.pp("inkling"),
+            )?),
+        ),
     ])
 }
 
 /// The cases of the CPU training steps.
-const TRAINED: [&str; 7] = [
+const TRAINED: [&str; 8] = [
     "none",
     "rope",
     "alibi",
@@ -199,6 +214,7 @@ const TRAINED: [&str; 7] = [
     "clipped_bias",
     "shaw_k64",
     "fox",
+    "inkling",
 ];
 
 fn block(
@@ -1176,7 +1192,7 @@ fn main() -> Result<()> {
             "encoding", "before MiB", "peak MiB", "seconds"
         );
     }
-    for name in ["none", "rope", "alibi", "t5", "shaw_k64", "fox"]
+    for name in ["none", "rope", "alibi", "t5", "shaw_k64", "fox", "inkling"]
         .into_iter()
         .filter(|_| section("training"))
     {

@@ -22,7 +22,9 @@ input and every weight and table), medians of 7: no encoding and RoPE (HF's rota
 through SDPA's causal flag; ALiBi, T5 (32 buckets, 128 distance) and the clipped bias (k = 64) as
 a float mask that tracks gradients; Shaw (k = 64, keys and values) as eager attention whose
 relative terms are gathered from `q aᴷᵀ` rows and scattered back per distance; FoX (both halves of
-gates, as x-transformers' `DataDependentAlibi`) as its dense float mask. The counterpart of
+gates, as x-transformers' `DataDependentAlibi`) as its dense float mask; Inkling's relative
+logits (d_rel 16, a bank of 1024 distances, log-n scaling from 256 with alpha 0.1) as HF 5.24's
+`InklingAttention` builds them, a dense `(B, H, T, T)` bias gathered from each query's row. The counterpart of
 `cargo bench --bench attention -- --only training`. `--decode` times one decoding step of the
 block (B1, one token) against a preallocated cache of L = 1024, 4096 and 16384 keys, the new
 key and value written in place: RoPE at the token's position (cos and sin of one row), or ALiBi
@@ -288,11 +290,14 @@ def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
     print(f"\ntraining step (forward + backward), B{b} H{h} T{t} D{d}")
     for causal in (False, True):
         tri = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
-        for name in ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64", "fox"):
+        for name in ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64", "fox", "inkling"):
             torch.manual_seed(0)
             proj = [torch.nn.Linear(dm, dm, bias=False) for _ in range(4)]
             # FoX's gates, both halves (x-transformers' DataDependentAlibi, bidirectional).
             gates = torch.nn.Linear(dm, 2 * h)
+            # Inkling's relative states and bank (HF's r_proj and rel_logits_proj.proj).
+            r_proj = torch.nn.Linear(dm, h * 16, bias=False)
+            bank = torch.nn.Parameter(0.02 * torch.randn(16, 1024))
             x = torch.randn(b, t, dm, requires_grad=True)
             probe = torch.randn(b, t, dm)
             table = {
@@ -307,11 +312,24 @@ def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
             def split(y: torch.Tensor) -> torch.Tensor:
                 return y.view(b, t, h, d).transpose(1, 2)
 
-            def step(name=name, table=table, buckets=buckets, clipped=clipped, gates=gates) -> None:
+            def step(name=name, table=table, buckets=buckets, clipped=clipped, gates=gates,
+                     r_proj=r_proj, bank=bank) -> None:
                 q, k, v = (split(p(x)) for p in proj[:3])
                 mask, is_causal = None, causal
                 if name == "rope":
                     q, k = rope(q), rope(k)
+                elif name == "inkling":
+                    # The dense bias, as HF's InklingRelativeLogits gathers it, scaled with q.
+                    pos = torch.arange(t)
+                    tau = 1.0 + 0.1 * torch.log(((pos + 1) / 256).clamp(min=1.0)).view(1, 1, t, 1)
+                    rows = (r_proj(x).view(b, t, h, 16) @ bank).transpose(1, 2)
+                    dist = pos[:, None] - pos[None, :]
+                    index = dist.clamp(0, 1023).expand(b, h, t, t)
+                    mask = rows.gather(-1, index).masked_fill((dist < 0) | (dist >= 1024), 0.0)
+                    q, mask = q * tau, mask * tau
+                    if causal:
+                        mask = mask.masked_fill(tri, float("-inf"))
+                    is_causal = False
                 elif name == "fox":
                     # The dense (B, H, T, T) bias, as x-transformers builds it.
                     c = F.logsigmoid(gates(x)).transpose(1, 2).cumsum(-1)
