@@ -540,6 +540,17 @@ const DEEPSEEK_V3: ModelSpec = ModelSpec {
     ..GENERIC
 };
 
+/// GLM (and GLM-4, the same attention): biases on q, k and v (`attention_bias`, default
+/// true), none on the output; adjacent pairs of the rotating half.
+const GLM: ModelSpec = ModelSpec {
+    model_type: "glm",
+    defaults: GLM_DEFAULTS,
+    bias: Bias::QkvFlag("attention_bias", true),
+    rope: GLM_ROPE,
+    typed_nulls: &["attention_bias"],
+    ..LLAMA_LIKE
+};
+
 /// Every `model_type` the crate reads.
 pub(crate) const MODELS: &[ModelSpec] = &[
     ModelSpec {
@@ -916,23 +927,10 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         null_kv_heads: true,
         ..LLAMA_INTERLEAVED
     },
-    // GLM and GLM-4: biases on q, k and v (`attention_bias`, default true), none on the
-    // output; adjacent pairs of the rotating half.
-    ModelSpec {
-        model_type: "glm",
-        defaults: GLM_DEFAULTS,
-        bias: Bias::QkvFlag("attention_bias", true),
-        rope: GLM_ROPE,
-        typed_nulls: &["attention_bias"],
-        ..LLAMA_LIKE
-    },
+    GLM,
     ModelSpec {
         model_type: "glm4",
-        defaults: GLM_DEFAULTS,
-        bias: Bias::QkvFlag("attention_bias", true),
-        rope: GLM_ROPE,
-        typed_nulls: &["attention_bias"],
-        ..LLAMA_LIKE
+        ..GLM
     },
     // Helium: biases on q, k and v (`attention_bias`), none on the output, whose input is
     // `hidden_size` wide (HF fails unless the heads fill it).
