@@ -57,8 +57,8 @@ impl Path {
         }
     }
 
-    /// Whether the path reads a separable bias as its pairs (the CPU's fused paths), rather
-    /// than summed to a dense bias.
+    /// Whether the path reads a separable bias as its pairs and mixed rows as their mix and
+    /// bank (the CPU's fused paths), rather than summed to a dense bias or built rows.
     fn reads_pairs(self) -> bool {
         matches!(self, Path::Fused | Path::FusedTrain | Path::RowPass)
     }
@@ -265,7 +265,7 @@ struct Operands {
 fn tracks((bias, values): &Answers) -> bool {
     let bias = match bias {
         Some(LogitsBias::Dense(t)) => t.track_op(),
-        Some(LogitsBias::Relative(r)) => r.values().track_op(),
+        Some(LogitsBias::Relative(r)) => r.track_op(),
         Some(LogitsBias::Separable(s)) => s.track_op(),
         None => false,
     };
@@ -411,7 +411,7 @@ impl Chunk<'_> {
         let tk = self.k.dim(2)?;
         let current = plan.spans[0].1;
         let kept = value_rows(plan.path, first)?;
-        let want = match (plan.path.is_fused(), per_query_width(first)) {
+        let want = match (plan.path.is_fused(), per_query_width(plan.path, first)) {
             (false, _) => self.block,
             (true, _) if kept == 0 && shared_answers(first) => t,
             (true, Some(width)) => current.min(self.rows_block(b * h, width.saturating_add(kept))),
@@ -720,18 +720,34 @@ impl LogitTerms {
                     .push(bias_in("dense logits bias from the encoding", &t, dtype)?);
             }
             Some(LogitsBias::Relative(r)) => {
-                check_device("relative logits bias", r.values(), device)?;
+                let rows = match r.mix_and_bank() {
+                    Some((mix, _)) => mix.clone(),
+                    None => r.values()?,
+                };
+                check_device("relative logits bias", &rows, device)?;
                 r.check_block(dims)?;
                 let what = "relative logits bias from the encoding";
                 match (path.reads_rows(), r.columns()) {
-                    (true, Columns::Shift(_)) => terms.rows.push(RelativeBias::new(
-                        bias_in(what, r.values(), DType::F32)?,
-                        r.columns().clone(),
-                    )?),
+                    // Mixed rows stay mixed (each factor cast) where the CPU's passes read
+                    // them; the CUDA kernels read built rows.
+                    (true, Columns::Shift(_)) => {
+                        terms
+                            .rows
+                            .push(match (path.reads_pairs(), r.mix_and_bank()) {
+                                (false, Some(_)) => RelativeBias::new(
+                                    bias_in(what, &r.values()?, DType::F32)?,
+                                    r.columns().clone(),
+                                )?,
+                                _ => r.map(|t| bias_in(what, t, DType::F32))?,
+                            })
+                    }
                     // Cast before the expansion: the rows are what the bias holds.
                     _ => terms.dense.push(
-                        RelativeBias::new(bias_in(what, r.values(), dtype)?, r.columns().clone())?
-                            .to_dense(dims.2, dims.3)?,
+                        RelativeBias::new(
+                            bias_in(what, &r.values()?, dtype)?,
+                            r.columns().clone(),
+                        )?
+                        .to_dense(dims.2, dims.3)?,
                     ),
                 }
             }
@@ -799,12 +815,18 @@ fn blocks_of(t: usize, tk: usize, block: usize, trim_keys: bool) -> Vec<(usize, 
     spans
 }
 
-/// The width per query of an encoding's answers when it does not grow with the keys: a
-/// relative bias with a row of `W` columns per query read through a shift (Shaw's keys), and
-/// no values or values through a shift.
-fn per_query_width((bias, values): &Answers) -> Option<usize> {
+/// The width per query of an encoding's answers on `path` when it does not grow with the
+/// keys: a relative bias with a row of `W` columns per query read through a shift (Shaw's
+/// keys), or with its mix of `R` per query where the path reads mixed rows as they are (the
+/// bank is shared), and no values or values through a shift.
+fn per_query_width(path: Path, (bias, values): &Answers) -> Option<usize> {
     let width = match bias {
-        Some(LogitsBias::Relative(r)) if matches!(r.columns(), Columns::Shift(_)) => r.width(),
+        Some(LogitsBias::Relative(r)) if matches!(r.columns(), Columns::Shift(_)) => {
+            match (path.reads_pairs(), r.mix_and_bank()) {
+                (true, Some((mix, _))) => mix.dims()[3],
+                _ => r.width(),
+            }
+        }
         _ => return None,
     };
     values
@@ -836,7 +858,7 @@ fn fused_grads((bias, _): &Answers) -> bool {
             let d = t.dims();
             d.len() < 2 || d[d.len() - 2] == 1
         }
-        Some(LogitsBias::Relative(r)) if r.values().track_op() => {
+        Some(LogitsBias::Relative(r)) if r.track_op() => {
             matches!(r.columns(), Columns::Shift(_))
         }
         // (A separable bias gets the row and column sums of dS.)
@@ -853,7 +875,7 @@ fn shared_answers((bias, values): &Answers) -> bool {
         None => true,
         Some(LogitsBias::Dense(t)) => one_row(t),
         Some(LogitsBias::Relative(r)) => {
-            one_row(r.values()) && matches!(r.columns(), Columns::Shift(_))
+            r.dims().2 == 1 && matches!(r.columns(), Columns::Shift(_))
         }
         // One value per query and head: as small as a row of the output.
         Some(LogitsBias::Separable(_)) => true,

@@ -22,7 +22,9 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
+use crate::plug::mixed::{add_mixed_grads, add_mixed_row, MixedLayout};
 use crate::plug::relative::add_shifted_sums_from;
+use crate::plug::relative::RowSegments;
 use crate::plug::separable::KeySide;
 use crate::plug::{row_segments_from, Columns, RelativeBias};
 
@@ -37,6 +39,8 @@ pub(crate) struct Strided {
     pub(crate) relative: Option<(i64, usize)>,
     /// `Some((Tq, keys))` for a separable pair.
     pub(crate) separable: Option<(usize, KeySide)>,
+    /// The packed layout of mixed rows (one packed row per head, see [`MixedRows::packed`]).
+    pub(crate) mixed: Option<MixedLayout>,
 }
 
 /// One pair of a separable bias as the fused passes read it: `(1|B, 1|H, Tq + Tk)` f32, the
@@ -65,12 +69,21 @@ impl SeparableTerm {
 }
 
 impl Strided {
+    /// The term's tensor, broadcast to the pass's axes.
+    pub(crate) fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
     fn new(
         t: &Tensor,
         shape: (usize, usize, usize, usize),
         relative: Option<(i64, usize)>,
     ) -> Result<Self> {
-        let t = t.broadcast_as(shape)?;
+        // (A view of the same shape would add a node whose backward sums over no axis.)
+        let t = match t.dims() == [shape.0, shape.1, shape.2, shape.3] {
+            true => t.clone(),
+            false => t.broadcast_as(shape)?,
+        };
         let l = t.layout();
         let s = l.stride();
         Ok(Self {
@@ -79,6 +92,7 @@ impl Strided {
             tensor: t,
             relative,
             separable: None,
+            mixed: None,
         })
     }
 
@@ -94,6 +108,14 @@ impl Strided {
             for (x, c) in row[lo..up].iter_mut().zip(&src[base + tq + j0 + lo..]) {
                 *x += a + c;
             }
+            return;
+        }
+        if let Some(m) = self.mixed {
+            // Contiguous packed rows (built so): the bank, then each query's mix.
+            let base = self.offset + bi * s0 + hi * s1;
+            let (bank, mix) = m.split(&src[base..], i);
+            let s = row_segments_from(i, m.shift, m.width, j0, row.len());
+            add_mixed_row(bank, mix, s, row);
             return;
         }
         let base = self.offset + bi * s0 + hi * s1 + i * s2;
@@ -346,12 +368,24 @@ pub(crate) fn strided_terms(
             return Err(crate::error::Error::shape(
                 "relative bias for a fused pass",
                 "rows with shifted columns (index maps are expanded first)",
-                rel.values().shape(),
+                &candle_core::Shape::from(rel.dims()),
             ));
         };
         let width = rel.width();
-        let values = rel.values().contiguous()?;
         let (b, h, tq, _) = shape;
+        if let Some(mixed) = rel.mixed_rows() {
+            let layout = MixedLayout {
+                rank: mixed.bank().dims()[0],
+                width,
+                shift: *shift,
+            };
+            let packed = mixed.packed(tq)?.unsqueeze(2)?;
+            let mut strided = Strided::new(&packed, (b, h, 1, layout.len(tq)), None)?;
+            strided.mixed = Some(layout);
+            terms.push(strided);
+            continue;
+        }
+        let values = rel.values()?.contiguous()?;
         terms.push(Strided::new(
             &values,
             (b, h, tq, width),
@@ -728,6 +762,36 @@ impl RowPass<'_> {
         }
     }
 
+    /// Mixed rows' gradients from row `i` (of sequence `bi`, head `hi`) of dS at keys
+    /// `j0..j0 + ds.len()`, into `grads`, one packed row of term `term` (the bank's, then each
+    /// query's mix's; [`add_mixed_grads`]), with the fastest build this CPU runs (the same
+    /// operations in the same order in each).
+    #[inline(always)]
+    pub(crate) fn add_mixed_grads_best(
+        &self,
+        term: usize,
+        (bi, hi, i, j0): (usize, usize, usize, usize),
+        ds: &[f32],
+        grads: &mut [f32],
+    ) {
+        let (src, t) = self.terms[term];
+        let Some(m) = t.mixed else { return };
+        let base = t.offset + bi * t.strides[0] + hi * t.strides[1];
+        let operands = m.split(&src[base..], i);
+        let s = row_segments_from(i, m.shift, m.width, j0, ds.len());
+        let (dbank, dmixes) = grads.split_at_mut(m.rank * m.width);
+        let dmix = &mut dmixes[i * m.rank..(i + 1) * m.rank];
+        match self.isa {
+            // SAFETY: `Isa::detect` found the instructions on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { add_mixed_grads_avx512(operands, ds, s, (dbank, dmix)) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { add_mixed_grads_avx2(operands, ds, s, (dbank, dmix)) },
+            Isa::Baseline => add_mixed_grads(operands, ds, s, (dbank, dmix)),
+        }
+    }
+
     /// [`Self::online`] compiled for AVX2 (the same operations per lane as the baseline).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
@@ -793,6 +857,30 @@ impl InplaceOp1 for BiasMaskSoftmax {
             .for_each(|(r, row)| pass.run_best(r, row));
         Ok(())
     }
+}
+
+/// [`add_mixed_grads`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_mixed_grads_avx2(
+    operands: (&[f32], &[f32]),
+    ds: &[f32],
+    s: RowSegments,
+    grads: (&mut [f32], &mut [f32]),
+) {
+    add_mixed_grads(operands, ds, s, grads)
+}
+
+/// [`add_mixed_grads`] compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn add_mixed_grads_avx512(
+    operands: (&[f32], &[f32]),
+    ds: &[f32],
+    s: RowSegments,
+    grads: (&mut [f32], &mut [f32]),
+) {
+    add_mixed_grads(operands, ds, s, grads)
 }
 
 #[cfg(test)]

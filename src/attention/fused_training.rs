@@ -99,21 +99,24 @@ impl TrainCore<'_> {
         // dense term, each relative term's values, the value table, the sinks.
         let mut wanted: Vec<Tensor> = Vec::new();
         let mut terms = Vec::new();
-        let operands = core
+        let mut operands: Vec<(Tensor, TermKind)> = core
             .dense
             .iter()
-            .map(|t| (*t, TermKind::Dense))
-            .chain(
-                core.relative
-                    .iter()
-                    .map(|r| (r.values(), TermKind::Relative)),
-            )
-            .chain(
-                core.separable
-                    .iter()
-                    .map(|s| (&s.packed, TermKind::Separable)),
-            );
-        for (index, (tensor, kind)) in operands.enumerate() {
+            .map(|t| ((*t).clone(), TermKind::Dense))
+            .collect();
+        for (r, strided) in core.relative.iter().zip(&spec.terms[core.dense.len()..]) {
+            operands.push(match strided.mixed {
+                // Mixed rows get their gradient as the pass reads them: packed, a row per head.
+                Some(_) => (strided.tensor().clone(), TermKind::Mixed),
+                None => (r.values()?, TermKind::Relative),
+            });
+        }
+        operands.extend(
+            core.separable
+                .iter()
+                .map(|s| (s.packed.clone(), TermKind::Separable)),
+        );
+        for (index, (tensor, kind)) in operands.iter().enumerate() {
             if tensor.track_op() {
                 let dims = match kind {
                     // One row per head: the queries' values, then the keys'.
@@ -123,7 +126,7 @@ impl TrainCore<'_> {
                     }
                     _ => padded_dims(tensor)?,
                 };
-                check_grad_dims(&dims, &spec, kind)?;
+                check_grad_dims(&dims, &spec, *kind)?;
                 terms.push(TermGrad {
                     index,
                     dims,
@@ -215,6 +218,8 @@ enum TermKind {
     Dense,
     Relative,
     Separable,
+    /// Mixed rows, packed: one row per head of the bank and each query's mix.
+    Mixed,
 }
 
 /// Checks that a term's gradient fits the pass: its batch, head and query axes are 1 or the
@@ -225,6 +230,8 @@ fn check_grad_dims(dims: &[usize; 4], spec: &CoreSpec, kind: TermKind) -> Result
     let (b, h, tq, tk, _) = spec.dims;
     let full = match kind {
         TermKind::Separable => [b, h, 1, tq + tk],
+        // (The packed length was checked when the pass's terms were built.)
+        TermKind::Mixed => [b, h, 1, dims[3]],
         _ => [b, h, tq, tk],
     };
     let fits = match kind {
@@ -920,7 +927,7 @@ impl Ctx<'_> {
             );
         }
         self.scores_gradient(tile, s, dp);
-        self.term_gradients(key, tile, dp, &mut partial.terms);
+        self.term_gradients((task.b, key), tile, dp, &mut partial.terms);
         if let Some(c) = self.spec.rule.softcap {
             for (x, r) in dp.iter_mut().zip(&raw[..rows * n]) {
                 let t = (r / c).tanh();
@@ -1080,7 +1087,13 @@ impl Ctx<'_> {
     /// Each tracked term's gradient, dS summed as the term is read: per shifted column, per
     /// key, or whole; a separable pair's per row (its queries' values) and per key (its keys'),
     /// over the keys it covers.
-    fn term_gradients(&self, key: &KeyTile, tile: QueryTile, ds: &[f32], parts: &mut [Vec<f32>]) {
+    fn term_gradients(
+        &self,
+        (bi, key): (usize, &KeyTile),
+        tile: QueryTile,
+        ds: &[f32],
+        parts: &mut [Vec<f32>],
+    ) {
         let n = key.n;
         for (term, part) in self.terms.iter().zip(parts.iter_mut()) {
             let [_, th, tr, tw] = term.dims;
@@ -1091,6 +1104,11 @@ impl Ctx<'_> {
                 let rrow = if tr == 1 { 0 } else { i };
                 let at = (hrow * tr + rrow) * tw;
                 let dst = &mut part[at..at + tw];
+                if strided.mixed.is_some() {
+                    let at = (bi, tile.hi, i, key.j0);
+                    self.pass.add_mixed_grads_best(term.index, at, dsrow, dst);
+                    continue;
+                }
                 if let Some((tq, side)) = strided.separable {
                     let (lo, up) = side.range(i, key.j0, n);
                     dst[i] += dsrow[lo..up].iter().sum::<f32>();

@@ -30,6 +30,7 @@
 //!
 //! This module depends on neither the encodings nor the attention block; both depend on it.
 
+pub(crate) mod mixed;
 pub(crate) mod relative;
 pub(crate) mod separable;
 

@@ -19,6 +19,7 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::mixed::MixedRows;
 use crate::error::{Error, Result};
 use crate::graft::{graft, GraftBackward};
 use crate::limits::check_elements;
@@ -157,8 +158,17 @@ pub(crate) fn row_segments_from(
 /// `values`: `(1|B, 1|H, 1|Tq, W)`; the bias it stands for is `(1|B, 1|H, Tq, Tk)`.
 #[derive(Debug, Clone)]
 pub struct RelativeBias {
-    values: Tensor,
+    values: Rows,
     columns: Columns,
+}
+
+/// How a [`RelativeBias`] holds its rows.
+#[derive(Debug, Clone)]
+enum Rows {
+    /// `(1|B, 1|H, 1|Tq, W)`.
+    Values(Tensor),
+    /// `mix · bank`: the fused CPU passes never build the product (see [`super::mixed`]).
+    Mixed(MixedRows),
 }
 
 impl RelativeBias {
@@ -186,12 +196,92 @@ impl RelativeBias {
         }
         check_float("relative bias values", &values)?;
         columns.check()?;
-        Ok(Self { values, columns })
+        Ok(Self {
+            values: Rows::Values(values),
+            columns,
+        })
     }
 
-    /// The rows, `(1|B, 1|H, 1|Tq, W)`.
-    pub fn values(&self) -> &Tensor {
-        &self.values
+    /// Rows given as a mix of a shared bank, `values = mix · bank`, read at `columns`: the
+    /// fused CPU passes compute each row's columns as they read them (see [`MixedRows`]), so
+    /// the `(B, H, Tq, W)` rows exist only where another path asks for [`Self::values`].
+    ///
+    /// # Shapes
+    /// `mix`: `(1|B, 1|H, 1|Tq, R)`; `bank`: `(R, W)`.
+    ///
+    /// # Errors
+    /// As [`MixedRows::new`]; for an index map, as [`Self::new`].
+    pub fn mixed(mix: Tensor, bank: Tensor, columns: Columns) -> Result<Self> {
+        let rows = MixedRows::new(mix, bank)?;
+        columns.check()?;
+        Ok(Self {
+            values: Rows::Mixed(rows),
+            columns,
+        })
+    }
+
+    /// The rows, `(1|B, 1|H, 1|Tq, W)`: the product `mix · bank` for mixed rows (computed here,
+    /// in the mix's dtype, with gradients to both).
+    ///
+    /// # Errors
+    /// For mixed rows, [`Error::InvalidConfig`] if the product would pass
+    /// [`crate::limits::max_elements`].
+    pub fn values(&self) -> Result<Tensor> {
+        match &self.values {
+            Rows::Values(t) => Ok(t.clone()),
+            Rows::Mixed(m) => m.product(),
+        }
+    }
+
+    /// The mix and the bank, for rows given by [`Self::mixed`].
+    pub fn mix_and_bank(&self) -> Option<(&Tensor, &Tensor)> {
+        match &self.values {
+            Rows::Values(_) => None,
+            Rows::Mixed(m) => Some((m.mix(), m.bank())),
+        }
+    }
+
+    /// The rows' axes, `(1|B, 1|H, 1|Tq, W)`.
+    pub fn dims(&self) -> (usize, usize, usize, usize) {
+        match &self.values {
+            Rows::Values(t) => {
+                let d = t.dims();
+                (d[0], d[1], d[2], d[3])
+            }
+            Rows::Mixed(m) => m.dims(),
+        }
+    }
+
+    /// The rows' device.
+    pub fn device(&self) -> &candle_core::Device {
+        match &self.values {
+            Rows::Values(t) => t.device(),
+            Rows::Mixed(m) => m.mix().device(),
+        }
+    }
+
+    /// Whether the rows (or their mix or bank) track gradients.
+    pub fn track_op(&self) -> bool {
+        match &self.values {
+            Rows::Values(t) => t.track_op(),
+            Rows::Mixed(m) => m.mix().track_op() || m.bank().track_op(),
+        }
+    }
+
+    /// The same bias with each of its tensors through `f` (a cast), the form kept.
+    pub(crate) fn map(&self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        match &self.values {
+            Rows::Values(t) => Self::new(f(t)?, self.columns.clone()),
+            Rows::Mixed(m) => Self::mixed(f(m.mix())?, f(m.bank())?, self.columns.clone()),
+        }
+    }
+
+    /// The mixed form, for the fused passes.
+    pub(crate) fn mixed_rows(&self) -> Option<&MixedRows> {
+        match &self.values {
+            Rows::Values(_) => None,
+            Rows::Mixed(m) => Some(m),
+        }
     }
 
     /// How each pair picks its column.
@@ -201,7 +291,7 @@ impl RelativeBias {
 
     /// Columns per row, `W`.
     pub fn width(&self) -> usize {
-        self.values.dims()[3]
+        self.dims().3
     }
 
     /// Checks the rows against a query block of `(B, H, Tq, Tk)` logits.
@@ -209,12 +299,12 @@ impl RelativeBias {
     /// # Errors
     /// [`Error::Shape`] naming the expected shape.
     pub(crate) fn check_block(&self, (b, h, tq, tk): (usize, usize, usize, usize)) -> Result<()> {
-        let (vb, vh, rows, _) = self.values.dims4()?;
+        let (vb, vh, rows, width) = self.dims();
         if (vb != 1 && vb != b) || (vh != 1 && vh != h) || (rows != 1 && rows != tq) {
             return Err(Error::shape(
                 "relative bias values",
                 format!("(1 or {b}, 1 or {h}, 1 or {tq}, width) = (batch, heads, rows, width)"),
-                self.values.shape(),
+                &Shape::from((vb, vh, rows, width)),
             ));
         }
         self.columns
@@ -228,7 +318,7 @@ impl RelativeBias {
     /// [`Error::Shape`] if the rows or the index map do not fit `tq` and `tk`;
     /// [`Error::InvalidConfig`] if the result would pass [`crate::limits::max_elements`].
     pub fn to_dense(&self, tq: usize, tk: usize) -> Result<Tensor> {
-        let (vb, vh, rows, width) = self.values.dims4()?;
+        let (vb, vh, rows, width) = self.dims();
         let batch = match &self.columns {
             Columns::Index(index) => index.dim(0)?.max(vb),
             Columns::Shift(_) => vb,
@@ -240,10 +330,10 @@ impl RelativeBias {
             "batch × heads × queries × keys of a dense relative bias",
             &[batch, vh, tq, tk],
         )?;
-        let index = self.columns.index(tq, tk, width, self.values.device())?; // (1|B, Tq, Tk)
+        let index = self.columns.index(tq, tk, width, self.device())?; // (1|B, Tq, Tk)
+        let values = self.values()?;
         if rows == 1 && matches!(self.columns, Columns::Shift(_)) {
-            return Ok(self
-                .values
+            return Ok(values
                 .reshape((vb, vh, width))?
                 .index_select(&index.flatten_all()?, 2)?
                 .reshape((vb, vh, tq, tk))?);
@@ -251,8 +341,8 @@ impl RelativeBias {
         if batch * vh * tq * tk == 0 {
             return Ok(Tensor::zeros(
                 (batch, vh, tq, tk),
-                self.values.dtype(),
-                self.values.device(),
+                values.dtype(),
+                values.device(),
             )?);
         }
         // One flat index into the rows per entry, `((b·H + h)·rows + i)·W + c(i, j)` (b and i
@@ -264,7 +354,7 @@ impl RelativeBias {
             "the relative rows as one flat table",
             &[vb, vh, rows, width],
         )?;
-        let device = self.values.device();
+        let device = values.device();
         let offsets = |n: usize, used: bool, stride: usize, at: usize| -> Result<Tensor> {
             let mut dims = [1usize; 4];
             dims[at] = n;
@@ -279,8 +369,7 @@ impl RelativeBias {
             .broadcast_add(&offsets(vh, true, rows * width, 1)?)?
             .broadcast_add(&offsets(tq, rows == tq, width, 2)?)?
             .broadcast_add(&index.to_dtype(DType::I64)?.unsqueeze(1)?)?;
-        Ok(self
-            .values
+        Ok(values
             .flatten_all()?
             .index_select(&flat.flatten_all()?, 0)?
             .reshape((batch, vh, tq, tk))?)

@@ -20,10 +20,12 @@
 //! - `r_proj.weight`: `(H·d_rel, d_model)`; `rel_logits_proj.proj`: `(d_rel, rel_extent)`
 //!   (HF's names under the attention module).
 //! - per-token states ([`PositionalEncoding::token_states`]): `r`, `(B, H·d_rel, T)`.
-//! - bias: a [`RelativeBias`] of one row per query and head, `(B, H, Tq, rel_extent + 2)`:
-//!   the bank's profile reversed between two zero columns, read through a shift (offsets) or a
-//!   column map (ids), so the fused cores never build a `(Tq, Tk)` tensor. The clamp of the
-//!   shift form sends every key beyond the bank (either side) to a zero column.
+//! - bias: a [`RelativeBias`] of mixed rows ([`RelativeBias::mixed`]): each query's mix
+//!   `τ_i r_i`, `(B, H, Tq, d_rel)`, of the bank reversed between two zero columns,
+//!   `(d_rel, rel_extent + 2)`, read through a shift (offsets) or a column map (ids). The fused
+//!   CPU cores compute each row's columns as they read them, forward and backward, so neither
+//!   a `(Tq, Tk)` tensor nor the `(B, H, Tq, rel_extent + 2)` rows exist there. The clamp of
+//!   the shift form sends every key beyond the bank (either side) to a zero column.
 //!
 //! Reference: Thinking Machines' Inkling (HF `thinkingmachines/Inkling`); the bias as sglang's
 //! `RelLogitsProj` and FlashAttention-4 `score_mod`, materialised densely by HF.
@@ -36,7 +38,6 @@ use serde::{Deserialize, Serialize};
 
 use super::{check_queries, input_projection, relative_buckets};
 use crate::error::{check_var_builder, learned, Error, Result};
-use crate::matmul::broadcast_matmul;
 use crate::plug::{
     AttentionContext, Columns, Content, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
     SchemeConfig,
@@ -353,10 +354,10 @@ impl InklingRelativeLogits {
                 states.shape(),
             ));
         }
-        let mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
-        let mut rows = broadcast_matmul(&mix, &self.padded_bank(states.dtype())?)?;
+        let mut mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
+        // τ_i (r_i · bank) = (τ_i r_i) · bank: the factors scale the mix.
         if let Some(factors) = self.factors(queries, tq, states)? {
-            rows = rows.broadcast_mul(&factors.to_dtype(rows.dtype())?)?;
+            mix = mix.broadcast_mul(&factors.to_dtype(mix.dtype())?)?;
         }
         let width = extent as i64;
         let columns = match (queries, keys) {
@@ -373,7 +374,7 @@ impl InklingRelativeLogits {
                 &|d| (width + d).clamp(0, width + 1) as u32,
             )?),
         };
-        RelativeBias::new(rows, columns)
+        RelativeBias::mixed(mix, self.padded_bank(states.dtype())?, columns)
     }
 
     /// The log-n factors of the queries, `(1|B, 1, Tq, 1)` f32, when the configuration scales.
@@ -443,12 +444,13 @@ impl PositionalEncoding for InklingRelativeLogits {
         Ok(Some(LogitsBias::Relative(rows)))
     }
 
-    /// With offsets, `rel_extent + 2` columns per query; explicit ids read through a column
-    /// map, which is not a row of a fixed width.
+    /// With offsets, a mix of `d_rel` per query (the bank is shared; a path that builds the
+    /// rows finds them `rel_extent + 2` wide and shrinks its blocks); explicit ids read
+    /// through a column map, which is not a row of a fixed width.
     fn footprint(&self, ctx: &AttentionContext) -> Footprint {
         match (ctx.queries, ctx.keys) {
             (Positions::Offset(_), Positions::Offset(_)) => Footprint::Rows {
-                bias: self.config.rel_extent + 2,
+                bias: self.config.d_rel,
                 values: 0,
             },
             _ => Footprint::Unknown,

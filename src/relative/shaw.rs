@@ -371,9 +371,9 @@ mod tests {
         let Some(LogitsBias::Relative(rows)) = shaw.logits_bias(&q, &ctx)? else {
             panic!("Shaw answers with rows");
         };
-        assert_eq!(rows.values().dtype(), DType::F16);
+        assert_eq!(rows.values()?.dtype(), DType::F16);
         let got = rows
-            .values()
+            .values()?
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;

@@ -328,11 +328,12 @@ impl CudaCore<'_> {
         }
         for r in self.relative {
             let what = "relative term of the CUDA attention kernel";
-            let shift = shift_of(r.columns(), what, r.values())?;
-            crate::error::check_device(what, r.values(), self.q.device())?;
+            let rows = r.values()?;
+            let shift = shift_of(r.columns(), what, &rows)?;
+            crate::error::check_device(what, &rows, self.q.device())?;
             r.check_block((b, h, tq, tk))?;
             let width = r.width();
-            let values = r.values().to_dtype(DType::F32)?.contiguous()?;
+            let values = rows.to_dtype(DType::F32)?.contiguous()?;
             let values = values.broadcast_as((b, h, tq, width))?;
             terms.push((values, Some((clamped_shift(shift, tq, tk, width), width))));
         }

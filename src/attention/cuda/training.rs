@@ -178,11 +178,10 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
     };
     // The terms in the launch's order (`CudaCore::terms`): dense, then relative rows; those
     // that learn are checked before anything is launched.
-    let terms: Vec<&Tensor> = core
-        .dense
-        .iter()
-        .chain(core.relative.iter().map(|r| r.values()))
-        .collect();
+    let mut terms: Vec<Tensor> = core.dense.iter().map(|t| (*t).clone()).collect();
+    for r in core.relative {
+        terms.push(r.values()?);
+    }
     let mut learned = Vec::new();
     for t in &terms {
         learned.push(match t.track_op() {
@@ -251,7 +250,7 @@ pub(crate) fn attend(core: &CudaCore<'_>) -> Result<Tensor> {
                 .iter()
                 .enumerate()
                 .filter(|(_, t)| t.track_op())
-                .map(|(n, t)| (4 + n, *t)),
+                .map(|(n, t)| (4 + n, t)),
         )
         .chain(table.map(|t| (4 + n_terms, t)))
         .collect();

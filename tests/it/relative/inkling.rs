@@ -84,3 +84,42 @@ fn config_round_trips(_dev: &Device) -> anyhow::Result<()> {
 }
 
 device_tests!(bias_equals_hf, config_round_trips);
+
+/// A training step on the fused CPU core never builds the `(B, H, T, rel_extent + 2)` rows:
+/// the mix and the bank are read as they are (and the block keeps every query in one block).
+/// Counted by the test binary's allocator in a child process: T = 1024 queries, 4 heads and a
+/// bank of 4096 distances would be 67 MB of rows, and as much again for their gradient; the
+/// step holds under a quarter of that beyond what was live before it (8 MB here, the block's
+/// own intermediates and the states of `r_proj`, O(T)).
+#[test]
+fn a_fused_step_holds_no_rows() -> anyhow::Result<()> {
+    if !common::alone() {
+        return common::run_alone(concat!(module_path!(), "::a_fused_step_holds_no_rows"));
+    }
+    let dev = Device::Cpu;
+    let varmap = candle_nn::VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let (d_model, heads, t, extent) = (64, 4, 1024, 4096);
+    let config = InklingConfig::new(d_model, heads).with_rel_extent(extent);
+    let rel = InklingRelativeLogits::new(&config, vb.pp("rel"))?;
+    let cfg = candle_posenc::AttentionConfig::new(d_model, heads).with_causal(true);
+    let mha =
+        candle_posenc::MultiHeadAttention::new(&cfg, Some(std::sync::Arc::new(rel)), vb.pp("a"))?;
+    let train = candle_posenc::AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    let step = |x: &candle_core::Var| -> anyhow::Result<()> {
+        let y = mha.forward_with(x.as_tensor(), &train, None)?;
+        y.output.sqr()?.sum_all()?.backward()?;
+        Ok(())
+    };
+    // A small step first: the thread pool and its arenas are not the step's.
+    step(&candle_core::Var::randn(0f32, 1.0, (1, 16, d_model), &dev)?)?;
+    let x = candle_core::Var::randn(0f32, 1.0, (1, t, d_model), &dev)?;
+    let peak = common::peak::peak_of(|| step(&x))?;
+    let rows = heads * t * (extent + 2) * 4;
+    println!("peak {peak} bytes; the rows would be {rows}");
+    assert!(peak < rows / 4, "peak {peak} bytes (the rows: {rows})");
+    Ok(())
+}

@@ -1,0 +1,425 @@
+//! Mixed rows: a relative bias whose rows are each query's mix of a bank shared by all.
+//!
+//! ```text
+//! values[b, h, i, c] = Σ_e mix[b, h, i, e] · bank[e, c]      mix: (1|B, 1|H, 1|Tq, R), bank: (R, W)
+//! bias[b, h, i, j]   = values[b, h, i, c(i, j)]              c as the bias's columns (shift or map)
+//! d mix[b, h, i, e]  = Σ_j dS[b, h, i, j] · bank[e, c(i, j)]
+//! d bank[e, c]       = Σ_{b, h, i} mix[b, h, i, e] · Σ_{j: c(i, j) = c} dS[b, h, i, j]
+//! ```
+//!
+//! Inkling's relative logits have this form (R = 16 mixing weights per query and head, a bank
+//! of 1024 distances). The fused CPU passes read the mix and the bank and compute a row's
+//! columns as they add them to the logits, forward and backward, so a pass holds O(T·R + R·W)
+//! instead of the `(B, H, Tq, W)` rows and their gradient; the other paths build the rows
+//! ([`MixedRows::product`]) and read them as any rows.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{Error, Result};
+use crate::limits::check_elements;
+use crate::matmul::broadcast_matmul;
+use crate::plug::relative::RowSegments;
+
+/// The mix and the bank of mixed rows; see the module docs.
+#[derive(Debug, Clone)]
+pub(crate) struct MixedRows {
+    mix: Tensor,
+    bank: Tensor,
+}
+
+impl MixedRows {
+    /// Checks and keeps `mix` `(1|B, 1|H, 1|Tq, R)` and `bank` `(R, W)`.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless the mix is 4-D and the bank 2-D; [`Error::Shape`] for `R = 0`,
+    /// mixes and banks of different `R`, or `W` outside `1..2^32`; [`Error::DType`] for
+    /// integer tensors or two dtypes; [`Error::Device`] for two devices.
+    pub(crate) fn new(mix: Tensor, bank: Tensor) -> Result<Self> {
+        let rank = |what, t: &Tensor, expected| Error::Rank {
+            what,
+            expected,
+            got: t.rank(),
+            shape: t.dims().to_vec(),
+        };
+        let (_, _, _, r) = mix.dims4().map_err(|_| rank("relative mix", &mix, 4))?;
+        let (br, width) = bank.dims2().map_err(|_| rank("relative bank", &bank, 2))?;
+        if r == 0 || br != r || width == 0 || width > u32::MAX as usize {
+            return Err(Error::shape(
+                "relative bank",
+                format!(
+                    "({r}, width) with 1 ≤ width ≤ 2^32 − 1 = (the mix's last axis, columns), \
+                     the mix's last axis at least 1"
+                ),
+                bank.shape(),
+            ));
+        }
+        crate::error::check_float("relative mix", mix.dtype())?;
+        if bank.dtype() != mix.dtype() {
+            return Err(Error::DType {
+                what: "relative bank",
+                expected: "the mix's dtype",
+                got: bank.dtype(),
+            });
+        }
+        crate::error::check_device("relative bank", &bank, mix.device())?;
+        Ok(Self { mix, bank })
+    }
+
+    /// `(1|B, 1|H, 1|Tq, R)`.
+    pub(crate) fn mix(&self) -> &Tensor {
+        &self.mix
+    }
+
+    /// `(R, W)`.
+    pub(crate) fn bank(&self) -> &Tensor {
+        &self.bank
+    }
+
+    /// The rows' axes, `(1|B, 1|H, 1|Tq, W)`.
+    pub(crate) fn dims(&self) -> (usize, usize, usize, usize) {
+        let m = self.mix.dims();
+        (m[0], m[1], m[2], self.bank.dims()[1])
+    }
+
+    /// The rows `mix · bank`, `(1|B, 1|H, 1|Tq, W)` in the mix's dtype, with gradients to both.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if they would pass [`crate::limits::max_elements`].
+    pub(crate) fn product(&self) -> Result<Tensor> {
+        let (b, h, rows, width) = self.dims();
+        check_elements(
+            "relative bank width",
+            width,
+            "batch × heads × rows × width of the rows built from a mix and a bank",
+            &[b, h, rows, width],
+        )?;
+        broadcast_matmul(&self.mix, &self.bank)
+    }
+
+    /// The mix and the bank packed for a fused pass over `(B, H, Tq, ·)` logits: f32
+    /// `(1|B, 1|H, R·W + Tq·R)`, the bank then the mix's rows (a mix shared by the queries
+    /// repeated for each), gradients flowing back through the packing.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] if the mix's rows are neither 1 nor `tq`; [`Error::InvalidConfig`]
+    /// past the element budget.
+    pub(crate) fn packed(&self, tq: usize) -> Result<Tensor> {
+        let (b, h, rows, width) = self.dims();
+        let r = self.bank.dims()[0];
+        if rows != 1 && rows != tq {
+            return Err(Error::shape(
+                "relative mix",
+                format!("(batch, heads, 1 or {tq}, {r}) = (batch, heads, queries, mix)"),
+                self.mix.shape(),
+            ));
+        }
+        check_elements(
+            "relative bank width",
+            width,
+            "batch × heads × (bank + queries' mixes) of the packed mixed rows",
+            &[b, h, r * width + tq * r],
+        )?;
+        let bank = self
+            .bank
+            .to_dtype(DType::F32)?
+            .reshape((1, 1, r * width))?
+            .broadcast_as((b, h, r * width))?;
+        let mix = self.mix.to_dtype(DType::F32)?;
+        let mix = match rows == tq {
+            true => mix,
+            false => mix.broadcast_as((b, h, tq, r))?,
+        };
+        let mix = mix.reshape((b, h, tq * r))?;
+        Ok(Tensor::cat(&[&bank, &mix], 2)?)
+    }
+}
+
+/// The packed layout of one `(b, h)` row of [`MixedRows::packed`], with the bias's shift.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MixedLayout {
+    /// Mixing weights per query, `R`.
+    pub(crate) rank: usize,
+    /// Columns of the bank, `W`.
+    pub(crate) width: usize,
+    /// The bias's column shift.
+    pub(crate) shift: i64,
+}
+
+impl MixedLayout {
+    /// The packed length of one `(b, h)` row for `tq` queries.
+    pub(crate) fn len(&self, tq: usize) -> usize {
+        self.rank * self.width + tq * self.rank
+    }
+
+    /// The bank and query `i`'s mix in one packed `(b, h)` row.
+    #[inline(always)]
+    pub(crate) fn split<'a>(&self, packed: &'a [f32], i: usize) -> (&'a [f32], &'a [f32]) {
+        let (bank, mixes) = packed.split_at(self.rank * self.width);
+        (bank, &mixes[i * self.rank..(i + 1) * self.rank])
+    }
+}
+
+/// Lanes of the loops below: one vector register of f32 under AVX-512.
+const LANES: usize = 16;
+
+/// `row[j] += Σ_e mix[e] · bank[e, c]` over the segments `s` of a row (keys before `s.lo` read
+/// column 0, keys from `s.hi` column `W − 1`): the bank `(R, W)` row-major, `R = mix.len()`.
+/// Each value is summed over `e` first and then added, as the built rows hold it.
+#[inline(always)]
+pub(crate) fn add_mixed_row(bank: &[f32], mix: &[f32], s: RowSegments, row: &mut [f32]) {
+    let width = bank.len() / mix.len().max(1);
+    let column = |c: usize| -> f32 {
+        mix.iter()
+            .enumerate()
+            .map(|(e, m)| m * bank[e * width + c])
+            .sum()
+    };
+    let (left, rest) = row.split_at_mut(s.lo);
+    let (middle, right) = rest.split_at_mut(s.hi - s.lo);
+    if !left.is_empty() {
+        let v = column(0);
+        left.iter_mut().for_each(|x| *x += v);
+    }
+    // Four registers of keys at a time (four independent chains of additions), every mixing
+    // weight into them, then one add to the logits; then a register at a time.
+    let mut c = s.first_col;
+    let mut blocks = middle.chunks_exact_mut(4 * LANES);
+    for block in &mut blocks {
+        let mut acc = [[0f32; LANES]; 4];
+        for (e, m) in mix.iter().enumerate() {
+            let at = e * width + c;
+            for (r, a) in acc.iter_mut().enumerate() {
+                let from = lanes(&bank[at + r * LANES..at + (r + 1) * LANES]);
+                for l in 0..LANES {
+                    a[l] += m * from[l];
+                }
+            }
+        }
+        for (chunk, a) in block.chunks_exact_mut(LANES).zip(acc) {
+            let mut x: [f32; LANES] = *lanes(chunk);
+            for l in 0..LANES {
+                x[l] += a[l];
+            }
+            chunk.copy_from_slice(&x);
+        }
+        c += 4 * LANES;
+    }
+    let mut chunks = blocks.into_remainder().chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        let mut acc = [0f32; LANES];
+        for (e, m) in mix.iter().enumerate() {
+            let from = lanes(&bank[e * width + c..e * width + c + LANES]);
+            for l in 0..LANES {
+                acc[l] += m * from[l];
+            }
+        }
+        let mut x: [f32; LANES] = *lanes(chunk);
+        for l in 0..LANES {
+            x[l] += acc[l];
+        }
+        chunk.copy_from_slice(&x);
+        c += LANES;
+    }
+    for (k, x) in chunks.into_remainder().iter_mut().enumerate() {
+        *x += column(c + k);
+    }
+    if !right.is_empty() {
+        let v = column(width - 1);
+        right.iter_mut().for_each(|x| *x += v);
+    }
+}
+
+/// The gradients of one row's logits `ds` (segments `s`) into the mix's `dmix` (R) and the
+/// bank's `dbank` (`R × W`), as the module docs write them.
+#[inline(always)]
+pub(crate) fn add_mixed_grads(
+    (bank, mix): (&[f32], &[f32]),
+    ds: &[f32],
+    s: RowSegments,
+    (dbank, dmix): (&mut [f32], &mut [f32]),
+) {
+    let width = bank.len() / mix.len().max(1);
+    let left: f32 = ds[..s.lo].iter().sum();
+    let right: f32 = ds[s.hi..].iter().sum();
+    let middle = &ds[s.lo..s.hi];
+    let cols = s.first_col..s.first_col + middle.len();
+    for (e, (m, dm)) in mix.iter().zip(dmix.iter_mut()).enumerate() {
+        let (b, db) = (
+            &bank[e * width..(e + 1) * width],
+            &mut dbank[e * width..(e + 1) * width],
+        );
+        db[0] += m * left;
+        db[width - 1] += m * right;
+        // One pass over the keys for both, dmix's dot product and dbank's update, four
+        // registers of keys at a time into four accumulators (independent chains).
+        let mut acc = [[0f32; LANES]; 4];
+        let (bm, dbm) = (&b[cols.clone()], &mut db[cols.clone()]);
+        let mut g4 = middle.chunks_exact(4 * LANES);
+        let mut b4 = bm.chunks_exact(4 * LANES);
+        let mut d4 = dbm.chunks_exact_mut(4 * LANES);
+        for ((g, y), d) in (&mut g4).zip(&mut b4).zip(&mut d4) {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let at = r * LANES..(r + 1) * LANES;
+                // Copies in registers: the stores cannot alias what the loads read.
+                let (g, y) = (lanes(&g[at.clone()]), lanes(&y[at.clone()]));
+                let mut dv: [f32; LANES] = *lanes(&d[at.clone()]);
+                for l in 0..LANES {
+                    a[l] += g[l] * y[l];
+                    dv[l] += m * g[l];
+                }
+                d[at].copy_from_slice(&dv);
+            }
+        }
+        let mut acc: [f32; LANES] = std::array::from_fn(|l| acc.iter().map(|a| a[l]).sum());
+        let mut g = g4.remainder().chunks_exact(LANES);
+        let mut bc = b4.remainder().chunks_exact(LANES);
+        let mut dc = d4.into_remainder().chunks_exact_mut(LANES);
+        for ((g, y), d) in (&mut g).zip(&mut bc).zip(&mut dc) {
+            let (g, y) = (lanes(g), lanes(y));
+            let mut dv: [f32; LANES] = *lanes(d);
+            for l in 0..LANES {
+                acc[l] += g[l] * y[l];
+                dv[l] += m * g[l];
+            }
+            d.copy_from_slice(&dv);
+        }
+        let mut tail = 0f32;
+        for ((g, y), d) in g
+            .remainder()
+            .iter()
+            .zip(bc.remainder())
+            .zip(dc.into_remainder())
+        {
+            tail += g * y;
+            *d += m * g;
+        }
+        *dm += left * b[0] + right * b[width - 1] + acc.iter().sum::<f32>() + tail;
+    }
+}
+
+/// A chunk of [`LANES`] values as an array (the chunks above are exactly that long).
+#[inline(always)]
+fn lanes(x: &[f32]) -> &[f32; LANES] {
+    x.try_into().expect("a chunk of LANES values")
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::plug::relative::row_segments_from;
+    use crate::plug::{Columns, RelativeBias};
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// Rows added from the mix and the bank equal the built rows added as rows, for shifts
+    /// that clamp on either side, key ranges inside a row and lengths around the lanes.
+    #[test]
+    fn mixed_rows_add_what_the_built_rows_hold() {
+        let (r, width) = (5usize, 150usize);
+        let bank = random(r * width, 1);
+        let mix = random(r, 2);
+        let values: Vec<f32> = (0..width)
+            .map(|c| (0..r).map(|e| mix[e] * bank[e * width + c]).sum())
+            .collect();
+        for shift in [-200i64, -30, 0, 7, 90, 149, 400] {
+            for (i, j0, n) in [
+                (0, 0, 1),
+                (3, 0, 17),
+                (40, 5, 64),
+                (100, 20, 131),
+                (7, 0, 300),
+            ] {
+                let base = random(n, 3);
+                let (mut got, mut want) = (base.clone(), base);
+                let s = row_segments_from(i, shift, width, j0, n);
+                add_mixed_row(&bank, &mix, s, &mut got);
+                for (j, x) in want.iter_mut().enumerate() {
+                    let c = ((j0 + j) as i64 - i as i64 + shift).clamp(0, width as i64 - 1);
+                    *x += values[c as usize];
+                }
+                for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-6,
+                        "shift {shift} row {i} key {}: {g} vs {w}",
+                        j0 + j
+                    );
+                }
+            }
+        }
+    }
+
+    /// The gradients of a row equal the adjoint written out key by key.
+    #[test]
+    fn mixed_grads_equal_the_adjoint() {
+        let (r, width) = (3usize, 100usize);
+        let bank = random(r * width, 4);
+        let mix = random(r, 5);
+        for shift in [-150i64, -10, 0, 33, 99, 250] {
+            for (i, j0, n) in [(0, 0, 1), (5, 2, 19), (60, 0, 80), (90, 30, 150)] {
+                let ds = random(n, 6);
+                let (mut dbank, mut dmix) = (vec![0f32; r * width], vec![0f32; r]);
+                let s = row_segments_from(i, shift, width, j0, n);
+                add_mixed_grads((&bank, &mix), &ds, s, (&mut dbank, &mut dmix));
+                let (mut wbank, mut wmix) = (vec![0f64; r * width], vec![0f64; r]);
+                for (j, g) in ds.iter().enumerate() {
+                    let c = ((j0 + j) as i64 - i as i64 + shift).clamp(0, width as i64 - 1);
+                    for e in 0..r {
+                        let at = e * width + c as usize;
+                        wmix[e] += f64::from(*g) * f64::from(bank[at]);
+                        wbank[at] += f64::from(mix[e]) * f64::from(*g);
+                    }
+                }
+                for (g, w) in dmix.iter().zip(&wmix).chain(dbank.iter().zip(&wbank)) {
+                    assert!((f64::from(*g) - w).abs() <= 1e-5, "shift {shift} row {i}");
+                }
+            }
+        }
+    }
+
+    /// A bias of mixed rows expands as the rows it stands for, and bad operands are refused
+    /// with typed errors.
+    #[test]
+    fn mixed_bias_expands_as_its_rows_and_checks_operands() -> crate::error::Result<()> {
+        let dev = Device::Cpu;
+        let mix = Tensor::randn(0f32, 1.0, (2, 3, 4, 5), &dev)?;
+        let bank = Tensor::randn(0f32, 1.0, (5, 9), &dev)?;
+        let mixed = RelativeBias::mixed(mix.clone(), bank.clone(), Columns::Shift(4))?;
+        assert_eq!(mixed.dims(), (2, 3, 4, 9));
+        let rows = RelativeBias::new(
+            crate::matmul::broadcast_matmul(&mix, &bank)?,
+            Columns::Shift(4),
+        )?;
+        let diff = (mixed.to_dense(4, 6)? - rows.to_dense(4, 6)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert!(diff <= 1e-6, "{diff}");
+        let wrong_rank = Tensor::zeros((6, 9), DType::F32, &dev)?;
+        assert!(matches!(
+            RelativeBias::mixed(mix.clone(), wrong_rank, Columns::Shift(0)),
+            Err(Error::Shape { .. })
+        ));
+        let f64_bank = bank.to_dtype(DType::F64)?;
+        assert!(matches!(
+            RelativeBias::mixed(mix.clone(), f64_bank, Columns::Shift(0)),
+            Err(Error::DType { .. })
+        ));
+        assert!(matches!(
+            RelativeBias::mixed(bank.clone(), bank, Columns::Shift(0)),
+            Err(Error::Rank { .. })
+        ));
+        Ok(())
+    }
+}
