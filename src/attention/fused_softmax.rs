@@ -379,7 +379,7 @@ pub(crate) fn strided_terms(
                 width,
                 shift: *shift,
             };
-            let packed = mixed.packed(tq)?.unsqueeze(2)?;
+            let packed = mixed.packed(tq)?;
             let mut strided = Strided::new(&packed, (b, h, 1, layout.len(tq)), None)?;
             strided.mixed = Some(layout);
             terms.push(strided);

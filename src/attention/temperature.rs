@@ -19,9 +19,10 @@
 //! Reference: Nakanishi 2025, "Scalable-Softmax Is Superior for Attention" (arXiv:2501.19399);
 //! Meta's Llama 4 (`attn_temperature_tuning`, `floor_scale`, `attn_scale`).
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
+use crate::cpu::row_scale::scale_rows;
 use crate::error::{Error, Result};
 
 /// Settings of [`AttentionConfig::attention_temperature`](super::AttentionConfig::attention_temperature).
@@ -116,14 +117,6 @@ impl AttentionTemperature {
         let factors: Vec<f32> = (0..t)
             .map(|i| self.factor(first.saturating_add(i)) as f32)
             .collect();
-        let factors = Tensor::from_vec(factors, (1, 1, t, 1), q.device())?;
-        let dtype = q.dtype();
-        let wide = match dtype {
-            DType::F16 | DType::BF16 => q.to_dtype(DType::F32)?,
-            _ => q.clone(),
-        };
-        Ok(wide
-            .broadcast_mul(&factors.to_dtype(wide.dtype())?)?
-            .to_dtype(dtype)?)
+        scale_rows(q, factors)
     }
 }

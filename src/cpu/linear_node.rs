@@ -41,6 +41,10 @@ pub(crate) enum Arrange {
         heads: usize,
         head_dim: usize,
     },
+    /// `(B, out, T)` from `B·T` rows: each feature's values over the tokens (per-token states
+    /// as the plug's content hook answers them), the heads-first layout with one feature per
+    /// head.
+    Channels { batch: usize, len: usize },
 }
 
 /// `linear(x)` as one node ([`Arrange`] says how the output is laid out), or `None` where the
@@ -90,6 +94,7 @@ pub(crate) fn scaled(
             &[*batch, *len][..],
             heads.checked_mul(*head_dim) == Some(out),
         ),
+        Arrange::Channels { batch, len } => (&[*batch, *len][..], true),
     };
     let row = x
         .dims()
@@ -197,6 +202,7 @@ impl Node {
                 heads,
                 head_dim,
             } => Shape::from((batch, heads, len, head_dim)),
+            &Arrange::Channels { batch, len } => Shape::from((batch, self.out, len)),
         }
     }
 
@@ -210,6 +216,7 @@ impl Node {
                 head_dim,
                 ..
             } => Some((len, heads, head_dim)),
+            Arrange::Channels { len, .. } => Some((len, self.out, 1)),
         }
     }
 
@@ -405,7 +412,7 @@ mod tests {
     }
 
     /// The node's output and its gradients to x, W and b (whichever track) equal candle's
-    /// `Linear` followed by the same reshapes under candle's autograd, for both arrangements,
+    /// `Linear` followed by the same reshapes under candle's autograd, for every arrangement,
     /// with and without a bias, with a strided input, and with only some inputs tracking.
     #[test]
     fn equals_candle_autograd() -> anyhow::Result<()> {
@@ -420,7 +427,7 @@ mod tests {
         for (t, bias, scale) in cases {
             for (track_x, track_w) in [(true, true), (true, false), (false, true)] {
                 for strided in [false, true] {
-                    for by_heads in [false, true] {
+                    for arranged in 0..3 {
                         let xv = match strided {
                             false => Var::randn(0f32, 1.0, (b, t, inner), &dev)?,
                             true => Var::randn(0f32, 1.0, (t, b, inner), &dev)?,
@@ -438,21 +445,23 @@ mod tests {
                             false => w.as_tensor().detach(),
                         };
                         let linear = Linear::new(weight, bias.then(|| bv.as_tensor().clone()));
-                        let arrange = match by_heads {
-                            false => Arrange::Rows(vec![b, t]),
-                            true => Arrange::Heads {
+                        let arrange = match arranged {
+                            0 => Arrange::Rows(vec![b, t]),
+                            1 => Arrange::Heads {
                                 batch: b,
                                 len: t,
                                 heads,
                                 head_dim: d,
                             },
+                            _ => Arrange::Channels { batch: b, len: t },
                         };
                         let got = super::scaled(&linear, &x, arrange, scale as f32)?
                             .expect("f32 on the CPU");
                         let want = (linear.forward(&x)? * scale)?;
-                        let want = match by_heads {
-                            false => want,
-                            true => want.reshape((b, t, heads, d))?.transpose(1, 2)?,
+                        let want = match arranged {
+                            0 => want,
+                            1 => want.reshape((b, t, heads, d))?.transpose(1, 2)?,
+                            _ => want.transpose(1, 2)?,
                         };
                         assert!(max_diff(&got, &want)? < 1e-5, "t {t} forward");
                         // A probe that is not all ones, so that each gradient mixes rows.
@@ -467,7 +476,7 @@ mod tests {
                                     // f32 sums over up to 80 rows in another order: 1e-5 of
                                     // the gradient's largest entry (at least 1).
                                     let bound = 1e-5 * max_abs(e)?.max(1.0);
-                                    assert!(max_diff(a, e)? < bound, "t {t} bias {bias} x {track_x} w {track_w} strided {strided} heads {by_heads}");
+                                    assert!(max_diff(a, e)? < bound, "t {t} bias {bias} x {track_x} w {track_w} strided {strided} arrangement {arranged}");
                                 }
                                 false => assert!(a.is_none() && e.is_none()),
                             }

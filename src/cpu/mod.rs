@@ -5,6 +5,7 @@
 pub(crate) mod gemm;
 pub(crate) mod linear_node;
 pub(crate) mod pool;
+pub(crate) mod row_scale;
 
 /// `n` zeros, or an error naming `what` when the allocation fails.
 pub(crate) fn zeroed(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {

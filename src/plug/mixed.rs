@@ -13,7 +13,8 @@
 //! instead of the `(B, H, Tq, W)` rows and their gradient; the other paths build the rows
 //! ([`MixedRows::product`]) and read them as any rows.
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
@@ -97,8 +98,9 @@ impl MixedRows {
     }
 
     /// The mix and the bank packed for a fused pass over `(B, H, Tq, ·)` logits: f32
-    /// `(1|B, 1|H, R·W + Tq·R)`, the bank then the mix's rows (a mix shared by the queries
-    /// repeated for each), gradients flowing back through the packing.
+    /// `(1|B, 1|H, 1, R·W + Tq·R)`, the bank then the mix's rows (a mix shared by the queries
+    /// repeated for each), gradients flowing back through the packing (on the CPU one node,
+    /// [`Pack`]).
     ///
     /// # Errors
     /// [`Error::Shape`] if the mix's rows are neither 1 nor `tq`; [`Error::InvalidConfig`]
@@ -119,18 +121,116 @@ impl MixedRows {
             "batch × heads × (bank + queries' mixes) of the packed mixed rows",
             &[b, h, r * width + tq * r],
         )?;
-        let bank = self
-            .bank
-            .to_dtype(DType::F32)?
+        let (mix, bank) = (
+            self.mix.to_dtype(DType::F32)?,
+            self.bank.to_dtype(DType::F32)?,
+        );
+        if mix.device().is_cpu() {
+            // One node of the graph, reading the mix through its strides.
+            return Ok(mix.apply_op2(&bank, Pack { tq })?);
+        }
+        let bank = bank
             .reshape((1, 1, r * width))?
             .broadcast_as((b, h, r * width))?;
-        let mix = self.mix.to_dtype(DType::F32)?;
         let mix = match rows == tq {
             true => mix,
             false => mix.broadcast_as((b, h, tq, r))?,
         };
         let mix = mix.reshape((b, h, tq * r))?;
-        Ok(Tensor::cat(&[&bank, &mix], 2)?)
+        Ok(Tensor::cat(&[&bank, &mix], 2)?.unsqueeze(2)?)
+    }
+}
+
+/// The packing of [`MixedRows::packed`] as one op: the mix read through its layout, the
+/// bank copied into each `(b, h)` row; its backward sums the bank's rows over `(b, h)` and
+/// the mix's over the queries it was repeated for.
+struct Pack {
+    tq: usize,
+}
+
+/// Where element `[a, b, c, d]` of a 4-D (or `[a, b]` of a 2-D) layout lies.
+fn strided(l: &Layout) -> (usize, Vec<usize>) {
+    (l.start_offset(), l.stride().to_vec())
+}
+
+impl CustomOp2 for Pack {
+    fn name(&self) -> &'static str {
+        "posenc-mixed-rows-pack"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ms: &CpuStorage,
+        ml: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(m), CpuStorage::F32(bank)) = (ms, bs) else {
+            candle_core::bail!("mixed rows: the mix and the bank must be f32");
+        };
+        let (mb, mh, rows, r) = ml.shape().dims4()?;
+        let (_, w) = bl.shape().dims2()?;
+        let ((mo, ms), (bo, bst)) = (strided(ml), strided(bl));
+        let len = r * w + self.tq * r;
+        let mut out = crate::cpu::zeroed(mb * mh * len, "packed mixed rows")?;
+        out.par_chunks_mut(len.max(1))
+            .enumerate()
+            .for_each(|(bh, dst)| {
+                let (bi, hi) = (bh / mh, bh % mh);
+                let (head, mixes) = dst.split_at_mut(r * w);
+                for (e, row) in head.chunks_exact_mut(w).enumerate() {
+                    for (c, x) in row.iter_mut().enumerate() {
+                        *x = bank[bo + e * bst[0] + c * bst[1]];
+                    }
+                }
+                for (i, row) in mixes.chunks_exact_mut(r).enumerate() {
+                    let ii = if rows == 1 { 0 } else { i };
+                    let at = mo + bi * ms[0] + hi * ms[1] + ii * ms[2];
+                    for (e, x) in row.iter_mut().enumerate() {
+                        *x = m[at + e * ms[3]];
+                    }
+                }
+            });
+        Ok((CpuStorage::F32(out), Shape::from((mb, mh, 1, len))))
+    }
+
+    fn bwd(
+        &self,
+        mix: &Tensor,
+        bank: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (mb, mh, rows, r) = mix.dims4()?;
+        let (_, w) = bank.dims2()?;
+        let g = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let len = r * w + self.tq * r;
+        let dbank = match bank.track_op() {
+            false => None,
+            true => {
+                let mut d = vec![0f32; r * w];
+                for row in g.chunks_exact(len.max(1)) {
+                    d.iter_mut().zip(&row[..r * w]).for_each(|(x, y)| *x += y);
+                }
+                Some(Tensor::from_vec(d, (r, w), bank.device())?.to_dtype(bank.dtype())?)
+            }
+        };
+        let dmix = match mix.track_op() {
+            false => None,
+            true => {
+                let mut d = vec![0f32; mb * mh * rows * r];
+                for (bh, row) in g.chunks_exact(len.max(1)).enumerate() {
+                    for (i, src) in row[r * w..].chunks_exact(r).enumerate() {
+                        let ii = if rows == 1 { 0 } else { i };
+                        let at = (bh * rows + ii) * r;
+                        d[at..at + r].iter_mut().zip(src).for_each(|(x, y)| *x += y);
+                    }
+                }
+                let d = Tensor::from_vec(d, (mb, mh, rows, r), mix.device())?;
+                Some(d.to_dtype(mix.dtype())?)
+            }
+        };
+        Ok((dmix, dbank))
     }
 }
 

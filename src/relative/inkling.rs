@@ -37,6 +37,8 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::{check_queries, input_projection, relative_buckets};
+use crate::cpu::linear_node::{self, Arrange};
+use crate::cpu::row_scale::scale_rows;
 use crate::error::{check_var_builder, learned, Error, Result};
 use crate::plug::{
     AttentionContext, Columns, Content, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
@@ -282,6 +284,17 @@ impl InklingRelativeLogits {
     /// [`Error::Shape`] for an input of another width.
     pub fn relative_states(&self, x: &Tensor) -> Result<Tensor> {
         let what = "input of the relative states' projection";
+        // f32 on the CPU: one node of the graph writes the states channels first (candle's
+        // product, transpose and copy were three, each with its own gradient tensors).
+        if let (Ok((b, t, d)), Ok(w)) = (x.dims3(), self.r_proj.to_dtype(x.dtype())) {
+            let node = candle_nn::Linear::new(w, None);
+            if d == self.config.d_model {
+                let arrange = Arrange::Channels { batch: b, len: t };
+                if let Some(states) = linear_node::linear(&node, x, arrange)? {
+                    return Ok(states);
+                }
+            }
+        }
         Ok(
             input_projection(what, x, &self.r_proj, self.config.d_model)?
                 .transpose(1, 2)?
@@ -354,11 +367,9 @@ impl InklingRelativeLogits {
                 states.shape(),
             ));
         }
-        let mut mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
         // τ_i (r_i · bank) = (τ_i r_i) · bank: the factors scale the mix.
-        if let Some(factors) = self.factors(queries, tq, states)? {
-            mix = mix.broadcast_mul(&factors.to_dtype(mix.dtype())?)?;
-        }
+        let mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
+        let mix = self.scaled(mix, queries, tq)?;
         let width = extent as i64;
         let columns = match (queries, keys) {
             // Key j of query i reads column E + (ks + j) − (qs + i): distance 0 at column E.
@@ -377,12 +388,14 @@ impl InklingRelativeLogits {
         RelativeBias::mixed(mix, self.padded_bank(states.dtype())?, columns)
     }
 
-    /// The log-n factors of the queries, `(1|B, 1, Tq, 1)` f32, when the configuration scales.
-    fn factors(&self, queries: &Positions, tq: usize, like: &Tensor) -> Result<Option<Tensor>> {
+    /// `x` `(B, H, Tq, ·)` with each query's row times its log-n factor (in f32, as HF
+    /// scales, and back to `x`'s dtype), or `x` as it is when the configuration does not
+    /// scale.
+    fn scaled(&self, x: Tensor, queries: &Positions, tq: usize) -> Result<Tensor> {
         let Some(scaling) = self.config.log_scaling else {
-            return Ok(None);
+            return Ok(x);
         };
-        let ids = queries.to_ids(tq, like.device())?;
+        let ids = queries.to_ids(tq, x.device())?;
         let (rows, _) = ids.dims2()?;
         let factors: Vec<f32> = ids
             .flatten_all()?
@@ -390,28 +403,26 @@ impl InklingRelativeLogits {
             .into_iter()
             .map(|p| scaling.factor(p as usize) as f32)
             .collect();
-        Ok(Some(Tensor::from_vec(
-            factors,
-            (rows, 1, tq, 1),
-            like.device(),
-        )?))
+        if rows == 1 {
+            return scale_rows(&x, factors);
+        }
+        // Positions per sequence: factors per batch item.
+        let factors = Tensor::from_vec(factors, (rows, 1, tq, 1), x.device())?;
+        let dtype = x.dtype();
+        let wide = match dtype {
+            DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
+            _ => x,
+        };
+        Ok(wide
+            .broadcast_mul(&factors.to_dtype(wide.dtype())?)?
+            .to_dtype(dtype)?)
     }
 }
 
 impl PositionalEncoding for InklingRelativeLogits {
     /// The log-n scaling of the queries (the keys as they are).
     fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
-        let Some(factors) = self.factors(ctx.queries, ctx.q_len, &q)? else {
-            return Ok((q, k));
-        };
-        // In f32, as HF scales them, and back to the queries' dtype.
-        let dtype = q.dtype();
-        let wide = match dtype {
-            DType::F16 | DType::BF16 => q.to_dtype(DType::F32)?,
-            _ => q,
-        };
-        let scaled = wide.broadcast_mul(&factors.to_dtype(wide.dtype())?)?;
-        Ok((scaled.to_dtype(dtype)?, k))
+        Ok((self.scaled(q, ctx.queries, ctx.q_len)?, k))
     }
 
     /// The relative states of the chunk's tokens (`carried` is not read: each token's own).
