@@ -430,6 +430,8 @@ struct Scratch {
     /// A key tile and a value tile widened from half precision, `n × D` each.
     keys: Vec<f32>,
     values: Vec<f32>,
+    /// Mixed rows over the columns of a tile.
+    slab: Vec<f32>,
 }
 
 impl Scratch {
@@ -441,6 +443,7 @@ impl Scratch {
             running: Vec::new(),
             keys: Vec::new(),
             values: Vec::new(),
+            slab: Vec::new(),
         }
     }
 }
@@ -496,7 +499,9 @@ impl CoreSpec {
         let k = Operand::new(ks, kl, [b, hkv, tk, d])?;
         let v = Operand::new(vs, vl, [b, hkv, tk, d])?;
         let terms = TermGuards::new(&self.terms, self.padding.as_ref());
-        let pass = terms.pass((b, h, tq, tk), &self.rule)?;
+        let pass = terms
+            .pass((b, h, tq, tk), &self.rule)?
+            .with_mixed_in_tiles();
         let values_guard = self.values.as_ref().map(ValueOperands::lock);
         let values = values_guard
             .as_ref()
@@ -616,6 +621,7 @@ impl Run<'_> {
             running,
             keys: key_buf,
             values: value_buf,
+            slab,
         } = scratch;
         s.resize(rows * n, 0.0);
         // SAFETY: bi < B, hi / group < Hkv, j0 < Tk; S is rows × n (resized above), acc
@@ -643,6 +649,10 @@ impl Run<'_> {
                 keys,
             )
         };
+        if self.pass.mixed_in_tiles() {
+            self.pass
+                .add_mixed_tile((bi, hi, i0, rows), (j0, n), s, slab);
+        }
         for (li, row) in s.chunks_exact_mut(n).enumerate() {
             let alpha = self.pass.online_best(r0 + li, row, j0, &mut running[li]);
             if let Some(dropout) = &self.core.dropout {

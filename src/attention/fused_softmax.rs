@@ -22,7 +22,7 @@ use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::plug::mixed::{add_mixed_grads, add_mixed_row, MixedLayout};
+use crate::plug::mixed::{self, add_mixed_grads, add_mixed_row, MixedLayout};
 use crate::plug::relative::add_shifted_sums_from;
 use crate::plug::relative::RowSegments;
 use crate::plug::separable::KeySide;
@@ -150,6 +150,9 @@ pub(crate) fn add_shifted_row(values: &[f32], i: usize, shift: i64, j0: usize, r
     }
     right.iter_mut().for_each(|x| *x += values[width - 1]);
 }
+
+/// Query rows per product of mixed rows over a tile's columns (see `add_mixed_tile`).
+const MIXED_ROWS: usize = 16;
 
 /// Lanes of the reductions below: independent accumulators, which the compiler keeps in two to
 /// eight vector registers, so that consecutive max/add instructions do not wait on each other
@@ -472,6 +475,7 @@ impl<'a> TermGuards<'a> {
             rule,
             dims: (h, tq, tk),
             isa: Isa::detect(),
+            mixed_in_tiles: false,
         })
     }
 }
@@ -505,6 +509,9 @@ pub(crate) struct RowPass<'a> {
     /// `(H, Tq, Tk)`: `Tk` is the padding mask's row length.
     dims: (usize, usize, usize),
     isa: Isa,
+    /// Whether the caller adds mixed rows per tile ([`Self::add_mixed_tile`]) before the
+    /// rows see their other terms, so the row pass leaves them out.
+    mixed_in_tiles: bool,
 }
 
 /// The widest vector instructions the row pass is compiled for on this CPU.
@@ -534,6 +541,77 @@ impl Isa {
 }
 
 impl RowPass<'_> {
+    /// The pass for a caller that adds mixed rows a tile at a time: [`Self::add_mixed_tile`]
+    /// on the raw logits of every tile before the rows' pass, [`Self::add_mixed_tile_grads`]
+    /// on its dS. Only without a soft cap, which must see the raw logits alone; otherwise the
+    /// rows add them one by one as before.
+    pub(crate) fn with_mixed_in_tiles(mut self) -> Self {
+        self.mixed_in_tiles =
+            self.rule.softcap.is_none() && self.terms.iter().any(|(_, t)| t.mixed.is_some());
+        self
+    }
+
+    /// Whether the caller adds mixed rows per tile.
+    pub(crate) fn mixed_in_tiles(&self) -> bool {
+        self.mixed_in_tiles
+    }
+
+    /// Each mixed term's values for the tile of rows `i0..i0 + rows` of sequence `bi`, head
+    /// `hi`, and keys `j0..j0 + n`, added to its raw logits `s` (`rows × n`): one product per
+    /// term over the columns the tile reads ([`mixed::tile_values`]), `slab` its scratch.
+    pub(crate) fn add_mixed_tile(
+        &self,
+        (bi, hi, i0, rows): (usize, usize, usize, usize),
+        (j0, n): (usize, usize),
+        s: &mut [f32],
+        slab: &mut Vec<f32>,
+    ) {
+        for (src, t) in &self.terms {
+            let Some(m) = t.mixed else { continue };
+            let packed = &src[t.offset + bi * t.strides[0] + hi * t.strides[1]..];
+            // A few rows per product: the columns a block of rows reads span its keys plus
+            // one per row more, so short blocks compute few values no key reads.
+            for (sub, block) in s[..rows * n].chunks_mut(MIXED_ROWS * n).enumerate() {
+                let (r0, count) = (i0 + sub * MIXED_ROWS, block.len() / n);
+                let cols = mixed::tile_columns(&m, (r0, count), (j0, n));
+                mixed::tile_values(&m, packed, (r0, count), cols, slab);
+                for (li, row) in block.chunks_exact_mut(n).enumerate() {
+                    let seg = row_segments_from(r0 + li, m.shift, m.width, j0, n);
+                    let at = li * cols.1;
+                    mixed::add_tile_row(&slab[at..at + cols.1], cols.0, seg, row);
+                }
+            }
+        }
+    }
+
+    /// Term `term`'s (mixed) gradients from the tile's dS (`rows × n`, as
+    /// [`Self::add_mixed_tile`] reads its tile) into `grads`, its packed `(b, h)` row;
+    /// `dslab` is scratch.
+    pub(crate) fn add_mixed_tile_grads(
+        &self,
+        term: usize,
+        (bi, hi, i0, rows): (usize, usize, usize, usize),
+        (j0, n): (usize, usize),
+        ds: &[f32],
+        (grads, dslab): (&mut [f32], &mut Vec<f32>),
+    ) {
+        let (src, t) = self.terms[term];
+        let Some(m) = t.mixed else { return };
+        let packed = &src[t.offset + bi * t.strides[0] + hi * t.strides[1]..];
+        for (sub, block) in ds[..rows * n].chunks(MIXED_ROWS * n).enumerate() {
+            let (r0, count) = (i0 + sub * MIXED_ROWS, block.len() / n);
+            let cols = mixed::tile_columns(&m, (r0, count), (j0, n));
+            dslab.clear();
+            dslab.resize(count * cols.1, 0.0);
+            for (li, dsrow) in block.chunks_exact(n).enumerate() {
+                let seg = row_segments_from(r0 + li, m.shift, m.width, j0, n);
+                let at = li * cols.1;
+                mixed::add_tile_row_grads(dsrow, cols.0, seg, &mut dslab[at..at + cols.1]);
+            }
+            mixed::add_tile_grads(&m, packed, (r0, count), cols, dslab, &mut *grads);
+        }
+    }
+
     /// Bias, masks and softmax of logits row `r` (flat over `(B, H, Tq)`), with the fastest
     /// build of [`Self::run`] this CPU runs.
     ///
@@ -569,7 +647,9 @@ impl RowPass<'_> {
             }
         }
         for (src, t) in &self.terms {
-            t.add_row(src, (bi, hi, i), j0, row);
+            if !(self.mixed_in_tiles && t.mixed.is_some()) {
+                t.add_row(src, (bi, hi, i), j0, row);
+            }
         }
         if let Some(p) = self.padding {
             for (x, keep) in row.iter_mut().zip(&p[bi * tk + j0..]) {
@@ -937,6 +1017,7 @@ mod tests {
                     rule,
                     dims: (h, tq, tk),
                     isa: Isa::Baseline,
+                    mixed_in_tiles: false,
                 };
                 for r in 0..tq {
                     for len in [tk, 33] {

@@ -259,6 +259,125 @@ impl MixedLayout {
     }
 }
 
+/// The columns a tile of query rows `i0..i0 + rows` and keys `j0..j0 + n` reads, `(first,
+/// count)`: every clamped column of every pair lies among them (column 0 when a pair clamps
+/// below, `W − 1` when one clamps above).
+pub(crate) fn tile_columns(
+    layout: &MixedLayout,
+    (i0, rows): (usize, usize),
+    (j0, n): (usize, usize),
+) -> (usize, usize) {
+    let w = layout.width as i128;
+    let clamp = |c: i128| c.clamp(0, w - 1) as usize;
+    let shift = layout.shift as i128;
+    let lo = clamp(j0 as i128 - (i0 + rows.max(1) - 1) as i128 + shift);
+    let hi = clamp((j0 + n.max(1) - 1) as i128 - i0 as i128 + shift);
+    (lo, hi - lo + 1)
+}
+
+/// A tile's rows over its columns `(first, count)`: `slab[li, c] = Σ_e mix[i0 + li, e] ·
+/// bank[e, first + c]`, `rows × count`, one product (`packed` is one `(b, h)` row of
+/// [`MixedRows::packed`]).
+pub(crate) fn tile_values(
+    layout: &MixedLayout,
+    packed: &[f32],
+    (i0, rows): (usize, usize),
+    (first, count): (usize, usize),
+    slab: &mut Vec<f32>,
+) {
+    let (r, w) = (layout.rank, layout.width);
+    slab.clear();
+    slab.resize(rows * count, 0.0);
+    let (bank, mixes) = packed.split_at(r * w);
+    let mix = &mixes[i0 * r..(i0 + rows) * r];
+    // SAFETY: slab is rows × count; mix holds rows × R values (row stride R); the bank's
+    // columns first..first + count of its R rows (row stride W) lie inside it (first + count
+    // ≤ W, from `tile_columns`).
+    unsafe {
+        crate::cpu::gemm::product(
+            (rows, count, r),
+            (slab.as_mut_ptr(), count, false),
+            (mix.as_ptr(), 1, r),
+            (bank[first..].as_ptr(), 1, w),
+        )
+    }
+}
+
+/// Adds a tile row's values to its logits: `slab_row` holds the columns `first..` of
+/// [`tile_columns`], `s` the row's segments (keys before `s.lo` read column 0, from `s.hi`
+/// column `W − 1`, which the tile's columns hold whenever a key reads them).
+#[inline(always)]
+pub(crate) fn add_tile_row(slab_row: &[f32], first: usize, s: RowSegments, row: &mut [f32]) {
+    let (left, rest) = row.split_at_mut(s.lo);
+    let (middle, right) = rest.split_at_mut(s.hi - s.lo);
+    if let Some(&v) = slab_row.first().filter(|_| !left.is_empty()) {
+        left.iter_mut().for_each(|x| *x += v);
+    }
+    if !middle.is_empty() {
+        let from = &slab_row[s.first_col - first..][..middle.len()];
+        middle.iter_mut().zip(from).for_each(|(x, y)| *x += y);
+    }
+    if let Some(&v) = slab_row.last().filter(|_| !right.is_empty()) {
+        right.iter_mut().for_each(|x| *x += v);
+    }
+}
+
+/// dS of a tile row summed per column into `dslab_row` (the tile's columns from `first`), as
+/// [`add_tile_row`] read them.
+#[inline(always)]
+pub(crate) fn add_tile_row_grads(ds: &[f32], first: usize, s: RowSegments, dslab_row: &mut [f32]) {
+    let left: f32 = ds[..s.lo].iter().sum();
+    let right: f32 = ds[s.hi..].iter().sum();
+    if s.lo > 0 {
+        dslab_row[0] += left;
+    }
+    let middle = &ds[s.lo..s.hi];
+    if !middle.is_empty() {
+        let to = &mut dslab_row[s.first_col - first..][..middle.len()];
+        to.iter_mut().zip(middle).for_each(|(x, y)| *x += y);
+    }
+    if s.hi < ds.len() {
+        let last = dslab_row.len() - 1;
+        dslab_row[last] += right;
+    }
+}
+
+/// The tile's gradients from its per-column sums `dslab` (`rows × count`, columns from
+/// `first`): the mixes' `dmix[i0 + li] += dslab[li] · bank[:, cols]ᵀ` and the bank's
+/// `dbank[:, cols] += mix[i0..]ᵀ · dslab`, two products into `grads`, one `(b, h)` row of the
+/// packed gradient (laid out as [`MixedRows::packed`]).
+pub(crate) fn add_tile_grads(
+    layout: &MixedLayout,
+    packed: &[f32],
+    (i0, rows): (usize, usize),
+    (first, count): (usize, usize),
+    dslab: &[f32],
+    grads: &mut [f32],
+) {
+    let (r, w) = (layout.rank, layout.width);
+    let (bank, mixes) = packed.split_at(r * w);
+    let mix = &mixes[i0 * r..(i0 + rows) * r];
+    let (dbank, dmixes) = grads.split_at_mut(r * w);
+    let dmix = &mut dmixes[i0 * r..(i0 + rows) * r];
+    // SAFETY: dslab is rows × count; the bank's columns first..first + count (≤ W) of its R
+    // rows are read transposed (column stride W); dmix is rows × R; mix is rows × R, read
+    // transposed (column stride R); dbank's columns first.. of its R rows (row stride W).
+    unsafe {
+        crate::cpu::gemm::product(
+            (rows, r, count),
+            (dmix.as_mut_ptr(), r, true),
+            (dslab.as_ptr(), 1, count),
+            (bank[first..].as_ptr(), w, 1),
+        );
+        crate::cpu::gemm::product(
+            (r, count, rows),
+            (dbank[first..].as_mut_ptr(), w, true),
+            (mix.as_ptr(), r, 1),
+            (dslab.as_ptr(), 1, count),
+        );
+    }
+}
+
 /// Lanes of the loops below: one vector register of f32 under AVX-512.
 const LANES: usize = 16;
 
@@ -483,6 +602,65 @@ mod tests {
                 }
                 for (g, w) in dmix.iter().zip(&wmix).chain(dbank.iter().zip(&wbank)) {
                     assert!((f64::from(*g) - w).abs() <= 1e-5, "shift {shift} row {i}");
+                }
+            }
+        }
+    }
+
+    /// A tile's rows from one product equal each row's own, and the tile's gradients from two
+    /// products equal the rows' own summed, for tiles that clamp on either side or not at all.
+    #[test]
+    fn tiles_equal_their_rows() {
+        let (r, width) = (4usize, 70usize);
+        let (tq, rows, n) = (40usize, 9usize, 23usize);
+        let mut packed = random(r * width, 7);
+        packed.extend(random(tq * r, 8));
+        for shift in [-100i64, -20, 0, 15, 69, 140] {
+            let layout = MixedLayout {
+                rank: r,
+                width,
+                shift,
+            };
+            for (i0, j0) in [(0, 0), (5, 10), (30, 2), (31, 17)] {
+                let cols = tile_columns(&layout, (i0, rows), (j0, n));
+                assert!(cols.0 + cols.1 <= width);
+                let mut slab = Vec::new();
+                tile_values(&layout, &packed, (i0, rows), cols, &mut slab);
+                let ds = random(rows * n, 9);
+                let mut dslab = vec![0f32; rows * cols.1];
+                let (mut want_grads, mut got_grads) =
+                    (vec![0f32; packed.len()], vec![0f32; packed.len()]);
+                for li in 0..rows {
+                    let i = i0 + li;
+                    let s = row_segments_from(i, shift, width, j0, n);
+                    let base = random(n, 10 + li as u64);
+                    let (mut got, mut want) = (base.clone(), base);
+                    add_tile_row(&slab[li * cols.1..(li + 1) * cols.1], cols.0, s, &mut got);
+                    let (bank, mix) = layout.split(&packed, i);
+                    add_mixed_row(bank, mix, s, &mut want);
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(
+                            (g - w).abs() <= 1e-5,
+                            "shift {shift} tile ({i0}, {j0}) row {i}"
+                        );
+                    }
+                    let dsrow = &ds[li * n..(li + 1) * n];
+                    add_tile_row_grads(
+                        dsrow,
+                        cols.0,
+                        s,
+                        &mut dslab[li * cols.1..(li + 1) * cols.1],
+                    );
+                    let (dbank, dmixes) = want_grads.split_at_mut(r * width);
+                    let dmix = &mut dmixes[i * r..(i + 1) * r];
+                    add_mixed_grads((bank, mix), dsrow, s, (dbank, dmix));
+                }
+                add_tile_grads(&layout, &packed, (i0, rows), cols, &dslab, &mut got_grads);
+                for (g, w) in got_grads.iter().zip(&want_grads) {
+                    assert!(
+                        (g - w).abs() <= 1e-5,
+                        "shift {shift} tile ({i0}, {j0}): {g} vs {w}"
+                    );
                 }
             }
         }

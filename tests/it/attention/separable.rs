@@ -163,8 +163,11 @@ fn separable_equals_dense_gradients(dev: &Device) -> anyhow::Result<()> {
                 for ((name, _), (g, w)) in vars.iter().zip(got.iter().zip(&want)) {
                     let what =
                         format!("T {t} causal {causal} after {two} weights {weights}: d{name}");
-                    // Sums over every token: f32 rounding grows with their size.
-                    assert_close_scaled(g, w, 1e-5, 2e-6, &what)?;
+                    // Sums over every token: f32 rounding grows with their size. A key's
+                    // value sums dS over 300 queries in the fused core's tile order and in
+                    // candle's: 2e-6 of the largest entry failed about one run in twelve
+                    // (3e-6 seen), so 1e-5 of it (a wrong term is off by O(1)).
+                    assert_close_scaled(g, w, 1e-5, 1e-5, &what)?;
                 }
             }
         }
