@@ -215,13 +215,19 @@ impl Lm {
     }
 }
 
+/// The encodings' linear projections of the block's input: FoX's gates and Inkling's mixing
+/// weights.
+const INPUT_PROJECTIONS: [&str; 2] = ["pos.to_forget_gates.0.weight", "pos.r_proj.weight"];
+
 /// Overwrites every variable of `varmap` with seeded values, so training starts from the same
 /// point on every run (candle's own initialisers draw from an unseeded generator). Variables are
 /// visited in name order; each gets its own stream of `seed`.
 ///
-/// Norm gains stay at one and sink logits at zero; linear weights are N(0, 1/fan_in); token embeddings N(0, 1); the
-/// encodings' tables use the crate's documented initial scales (learned table and Shaw N(0,
-/// 0.02), T5 and clipped bias tables N(0, 1)).
+/// Norm gains stay at one, sink logits at zero and biases at their constructor's value (FoX's
+/// gate bias 5: little is forgotten at first); linear weights, the encodings' projections of
+/// the block's input (FoX's gates, Inkling's `r_proj`) included, are N(0, 1/fan_in); token
+/// embeddings N(0, 1); the encodings' tables use the crate's documented initial scales (learned
+/// table, Shaw and Inkling's bank N(0, 0.02), T5 and clipped bias tables N(0, 1)).
 pub fn seeded_init(varmap: &VarMap, seed: u64) -> anyhow::Result<()> {
     let data = varmap
         .data()
@@ -232,14 +238,14 @@ pub fn seeded_init(varmap: &VarMap, seed: u64) -> anyhow::Result<()> {
     for (i, name) in names.into_iter().enumerate() {
         let var = &data[name];
         let dims = var.dims().to_vec();
-        let std = if name.contains("norm") || name.ends_with(".sinks") {
-            continue; // norm gains at one, sink logits at zero
+        let std = if name.contains("norm") || name.ends_with(".sinks") || name.ends_with(".bias") {
+            continue; // norm gains at one, sink logits at zero, biases as built
         } else if name.starts_with("embed.")
             || name.starts_with("pos.relative_attention_bias")
             || name.starts_with("pos.bias_table")
         {
             1.0
-        } else if name.starts_with("pos.") {
+        } else if name.starts_with("pos.") && !INPUT_PROJECTIONS.contains(&name.as_str()) {
             0.02
         } else {
             1.0 / (dims[dims.len() - 1] as f64).sqrt()
