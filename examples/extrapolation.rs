@@ -24,9 +24,10 @@
 //! the table says `n/a`), learned+interp (the same weights, the table linearly stretched to the
 //! input length at evaluation), rope, rope+yarn (the same weights, YaRN applied at evaluation
 //! with the factor of the longest length), rope+dynamic (the same weights, dynamic NTK with
-//! factor 2 at evaluation), alibi, t5 (causal buckets), clipped_bias (k = 32) and shaw (relative
-//! keys and values, k = 32); the text task adds rope+sinks (RoPE with learned per-head sink
-//! logits in every attention layer, as gpt-oss has).
+//! factor 2 at evaluation), alibi, t5 (causal buckets), clipped_bias (k = 32), shaw (relative
+//! keys and values, k = 32), fox (FoX's causal forget gates) and inkling (Inkling's relative
+//! logits, a bank of L distances); the text task adds rope+sinks (RoPE with learned per-head
+//! sink logits in every attention layer, as gpt-oss has).
 //!
 //! Outputs of the text run: the tables between the text markers of `docs/extrapolation.md`
 //! (the page's prose is kept), every number with the run's settings in

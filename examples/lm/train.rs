@@ -9,8 +9,9 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use candle_posenc::checkpoint::save;
 use candle_posenc::rotary::{RopeScaling, YarnScaling};
 use candle_posenc::{
-    AlibiConfig, AlibiMode, Checkpoint, ClippedBiasConfig, EncodingConfig, Error, Interpolation,
-    LearnedConfig, RopeConfig, ShawConfig, SinusoidalConfig, T5Config,
+    AlibiConfig, AlibiMode, Checkpoint, ClippedBiasConfig, EncodingConfig, Error, FoxConfig,
+    InklingConfig, Interpolation, LearnedConfig, RopeConfig, ShawConfig, SinusoidalConfig,
+    T5Config,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -237,6 +238,13 @@ pub fn variants(s: &Settings) -> Vec<Variant> {
         ),
         // Relative keys and values (Shaw et al.'s full form).
         same("shaw", EncodingConfig::Shaw(ShawConfig::new(head_dim, 32))),
+        // FoX's causal forget gates: a bias of summed log gates read from each token.
+        same("fox", EncodingConfig::Fox(FoxConfig::new(d, h))),
+        // Inkling's relative logits, the bank as long as L: no bias at distances never trained.
+        same(
+            "inkling",
+            EncodingConfig::Inkling(InklingConfig::new(d, h).with_rel_extent(l)),
+        ),
     ]
 }
 
