@@ -9,6 +9,7 @@ Run by hand (CI never needs Python), on the same quiet machine as `cargo bench -
     python benches/pytorch_baseline.py --decode   # also one decoding step against a cache
     python benches/pytorch_baseline.py --lengths --json > pytorch.jsonl   # T = 1k..32k, for the plot
     python benches/pytorch_baseline.py --small    # only a small model's layer (SmolLM2's shape)
+    python benches/pytorch_baseline.py --train-peaks  # only T = 8192 training steps: time, peak memory
 
 Each case is the crate's block written with torch: four bias-free projections of d_model = 512,
 `scaled_dot_product_attention` with ALiBi as a float mask (BLOOM's slopes; `-m|i - j|` for the
@@ -32,6 +33,9 @@ as a float mask of one row; medians of 200 steps. The counterpart of `--only dec
 `--lengths` times one block forward without a bias (B1, SDPA's flash kernel) at T = 1024 to
 32768, causal and bidirectional (medians of 3 up to T = 8192, then one run after a warm-up):
 the PyTorch side of `cargo bench --bench attention -- --only lengths --pytorch FILE`.
+`--train-peaks` runs one causal training step at B1 T8192 (after a warm-up step) for no
+encoding, FoX and Inkling's dense forms, each in a fresh process, reporting its time and the
+process's peak resident memory: the counterpart of the crate's T = 8192 training memory.
 `--small` times only SmolLM2-135M's attention layer (d_model 576, 9 heads, 3 KV heads of 64,
 HF's rotate-half RoPE with θ 1e5 from a precomputed table, SDPA with grouped KV heads, causal,
 B1): a 30-token and a 512-token prefill (medians of 125), and one decoding step against a
@@ -52,7 +56,10 @@ the script on a CPU (`--device cpu --tiny`, f32).
 import argparse
 import json
 import math
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -96,6 +103,8 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true")
     parser.add_argument("--lengths", action="store_true")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--train-peaks", action="store_true")
+    parser.add_argument("--train-peak", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--max-t", type=int, default=None,
@@ -108,6 +117,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.small:
         small_layer(args.json)
+        return
+    if args.train_peak:
+        train_peak(args.train_peak, 8, 64)
+        return
+    if args.train_peaks:
+        train_peaks(8, 64, args.threads)
         return
     b, h, t, d = 2, 8, 1024, 64
     dm = h * d
@@ -282,92 +297,124 @@ def t5_buckets(t: int, causal: bool) -> torch.Tensor:
     return t5_buckets_of(torch.arange(t)[None, :] - torch.arange(t)[:, None], causal)
 
 
-def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
-    """One training step of the block per encoding, causal and bidirectional."""
+TRAINED = ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64", "fox", "inkling")
+
+
+def train_step(name: str, b: int, h: int, t: int, d: int, causal: bool):
+    """One training step of the block with encoding `name` (see the module docs): a closure
+    running the forward and autograd's backward of `sum(probe * out)`."""
     dm = h * d
     k_clip = 64
     rel = torch.arange(t)[None, :] - torch.arange(t)[:, None]  # j - i
+    tri = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    torch.manual_seed(0)
+    proj = [torch.nn.Linear(dm, dm, bias=False) for _ in range(4)]
+    # FoX's gates, both halves (x-transformers' DataDependentAlibi, bidirectional).
+    gates = torch.nn.Linear(dm, 2 * h)
+    # Inkling's relative states and bank (HF's r_proj and rel_logits_proj.proj).
+    r_proj = torch.nn.Linear(dm, h * 16, bias=False)
+    bank = torch.nn.Parameter(0.02 * torch.randn(16, 1024))
+    x = torch.randn(b, t, dm, requires_grad=True)
+    probe = torch.randn(b, t, dm)
+    table = {
+        "t5": torch.nn.Parameter(torch.randn(32, h) * 0.1),
+        "clipped_bias": torch.nn.Parameter(torch.randn(2 * k_clip + 1, h) * 0.1),
+    }.get(name)
+    a_k = torch.nn.Parameter(torch.randn(2 * k_clip + 1, d) * 0.1)
+    a_v = torch.nn.Parameter(torch.randn(2 * k_clip + 1, d) * 0.1)
+    buckets = t5_buckets(t, causal) if name == "t5" else None
+    clipped = rel.clamp(-k_clip, k_clip) + k_clip
+
+    def split(y: torch.Tensor) -> torch.Tensor:
+        return y.view(b, t, h, d).transpose(1, 2)
+
+    def step() -> None:
+        q, k, v = (split(p(x)) for p in proj[:3])
+        mask, is_causal = None, causal
+        if name == "rope":
+            q, k = rope(q), rope(k)
+        elif name == "inkling":
+            # The dense bias, as HF's InklingRelativeLogits gathers it, scaled with q.
+            pos = torch.arange(t)
+            tau = 1.0 + 0.1 * torch.log(((pos + 1) / 256).clamp(min=1.0)).view(1, 1, t, 1)
+            rows = (r_proj(x).view(b, t, h, 16) @ bank).transpose(1, 2)
+            dist = pos[:, None] - pos[None, :]
+            index = dist.clamp(0, 1023).expand(b, h, t, t)
+            mask = rows.gather(-1, index).masked_fill((dist < 0) | (dist >= 1024), 0.0)
+            q, mask = q * tau, mask * tau
+            if causal:
+                mask = mask.masked_fill(tri, float("-inf"))
+            is_causal = False
+        elif name == "fox":
+            # The dense (B, H, T, T) bias, as x-transformers builds it.
+            c = F.logsigmoid(gates(x)).transpose(1, 2).cumsum(-1)
+            fwd, rev = c[:, :h], c[:, h:]
+            mask = (fwd[..., :, None] - fwd[..., None, :]).tril() + (
+                rev[..., None, :] - rev[..., :, None]).triu()
+            if causal:
+                mask = mask.masked_fill(tri, float("-inf"))
+            is_causal = False
+        elif name == "alibi":
+            mask = alibi_mask(h, t, causal)
+            is_causal = False
+        elif name in ("t5", "clipped_bias"):
+            index = buckets if name == "t5" else clipped
+            mask = table[index].permute(2, 0, 1)[None]
+            if causal:
+                mask = mask.masked_fill(tri, float("-inf"))
+            is_causal = False
+        if name == "shaw_k64":
+            s = q @ k.transpose(-1, -2) / math.sqrt(d)
+            rows = q @ a_k.T / math.sqrt(d)  # (B, H, T, 2k + 1)
+            s = s + rows.gather(-1, clipped.expand(b, h, t, t))
+            if causal:
+                s = s.masked_fill(tri, float("-inf"))
+            p = s.softmax(-1)
+            sums = torch.zeros(b, h, t, 2 * k_clip + 1).scatter_add(
+                -1, clipped.expand(b, h, t, t), p)
+            out = p @ v + sums @ a_v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = proj[3](out.transpose(1, 2).reshape(b, t, dm))
+        (y * probe).sum().backward()
+
+    return step
+
+
+def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
+    """One training step of the block per encoding, causal and bidirectional."""
     print(f"\ntraining step (forward + backward), B{b} H{h} T{t} D{d}")
     for causal in (False, True):
-        tri = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
-        for name in ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64", "fox", "inkling"):
-            torch.manual_seed(0)
-            proj = [torch.nn.Linear(dm, dm, bias=False) for _ in range(4)]
-            # FoX's gates, both halves (x-transformers' DataDependentAlibi, bidirectional).
-            gates = torch.nn.Linear(dm, 2 * h)
-            # Inkling's relative states and bank (HF's r_proj and rel_logits_proj.proj).
-            r_proj = torch.nn.Linear(dm, h * 16, bias=False)
-            bank = torch.nn.Parameter(0.02 * torch.randn(16, 1024))
-            x = torch.randn(b, t, dm, requires_grad=True)
-            probe = torch.randn(b, t, dm)
-            table = {
-                "t5": torch.nn.Parameter(torch.randn(32, h) * 0.1),
-                "clipped_bias": torch.nn.Parameter(torch.randn(2 * k_clip + 1, h) * 0.1),
-            }.get(name)
-            a_k = torch.nn.Parameter(torch.randn(2 * k_clip + 1, d) * 0.1)
-            a_v = torch.nn.Parameter(torch.randn(2 * k_clip + 1, d) * 0.1)
-            buckets = t5_buckets(t, causal)
-            clipped = rel.clamp(-k_clip, k_clip) + k_clip
-
-            def split(y: torch.Tensor) -> torch.Tensor:
-                return y.view(b, t, h, d).transpose(1, 2)
-
-            def step(name=name, table=table, buckets=buckets, clipped=clipped, gates=gates,
-                     r_proj=r_proj, bank=bank) -> None:
-                q, k, v = (split(p(x)) for p in proj[:3])
-                mask, is_causal = None, causal
-                if name == "rope":
-                    q, k = rope(q), rope(k)
-                elif name == "inkling":
-                    # The dense bias, as HF's InklingRelativeLogits gathers it, scaled with q.
-                    pos = torch.arange(t)
-                    tau = 1.0 + 0.1 * torch.log(((pos + 1) / 256).clamp(min=1.0)).view(1, 1, t, 1)
-                    rows = (r_proj(x).view(b, t, h, 16) @ bank).transpose(1, 2)
-                    dist = pos[:, None] - pos[None, :]
-                    index = dist.clamp(0, 1023).expand(b, h, t, t)
-                    mask = rows.gather(-1, index).masked_fill((dist < 0) | (dist >= 1024), 0.0)
-                    q, mask = q * tau, mask * tau
-                    if causal:
-                        mask = mask.masked_fill(tri, float("-inf"))
-                    is_causal = False
-                elif name == "fox":
-                    # The dense (B, H, T, T) bias, as x-transformers builds it.
-                    c = F.logsigmoid(gates(x)).transpose(1, 2).cumsum(-1)
-                    fwd, rev = c[:, :h], c[:, h:]
-                    mask = (fwd[..., :, None] - fwd[..., None, :]).tril() + (
-                        rev[..., None, :] - rev[..., :, None]).triu()
-                    if causal:
-                        mask = mask.masked_fill(tri, float("-inf"))
-                    is_causal = False
-                elif name == "alibi":
-                    mask = alibi_mask(h, t, causal)
-                    is_causal = False
-                elif name in ("t5", "clipped_bias"):
-                    index = buckets if name == "t5" else clipped
-                    mask = table[index].permute(2, 0, 1)[None]
-                    if causal:
-                        mask = mask.masked_fill(tri, float("-inf"))
-                    is_causal = False
-                if name == "shaw_k64":
-                    s = q @ k.transpose(-1, -2) / math.sqrt(d)
-                    rows = q @ a_k.T / math.sqrt(d)  # (B, H, T, 2k + 1)
-                    s = s + rows.gather(-1, clipped.expand(b, h, t, t))
-                    if causal:
-                        s = s.masked_fill(tri, float("-inf"))
-                    p = s.softmax(-1)
-                    sums = torch.zeros(b, h, t, 2 * k_clip + 1).scatter_add(
-                        -1, clipped.expand(b, h, t, t), p)
-                    out = p @ v + sums @ a_v
-                else:
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-                y = proj[3](out.transpose(1, 2).reshape(b, t, dm))
-                (y * probe).sum().backward()
-
-            ms = median_ms(step, runs=7)
+        for name in TRAINED:
+            ms = median_ms(train_step(name, b, h, t, d, causal), runs=7)
             case = f"train {name} causal={causal}"
             print(f"{case:<34} {ms:>10.2f}")
             if as_json:
                 print(json.dumps({"bench": "pytorch", "case": case, "median_ms": round(ms, 3)}))
+
+
+def train_peak(name: str, h: int, d: int) -> None:
+    """One causal training step at B1 T8192 after a warm-up step, in this process (run one
+    per process): its time, the resident memory before the first step and the process's
+    peak, the counterpart of the crate's T = 8192 training memory in `--only training`."""
+    step = train_step(name, 1, h, 8192, d, True)
+    before = next(int(line.split()[1]) for line in open("/proc/self/status")
+                  if line.startswith("VmRSS:")) / 1024
+    step()
+    start = time.perf_counter()
+    step()
+    ms = (time.perf_counter() - start) * 1e3
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"bench": "pytorch", "case": f"train peak {name} T=8192 causal",
+                      "ms": round(ms, 1), "before_mib": round(before, 1),
+                      "peak_mib": round(peak, 1)}))
+
+
+def train_peaks(h: int, d: int, threads: int) -> None:
+    """`train_peak` for the encodings without a table, each in a fresh process."""
+    for name in ("none", "fox", "inkling"):
+        subprocess.run([sys.executable, __file__, "--train-peak", name,
+                        "--threads", str(threads)], check=True)
 
 
 def long_context(proj, h: int, d: int, as_json: bool) -> None:

@@ -573,12 +573,17 @@ impl RowPass<'_> {
             // one per row more, so short blocks compute few values no key reads.
             for (sub, block) in s[..rows * n].chunks_mut(MIXED_ROWS * n).enumerate() {
                 let (r0, count) = (i0 + sub * MIXED_ROWS, block.len() / n);
-                let cols = mixed::tile_columns(&m, (r0, count), (j0, n));
+                // Only the keys the block's last row sees (the rows' pass masks the rest).
+                let seen = self.rule.visible(r0 + count - 1, j0 + n).saturating_sub(j0);
+                if seen == 0 {
+                    continue;
+                }
+                let cols = mixed::tile_columns(&m, (r0, count), (j0, seen));
                 mixed::tile_values(&m, packed, (r0, count), cols, slab);
                 for (li, row) in block.chunks_exact_mut(n).enumerate() {
-                    let seg = row_segments_from(r0 + li, m.shift, m.width, j0, n);
+                    let seg = row_segments_from(r0 + li, m.shift, m.width, j0, seen);
                     let at = li * cols.1;
-                    mixed::add_tile_row(&slab[at..at + cols.1], cols.0, seg, row);
+                    mixed::add_tile_row(&slab[at..at + cols.1], cols.0, seg, &mut row[..seen]);
                 }
             }
         }
@@ -600,13 +605,19 @@ impl RowPass<'_> {
         let packed = &src[t.offset + bi * t.strides[0] + hi * t.strides[1]..];
         for (sub, block) in ds[..rows * n].chunks(MIXED_ROWS * n).enumerate() {
             let (r0, count) = (i0 + sub * MIXED_ROWS, block.len() / n);
-            let cols = mixed::tile_columns(&m, (r0, count), (j0, n));
+            // The keys no row of the block sees have dS 0.
+            let seen = self.rule.visible(r0 + count - 1, j0 + n).saturating_sub(j0);
+            if seen == 0 {
+                continue;
+            }
+            let cols = mixed::tile_columns(&m, (r0, count), (j0, seen));
             dslab.clear();
             dslab.resize(count * cols.1, 0.0);
             for (li, dsrow) in block.chunks_exact(n).enumerate() {
-                let seg = row_segments_from(r0 + li, m.shift, m.width, j0, n);
+                let seg = row_segments_from(r0 + li, m.shift, m.width, j0, seen);
                 let at = li * cols.1;
-                mixed::add_tile_row_grads(dsrow, cols.0, seg, &mut dslab[at..at + cols.1]);
+                let dslab_row = &mut dslab[at..at + cols.1];
+                mixed::add_tile_row_grads(&dsrow[..seen], cols.0, seg, dslab_row);
             }
             mixed::add_tile_grads(&m, packed, (r0, count), cols, dslab, &mut *grads);
         }

@@ -505,7 +505,7 @@ impl MultiHeadAttention {
     fn temper_queries(&self, q: Tensor, call: &Call) -> Result<Tensor> {
         Ok(match &self.config.attention_temperature {
             // The chunk's first query sits at key index `cached`.
-            Some(t) => t.apply(&q, call.cached)?,
+            Some(t) => t.apply(q, call.cached)?,
             None => q,
         })
     }
@@ -719,10 +719,10 @@ impl MultiHeadAttention {
         let plain = self.qk_norm.is_none() && cfg.value_norm.is_none() && conv.is_none();
         if nodes && plain {
             // The softmax scale taken into the queries' node, where what follows is linear
-            // in q (no encoding, or a rotation alone): one pass and one node fewer.
+            // in q (no encoding, or one that declares it): one pass and one node fewer.
             let scale = match self.encoding.as_deref() {
                 None => cfg.softmax_scale as f32,
-                Some(e) if e.relative_rotation() => cfg.softmax_scale as f32,
+                Some(e) if e.scaled_queries() => cfg.softmax_scale as f32,
                 Some(_) => 1.0,
             };
             if let Some((q, k, v)) = self.project_nodes(x, (q, k, v.as_ref()), scale)? {

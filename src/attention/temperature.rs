@@ -22,7 +22,7 @@
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
-use crate::cpu::row_scale::scale_rows;
+use crate::cpu::row_scale::scale_rows_owned;
 use crate::error::{Error, Result};
 
 /// Settings of [`AttentionConfig::attention_temperature`](super::AttentionConfig::attention_temperature).
@@ -104,7 +104,7 @@ impl AttentionTemperature {
     /// [`Error::InvalidConfig`] naming `attn_scale` if the factor at the chunk's last key
     /// index (the largest: the factor grows with `p`) is not finite in f32 — never for a
     /// validated configuration, checked here since the fields are public.
-    pub(super) fn apply(&self, q: &Tensor, first: usize) -> Result<Tensor> {
+    pub(super) fn apply(&self, q: Tensor, first: usize) -> Result<Tensor> {
         let t = q.dim(2)?;
         let last = first.saturating_add(t.saturating_sub(1));
         if !(self.factor(last) as f32).is_finite() {
@@ -117,6 +117,6 @@ impl AttentionTemperature {
         let factors: Vec<f32> = (0..t)
             .map(|i| self.factor(first.saturating_add(i)) as f32)
             .collect();
-        scale_rows(q, factors)
+        scale_rows_owned(q, factors)
     }
 }

@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp1, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
@@ -47,6 +47,26 @@ pub(crate) fn scale_rows(x: &Tensor, factors: Vec<f32>) -> Result<Tensor> {
     };
     let f = Tensor::from_vec(factors, dims, x.device())?.to_dtype(wide.dtype())?;
     Ok(wide.broadcast_mul(&f)?.to_dtype(dtype)?)
+}
+
+/// [`scale_rows`] of a tensor the caller no longer needs: scaled where it lies when it is a
+/// contiguous f32 CPU tensor outside any graph (no output allocated, no pages faulted in),
+/// else as [`scale_rows`]. The caller must hold the only reference to its storage that will
+/// be read again (as the block's rotation hook guarantees for the queries it hands over).
+///
+/// # Errors
+/// As [`scale_rows`].
+pub(crate) fn scale_rows_owned(x: Tensor, factors: Vec<f32>) -> Result<Tensor> {
+    let rank = x.rank();
+    let fits = rank >= 2 && x.dim(rank - 2)? == factors.len();
+    if fits && x.device().is_cpu() && x.dtype() == DType::F32 && x.is_contiguous() && !x.track_op()
+    {
+        x.inplace_op1(&ScaleRows {
+            factors: Arc::new(factors),
+        })?;
+        return Ok(x);
+    }
+    scale_rows(&x, factors)
 }
 
 /// The op: one factor per row of the second-to-last axis.
@@ -104,6 +124,28 @@ impl CustomOp1 for ScaleRows {
     }
 }
 
+impl InplaceOp1 for ScaleRows {
+    fn name(&self) -> &'static str {
+        "posenc-scale-rows-in-place"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (CpuStorage::F32(data), Some((start, end))) = (s, l.contiguous_offsets()) else {
+            candle_core::bail!("scaled rows in place: expected contiguous f32");
+        };
+        let dims = l.dims();
+        let (t, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        data[start..end]
+            .par_chunks_mut(d.max(1))
+            .enumerate()
+            .for_each(|(r, y)| {
+                let f = self.factors[r % t];
+                y.iter_mut().for_each(|y| *y *= f);
+            });
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Var};
@@ -139,6 +181,12 @@ mod tests {
             assert!(diff == 0.0, "strided {strided}: gradient {diff}");
         }
         assert!(scale_rows(&Tensor::zeros(4, DType::F32, &dev)?, vec![1.0; 4]).is_err());
+        // In place, outside a graph: the same values.
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 5, 4), &dev)?;
+        let want = x.broadcast_mul(&f)?;
+        let got = scale_rows_owned(x.copy()?, factors.clone())?;
+        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff == 0.0, "in place: {diff}");
         Ok(())
     }
 }

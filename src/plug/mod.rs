@@ -352,6 +352,15 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
     fn relative_rotation(&self) -> bool {
         false
     }
+
+    /// A declaration, not a hook: whether the block may hand [`Self::rotate`] and the other
+    /// hooks queries already multiplied by the softmax scale: the rotation is linear in the
+    /// queries (a rotation, a factor per query) and no hook reads their values, only their
+    /// shape. The block then takes the scale into the queries' projection, one pass over
+    /// them fewer. Default: [`Self::relative_rotation`] (which implies it).
+    fn scaled_queries(&self) -> bool {
+        self.relative_rotation()
+    }
 }
 
 /// How much of an encoding's answers for a query block grows with the block's queries

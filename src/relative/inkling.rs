@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{check_queries, input_projection, relative_buckets};
 use crate::cpu::linear_node::{self, Arrange};
-use crate::cpu::row_scale::scale_rows;
+use crate::cpu::row_scale::{scale_rows, scale_rows_owned};
 use crate::error::{check_var_builder, learned, Error, Result};
 use crate::plug::{
     AttentionContext, Columns, Content, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
@@ -369,7 +369,8 @@ impl InklingRelativeLogits {
         }
         // τ_i (r_i · bank) = (τ_i r_i) · bank: the factors scale the mix.
         let mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
-        let mix = self.scaled(mix, queries, tq)?;
+        // (A view of the states, which the cache may hold: never scaled where it lies.)
+        let mix = self.scaled(mix, queries, tq, false)?;
         let width = extent as i64;
         let columns = match (queries, keys) {
             // Key j of query i reads column E + (ks + j) − (qs + i): distance 0 at column E.
@@ -390,8 +391,9 @@ impl InklingRelativeLogits {
 
     /// `x` `(B, H, Tq, ·)` with each query's row times its log-n factor (in f32, as HF
     /// scales, and back to `x`'s dtype), or `x` as it is when the configuration does not
-    /// scale.
-    fn scaled(&self, x: Tensor, queries: &Positions, tq: usize) -> Result<Tensor> {
+    /// scale. With `owned` (a tensor no one reads again, as the rotation hook's queries) it
+    /// may be scaled where it lies.
+    fn scaled(&self, x: Tensor, queries: &Positions, tq: usize, owned: bool) -> Result<Tensor> {
         let Some(scaling) = self.config.log_scaling else {
             return Ok(x);
         };
@@ -404,7 +406,10 @@ impl InklingRelativeLogits {
             .map(|p| scaling.factor(p as usize) as f32)
             .collect();
         if rows == 1 {
-            return scale_rows(&x, factors);
+            return match owned {
+                true => scale_rows_owned(x, factors),
+                false => scale_rows(&x, factors),
+            };
         }
         // Positions per sequence: factors per batch item.
         let factors = Tensor::from_vec(factors, (rows, 1, tq, 1), x.device())?;
@@ -422,7 +427,7 @@ impl InklingRelativeLogits {
 impl PositionalEncoding for InklingRelativeLogits {
     /// The log-n scaling of the queries (the keys as they are).
     fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
-        Ok((self.scaled(q, ctx.queries, ctx.q_len)?, k))
+        Ok((self.scaled(q, ctx.queries, ctx.q_len, true)?, k))
     }
 
     /// The relative states of the chunk's tokens (`carried` is not read: each token's own).
@@ -437,6 +442,12 @@ impl PositionalEncoding for InklingRelativeLogits {
 
     fn content(&self) -> Content {
         Content::Input
+    }
+
+    /// The log-n factors multiply each query (linear in it), and the bias hook reads only the
+    /// queries' shape.
+    fn scaled_queries(&self) -> bool {
+        true
     }
 
     /// One row per query and head over the bank's distances (see the module docs).

@@ -1103,6 +1103,11 @@ impl PositionalEncoding for RotaryEmbedding {
         let c = &self.config;
         c.xpos_scale_base.is_none() && c.axial.is_none() && !c.scaling.follows_length()
     }
+
+    /// Every RoPE variant rotates (and xPos scales) each query linearly.
+    fn scaled_queries(&self) -> bool {
+        true
+    }
 }
 
 impl crate::plug::SchemeConfig for RopeConfig {
