@@ -228,10 +228,7 @@ impl Layer {
         let opts = AttentionOptions::default();
         let h = (h + self.attention.forward_with(&x, &opts, Some(cache))?.output)?;
         let x = self.post_norm.forward(&h)?;
-        let mlp = linear(
-            &self.down,
-            &candle_nn::ops::swiglu(&linear(&self.gate_up, &x)?)?,
-        )?;
+        let mlp = linear(&self.down, &swiglu(&linear(&self.gate_up, &x)?)?)?;
         Ok((h + mlp)?)
     }
 }
@@ -260,4 +257,51 @@ fn linear(l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
     dims.pop();
     dims.push(y.dim(1)?);
     y.reshape(dims)
+}
+
+/// `silu(a) ⊙ b` of `x = [a | b]` over the last axis: one pass over contiguous f32 rows on the
+/// CPU (candle-nn's `swiglu` makes three, over strided halves), candle-nn's elsewhere.
+fn swiglu(x: &Tensor) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() {
+        return x.contiguous()?.apply_op1_no_bwd(&SwiGlu);
+    }
+    candle_nn::ops::swiglu(x)
+}
+
+struct SwiGlu;
+
+impl candle_core::CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "llama-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
+        let (candle_core::CpuStorage::F32(data), Some((start, end))) = (s, l.contiguous_offsets())
+        else {
+            candle_core::bail!("swiglu: expected contiguous f32");
+        };
+        let width = l.dims().last().copied().unwrap_or(0);
+        let half = width / 2;
+        let rows = (end - start) / width.max(1);
+        let mut out = vec![0f32; rows * half];
+        out.par_chunks_mut(half.max(1))
+            .zip(data[start..end].par_chunks(width.max(1)))
+            .for_each(|(y, x)| {
+                let (a, b) = x.split_at(half);
+                for ((y, a), b) in y.iter_mut().zip(a).zip(b) {
+                    *y = a / (1.0 + (-a).exp()) * b;
+                }
+            });
+        let mut dims = l.dims().to_vec();
+        *dims.last_mut().expect("a last axis") = half;
+        Ok((
+            candle_core::CpuStorage::F32(out),
+            candle_core::Shape::from(dims),
+        ))
+    }
 }
