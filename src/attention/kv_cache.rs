@@ -77,8 +77,12 @@ pub struct KvCache {
     /// `Some((sinks, window))`: a streaming cache (see [`Self::streaming`]).
     streaming: Option<(usize, usize)>,
     /// `(B, C, len)`: the held tokens' states, for an encoding that reads its input
-    /// ([`Content::Input`](crate::plug::Content::Input)); detached.
+    /// ([`Content::Input`](crate::plug::Content::Input)); detached. A view of `state_store`
+    /// when appended outside a graph.
     states: Option<Tensor>,
+    /// `(B, C, capacity)` storage the states are written into (doubling as they grow), and
+    /// its owner, shared by clones as `owner` is for the keys.
+    state_store: Option<(Tensor, Arc<()>)>,
     /// The short convolutions' last inputs after the held tokens, when the block has them.
     conv: Option<ConvState>,
 }
@@ -117,6 +121,7 @@ impl KvCache {
             owner: Arc::new(()),
             streaming: None,
             states: None,
+            state_store: None,
             conv: None,
         }
     }
@@ -304,6 +309,11 @@ impl KvCache {
         let before = self.len.checked_sub(n).ok_or_else(|| {
             Error::config("token states", n, "no more than the tokens just appended")
         })?;
+        if !states.track_op() {
+            if let Some(all) = self.write_states(states, before)? {
+                return Ok(all);
+            }
+        }
         let all = match (before, &self.states) {
             (0, _) => states.clone(),
             (_, Some(held)) if held.dim(2)? == before => {
@@ -330,6 +340,65 @@ impl KvCache {
         Ok(all)
     }
 
+    /// Outside a graph: the chunk's states `(B, C, n)` written after the `before` held ones in
+    /// this cache's own storage (grown by doubling, the held states copied once per growth),
+    /// so a step copies its own states only. `None` when the held states do not continue
+    /// (the checks and errors of [`Self::append_states`] then apply).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if the storage would pass [`crate::limits::max_elements`].
+    fn write_states(&mut self, states: &Tensor, before: usize) -> Result<Option<Tensor>> {
+        let (b, c, n) = states.dims3()?;
+        let held = match (&self.states, before) {
+            (_, 0) => None,
+            (Some(h), _) if h.dims3()? == (b, c, before) && h.dtype() == states.dtype() => {
+                Some(h.clone())
+            }
+            _ => return Ok(None),
+        };
+        let total = before + n;
+        let fits = |store: &Tensor| -> Result<bool> {
+            let (sb, sc, cap) = store.dims3()?;
+            let backs = held
+                .as_ref()
+                .is_none_or(|h| crate::plug::shares_storage(h, store));
+            Ok((sb, sc) == (b, c)
+                && cap >= total
+                && store.dtype() == states.dtype()
+                && store.device().same_device(states.device())
+                && backs)
+        };
+        let store = match &self.state_store {
+            Some((store, owner)) if Arc::strong_count(owner) == 1 && fits(store)? => store.clone(),
+            _ => {
+                let most = max_elements() / b.saturating_mul(c).max(1);
+                if total > most {
+                    return Err(Error::config(
+                        "cached tokens",
+                        total,
+                        format!(
+                            "at most {most} token states of batch × channels = {}",
+                            b * c
+                        ),
+                    ));
+                }
+                let capacity = total.saturating_mul(2).max(self.capacity).min(most);
+                let store = Tensor::zeros((b, c, capacity), states.dtype(), states.device())?;
+                if let Some(h) = &held {
+                    store.slice_set(&h.contiguous()?, 2, 0)?;
+                }
+                self.state_store = Some((store.clone(), Arc::new(())));
+                store
+            }
+        };
+        if n > 0 {
+            store.slice_set(&states.contiguous()?, 2, before)?;
+        }
+        let all = store.narrow(2, 0, total)?;
+        self.states = Some(all.clone());
+        Ok(Some(all))
+    }
+
     /// Drops everything.
     pub fn reset(&mut self) {
         self.k = None;
@@ -341,6 +410,7 @@ impl KvCache {
         self.positions = None;
         self.owner = Arc::new(());
         self.states = None;
+        self.state_store = None;
         self.conv = None;
     }
 
@@ -463,9 +533,18 @@ impl KvCache {
             .as_ref()
             .filter(|s| s.dim(2).ok() == Some(self.len))
         {
-            // The sinks' states, then the window's.
+            // The sinks' states, then the window's: moved within this cache's own storage
+            // (a packed copy first: the slots may overlap), else into a fresh tensor.
             let window = s.narrow(2, self.len - (keep - sinks), keep - sinks)?;
-            self.states = Some(Tensor::cat(&[&s.narrow(2, 0, sinks)?, &window], 2)?);
+            self.states = Some(match &self.state_store {
+                Some((store, owner))
+                    if Arc::strong_count(owner) == 1 && crate::plug::shares_storage(s, store) =>
+                {
+                    store.slice_set(&window.force_contiguous()?, 2, sinks)?;
+                    store.narrow(2, 0, keep)?
+                }
+                _ => Tensor::cat(&[&s.narrow(2, 0, sinks)?, &window], 2)?,
+            });
         }
         self.start += drop;
         self.len = keep;

@@ -74,9 +74,9 @@ fn a_step_allocates_nothing_that_grows_with_the_cache() -> anyhow::Result<()> {
                 EncodingConfig::T5(_) | EncodingConfig::ClippedBias(_) => {
                     heads * (dtype.size_in_bytes() + widened)
                 }
-                // FoX's answer is a sum per key and gate (G = 2H, f32): the cache's states grow
-                // by concatenation and the keys' half reaches the core negated, three copies
-                // of G values per key (kept in place, as keys are, would leave one).
+                // FoX's answer is a sum per key and gate (G up to 2H, f32), which reaches the
+                // core negated and packed: 80 bytes per key at H = 4 (the cache's states are
+                // written in place; concatenated they added 16 more).
                 EncodingConfig::Fox(_) => 3 * (2 * heads) * 4,
                 _ => 0,
             };

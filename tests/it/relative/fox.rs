@@ -78,13 +78,7 @@ fn matches_x_transformers(case: &str, dev: &Device) -> anyhow::Result<()> {
     let probe = get(&format!("{case}.probe"))?;
     let want = get(&format!("{case}.out"))?;
     // Nothing tracked: the inference paths (the fused core, the row pass).
-    let plain: HashMap<String, Tensor> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
-        .collect();
+    let plain = plain_tensors(&varmap);
     let vb = VarBuilder::from_tensors(plain, DType::F32, dev);
     let fox = EncodingConfig::Fox(mha_fox_config(case)).build(vb.pp("enc"))?;
     let frozen = MultiHeadAttention::new(mha.config(), fox, vb.pp("attn"))?;
@@ -126,24 +120,41 @@ fn matches_x_transformers(case: &str, dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A block with strong forgetting (bias 1: gates near 0.73) and random weights.
+/// A block with strong forgetting (bias 1: gates near 0.73) and random weights: on a
+/// `VarMap` (its states track gradients), or from plain tensors as a loaded checkpoint gives
+/// (the cache writes their states in place).
 fn random_block(causal: bool, dev: &Device) -> anyhow::Result<MultiHeadAttention> {
+    blocks(causal, dev).map(|(tracked, _)| tracked)
+}
+
+fn blocks(causal: bool, dev: &Device) -> anyhow::Result<(MultiHeadAttention, MultiHeadAttention)> {
     let config = FoxConfig::new(D_MODEL, HEADS)
         .with_bidirectional(!causal)
         .with_bias_init(1.0);
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let fox = EncodingConfig::Fox(config).build(vb.pp("enc"))?;
     let attn = AttentionConfig::new(D_MODEL, HEADS)
         .with_kv_heads(2)
         .with_causal(causal);
-    Ok(MultiHeadAttention::new(&attn, fox, vb.pp("attn"))?)
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let fox = EncodingConfig::Fox(config.clone()).build(vb.pp("enc"))?;
+    let tracked = MultiHeadAttention::new(&attn, fox, vb.pp("attn"))?;
+    let plain = plain_tensors(&varmap);
+    let vb = VarBuilder::from_tensors(plain, DType::F32, dev);
+    let fox = EncodingConfig::Fox(config).build(vb.pp("enc"))?;
+    Ok((tracked, MultiHeadAttention::new(&attn, fox, vb.pp("attn"))?))
 }
 
 /// Token by token, and in uneven chunks, through a KV cache: the outputs of one forward (the
 /// cache keeps the cumulative sums; x-transformers' own cache would forget nothing).
 fn decoding_equals_one_forward(dev: &Device) -> anyhow::Result<()> {
-    let mha = random_block(true, dev)?;
+    let (tracked, plain) = blocks(true, dev)?;
+    for mha in [&tracked, &plain] {
+        decodes_as_one_forward(mha, dev)?;
+    }
+    Ok(())
+}
+
+fn decodes_as_one_forward(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<()> {
     let x = Tensor::randn(0f32, 1.0, (2, 11, D_MODEL), dev)?;
     let opts = AttentionOptions::default();
     let want = mha.forward_with(&x, &opts, None)?.output;
@@ -164,14 +175,46 @@ fn decoding_equals_one_forward(dev: &Device) -> anyhow::Result<()> {
     cache.truncate(5)?;
     let tail = mha.forward_with(&x.narrow(1, 5, 6)?, &opts, Some(&mut cache))?;
     assert_close(&tail.output, &want.narrow(1, 5, 6)?, 1e-5, "after truncate")?;
+    // A cache cloned after a prefix: each clone continues with its own tokens as one forward
+    // over the prefix and those tokens does (the states are written in place, never into
+    // storage the other clone reads).
+    let y = Tensor::randn(0f32, 1.0, (2, 4, D_MODEL), dev)?;
+    let want_y = mha
+        .forward_with(&Tensor::cat(&[&x.narrow(1, 0, 7)?, &y], 1)?, &opts, None)?
+        .output
+        .narrow(1, 7, 4)?;
+    let mut a = KvCache::new();
+    mha.forward_with(&x.narrow(1, 0, 7)?, &opts, Some(&mut a))?;
+    let mut b = a.clone();
+    let (mut outs_a, mut outs_b) = (Vec::new(), Vec::new());
+    for i in 0..4 {
+        outs_a.push(
+            mha.forward_with(&x.narrow(1, 7 + i, 1)?, &opts, Some(&mut a))?
+                .output,
+        );
+        outs_b.push(
+            mha.forward_with(&y.narrow(1, i, 1)?, &opts, Some(&mut b))?
+                .output,
+        );
+    }
+    assert_close(
+        &Tensor::cat(&outs_a, 1)?,
+        &want.narrow(1, 7, 4)?,
+        1e-5,
+        "clone a",
+    )?;
+    assert_close(&Tensor::cat(&outs_b, 1)?, &want_y, 1e-5, "clone b")?;
     Ok(())
 }
 
 /// A streaming cache keeps the sums of the tokens it keeps: every step runs, finite, past
-/// the first evictions.
+/// the first evictions, alike whether it moves the states in its own storage or not.
 fn streaming_cache_runs(dev: &Device) -> anyhow::Result<()> {
-    let mha = random_block(true, dev)?;
+    let (_, mha) = blocks(true, dev)?;
     let mut cache = KvCache::streaming(1, 3);
+    // A second cache whose storage a clone shares at every step: its evictions move the
+    // states into fresh tensors, the first cache's within its own storage; the same outputs.
+    let mut shared = KvCache::streaming(1, 3);
     let opts = AttentionOptions::default();
     for step in 0..7 {
         let x = Tensor::randn(0f32, 1.0, (2, 1, D_MODEL), dev)?;
@@ -179,6 +222,9 @@ fn streaming_cache_runs(dev: &Device) -> anyhow::Result<()> {
         let top = out.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(top.is_finite(), "step {step}");
         assert_eq!(cache.len(), (step + 1).min(4), "step {step}");
+        let _held = shared.clone();
+        let other = mha.forward_with(&x, &opts, Some(&mut shared))?.output;
+        assert_close(&other, &out, 1e-6, &format!("step {step}, storage shared"))?;
     }
     Ok(())
 }
@@ -240,3 +286,14 @@ device_tests!(
     refusals,
     config_round_trips
 );
+
+/// A `VarMap`'s values as plain tensors, as a loaded checkpoint gives them.
+fn plain_tensors(varmap: &VarMap) -> HashMap<String, Tensor> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+        .collect()
+}
