@@ -237,10 +237,32 @@ fn main() -> Result<()> {
     }
 }
 
-/// The text experiment.
+/// The text experiment: the corpus, the settings, the runs, then the tables, JSON and plots.
 fn text_main(o: &Options) -> Result<()> {
+    let corpus = text_corpus(o)?;
+    let (weights, docs, img) =
+        o.folders(o.root.join("weights"), "candle-posenc-extrapolation-quick")?;
+    let s = text_settings(o, &corpus)?;
+    let only = o.list("--only")?;
+    println!(
+        "corpus: {} ({} training and {} held-out characters, {} symbols; held out: {})",
+        corpus.source,
+        corpus.train.len(),
+        corpus.held_out.len(),
+        corpus.vocab(),
+        corpus.held_out_names.join(", ")
+    );
+    let started = Instant::now();
+    let rows = text_runs(o, &s, &corpus, only.as_deref(), &weights)?;
+    let minutes = started.elapsed().as_secs_f64() / 60.0;
+    text_outputs(o, &s, &corpus, &rows, minutes, (&docs, &img))
+}
+
+/// The corpus `--corpus` names, else the fetched Shakespeare (or, for `--quick` without it, a
+/// generated text).
+fn text_corpus(o: &Options) -> Result<Corpus> {
     let default_corpus = o.root.join("data/shakespeare");
-    let corpus = match o.value("--corpus")? {
+    Ok(match o.value("--corpus")? {
         Some(path) => Corpus::load(Path::new(path))?,
         None if default_corpus.is_dir() => Corpus::load(&default_corpus)?,
         None if o.quick => {
@@ -254,9 +276,11 @@ fn text_main(o: &Options) -> Result<()> {
             "no corpus in {}: run `bash scripts/fetch_shakespeare.sh` once, or pass --corpus PATH",
             default_corpus.display()
         ),
-    };
-    let (weights, docs, img) =
-        o.folders(o.root.join("weights"), "candle-posenc-extrapolation-quick")?;
+    })
+}
+
+/// The text settings: the standard or quick ones, with the command line's changes.
+fn text_settings(o: &Options, corpus: &Corpus) -> Result<TextSettings> {
     let mut s = if o.quick {
         TextSettings::quick(corpus.vocab())
     } else {
@@ -282,15 +306,19 @@ fn text_main(o: &Options) -> Result<()> {
     if let Some(seeds) = o.list("--seeds")? {
         s.seeds = seeds.iter().map(|x| x.parse()).collect::<Result<_, _>>()?;
     }
-    let only = o.list("--only")?;
-    println!(
-        "corpus: {} ({} training and {} held-out characters, {} symbols; held out: {})",
-        corpus.source,
-        corpus.train.len(),
-        corpus.held_out.len(),
-        corpus.vocab(),
-        corpus.held_out_names.join(", ")
-    );
+    Ok(s)
+}
+
+/// Every run of the experiment (seed × trained model), side by side over `--jobs` threads,
+/// as rows of the variants in their order with their runs in seed order; seed 1's models saved
+/// in `weights`.
+fn text_runs(
+    o: &Options,
+    s: &TextSettings,
+    corpus: &Corpus,
+    only: Option<&[String]>,
+    weights: &Path,
+) -> Result<Vec<RowRuns>> {
     let started = Instant::now();
     let first_seed = s.seeds.first().copied();
     // The runs are independent: one job per seed and trained model (the variants that share a
@@ -342,7 +370,7 @@ fn text_main(o: &Options) -> Result<()> {
                             }
                             Ok(())
                         };
-                        let runs = run_seed(&s, &corpus, seed, Some(group), save)?;
+                        let runs = run_seed(s, corpus, seed, Some(group), save)?;
                         println!(
                             "{} seed {seed} done after {:.1} minutes",
                             group.join(", "),
@@ -384,7 +412,19 @@ fn text_main(o: &Options) -> Result<()> {
         }
     }
     rows.sort_by_key(|r| variants.iter().position(|v| v.label == r.label));
-    let minutes = started.elapsed().as_secs_f64() / 60.0;
+    Ok(rows)
+}
+
+/// The tables (printed, and written between the markers of docs/extrapolation.md), the JSON
+/// record and the two plots.
+fn text_outputs(
+    o: &Options,
+    s: &TextSettings,
+    corpus: &Corpus,
+    rows: &[RowRuns],
+    minutes: f64,
+    (docs, img): (&Path, &Path),
+) -> Result<()> {
     let e = &s.eval;
     let block = format!(
         "Non-overlapping windows: held-out loss (nats per character), mean ± standard deviation over \
@@ -392,11 +432,11 @@ fn text_main(o: &Options) -> Result<()> {
          windows (positions past L were never trained on):\n\n{}\nSliding windows advancing by \
          L/2 = {}, each scoring its last L/2 predictions (the control):\n\n{}\n",
         s.seeds.len(),
-        table(View::Windows, e, &rows),
+        table(View::Windows, e, rows),
         e.lengths().into_iter().max().unwrap_or(0),
-        table(View::Buckets, e, &rows),
+        table(View::Buckets, e, rows),
         e.stride(),
-        table(View::Sliding, e, &rows),
+        table(View::Sliding, e, rows),
     );
     println!("\n{block}");
     println!(
@@ -406,13 +446,13 @@ fn text_main(o: &Options) -> Result<()> {
     let md = docs.join("extrapolation.md");
     write_between(&md, TEXT_START, TEXT_END, &block)?;
     let json = docs.join("extrapolation.json");
-    Record::new(&s, &corpus, &rows, minutes).write(&json)?;
+    Record::new(s, corpus, rows, minutes).write(&json)?;
 
     // Loss against evaluation length: the seeds' mean with their range.
     let lengths = e.lengths();
     let mut series = Vec::new();
     let mut bars = Vec::new();
-    for row in &rows {
+    for row in rows {
         let (mut pts, mut bar) = (Vec::new(), Vec::new());
         for (i, &n) in lengths.iter().enumerate() {
             let values: Vec<Option<f64>> = row.runs.iter().map(|r| r.scores.windows[i]).collect();
