@@ -720,8 +720,8 @@ impl LogitTerms {
                     .push(bias_in("dense logits bias from the encoding", &t, dtype)?);
             }
             Some(LogitsBias::Relative(r)) => {
-                let rows = match r.mix_and_bank() {
-                    Some((mix, _)) => mix.clone(),
+                let rows = match r.mixed_rows() {
+                    Some(m) => m.mix().clone(),
                     None => r.values()?,
                 };
                 check_device("relative logits bias", &rows, device)?;
@@ -731,15 +731,13 @@ impl LogitTerms {
                     // Mixed rows stay mixed (each factor cast) where the CPU's passes read
                     // them; the CUDA kernels read built rows.
                     (true, Columns::Shift(_)) => {
-                        terms
-                            .rows
-                            .push(match (path.reads_pairs(), r.mix_and_bank()) {
-                                (false, Some(_)) => RelativeBias::new(
-                                    bias_in(what, &r.values()?, DType::F32)?,
-                                    r.columns().clone(),
-                                )?,
-                                _ => r.map(|t| bias_in(what, t, DType::F32))?,
-                            })
+                        terms.rows.push(match (path.reads_pairs(), r.mixed_rows()) {
+                            (false, Some(_)) => RelativeBias::new(
+                                bias_in(what, &r.values()?, DType::F32)?,
+                                r.columns().clone(),
+                            )?,
+                            _ => r.map(|t| bias_in(what, t, DType::F32))?,
+                        })
                     }
                     // Cast before the expansion: the rows are what the bias holds.
                     _ => terms.dense.push(
@@ -822,8 +820,8 @@ fn blocks_of(t: usize, tk: usize, block: usize, trim_keys: bool) -> Vec<(usize, 
 fn per_query_width(path: Path, (bias, values): &Answers) -> Option<usize> {
     let width = match bias {
         Some(LogitsBias::Relative(r)) if matches!(r.columns(), Columns::Shift(_)) => {
-            match (path.reads_pairs(), r.mix_and_bank()) {
-                (true, Some((mix, _))) => mix.dims()[3],
+            match (path.reads_pairs(), r.mixed_rows()) {
+                (true, Some(m)) => m.bank().dims()[0],
                 _ => r.width(),
             }
         }

@@ -13,9 +13,12 @@
 //! instead of the `(B, H, Tq, W)` rows and their gradient; the other paths build the rows
 //! ([`MixedRows::product`]) and read them as any rows.
 
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::cpu::row_scale::scale_rows;
 use crate::error::{Error, Result};
 use crate::limits::check_elements;
 use crate::matmul::broadcast_matmul;
@@ -26,6 +29,21 @@ use crate::plug::relative::RowSegments;
 pub(crate) struct MixedRows {
     mix: Tensor,
     bank: Tensor,
+    form: MixForm,
+}
+
+/// How a [`MixedRows`]' mix is laid out.
+#[derive(Debug, Clone)]
+enum MixForm {
+    /// `(1|B, 1|H, 1|Tq, R)`.
+    Rows,
+    /// `(1|B, H·R, Tq)`, per-token states channels first (head `h`'s mix at channels
+    /// `h·R..(h + 1)·R`), query `i`'s times `scale[i]`: read so by the packing, with no graph
+    /// node between the states and it.
+    Channels {
+        heads: usize,
+        scale: Option<Arc<Vec<f32>>>,
+    },
 }
 
 impl MixedRows {
@@ -63,12 +81,80 @@ impl MixedRows {
             });
         }
         crate::error::check_device("relative bank", &bank, mix.device())?;
-        Ok(Self { mix, bank })
+        Ok(Self {
+            mix,
+            bank,
+            form: MixForm::Rows,
+        })
     }
 
-    /// `(1|B, 1|H, 1|Tq, R)`.
+    /// The mix given as per-token states `(1|B, H·R, Tq)` (head `h`'s weights at channels
+    /// `h·R..(h + 1)·R`), query `i`'s times `scale[i]` when given (`Tq` factors), and `bank`
+    /// `(R, W)`.
+    ///
+    /// # Errors
+    /// As [`Self::new`]; [`Error::Shape`] for channels that are not `heads` times the bank's
+    /// rows, or factors that are not one per query.
+    pub(crate) fn channels(
+        states: Tensor,
+        heads: usize,
+        bank: Tensor,
+        scale: Option<Vec<f32>>,
+    ) -> Result<Self> {
+        let (b, c, tq) = states.dims3()?;
+        let r = bank.dims2().map(|(r, _)| r).unwrap_or(0);
+        if heads == 0 || r == 0 || c != heads * r || scale.as_ref().is_some_and(|f| f.len() != tq) {
+            return Err(Error::shape(
+                "relative mix (per-token states)",
+                format!("(batch, {heads} × {r}, queries) with one factor per query"),
+                states.shape(),
+            ));
+        }
+        // The checks of the rows form, on the view that form would hold.
+        Self::new(
+            states.reshape((b, heads, r, tq))?.transpose(2, 3)?,
+            bank.clone(),
+        )?;
+        Ok(Self {
+            mix: states,
+            bank,
+            form: MixForm::Channels {
+                heads,
+                scale: scale.map(Arc::new),
+            },
+        })
+    }
+
+    /// The mix as given (rows, or per-token states).
     pub(crate) fn mix(&self) -> &Tensor {
         &self.mix
+    }
+
+    /// The mix as rows `(1|B, 1|H, 1|Tq, R)`: a view of per-token states, scaled when they are.
+    pub(crate) fn mix_rows(&self) -> Result<Tensor> {
+        match &self.form {
+            MixForm::Rows => Ok(self.mix.clone()),
+            MixForm::Channels { heads, scale } => {
+                let (b, c, tq) = self.mix.dims3()?;
+                let rows = self
+                    .mix
+                    .reshape((b, *heads, c / heads, tq))?
+                    .transpose(2, 3)?;
+                match scale {
+                    Some(f) => scale_rows(&rows, f.as_ref().clone()),
+                    None => Ok(rows),
+                }
+            }
+        }
+    }
+
+    /// The same rows with the mix and the bank through `f` (a cast), the form kept.
+    pub(crate) fn map(&self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self {
+            mix: f(&self.mix)?,
+            bank: f(&self.bank)?,
+            form: self.form.clone(),
+        })
     }
 
     /// `(R, W)`.
@@ -79,7 +165,11 @@ impl MixedRows {
     /// The rows' axes, `(1|B, 1|H, 1|Tq, W)`.
     pub(crate) fn dims(&self) -> (usize, usize, usize, usize) {
         let m = self.mix.dims();
-        (m[0], m[1], m[2], self.bank.dims()[1])
+        let w = self.bank.dims()[1];
+        match &self.form {
+            MixForm::Rows => (m[0], m[1], m[2], w),
+            MixForm::Channels { heads, .. } => (m[0], *heads, m[2], w),
+        }
     }
 
     /// The rows `mix · bank`, `(1|B, 1|H, 1|Tq, W)` in the mix's dtype, with gradients to both.
@@ -94,7 +184,7 @@ impl MixedRows {
             "batch × heads × rows × width of the rows built from a mix and a bank",
             &[b, h, rows, width],
         )?;
-        broadcast_matmul(&self.mix, &self.bank)
+        broadcast_matmul(&self.mix_rows()?, &self.bank)
     }
 
     /// The mix and the bank packed for a fused pass over `(B, H, Tq, ·)` logits: f32
@@ -121,14 +211,17 @@ impl MixedRows {
             "batch × heads × (bank + queries' mixes) of the packed mixed rows",
             &[b, h, r * width + tq * r],
         )?;
-        let (mix, bank) = (
-            self.mix.to_dtype(DType::F32)?,
-            self.bank.to_dtype(DType::F32)?,
-        );
-        if mix.device().is_cpu() {
+        let bank = self.bank.to_dtype(DType::F32)?;
+        if self.mix.device().is_cpu() {
             // One node of the graph, reading the mix through its strides.
-            return Ok(mix.apply_op2(&bank, Pack { tq })?);
+            let (heads, scale) = match &self.form {
+                MixForm::Rows => (None, None),
+                MixForm::Channels { heads, scale } => (Some(*heads), scale.clone()),
+            };
+            let pack = Pack { tq, heads, scale };
+            return Ok(self.mix.to_dtype(DType::F32)?.apply_op2(&bank, pack)?);
         }
+        let mix = self.mix_rows()?.to_dtype(DType::F32)?;
         let bank = bank
             .reshape((1, 1, r * width))?
             .broadcast_as((b, h, r * width))?;
@@ -146,6 +239,39 @@ impl MixedRows {
 /// the mix's over the queries it was repeated for.
 struct Pack {
     tq: usize,
+    /// `Some(H)` for a mix of per-token states `(B, H·R, Tq)`.
+    heads: Option<usize>,
+    /// Per-query factors of such a mix.
+    scale: Option<Arc<Vec<f32>>>,
+}
+
+impl Pack {
+    /// `(B, H, rows, R)` of the mix, from the dims of the tensor given and the bank's `R`.
+    fn mix_dims(&self, dims: &[usize], r: usize) -> candle_core::Result<[usize; 4]> {
+        match (self.heads, dims) {
+            (None, &[b, h, rows, r]) => Ok([b, h, rows, r]),
+            (Some(h), &[b, _, tq]) => Ok([b, h, tq, r]),
+            _ => candle_core::bail!("mixed rows: a mix of {dims:?}"),
+        }
+    }
+
+    /// The element offsets of mix `[b, h, i, e]`: (of `[b, h, i]`, the step over `e`).
+    fn at(
+        &self,
+        (o, st): (usize, &[usize]),
+        (b, h, i): (usize, usize, usize),
+        r: usize,
+    ) -> (usize, usize) {
+        match self.heads {
+            None => (o + b * st[0] + h * st[1] + i * st[2], st[3]),
+            Some(_) => (o + b * st[0] + h * r * st[1] + i * st[2], st[1]),
+        }
+    }
+
+    /// Query `i`'s factor.
+    fn factor(&self, i: usize) -> f32 {
+        self.scale.as_ref().map_or(1.0, |f| f[i])
+    }
 }
 
 /// Where element `[a, b, c, d]` of a 4-D (or `[a, b]` of a 2-D) layout lies.
@@ -168,8 +294,8 @@ impl CustomOp2 for Pack {
         let (CpuStorage::F32(m), CpuStorage::F32(bank)) = (ms, bs) else {
             candle_core::bail!("mixed rows: the mix and the bank must be f32");
         };
-        let (mb, mh, rows, r) = ml.shape().dims4()?;
-        let (_, w) = bl.shape().dims2()?;
+        let (r, w) = bl.shape().dims2()?;
+        let [mb, mh, rows, _] = self.mix_dims(ml.dims(), r)?;
         let ((mo, ms), (bo, bst)) = (strided(ml), strided(bl));
         let len = r * w + self.tq * r;
         let mut out = crate::cpu::zeroed(mb * mh * len, "packed mixed rows")?;
@@ -185,9 +311,10 @@ impl CustomOp2 for Pack {
                 }
                 for (i, row) in mixes.chunks_exact_mut(r).enumerate() {
                     let ii = if rows == 1 { 0 } else { i };
-                    let at = mo + bi * ms[0] + hi * ms[1] + ii * ms[2];
+                    let (at, step) = self.at((mo, &ms), (bi, hi, ii), r);
+                    let f = self.factor(ii);
                     for (e, x) in row.iter_mut().enumerate() {
-                        *x = m[at + e * ms[3]];
+                        *x = f * m[at + e * step];
                     }
                 }
             });
@@ -201,8 +328,8 @@ impl CustomOp2 for Pack {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (mb, mh, rows, r) = mix.dims4()?;
-        let (_, w) = bank.dims2()?;
+        let (r, w) = bank.dims2()?;
+        let [mb, mh, rows, _] = self.mix_dims(mix.dims(), r)?;
         let g = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let len = r * w + self.tq * r;
         let dbank = match bank.track_op() {
@@ -218,15 +345,25 @@ impl CustomOp2 for Pack {
         let dmix = match mix.track_op() {
             false => None,
             true => {
+                // Laid out as the mix given: rows `(B, H, rows, R)`, or states `(B, H·R, Tq)`
+                // (contiguous strides of either, through `at`).
                 let mut d = vec![0f32; mb * mh * rows * r];
+                let contiguous: Vec<usize> = match self.heads {
+                    None => vec![mh * rows * r, rows * r, r, 1],
+                    Some(_) => vec![mh * r * rows, rows, 1],
+                };
                 for (bh, row) in g.chunks_exact(len.max(1)).enumerate() {
+                    let (bi, hi) = (bh / mh, bh % mh);
                     for (i, src) in row[r * w..].chunks_exact(r).enumerate() {
                         let ii = if rows == 1 { 0 } else { i };
-                        let at = (bh * rows + ii) * r;
-                        d[at..at + r].iter_mut().zip(src).for_each(|(x, y)| *x += y);
+                        let (at, step) = self.at((0, &contiguous), (bi, hi, ii), r);
+                        let f = self.factor(ii);
+                        for (e, y) in src.iter().enumerate() {
+                            d[at + e * step] += f * y;
+                        }
                     }
                 }
-                let d = Tensor::from_vec(d, (mb, mh, rows, r), mix.device())?;
+                let d = Tensor::from_vec(d, mix.shape(), mix.device())?;
                 Some(d.to_dtype(mix.dtype())?)
             }
         };
@@ -664,6 +801,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A mix given as scaled per-token states packs, and passes its gradients back, as the
+    /// same mix given as rows.
+    #[test]
+    fn states_pack_as_their_rows() -> crate::error::Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, r, tq, w) = (2, 3, 4, 5, 7);
+        let states = candle_core::Var::randn(0f32, 1.0, (b, h * r, tq), &dev)?;
+        let bank = candle_core::Var::randn(0f32, 1.0, (r, w), &dev)?;
+        let scale = vec![1.0f32, 1.5, 0.5, 2.0, 1.25];
+        let channels = MixedRows::channels(
+            states.as_tensor().clone(),
+            h,
+            bank.as_tensor().clone(),
+            Some(scale.clone()),
+        )?;
+        let rows = MixedRows::new(channels.mix_rows()?, bank.as_tensor().clone())?;
+        assert_eq!(channels.dims(), rows.dims());
+        let (a, z) = (channels.packed(tq)?, rows.packed(tq)?);
+        let diff = (&a - &z)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff == 0.0, "packed: {diff}");
+        let probe = Tensor::randn(0f32, 1.0, a.shape(), &dev)?;
+        let ga = (&a * &probe)?.sum_all()?.backward()?;
+        let gz = (&z * &probe)?.sum_all()?.backward()?;
+        for var in [&states, &bank] {
+            let (x, y) = (
+                ga.get(var).expect("a gradient"),
+                gz.get(var).expect("a gradient"),
+            );
+            let diff = (x - y)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff <= 1e-6, "gradient: {diff}");
+        }
+        assert!(MixedRows::channels(
+            states.as_tensor().clone(),
+            2,
+            bank.as_tensor().clone(),
+            None
+        )
+        .is_err());
+        Ok(())
     }
 
     /// A bias of mixed rows expands as the rows it stands for, and bad operands are refused

@@ -233,11 +233,37 @@ impl RelativeBias {
         }
     }
 
-    /// The mix and the bank, for rows given by [`Self::mixed`].
-    pub fn mix_and_bank(&self) -> Option<(&Tensor, &Tensor)> {
+    /// Rows given as each query's mix `(1|B, H, Tq, R)` of per-token states `(1|B, H·R, Tq)`
+    /// (head `h`'s weights at channels `h·R..(h + 1)·R`, as a content hook answers them),
+    /// query `i`'s times `scale[i]` when given, and a bank `(R, W)`: the fused CPU passes read
+    /// the states where they lie, with no graph node between them and the pass.
+    ///
+    /// # Errors
+    /// As [`Self::mixed`]; [`Error::Shape`] for channels that are not `heads × R` or factors
+    /// that are not one per query.
+    pub(crate) fn mixed_states(
+        states: Tensor,
+        heads: usize,
+        bank: Tensor,
+        scale: Option<Vec<f32>>,
+        columns: Columns,
+    ) -> Result<Self> {
+        let rows = MixedRows::channels(states, heads, bank, scale)?;
+        columns.check()?;
+        Ok(Self {
+            values: Rows::Mixed(rows),
+            columns,
+        })
+    }
+
+    /// The mix `(1|B, 1|H, 1|Tq, R)` and the bank `(R, W)`, for mixed rows.
+    ///
+    /// # Errors
+    /// Candle's, viewing or scaling a mix given as per-token states.
+    pub fn mix_and_bank(&self) -> Result<Option<(Tensor, Tensor)>> {
         match &self.values {
-            Rows::Values(_) => None,
-            Rows::Mixed(m) => Some((m.mix(), m.bank())),
+            Rows::Values(_) => Ok(None),
+            Rows::Mixed(m) => Ok(Some((m.mix_rows()?, m.bank().clone()))),
         }
     }
 
@@ -272,7 +298,10 @@ impl RelativeBias {
     pub(crate) fn map(&self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         match &self.values {
             Rows::Values(t) => Self::new(f(t)?, self.columns.clone()),
-            Rows::Mixed(m) => Self::mixed(f(m.mix())?, f(m.bank())?, self.columns.clone()),
+            Rows::Mixed(m) => Ok(Self {
+                values: Rows::Mixed(m.map(f)?),
+                columns: self.columns.clone(),
+            }),
         }
     }
 

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{check_queries, input_projection, relative_buckets};
 use crate::cpu::linear_node::{self, Arrange};
-use crate::cpu::row_scale::{scale_rows, scale_rows_owned};
+use crate::cpu::row_scale::scale_rows_owned;
 use crate::error::{check_var_builder, learned, Error, Result};
 use crate::plug::{
     AttentionContext, Columns, Content, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
@@ -367,10 +367,6 @@ impl InklingRelativeLogits {
                 states.shape(),
             ));
         }
-        // τ_i (r_i · bank) = (τ_i r_i) · bank: the factors scale the mix.
-        let mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
-        // (A view of the states, which the cache may hold: never scaled where it lies.)
-        let mix = self.scaled(mix, queries, tq, false)?;
         let width = extent as i64;
         let columns = match (queries, keys) {
             // Key j of query i reads column E + (ks + j) − (qs + i): distance 0 at column E.
@@ -386,30 +382,59 @@ impl InklingRelativeLogits {
                 &|d| (width + d).clamp(0, width + 1) as u32,
             )?),
         };
-        RelativeBias::mixed(mix, self.padded_bank(states.dtype())?, columns)
+        // τ_i (r_i · bank) = (τ_i r_i) · bank: the factors scale the mix, read from the
+        // states where they lie (one factor per query), else from a scaled view.
+        let bank = self.padded_bank(states.dtype())?;
+        match self.factors(queries, tq, states.device())? {
+            Some((factors, rows)) if rows > 1 => {
+                let factors = Tensor::from_vec(factors, (rows, 1, tq, 1), states.device())?;
+                let mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
+                let dtype = mix.dtype();
+                let wide = match dtype {
+                    DType::F16 | DType::BF16 => mix.to_dtype(DType::F32)?,
+                    _ => mix,
+                };
+                let mix = wide.broadcast_mul(&factors.to_dtype(wide.dtype())?)?;
+                RelativeBias::mixed(mix.to_dtype(dtype)?, bank, columns)
+            }
+            factors => {
+                let scale = factors.map(|(f, _)| f);
+                RelativeBias::mixed_states(states.clone(), h, bank, scale, columns)
+            }
+        }
     }
 
-    /// `x` `(B, H, Tq, ·)` with each query's row times its log-n factor (in f32, as HF
-    /// scales, and back to `x`'s dtype), or `x` as it is when the configuration does not
-    /// scale. With `owned` (a tensor no one reads again, as the rotation hook's queries) it
-    /// may be scaled where it lies.
-    fn scaled(&self, x: Tensor, queries: &Positions, tq: usize, owned: bool) -> Result<Tensor> {
+    /// The log-n factors of the queries at `queries` and their rows (1, or one per sequence
+    /// for explicit ids), when the configuration scales.
+    fn factors(
+        &self,
+        queries: &Positions,
+        tq: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<(Vec<f32>, usize)>> {
         let Some(scaling) = self.config.log_scaling else {
-            return Ok(x);
+            return Ok(None);
         };
-        let ids = queries.to_ids(tq, x.device())?;
+        let ids = queries.to_ids(tq, device)?;
         let (rows, _) = ids.dims2()?;
-        let factors: Vec<f32> = ids
+        let factors = ids
             .flatten_all()?
             .to_vec1::<u32>()?
             .into_iter()
             .map(|p| scaling.factor(p as usize) as f32)
             .collect();
+        Ok(Some((factors, rows)))
+    }
+
+    /// The queries `q` `(B, H, Tq, D)` each times its log-n factor (in f32, as HF scales,
+    /// and back to `q`'s dtype; where they lie when they can be), or `q` as it is when the
+    /// configuration does not scale.
+    fn scaled(&self, x: Tensor, queries: &Positions, tq: usize) -> Result<Tensor> {
+        let Some((factors, rows)) = self.factors(queries, tq, x.device())? else {
+            return Ok(x);
+        };
         if rows == 1 {
-            return match owned {
-                true => scale_rows_owned(x, factors),
-                false => scale_rows(&x, factors),
-            };
+            return scale_rows_owned(x, factors);
         }
         // Positions per sequence: factors per batch item.
         let factors = Tensor::from_vec(factors, (rows, 1, tq, 1), x.device())?;
@@ -427,7 +452,7 @@ impl InklingRelativeLogits {
 impl PositionalEncoding for InklingRelativeLogits {
     /// The log-n scaling of the queries (the keys as they are).
     fn rotate(&self, q: Tensor, k: Tensor, ctx: &AttentionContext) -> Result<(Tensor, Tensor)> {
-        Ok((self.scaled(q, ctx.queries, ctx.q_len, true)?, k))
+        Ok((self.scaled(q, ctx.queries, ctx.q_len)?, k))
     }
 
     /// The relative states of the chunk's tokens (`carried` is not read: each token's own).
