@@ -182,8 +182,10 @@ pub struct TokenStates {
 }
 
 /// An additive term for the attention logits, as returned by
-/// [`PositionalEncoding::logits_bias`].
+/// [`PositionalEncoding::logits_bias`]. New forms may be added: a `match` outside the crate
+/// needs a wildcard arm.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum LogitsBias {
     /// A tensor broadcastable to `(B, H, Tq, Tk)` (e.g. ALiBi's per-key `(1, H, 1, Tk)` row).
     Dense(Tensor),

@@ -824,8 +824,8 @@ impl candle_posenc::plug::PositionalEncoding for Recorded {
         let width = match &bias {
             Some(LogitsBias::Relative(r)) => r.width(),
             Some(LogitsBias::Dense(t)) => t.dims().last().copied().unwrap_or(0),
-            // One value per key: as wide as the keys.
-            Some(LogitsBias::Separable(_)) => ctx.k_len,
+            // A separable bias (one value per key), and any other form: as wide as the keys.
+            Some(_) => ctx.k_len,
             None => 0,
         };
         self.calls
