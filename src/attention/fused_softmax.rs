@@ -566,6 +566,9 @@ impl RowPass<'_> {
         s: &mut [f32],
         slab: &mut Vec<f32>,
     ) {
+        if rows == 0 || n == 0 {
+            return;
+        }
         for (src, t) in &self.terms {
             let Some(m) = t.mixed else { continue };
             let packed = &src[t.offset + bi * t.strides[0] + hi * t.strides[1]..];
@@ -601,7 +604,9 @@ impl RowPass<'_> {
         (grads, dslab): (&mut [f32], &mut Vec<f32>),
     ) {
         let (src, t) = self.terms[term];
-        let Some(m) = t.mixed else { return };
+        let Some(m) = t.mixed.filter(|_| rows > 0 && n > 0) else {
+            return;
+        };
         let packed = &src[t.offset + bi * t.strides[0] + hi * t.strides[1]..];
         for (sub, block) in ds[..rows * n].chunks(MIXED_ROWS * n).enumerate() {
             let (r0, count) = (i0 + sub * MIXED_ROWS, block.len() / n);

@@ -6,8 +6,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
     AlibiConfig, AlibiMode, AttentionConfig, ClippedBiasConfig, EncodingConfig, FoxConfig,
-    LearnedConfig, MultiHeadAttention, RopeConfig, RopeKernel, RopeLayout, RopeScaling,
-    ScaledSinusoidalConfig, ShawConfig, SinusoidalConfig, T5Config, YarnScaling,
+    InklingConfig, LearnedConfig, LogScaling, MultiHeadAttention, RopeConfig, RopeKernel,
+    RopeLayout, RopeScaling, ScaledSinusoidalConfig, ShawConfig, SinusoidalConfig, T5Config,
+    YarnScaling,
 };
 
 /// Positions the learned table covers (tests keep their positions below it).
@@ -51,9 +52,19 @@ pub fn configs(d_model: usize, num_heads: usize, head_dim: usize) -> Vec<Encodin
         EncodingConfig::ClippedBias(ClippedBiasConfig::new(num_heads, 4)),
         EncodingConfig::Shaw(ShawConfig::new(head_dim, 3).with_values(true)),
         EncodingConfig::ScaledSinusoidal(ScaledSinusoidalConfig::new(d_model)),
-        // Both halves of the gates: causal and bidirectional blocks alike (last: tests pick
-        // entries by index).
+        // Both halves of the gates: causal and bidirectional blocks alike.
         EncodingConfig::Fox(FoxConfig::new(d_model, num_heads).with_bidirectional(true)),
+        // Inkling's mixed rows: a bank narrower than the tests' sequences (keys past it get
+        // no bias), log-n scaling from position 4.
+        EncodingConfig::Inkling(
+            InklingConfig::new(d_model, num_heads)
+                .with_d_rel(3)
+                .with_rel_extent(6)
+                .with_log_scaling(Some(LogScaling {
+                    n_floor: 4,
+                    alpha: 0.1,
+                })),
+        ),
     ]
 }
 
