@@ -552,7 +552,7 @@ pub(crate) fn add_mixed_row(bank: &[f32], mix: &[f32], s: RowSegments, row: &mut
             }
         }
         for (chunk, a) in block.chunks_exact_mut(LANES).zip(acc) {
-            let mut x: [f32; LANES] = *lanes(chunk);
+            let mut x: [f32; LANES] = lanes(chunk);
             for l in 0..LANES {
                 x[l] += a[l];
             }
@@ -569,7 +569,7 @@ pub(crate) fn add_mixed_row(bank: &[f32], mix: &[f32], s: RowSegments, row: &mut
                 acc[l] += m * from[l];
             }
         }
-        let mut x: [f32; LANES] = *lanes(chunk);
+        let mut x: [f32; LANES] = lanes(chunk);
         for l in 0..LANES {
             x[l] += acc[l];
         }
@@ -618,7 +618,7 @@ pub(crate) fn add_mixed_grads(
                 let at = r * LANES..(r + 1) * LANES;
                 // Copies in registers: the stores cannot alias what the loads read.
                 let (g, y) = (lanes(&g[at.clone()]), lanes(&y[at.clone()]));
-                let mut dv: [f32; LANES] = *lanes(&d[at.clone()]);
+                let mut dv: [f32; LANES] = lanes(&d[at.clone()]);
                 for l in 0..LANES {
                     a[l] += g[l] * y[l];
                     dv[l] += m * g[l];
@@ -632,7 +632,7 @@ pub(crate) fn add_mixed_grads(
         let mut dc = d4.into_remainder().chunks_exact_mut(LANES);
         for ((g, y), d) in (&mut g).zip(&mut bc).zip(&mut dc) {
             let (g, y) = (lanes(g), lanes(y));
-            let mut dv: [f32; LANES] = *lanes(d);
+            let mut dv: [f32; LANES] = lanes(d);
             for l in 0..LANES {
                 acc[l] += g[l] * y[l];
                 dv[l] += m * g[l];
@@ -653,10 +653,13 @@ pub(crate) fn add_mixed_grads(
     }
 }
 
-/// A chunk of [`LANES`] values as an array (the chunks above are exactly that long).
+/// The first [`LANES`] values of `x` as an array, in registers (the chunks above are exactly
+/// that long; a shorter one would leave zeros).
 #[inline(always)]
-fn lanes(x: &[f32]) -> &[f32; LANES] {
-    x.try_into().expect("a chunk of LANES values")
+fn lanes(x: &[f32]) -> [f32; LANES] {
+    let mut a = [0f32; LANES];
+    a.iter_mut().zip(x).for_each(|(a, x)| *a = *x);
+    a
 }
 
 #[cfg(test)]
