@@ -68,7 +68,24 @@ impl SeparableTerm {
     }
 }
 
+/// One block of a tile's rows for mixed rows: its first row within the tile and in the
+/// block, its rows, the keys its last row sees, and the columns `(first, count)` they read.
+struct MixedBlock {
+    first: usize,
+    r0: usize,
+    count: usize,
+    seen: usize,
+    cols: (usize, usize),
+}
+
 impl Strided {
+    /// A mixed term's packed `(b, h)` row (the bank, then each query's mix), from `src`, the
+    /// term's storage.
+    #[inline(always)]
+    fn packed_row<'s>(&self, src: &'s [f32], bi: usize, hi: usize) -> &'s [f32] {
+        &src[self.offset + bi * self.strides[0] + hi * self.strides[1]..]
+    }
+
     /// The term's tensor, broadcast to the pass's axes.
     pub(crate) fn tensor(&self) -> &Tensor {
         &self.tensor
@@ -112,8 +129,7 @@ impl Strided {
         }
         if let Some(m) = self.mixed {
             // Contiguous packed rows (built so): the bank, then each query's mix.
-            let base = self.offset + bi * s0 + hi * s1;
-            let (bank, mix) = m.split(&src[base..], i);
+            let (bank, mix) = m.split(self.packed_row(src, bi, hi), i);
             let s = row_segments_from(i, m.shift, m.width, j0, row.len());
             add_mixed_row(bank, mix, s, row);
             return;
@@ -558,7 +574,7 @@ impl RowPass<'_> {
 
     /// Each mixed term's values for the tile of rows `i0..i0 + rows` of sequence `bi`, head
     /// `hi`, and keys `j0..j0 + n`, added to its raw logits `s` (`rows × n`): one product per
-    /// term over the columns the tile reads ([`mixed::tile_values`]), `slab` its scratch.
+    /// block of rows over the columns it reads ([`mixed::tile_values`]), `slab` its scratch.
     pub(crate) fn add_mixed_tile(
         &self,
         (bi, hi, i0, rows): (usize, usize, usize, usize),
@@ -566,27 +582,17 @@ impl RowPass<'_> {
         s: &mut [f32],
         slab: &mut Vec<f32>,
     ) {
-        if rows == 0 || n == 0 {
-            return;
-        }
         for (src, t) in &self.terms {
             let Some(m) = t.mixed else { continue };
-            let packed = &src[t.offset + bi * t.strides[0] + hi * t.strides[1]..];
-            // A few rows per product: the columns a block of rows reads span its keys plus
-            // one per row more, so short blocks compute few values no key reads.
-            for (sub, block) in s[..rows * n].chunks_mut(MIXED_ROWS * n).enumerate() {
-                let (r0, count) = (i0 + sub * MIXED_ROWS, block.len() / n);
-                // Only the keys the block's last row sees (the rows' pass masks the rest).
-                let seen = self.rule.visible(r0 + count - 1, j0 + n).saturating_sub(j0);
-                if seen == 0 {
-                    continue;
-                }
-                let cols = mixed::tile_columns(&m, (r0, count), (j0, seen));
-                mixed::tile_values(&m, packed, (r0, count), cols, slab);
+            let packed = t.packed_row(src, bi, hi);
+            for b in self.mixed_blocks(&m, (i0, rows), (j0, n)) {
+                mixed::tile_values(&m, packed, (b.r0, b.count), b.cols, slab);
+                let block = &mut s[b.first * n..(b.first + b.count) * n];
                 for (li, row) in block.chunks_exact_mut(n).enumerate() {
-                    let seg = row_segments_from(r0 + li, m.shift, m.width, j0, seen);
-                    let at = li * cols.1;
-                    mixed::add_tile_row(&slab[at..at + cols.1], cols.0, seg, &mut row[..seen]);
+                    let at = li * b.cols.1;
+                    let seg = row_segments_from(b.r0 + li, m.shift, m.width, j0, b.seen);
+                    let slab_row = &slab[at..at + b.cols.1];
+                    mixed::add_tile_row(slab_row, b.cols.0, seg, &mut row[..b.seen]);
                 }
             }
         }
@@ -604,28 +610,44 @@ impl RowPass<'_> {
         (grads, dslab): (&mut [f32], &mut Vec<f32>),
     ) {
         let (src, t) = self.terms[term];
-        let Some(m) = t.mixed.filter(|_| rows > 0 && n > 0) else {
-            return;
-        };
-        let packed = &src[t.offset + bi * t.strides[0] + hi * t.strides[1]..];
-        for (sub, block) in ds[..rows * n].chunks(MIXED_ROWS * n).enumerate() {
-            let (r0, count) = (i0 + sub * MIXED_ROWS, block.len() / n);
-            // The keys no row of the block sees have dS 0.
-            let seen = self.rule.visible(r0 + count - 1, j0 + n).saturating_sub(j0);
-            if seen == 0 {
-                continue;
-            }
-            let cols = mixed::tile_columns(&m, (r0, count), (j0, seen));
+        let Some(m) = t.mixed else { return };
+        let packed = t.packed_row(src, bi, hi);
+        for b in self.mixed_blocks(&m, (i0, rows), (j0, n)) {
             dslab.clear();
-            dslab.resize(count * cols.1, 0.0);
+            dslab.resize(b.count * b.cols.1, 0.0);
+            let block = &ds[b.first * n..(b.first + b.count) * n];
             for (li, dsrow) in block.chunks_exact(n).enumerate() {
-                let seg = row_segments_from(r0 + li, m.shift, m.width, j0, seen);
-                let at = li * cols.1;
-                let dslab_row = &mut dslab[at..at + cols.1];
-                mixed::add_tile_row_grads(&dsrow[..seen], cols.0, seg, dslab_row);
+                let at = li * b.cols.1;
+                let seg = row_segments_from(b.r0 + li, m.shift, m.width, j0, b.seen);
+                let dslab_row = &mut dslab[at..at + b.cols.1];
+                mixed::add_tile_row_grads(&dsrow[..b.seen], b.cols.0, seg, dslab_row);
             }
-            mixed::add_tile_grads(&m, packed, (r0, count), cols, dslab, &mut *grads);
+            mixed::add_tile_grads(&m, packed, (b.r0, b.count), b.cols, dslab, &mut *grads);
         }
+    }
+
+    /// The blocks of [`MIXED_ROWS`] rows of a tile (rows `i0..i0 + rows`, keys `j0..j0 + n`)
+    /// that see any of its keys, each with the keys its last row sees (the rows' pass masks
+    /// the rest; their dS is 0) and the columns those read. Short blocks: the columns a block
+    /// reads span its keys plus one per row more.
+    fn mixed_blocks<'m>(
+        &'m self,
+        m: &'m MixedLayout,
+        (i0, rows): (usize, usize),
+        (j0, n): (usize, usize),
+    ) -> impl Iterator<Item = MixedBlock> + 'm {
+        (0..rows).step_by(MIXED_ROWS).filter_map(move |first| {
+            let count = MIXED_ROWS.min(rows - first);
+            let r0 = i0 + first;
+            let seen = self.rule.visible(r0 + count - 1, j0 + n).saturating_sub(j0);
+            (seen > 0 && n > 0).then(|| MixedBlock {
+                first,
+                r0,
+                count,
+                seen,
+                cols: mixed::tile_columns(m, (r0, count), (j0, seen)),
+            })
+        })
     }
 
     /// Bias, masks and softmax of logits row `r` (flat over `(B, H, Tq)`), with the fastest
@@ -872,8 +894,7 @@ impl RowPass<'_> {
     ) {
         let (src, t) = self.terms[term];
         let Some(m) = t.mixed else { return };
-        let base = t.offset + bi * t.strides[0] + hi * t.strides[1];
-        let operands = m.split(&src[base..], i);
+        let operands = m.split(t.packed_row(src, bi, hi), i);
         let s = row_segments_from(i, m.shift, m.width, j0, ds.len());
         let (dbank, dmixes) = grads.split_at_mut(m.rank * m.width);
         let dmix = &mut dmixes[i * m.rank..(i + 1) * m.rank];

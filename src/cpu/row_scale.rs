@@ -17,28 +17,32 @@ use rayon::prelude::*;
 
 use crate::error::Result;
 
-/// `x` `(…, T, D)` with row `i` of every leading index multiplied by `factors[i]` (`T`
-/// factors), computed in f32 and returned in `x`'s dtype; one node on the CPU in f32, candle's
-/// broadcast multiply elsewhere.
+/// `x` `(…, T, D)` with row `i` multiplied by its factor, computed in f32 and returned in
+/// `x`'s dtype: `T` factors shared by every leading index, or `B · T` (one row of `T` per
+/// index of the first axis, positions per sequence). One node on the CPU in f32 for shared
+/// factors, candle's broadcast multiply otherwise.
 ///
 /// # Errors
-/// Candle's, for an `x` of rank below 2 or whose second-to-last axis is not `factors.len()`.
+/// Candle's, for an `x` of rank below 2 or factors that are neither `T` nor `B · T`.
 pub(crate) fn scale_rows(x: &Tensor, factors: Vec<f32>) -> Result<Tensor> {
     let rank = x.rank();
-    let t = factors.len();
-    if rank < 2 || x.dim(rank - 2)? != t {
+    let t = if rank >= 2 { x.dim(rank - 2)? } else { 0 };
+    let batches = factors.len().checked_div(t).unwrap_or(0);
+    if rank < 2 || batches * t != factors.len() || (batches != 1 && batches != x.dim(0)?) {
         return Err(candle_core::Error::Msg(format!(
-            "scaled rows: {t} factors for a tensor of shape {:?}",
+            "scaled rows: {} factors for a tensor of shape {:?}",
+            factors.len(),
             x.dims()
         ))
         .into());
     }
-    if x.device().is_cpu() && x.dtype() == DType::F32 {
+    if batches == 1 && x.device().is_cpu() && x.dtype() == DType::F32 {
         return Ok(x.apply_op1(ScaleRows {
             factors: Arc::new(factors),
         })?);
     }
     let mut dims = vec![1usize; rank];
+    dims[0] = batches;
     dims[rank - 2] = t;
     let dtype = x.dtype();
     let wide = match dtype {

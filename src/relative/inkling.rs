@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{check_queries, input_projection, relative_buckets};
 use crate::cpu::linear_node::{self, Arrange};
-use crate::cpu::row_scale::scale_rows_owned;
+use crate::cpu::row_scale::{scale_rows, scale_rows_owned};
 use crate::error::{check_var_builder, learned, Error, Result};
 use crate::plug::{
     AttentionContext, Columns, Content, Footprint, LogitsBias, PositionalEncoding, RelativeBias,
@@ -387,15 +387,8 @@ impl InklingRelativeLogits {
         let bank = self.padded_bank(states.dtype())?;
         match self.factors(queries, tq, states.device())? {
             Some((factors, rows)) if rows > 1 => {
-                let factors = Tensor::from_vec(factors, (rows, 1, tq, 1), states.device())?;
                 let mix = states.reshape((b, h, e, tq))?.transpose(2, 3)?;
-                let dtype = mix.dtype();
-                let wide = match dtype {
-                    DType::F16 | DType::BF16 => mix.to_dtype(DType::F32)?,
-                    _ => mix,
-                };
-                let mix = wide.broadcast_mul(&factors.to_dtype(wide.dtype())?)?;
-                RelativeBias::mixed(mix.to_dtype(dtype)?, bank, columns)
+                RelativeBias::mixed(scale_rows(&mix, factors)?, bank, columns)
             }
             factors => {
                 let scale = factors.map(|(f, _)| f);
@@ -430,22 +423,10 @@ impl InklingRelativeLogits {
     /// and back to `q`'s dtype; where they lie when they can be), or `q` as it is when the
     /// configuration does not scale.
     fn scaled(&self, x: Tensor, queries: &Positions, tq: usize) -> Result<Tensor> {
-        let Some((factors, rows)) = self.factors(queries, tq, x.device())? else {
-            return Ok(x);
-        };
-        if rows == 1 {
-            return scale_rows_owned(x, factors);
+        match self.factors(queries, tq, x.device())? {
+            Some((factors, _)) => scale_rows_owned(x, factors),
+            None => Ok(x),
         }
-        // Positions per sequence: factors per batch item.
-        let factors = Tensor::from_vec(factors, (rows, 1, tq, 1), x.device())?;
-        let dtype = x.dtype();
-        let wide = match dtype {
-            DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
-            _ => x,
-        };
-        Ok(wide
-            .broadcast_mul(&factors.to_dtype(wide.dtype())?)?
-            .to_dtype(dtype)?)
     }
 }
 
