@@ -217,6 +217,25 @@ const TRAINED: [&str; 8] = [
     "inkling",
 ];
 
+/// The block of case `name` (B2's shapes: d_model 512, 8 heads of 64) on `varmap`, as the
+/// training steps run it.
+fn trained_block(
+    name: &str,
+    causal: bool,
+    t: usize,
+    varmap: &candle_nn::VarMap,
+    dev: &Device,
+) -> Result<MultiHeadAttention> {
+    let (d_model, heads, head_dim) = (512, 8, 64);
+    let vb = VarBuilder::from_varmap(varmap, candle_core::DType::F32, dev);
+    let all = cases(d_model, heads, head_dim, t, dev, &vb)?;
+    let case = all
+        .iter()
+        .find(|c| c.name == name)
+        .context("unknown training case")?;
+    block(case, causal, d_model, heads, &vb)
+}
+
 fn block(
     case: &Case,
     causal: bool,
@@ -603,15 +622,9 @@ fn train_step(
 /// `VarMap`, nothing else run before), the median of 9 steps after 2, printed in ms.
 fn train_steps_child(name: &str, t: usize, causal: bool) -> Result<()> {
     let dev = Device::Cpu;
-    let (d_model, heads, head_dim) = (512, 8, 64);
+    let d_model = 512;
     let varmap = candle_nn::VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dev);
-    let all = cases(d_model, heads, head_dim, t, &dev, &vb)?;
-    let case = all
-        .iter()
-        .find(|c| c.name == name)
-        .context("unknown case")?;
-    let mha = block(case, causal, d_model, heads, &vb)?;
+    let mha = trained_block(name, causal, t, &varmap, &dev)?;
     let xv = candle_core::Var::randn(0f32, 1.0, (2, t, d_model), &dev)?;
     let probe = Tensor::randn(0f32, 1.0, (2, t, d_model), &dev)?;
     let opts = AttentionOptions {
@@ -1152,13 +1165,7 @@ fn main() -> Result<()> {
     for causal in [false, true].into_iter().filter(|_| section("training")) {
         for name in TRAINED {
             let varmap = candle_nn::VarMap::new();
-            let tvb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dev);
-            let trained = cases(d_model, heads, head_dim, t, &dev, &tvb)?;
-            let case = trained
-                .iter()
-                .find(|c| c.name == name)
-                .context("training case")?;
-            let mha = block(case, causal, d_model, heads, &tvb)?;
+            let mha = trained_block(name, causal, t, &varmap, &dev)?;
             let xv = candle_core::Var::from_tensor(&x)?;
             let probe = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
             let step = |return_weights: bool| -> Result<()> {
