@@ -217,25 +217,6 @@ const TRAINED: [&str; 8] = [
     "inkling",
 ];
 
-/// The block of case `name` (B2's shapes: d_model 512, 8 heads of 64) on `varmap`, as the
-/// training steps run it.
-fn trained_block(
-    name: &str,
-    causal: bool,
-    t: usize,
-    varmap: &candle_nn::VarMap,
-    dev: &Device,
-) -> Result<MultiHeadAttention> {
-    let (d_model, heads, head_dim) = (512, 8, 64);
-    let vb = VarBuilder::from_varmap(varmap, candle_core::DType::F32, dev);
-    let all = cases(d_model, heads, head_dim, t, dev, &vb)?;
-    let case = all
-        .iter()
-        .find(|c| c.name == name)
-        .context("unknown training case")?;
-    block(case, causal, d_model, heads, &vb)
-}
-
 fn block(
     case: &Case,
     causal: bool,
@@ -440,7 +421,12 @@ fn cuda_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<
         let probe = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(DType::BF16)?;
         for causal in [true, false] {
             for name in ["none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64"] {
-                let (_varmap, mha) = trained_block(name, causal, (heads, head_dim, t), dev)?;
+                let (_varmap, mha) = trained_block(
+                    name,
+                    causal,
+                    (heads, head_dim, t),
+                    (candle_core::DType::BF16, dev),
+                )?;
                 let xv = candle_core::Var::from_tensor(&x)?;
                 let opts = AttentionOptions {
                     train: true,
@@ -490,7 +476,12 @@ fn cuda_long_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Re
     set_fused_kernel(true);
     for name in ["none", "alibi", "t5", "shaw_k64"] {
         for &t in &lengths {
-            let (_varmap, mha) = trained_block(name, true, (heads, head_dim, t), dev)?;
+            let (_varmap, mha) = trained_block(
+                name,
+                true,
+                (heads, head_dim, t),
+                (candle_core::DType::BF16, dev),
+            )?;
             let opts = AttentionOptions {
                 train: true,
                 ..Default::default()
@@ -556,23 +547,22 @@ fn cuda_long_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Re
     Ok(())
 }
 
-/// The bf16 block of the case `name` on `dev` with its weights (the encoding's too) in a
-/// fresh `VarMap`, for training steps: `heads` of `head_dim`, tables for `t` positions.
-#[cfg(feature = "cuda")]
+/// The block of the case `name` on `dev` in `dtype` with its weights (the encoding's too) in
+/// a fresh `VarMap`, for training steps: `heads` of `head_dim`, tables for `t` positions.
 fn trained_block(
     name: &str,
     causal: bool,
     (heads, head_dim, t): (usize, usize, usize),
-    dev: &Device,
+    (dtype, dev): (candle_core::DType, &Device),
 ) -> Result<(candle_nn::VarMap, MultiHeadAttention)> {
     let varmap = candle_nn::VarMap::new();
-    let tvb = VarBuilder::from_varmap(&varmap, candle_core::DType::BF16, dev);
+    let tvb = VarBuilder::from_varmap(&varmap, dtype, dev);
     let d_model = heads * head_dim;
     let trained = cases(d_model, heads, head_dim, t, dev, &tvb)?;
     let case = trained
         .iter()
         .find(|c| c.name == name)
-        .with_context(|| format!("CUDA training case {name}"))?;
+        .with_context(|| format!("training case {name}"))?;
     let mha = block(case, causal, d_model, heads, &tvb)?;
     Ok((varmap, mha))
 }
@@ -623,8 +613,7 @@ fn train_step(
 fn train_steps_child(name: &str, t: usize, causal: bool) -> Result<()> {
     let dev = Device::Cpu;
     let d_model = 512;
-    let varmap = candle_nn::VarMap::new();
-    let mha = trained_block(name, causal, t, &varmap, &dev)?;
+    let (_varmap, mha) = trained_block(name, causal, (8, 64, t), (candle_core::DType::F32, &dev))?;
     let xv = candle_core::Var::randn(0f32, 1.0, (2, t, d_model), &dev)?;
     let probe = Tensor::randn(0f32, 1.0, (2, t, d_model), &dev)?;
     let opts = AttentionOptions {
@@ -1164,8 +1153,8 @@ fn main() -> Result<()> {
     let train_runs = if quick { 3 } else { 7 };
     for causal in [false, true].into_iter().filter(|_| section("training")) {
         for name in TRAINED {
-            let varmap = candle_nn::VarMap::new();
-            let mha = trained_block(name, causal, t, &varmap, &dev)?;
+            let f32_dev = (candle_core::DType::F32, &dev);
+            let (_varmap, mha) = trained_block(name, causal, (heads, head_dim, t), f32_dev)?;
             let xv = candle_core::Var::from_tensor(&x)?;
             let probe = Tensor::randn(0f32, 1.0, x.shape(), &dev)?;
             let step = |return_weights: bool| -> Result<()> {
