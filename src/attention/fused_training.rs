@@ -86,9 +86,76 @@ impl TrainCore<'_> {
     /// v and the terms.
     pub(crate) fn attend(&self) -> Result<Tensor> {
         let core = &self.core;
+        let (backward, wanted) = self.pass()?;
+        let (b, h, tq, _, d) = backward.spec.dims;
+        let backward = Arc::new(backward);
+        let cache = Arc::new(Mutex::new(None));
+        let op = TrainOp {
+            backward: backward.clone(),
+            cache: cache.clone(),
+        };
+        let out = core.q.apply_op3(core.k, core.v, op)?;
+        debug_assert_eq!(out.dims(), [b, tq, h, d]);
+        let shared = Arc::new(Shared {
+            backward,
+            cache,
+            q: core.q.clone(),
+            k: core.k.clone(),
+            v: core.v.clone(),
+            o: out.clone(),
+        });
+        let last = wanted.len().saturating_sub(1);
+        let mut linked = out;
+        for (extra, tensor) in wanted.iter().enumerate() {
+            linked = graft_through(
+                tensor,
+                &linked,
+                Link {
+                    shared: shared.clone(),
+                    extra,
+                    outermost: extra == last,
+                },
+            )?;
+        }
+        Ok(linked)
+    }
+
+    /// The forward outside candle's graph, for a caller that attaches the gradients itself
+    /// ([`super::train_node`]): the output `(B, Tq, H, D)` as rows, the pass that computes
+    /// the gradients from it, and the tensors besides q, k and v that get one (its extras, in
+    /// order).
+    pub(crate) fn detached(&self) -> Result<(Vec<f32>, Pass, Vec<Tensor>)> {
+        let core = &self.core;
+        let (backward, wanted) = self.pass()?;
+        let (b, h, tq, _, d) = backward.spec.dims;
+        let mut out = zeroed(b * tq * h * d, "fused training: output")?;
+        let mut stats = zeroed(b * h * tq * 2, "fused training: statistics")?;
+        let guards = [core.q, core.k, core.v].map(read_storage);
+        let storage = |i: usize| match &**guards[i].0 {
+            Storage::Cpu(s) => Ok((s, guards[i].1)),
+            _ => Err(Error::config(
+                "fused training",
+                "a tensor on another device",
+                "q, k and v on the CPU",
+            )),
+        };
+        backward.spec.run(
+            [storage(0)?, storage(1)?, storage(2)?],
+            OutPtr(out.as_mut_ptr()),
+            tq,
+            Some(OutPtr(stats.as_mut_ptr())),
+        )?;
+        *lock(&backward.stats)? = stats;
+        Ok((out, Pass(backward), wanted))
+    }
+
+    /// The pass's spec and what it gives gradients to besides q, k and v: each dense term,
+    /// each relative term's values, the value table, the sinks, where they track gradients.
+    fn pass(&self) -> Result<(Backward, Vec<Tensor>)> {
+        let core = &self.core;
         let mut spec = core.spec(0)?;
         spec.dropout = self.dropout;
-        let (b, h, tq, _, d) = spec.dims;
+        let (b, h, tq, _, _) = spec.dims;
         check_elements(
             "fused training statistics",
             format_args!("{b} × {h} × {tq}"),
@@ -149,7 +216,7 @@ impl TrainCore<'_> {
             }
             _ => None,
         };
-        let backward = Arc::new(Backward {
+        let backward = Backward {
             spec,
             stats: Mutex::new(Vec::new()),
             terms,
@@ -164,36 +231,8 @@ impl TrainCore<'_> {
                 .iter()
                 .map(|t| (t.dims().to_vec(), t.dtype()))
                 .collect(),
-        });
-        let cache = Arc::new(Mutex::new(None));
-        let op = TrainOp {
-            backward: backward.clone(),
-            cache: cache.clone(),
         };
-        let out = core.q.apply_op3(core.k, core.v, op)?;
-        debug_assert_eq!(out.dims(), [b, tq, h, d]);
-        let shared = Arc::new(Shared {
-            backward,
-            cache,
-            q: core.q.clone(),
-            k: core.k.clone(),
-            v: core.v.clone(),
-            o: out.clone(),
-        });
-        let last = wanted.len().saturating_sub(1);
-        let mut linked = out;
-        for (extra, tensor) in wanted.iter().enumerate() {
-            linked = graft_through(
-                tensor,
-                &linked,
-                Link {
-                    shared: shared.clone(),
-                    extra,
-                    outermost: extra == last,
-                },
-            )?;
-        }
-        Ok(linked)
+        Ok((backward, wanted))
     }
 }
 
@@ -282,9 +321,28 @@ struct Backward {
 }
 
 /// The pass's results: q, k and v's gradients, and one per extra.
-struct Grads {
-    qkv: [Option<Tensor>; 3],
-    extras: Vec<Option<Tensor>>,
+pub(crate) struct Grads {
+    pub(crate) qkv: [Option<Tensor>; 3],
+    pub(crate) extras: Vec<Option<Tensor>>,
+}
+
+/// A detached forward's backward pass ([`TrainCore::detached`]).
+pub(crate) struct Pass(Backward);
+
+impl Pass {
+    /// The gradients of q, k, v and every extra from the output `o` `(B, Tq, H, D)` and its
+    /// gradient `grad_o`, for the q, k and v the forward read.
+    ///
+    /// # Errors
+    /// Tensors of other shapes than the forward's; candle's errors.
+    pub(crate) fn grads(
+        &self,
+        [q, k, v]: [&Tensor; 3],
+        o: &Tensor,
+        grad_o: &Tensor,
+    ) -> candle_core::Result<Grads> {
+        self.0.grads(q, k, v, o, grad_o)
+    }
 }
 
 /// The fused forward as candle's op of q, k and v.

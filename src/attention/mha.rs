@@ -32,6 +32,8 @@ use candle_nn::{linear_b, Linear, VarBuilder};
 
 use super::blocks::Chunk;
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
+use super::dropout::{fresh_seed, Dropout};
+use super::fused_softmax::RowRule;
 use super::kv_cache::{CacheGuard, KvCache};
 use super::latent::LatentProjections;
 use super::mask::check_padding;
@@ -39,6 +41,7 @@ use super::projection::{self, parts};
 use super::qk_norm::{rms_normalized, QkNorm};
 use super::short_conv::{ConvState, ShortConvs};
 use super::streaming;
+use super::train_node;
 use crate::cpu::linear_node::{self, Arrange};
 use crate::cpu::pool::on_pool;
 use crate::error::{
@@ -86,6 +89,9 @@ pub struct MultiHeadAttention {
     /// `(H)` learned sink logits.
     sinks: Option<Tensor>,
     encoding: Option<Arc<dyn PositionalEncoding>>,
+    /// Whether a training call may run as one node ([`train_node`]); off only in tests that
+    /// compare it with the pipeline.
+    train_node: bool,
 }
 
 /// Where q, k and v come from.
@@ -181,6 +187,7 @@ impl MultiHeadAttention {
             short_conv,
             sinks,
             encoding,
+            train_node: true,
         };
         // A `VarMap` hands back a variable it already holds in the variable's own dtype.
         for t in block.held() {
@@ -202,6 +209,15 @@ impl MultiHeadAttention {
     /// Replaces the encoding (the projections are kept).
     pub fn with_encoding(mut self, encoding: Option<Arc<dyn PositionalEncoding>>) -> Self {
         self.encoding = encoding;
+        self
+    }
+
+    /// The block with training calls run through its pipeline of graph nodes, never as one
+    /// node (for tests that compare the two).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn without_train_node(mut self) -> Self {
+        self.train_node = false;
         self
     }
 
@@ -251,6 +267,12 @@ impl MultiHeadAttention {
         let call = self.check_call(x, options, cache.as_deref())?;
         if call.is_empty() {
             return self.empty_output(call.full, x, options.return_weights);
+        }
+        if let Some(output) = self.train_node(x, &call, options, cache.is_some())? {
+            return Ok(AttentionOutput {
+                output,
+                weights: None,
+            });
         }
         let ctx = AttentionContext::chunk(&call.positions, call.t)
             .with_causal(self.config.causal)
@@ -425,6 +447,59 @@ impl MultiHeadAttention {
         check_float(what, states.dtype())?;
         check_device(what, &states, input.device())?;
         Ok(Some(states))
+    }
+
+    /// The call as one node of candle's graph ([`train_node`]) where it keeps gradients and
+    /// nothing sits between the three projections and the core: no encoding, norm,
+    /// convolution, temperature, user's mask, cache or returned weights. `None` elsewhere (and
+    /// where the node does not take the device, dtype or sizes): the pipeline runs.
+    fn train_node(
+        &self,
+        x: &Tensor,
+        call: &Call,
+        options: &AttentionOptions,
+        cached: bool,
+    ) -> Result<Option<Tensor>> {
+        let cfg = &self.config;
+        let Projections::Separate { q, k, v: Some(v) } = &self.projections else {
+            return Ok(None);
+        };
+        let between = self.encoding.is_some()
+            || self.qk_norm.is_some()
+            || cfg.value_norm.is_some()
+            || self.short_conv.is_some()
+            || cfg.attention_temperature.is_some();
+        let call_needs = cached || call.attn_mask.is_some() || options.return_weights;
+        if !self.train_node || between || call_needs || !self.differentiable(x, options) {
+            return Ok(None);
+        }
+        let sinks = self
+            .sinks
+            .as_ref()
+            .map(|s| s.to_dtype(DType::F32)?.to_vec1::<f32>())
+            .transpose()?;
+        let rule = RowRule {
+            first: 0,
+            causal: cfg.causal,
+            window: cfg.sliding_window,
+            chunk: cfg.attention_chunk,
+            softcap: cfg.logit_softcap.map(|c| c as f32),
+            sinks,
+        };
+        let dropout = (options.train && cfg.dropout > 0.0).then(|| Dropout {
+            p: cfg.dropout,
+            seed: options.dropout_seed.unwrap_or_else(fresh_seed),
+        });
+        train_node::forward(train_node::Parts {
+            x,
+            linears: [q, k, v, &self.o_proj],
+            heads: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            q_scale: cfg.softmax_scale as f32,
+            padding: call.padding.as_ref(),
+            rule,
+            sinks: self.sinks.as_ref(),
+            dropout,
+        })
     }
 
     /// Whether the call keeps gradients: whenever anything upstream tracks them (the input,

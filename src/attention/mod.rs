@@ -40,6 +40,7 @@ mod qk_norm;
 mod short_conv;
 mod streaming;
 mod temperature;
+mod train_node;
 mod unfused;
 mod widen;
 

@@ -134,7 +134,7 @@ thread_local! {
 }
 
 /// `f` with `n` values of this thread's scratch (their contents unspecified).
-fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> candle_core::Result<R> {
+pub(crate) fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> candle_core::Result<R> {
     let mut buf = SCRATCH.take();
     if buf.len() < n {
         buf.clear();
@@ -175,7 +175,11 @@ fn rows_to_heads(rows: &[f32], heads_first: &mut [f32], (len, heads, d): (usize,
 }
 
 /// Rows `(B·T, H·D)` from `(B, H, T, D)`.
-fn heads_to_rows(heads_first: &[f32], rows: &mut [f32], (len, heads, d): (usize, usize, usize)) {
+pub(crate) fn heads_to_rows(
+    heads_first: &[f32],
+    rows: &mut [f32],
+    (len, heads, d): (usize, usize, usize),
+) {
     rows.par_chunks_mut(heads * d)
         .enumerate()
         .with_min_len(64)
@@ -271,40 +275,23 @@ impl Node {
         let xv = values(xs, xl, rows * inner)?;
         let wv = values(ws, wl, out * inner)?;
         let from_rows = |g: &[f32]| -> candle_core::Result<[Option<Tensor>; 3]> {
-            // SAFETY: ∂y holds rows × out values, W out × in (checked by `values`); ∂x is
-            // rows × in.
-            let dx = unsafe {
-                gradient(
-                    x,
-                    (rows, inner, out),
-                    (g.as_ptr(), 1, out),
-                    (wv.as_ptr(), 1, inner),
-                    self.scale,
-                )
-            }?;
-            // SAFETY: ∂yᵀ is read from rows × out values with column stride `out`; x holds
-            // rows × in (checked by `values`); ∂W is out × in.
-            let dw = unsafe {
-                gradient(
-                    w,
-                    (out, inner, rows),
-                    (g.as_ptr(), out, 1),
-                    (xv.as_ptr(), 1, inner),
-                    self.scale,
-                )
-            }?;
-            let db = match bias.filter(|b| b.track_op()) {
-                Some(b) => {
-                    let mut db = vec![0f32; out];
-                    for row in g.chunks_exact(out) {
-                        db.iter_mut().zip(row).for_each(|(s, g)| *s += g);
-                    }
-                    db.iter_mut().for_each(|s| *s *= self.scale);
-                    Some(Tensor::from_vec(db, b.shape(), b.device())?)
-                }
+            let dims = (rows, out, inner);
+            let mut dx = match x.track_op() {
+                true => Some(zeroed(rows * inner, "projection gradient")?),
+                false => None,
+            };
+            let want = (w.track_op(), bias.is_some_and(|b| b.track_op()));
+            let dxs = dx.as_deref_mut().map(|d| (d, false));
+            let (dw, db) = grads_of_rows(g, (xv, wv), dims, self.scale, dxs, want)?;
+            let tensor = |v: Option<Vec<f32>>, like: &Tensor| {
+                v.map(|v| Tensor::from_vec(v, like.shape(), like.device()))
+                    .transpose()
+            };
+            let db = match bias {
+                Some(b) => tensor(db, b)?,
                 None => None,
             };
-            Ok([dx, dw, db])
+            Ok([tensor(dx, x)?, tensor(dw, w)?, db])
         };
         match self.heads() {
             None => from_rows(g),
@@ -316,26 +303,71 @@ impl Node {
     }
 }
 
-/// `scale · lhs · rhs`, `(m, n)` with `n` contiguous, as a tensor of `input`'s shape (its
-/// gradient), or `None` when `input` tracks no gradients.
+/// A projection's ∂W and ∂b, where asked for.
+pub(crate) type WeightGrads = (Option<Vec<f32>>, Option<Vec<f32>>);
+
+/// The gradients of `y = scale · (x Wᵀ + b)` from ∂y as rows `(rows, out)`, with x
+/// `(rows, in)` and W `(out, in)` row-major (`dims` = `(rows, out, in)`): ∂x = scale · ∂y W
+/// written into `dx` (added to what it holds with its flag), and ∂W = scale · ∂yᵀ x and
+/// ∂b = scale · Σ_rows ∂y returned where `want` = (∂W, ∂b) asks for them.
 ///
-/// # Safety
-/// As [`product_parallel`]'s lhs and rhs: the views `(pointer, column stride, row stride)` of
-/// `m × k` and `k × n` elements lie inside their allocations; `input` holds `m · n` elements.
-unsafe fn gradient(
-    input: &Tensor,
-    (m, n, k): (usize, usize, usize),
-    lhs: (*const f32, usize, usize),
-    rhs: (*const f32, usize, usize),
+/// # Errors
+/// A gradient cannot be allocated; a slice shorter than `dims` says.
+pub(crate) fn grads_of_rows(
+    g: &[f32],
+    (x, w): (&[f32], &[f32]),
+    (rows, out, inner): (usize, usize, usize),
     scale: f32,
-) -> candle_core::Result<Option<Tensor>> {
-    if !input.track_op() {
-        return Ok(None);
+    dx: Option<(&mut [f32], bool)>,
+    (want_w, want_b): (bool, bool),
+) -> candle_core::Result<WeightGrads> {
+    let dx_len = dx.as_ref().map_or(rows * inner, |(d, _)| d.len());
+    if g.len() < rows * out
+        || x.len() < rows * inner
+        || w.len() < out * inner
+        || dx_len < rows * inner
+    {
+        candle_core::bail!("projection gradients: operands shorter than ({rows}, {out}, {inner})")
     }
-    let mut grad = zeroed(m * n, "projection gradient")?;
-    // SAFETY: the caller's contract; `grad` holds m × n values.
-    unsafe { product_parallel((m, n, k), (grad.as_mut_ptr(), n, false), lhs, rhs, scale) };
-    Ok(Some(Tensor::from_vec(grad, input.shape(), input.device())?))
+    if let Some((dx, accumulate)) = dx {
+        // SAFETY: ∂y holds rows × out values, W out × in, ∂x rows × in (checked above).
+        unsafe {
+            product_parallel(
+                (rows, inner, out),
+                (dx.as_mut_ptr(), inner, accumulate),
+                (g.as_ptr(), 1, out),
+                (w.as_ptr(), 1, inner),
+                scale,
+            )
+        };
+    }
+    let dw = match want_w {
+        true => {
+            let mut dw = zeroed(out * inner, "projection weight gradient")?;
+            // SAFETY: ∂yᵀ is read from rows × out values with column stride `out`; x holds
+            // rows × in; ∂W is out × in (checked above).
+            unsafe {
+                product_parallel(
+                    (out, inner, rows),
+                    (dw.as_mut_ptr(), inner, false),
+                    (g.as_ptr(), out, 1),
+                    (x.as_ptr(), 1, inner),
+                    scale,
+                )
+            };
+            Some(dw)
+        }
+        false => None,
+    };
+    let db = want_b.then(|| {
+        let mut db = vec![0f32; out];
+        for row in g[..rows * out].chunks_exact(out) {
+            db.iter_mut().zip(row).for_each(|(s, g)| *s += g);
+        }
+        db.iter_mut().for_each(|s| *s *= scale);
+        db
+    });
+    Ok((dw, db))
 }
 
 impl CustomOp2 for Node {

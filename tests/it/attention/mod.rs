@@ -5,6 +5,7 @@ mod decode_step;
 mod fused_core;
 mod gradients;
 mod half_precision;
+mod one_node;
 mod plug;
 mod separable;
 mod threads;

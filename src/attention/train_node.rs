@@ -1,0 +1,396 @@
+//! A training call's whole block as one node of candle's graph, on the CPU in f32.
+//!
+//! ```text
+//! forward:   q = s·(x W_qᵀ + b_q),  k = x W_kᵀ + b_k,  v = x W_vᵀ + b_v     heads first
+//!            O = the fused training core (fused_training)    (B, T, H, D), m and 1/l per row
+//!            y = O W_oᵀ + b_o                                 O read as rows of H·D
+//! backward:  ∂O = ∂y W_o;   ∂W_o = ∂yᵀ O;   ∂b_o = Σ_rows ∂y
+//!            ∂q, ∂k, ∂v, ∂sinks = the core's backward
+//!            ∂x = s ∂q W_q + ∂k W_k + ∂v W_v;   ∂W_q = s ∂qᵀ x, …;   ∂b_q = s Σ_rows ∂q, …
+//! ```
+//!
+//! candle's backward starts the gradient of every input of every node as a zero-filled tensor
+//! and adds each contribution into a fresh one. As five nodes (three projections, the core,
+//! the output projection) a step paid for about twenty tensors the size of the chunk, and the
+//! page faults of each; here only x's gradient is candle's. The weights, biases and sinks hang
+//! on the node through a chain of one-element links (`crate::graft`), so their gradients,
+//! computed by the node's backward, reach candle without a tensor the size of the chunk.
+//!
+//! The block takes this node only when nothing sits between its projections and its core
+//! (`MultiHeadAttention`'s `train_node`): an encoding, a norm, a convolution or a cache would
+//! need their own gradients inside it.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use candle_nn::Linear;
+
+use super::dropout::Dropout;
+use super::fused_attention::{tile_rows, Core, KEY_TILE};
+use super::fused_softmax::{read_storage, RowRule};
+use super::fused_training::{Pass, Tiles, TrainCore};
+use crate::cpu::linear_node::{
+    self, grads_of_rows, heads_to_rows, with_scratch, Arrange, WeightGrads,
+};
+use crate::cpu::pool::on_pool;
+use crate::cpu::{gemm, zeroed};
+use crate::error::Result;
+use crate::graft::{graft_through, GraftBackward};
+
+/// What the node computes from: the block's input and weights, and the core's rule.
+pub(crate) struct Parts<'a> {
+    /// `(B, T, d_model)`.
+    pub(crate) x: &'a Tensor,
+    /// q, k, v and o projections (q and o `H·D` wide, k and v `Hkv·D`).
+    pub(crate) linears: [&'a Linear; 4],
+    /// `(H, Hkv, D)`.
+    pub(crate) heads: (usize, usize, usize),
+    /// The softmax scale, taken into the queries' projection.
+    pub(crate) q_scale: f32,
+    /// `(B, T)` u8, non-zero = keep.
+    pub(crate) padding: Option<&'a Tensor>,
+    pub(crate) rule: RowRule,
+    /// `(H)` sink logits (the rule holds their values).
+    pub(crate) sinks: Option<&'a Tensor>,
+    pub(crate) dropout: Option<Dropout>,
+}
+
+/// The block's output `(B, T, d_model)` as one node of candle's graph, or `None` where the
+/// node does not apply (another device or dtype than f32 on the CPU, or sizes the projection
+/// nodes do not take); the caller then runs the block's pipeline.
+///
+/// # Errors
+/// A buffer cannot be allocated; candle's errors.
+pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
+    let Parts { x, linears, .. } = &parts;
+    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    let tensors = linears
+        .iter()
+        .flat_map(|l| std::iter::once(l.weight()).chain(l.bias()));
+    if !f32_cpu(x) || !tensors.clone().all(f32_cpu) {
+        return Ok(None);
+    }
+    let Ok((b, t, d_model)) = x.dims3() else {
+        return Ok(None);
+    };
+    let (h, hkv, d) = parts.heads;
+    let x_rows = x.detach().contiguous()?;
+    let Some([q, k, v]) = project(&parts, &x_rows, (b, t))? else {
+        return Ok(None);
+    };
+    let core = Core {
+        q: &q,
+        k: &k,
+        v: &v,
+        dense: Vec::new(),
+        dense_masks: false,
+        relative: Vec::new(),
+        separable: Vec::new(),
+        padding: parts.padding,
+        rule: &parts.rule,
+        values: None,
+        tile: tile_rows(t),
+        key_tile: KEY_TILE,
+    };
+    let train = TrainCore {
+        core,
+        sinks: parts.sinks,
+        tiles: Tiles::default(),
+        dropout: parts.dropout,
+    };
+    let (o, pass, extras) = train.detached()?;
+    let o_proj = linears[3];
+    let mut y = zeroed(b * t * d_model, "training block: output")?;
+    with_values(o_proj.weight(), |w| {
+        let bias = o_proj.bias().map(read_storage);
+        let bias = bias.as_ref().map(|g| f32_slice(g, d_model)).transpose()?;
+        gemm::linear(&mut y, (&o, w, bias), (b * t, d_model, h * d), 1.0)
+    })?;
+    let mut linked: Vec<(Tensor, Slot)> = Vec::new();
+    for (i, l) in linears.iter().enumerate() {
+        linked.push((l.weight().clone(), Slot::Weight(i)));
+        if let Some(bias) = l.bias() {
+            linked.push((bias.clone(), Slot::Bias(i)));
+        }
+    }
+    linked.extend(
+        extras
+            .into_iter()
+            .enumerate()
+            .map(|(e, t)| (t, Slot::Extra(e))),
+    );
+    linked.retain(|(t, _)| t.track_op());
+    if linked.is_empty() && !x.track_op() {
+        return Ok(Some(Tensor::from_vec(y, (b, t, d_model), x.device())?));
+    }
+    let state = Arc::new(State {
+        linears: linears.map(Linear::clone),
+        q_scale: parts.q_scale,
+        dims: (b, t, d_model, h, hkv, d),
+        saved: Mutex::new(Some(Saved {
+            x: x_rows,
+            qkv: [q, k, v],
+            o: Tensor::from_vec(o, (b, t, h, d), x.device())?,
+            pass,
+        })),
+        slots: linked.iter().map(|(_, s)| *s).collect(),
+        grads: Mutex::new(Vec::new()),
+    });
+    let mut anchor = Tensor::zeros(1, DType::F32, x.device())?;
+    for (slot, (tensor, _)) in linked.iter().enumerate() {
+        let link = Link {
+            state: state.clone(),
+            slot,
+        };
+        anchor = graft_through(tensor, &anchor, link)?;
+    }
+    let op = BlockOp {
+        state,
+        y: Mutex::new(Some(y)),
+        shape: Shape::from((b, t, d_model)),
+    };
+    Ok(Some(x.apply_op2(&anchor, op)?))
+}
+
+/// q `(B, H, T, D)` scaled, k and v `(B, Hkv, T, D)`, outside the graph; `None` where the
+/// projection nodes do not take the sizes.
+fn project(parts: &Parts, x: &Tensor, (batch, len): (usize, usize)) -> Result<Option<[Tensor; 3]>> {
+    let (h, hkv, head_dim) = parts.heads;
+    let mut out = Vec::with_capacity(3);
+    for (i, heads) in [h, hkv, hkv].into_iter().enumerate() {
+        let l = parts.linears[i];
+        let detached = Linear::new(l.weight().detach(), l.bias().map(Tensor::detach));
+        let arrange = Arrange::Heads {
+            batch,
+            len,
+            heads,
+            head_dim,
+        };
+        let scale = if i == 0 { parts.q_scale } else { 1.0 };
+        match linear_node::scaled(&detached, x, arrange, scale)? {
+            Some(y) => out.push(y),
+            None => return Ok(None),
+        }
+    }
+    Ok(out.try_into().ok())
+}
+
+/// Where a linked tensor's gradient comes from.
+#[derive(Clone, Copy)]
+enum Slot {
+    /// Projection `i`'s (q, k, v, o) weight, or its bias.
+    Weight(usize),
+    Bias(usize),
+    /// The core's extra `e` (the sinks).
+    Extra(usize),
+}
+
+/// What the forward keeps for the backward.
+struct Saved {
+    /// The input as rows, contiguous.
+    x: Tensor,
+    /// q (scaled), k, v, heads first.
+    qkv: [Tensor; 3],
+    /// The core's output `(B, T, H, D)`.
+    o: Tensor,
+    pass: Pass,
+}
+
+/// The node's state, shared with its links.
+struct State {
+    /// q, k, v, o as the block holds them.
+    linears: [Linear; 4],
+    q_scale: f32,
+    /// `(B, T, d_model, H, Hkv, D)`.
+    dims: (usize, usize, usize, usize, usize, usize),
+    /// Taken by the backward.
+    saved: Mutex<Option<Saved>>,
+    /// The linked tensors' sources, in link order.
+    slots: Vec<Slot>,
+    /// Their gradients, left by the backward for the links to take.
+    grads: Mutex<Vec<Option<Tensor>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> candle_core::Result<std::sync::MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| candle_core::Error::Msg("training block: a lock was poisoned".into()))
+}
+
+/// A read-locked f32 CPU tensor's first `n` values (contiguous from its offset).
+fn f32_slice<'a>(
+    (guard, layout): &'a (super::fused_softmax::StorageGuard<'a>, &'a Layout),
+    n: usize,
+) -> candle_core::Result<&'a [f32]> {
+    match (&***guard, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(data)), Some((a, z))) if z - a >= n => Ok(&data[a..a + n]),
+        _ => candle_core::bail!("training block: expected {n} contiguous f32 CPU values"),
+    }
+}
+
+/// `f` with the values of `t` (contiguous, f32, CPU; copied first if strided).
+fn with_values<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let guard = read_storage(&t);
+    f(f32_slice(&guard, t.elem_count())?)
+}
+
+impl State {
+    /// ∂x (where x tracks), with every linked tensor's gradient left in `grads`.
+    fn backward(&self, x: &Tensor, grad_y: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let saved = lock(&self.saved)?.take().ok_or_else(|| {
+            candle_core::Error::Msg("training block: a second backward of one forward".into())
+        })?;
+        let (b, t, d_model, h, hkv, d) = self.dims;
+        let rows = b * t;
+        let grad_y = grad_y.to_dtype(DType::F32)?.contiguous()?;
+        let [qp, kp, vp, op] = &self.linears;
+        let mut weight_grads: [WeightGrads; 4] = Default::default();
+        // ∂O, ∂W_o, ∂b_o.
+        let mut d_o = zeroed(rows * h * d, "training block: output gradient")?;
+        with_values(&grad_y, |g| {
+            with_values(&saved.o, |o| {
+                with_values(op.weight(), |w| {
+                    weight_grads[3] = grads_of_rows(
+                        g,
+                        (o, w),
+                        (rows, d_model, h * d),
+                        1.0,
+                        Some((&mut d_o, false)),
+                        self.wanted(op),
+                    )?;
+                    Ok(())
+                })
+            })
+        })?;
+        let d_o = Tensor::from_vec(d_o, (b, t, h, d), x.device())?;
+        let [q, k, v] = &saved.qkv;
+        let core = saved.pass.grads([q, k, v], &saved.o, &d_o)?;
+        drop(d_o);
+        // ∂x and the projections' weights, from ∂q, ∂k and ∂v heads first.
+        let mut dx = match x.track_op() {
+            true => Some(zeroed(rows * d_model, "training block: input gradient")?),
+            false => None,
+        };
+        let projections = [(qp, h, self.q_scale), (kp, hkv, 1.0), (vp, hkv, 1.0)];
+        for (i, (grad, (linear, heads, scale))) in core.qkv.iter().zip(projections).enumerate() {
+            let Some(grad) = grad else {
+                candle_core::bail!("training block: the core gave no gradient to q, k or v")
+            };
+            let out = heads * d;
+            weight_grads[i] = with_values(grad, |g| {
+                with_values(&saved.x, |xs| {
+                    with_values(linear.weight(), |w| {
+                        with_scratch(rows * out, |scratch| {
+                            heads_to_rows(g, scratch, (t, heads, d));
+                            let dxs = dx.as_deref_mut().map(|dx| (dx, i > 0));
+                            grads_of_rows(
+                                scratch,
+                                (xs, w),
+                                (rows, out, d_model),
+                                scale,
+                                dxs,
+                                self.wanted(linear),
+                            )
+                        })?
+                    })
+                })
+            })?;
+        }
+        let mut extras = core.extras;
+        let mut grads = Vec::with_capacity(self.slots.len());
+        for slot in &self.slots {
+            let grad = match *slot {
+                Slot::Weight(i) => {
+                    let w = self.linears[i].weight();
+                    let g = weight_grads[i].0.take();
+                    g.map(|g| Tensor::from_vec(g, w.shape(), w.device()))
+                        .transpose()?
+                }
+                Slot::Bias(i) => match self.linears[i].bias() {
+                    Some(bias) => weight_grads[i]
+                        .1
+                        .take()
+                        .map(|g| Tensor::from_vec(g, bias.shape(), bias.device()))
+                        .transpose()?,
+                    None => None,
+                },
+                Slot::Extra(e) => extras.get_mut(e).and_then(Option::take),
+            };
+            grads.push(grad);
+        }
+        *lock(&self.grads)? = grads;
+        dx.map(|dx| Tensor::from_vec(dx, x.shape(), x.device()))
+            .transpose()
+    }
+
+    /// Which of a projection's gradients are wanted: (∂W, ∂b).
+    fn wanted(&self, linear: &Linear) -> (bool, bool) {
+        (
+            linear.weight().track_op(),
+            linear.bias().is_some_and(Tensor::track_op),
+        )
+    }
+}
+
+/// The node: its output, computed before candle records it, and the state its backward reads.
+struct BlockOp {
+    state: Arc<State>,
+    y: Mutex<Option<Vec<f32>>>,
+    shape: Shape,
+}
+
+impl CustomOp2 for BlockOp {
+    fn name(&self) -> &'static str {
+        "posenc-attention-block-train"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _x: &CpuStorage,
+        _lx: &Layout,
+        _anchor: &CpuStorage,
+        _la: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = lock(&self.y)?.take().ok_or_else(|| {
+            candle_core::Error::Msg("training block: the node was applied twice".into())
+        })?;
+        Ok((CpuStorage::F32(y), self.shape.clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = on_pool(|| self.state.backward(x, grad))?;
+        let d_anchor = match anchor.track_op() {
+            true => Some(anchor.zeros_like()?),
+            false => None,
+        };
+        Ok((dx, d_anchor))
+    }
+}
+
+/// A linked tensor: hands its gradient, left by the node's backward, to candle.
+struct Link {
+    state: Arc<State>,
+    slot: usize,
+}
+
+impl GraftBackward for Link {
+    const NAME: &'static str = "posenc-attention-block-link";
+
+    fn grad(&self, _grad_y: &Tensor) -> candle_core::Result<Tensor> {
+        let grad = lock(&self.state.grads)?
+            .get_mut(self.slot)
+            .and_then(Option::take);
+        grad.ok_or_else(|| {
+            candle_core::Error::Msg("training block: a weight's gradient was not computed".into())
+        })
+    }
+}

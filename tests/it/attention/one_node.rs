@@ -1,0 +1,158 @@
+//! A training call of a block with nothing between its projections and its core runs as one
+//! node of candle's graph: its output and the gradients of the input, every weight and bias
+//! and the sinks equal the block's pipeline of nodes (projections, fused core, output
+//! projection), under every rule the core takes, with dropout drawn from the same seed, and
+//! whichever of the input and the weights track gradients.
+
+use crate::common;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::{AttentionConfig, AttentionOptions, MultiHeadAttention};
+use common::{max_abs_diff, zoo};
+
+/// The configurations: grouped heads, biases, sinks, windows, chunks, a soft cap, dropout.
+fn configs() -> Vec<(&'static str, AttentionConfig)> {
+    let base = || AttentionConfig::new(32, 4).with_kv_heads(2);
+    vec![
+        ("plain", base()),
+        ("biases", base().with_bias(true).with_out_bias(true)),
+        ("multi-head", AttentionConfig::new(32, 4)),
+        ("sinks", base().with_sinks(true)),
+        ("window", base().with_sliding_window(Some(5))),
+        ("chunk", base().with_attention_chunk(Some(4))),
+        ("soft cap", base().with_logit_softcap(Some(2.0))),
+        ("dropout", base().with_dropout(0.25)),
+    ]
+}
+
+/// Each gradient by name, `None` where there is none.
+type Grads = Vec<(String, Option<Tensor>)>;
+
+/// Output and gradients (input first, then every variable by name) of one training call.
+fn step(
+    mha: &MultiHeadAttention,
+    x: &Tensor,
+    probe: &Tensor,
+    options: &AttentionOptions,
+    vars: &[(String, Tensor)],
+) -> anyhow::Result<(Tensor, Grads)> {
+    let out = mha.forward_with(x, options, None)?.output;
+    let grads = (&out * probe)?.sum_all()?.backward()?;
+    let mut all = vec![("x".to_string(), grads.get(x).cloned())];
+    all.extend(
+        vars.iter()
+            .map(|(name, v)| (name.clone(), grads.get(v).cloned())),
+    );
+    Ok((out, all))
+}
+
+#[test]
+fn one_node_equals_the_pipeline() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (b, t) = (2, 11);
+    // The second sequence's last three keys are padding.
+    let keep: Vec<u8> = (0..b * t).map(|i| u8::from(i < t + 8)).collect();
+    let padding = Tensor::from_vec(keep, (b, t), &dev)?;
+    for (name, config) in configs() {
+        // (Chunks are causal.)
+        let rules = if name == "chunk" {
+            &[true][..]
+        } else {
+            &[false, true]
+        };
+        for &causal in rules {
+            for padded in [false, true] {
+                let varmap = VarMap::new();
+                let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+                let cfg = config.clone().with_causal(causal);
+                let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+                for var in varmap.all_vars() {
+                    var.set(&Tensor::randn(0f32, 0.5, var.shape(), &dev)?)?;
+                }
+                let pipeline = node.clone().without_train_node();
+                let vars = zoo::named_tensors(&varmap)?;
+                let x = Var::randn(0f32, 1.0, (b, t, 32), &dev)?;
+                let probe = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
+                let options = AttentionOptions {
+                    train: true,
+                    padding_mask: padded.then_some(&padding),
+                    dropout_seed: Some(7),
+                    ..Default::default()
+                };
+                let what = format!("{name} causal {causal} padded {padded}");
+                let (out, grads) = step(&node, x.as_tensor(), &probe, &options, &vars)?;
+                let (want, want_grads) = step(&pipeline, x.as_tensor(), &probe, &options, &vars)?;
+                let diff = max_abs_diff(&out, &want)?;
+                assert!(diff < 1e-5, "{what}: output differs by {diff}");
+                for ((n, got), (_, want)) in grads.iter().zip(&want_grads) {
+                    let (Some(got), Some(want)) = (got, want) else {
+                        panic!("{what}: {n} has a gradient on one side only");
+                    };
+                    let scale = want.abs()?.max_keepdim(0)?.flatten_all()?.max(0)?;
+                    let scale = scale.to_scalar::<f32>()?.max(1.0) as f64;
+                    let diff = max_abs_diff(got, want)?;
+                    assert!(diff < 1e-5 * scale, "{what}: ∂{n} differs by {diff}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Only the weights track (a frozen input), or only the input (plain weights, as a checkpoint
+/// loads them): each gets the pipeline's gradient, and nothing else gets one.
+#[test]
+fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let cfg = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_bias(true)
+        .with_causal(true);
+    let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+    let pipeline = node.clone().without_train_node();
+    let vars = zoo::named_tensors(&varmap)?;
+    let probe = Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    let options = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    // The weights alone.
+    let x = Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    let (out, grads) = step(&node, &x, &probe, &options, &vars)?;
+    let (want, want_grads) = step(&pipeline, &x, &probe, &options, &vars)?;
+    assert!(max_abs_diff(&out, &want)? < 1e-5);
+    assert!(
+        grads[0].1.is_none(),
+        "an input that does not track gets no gradient"
+    );
+    for ((n, got), (_, want)) in grads.iter().zip(&want_grads).skip(1) {
+        let (Some(got), Some(want)) = (got, want) else {
+            panic!("{n} has a gradient on one side only");
+        };
+        assert!(max_abs_diff(got, want)? < 1e-4, "∂{n}");
+    }
+    // The input alone: the same block on plain copies of its weights.
+    let plain = VarBuilder::from_tensors(
+        vars.iter().map(|(n, t)| (n.clone(), t.detach())).collect(),
+        DType::F32,
+        &dev,
+    );
+    let frozen = MultiHeadAttention::new(&cfg, None, plain.pp("attn"))?;
+    let x = Var::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    let (_, grads) = step(&frozen, x.as_tensor(), &probe, &options, &[])?;
+    let (_, want_grads) = step(
+        &frozen.without_train_node(),
+        x.as_tensor(),
+        &probe,
+        &options,
+        &[],
+    )?;
+    let (Some(got), Some(want)) = (&grads[0].1, &want_grads[0].1) else {
+        panic!("the input gets no gradient");
+    };
+    assert!(max_abs_diff(got, want)? < 1e-5);
+    Ok(())
+}
