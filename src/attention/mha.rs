@@ -450,8 +450,9 @@ impl MultiHeadAttention {
     }
 
     /// The call as one node of candle's graph ([`train_node`]) where it keeps gradients and
-    /// nothing sits between the three projections and the core: no encoding, norm,
-    /// convolution, temperature, user's mask, cache or returned weights. `None` elsewhere (and
+    /// nothing sits between the three projections and the core but a rotation that declares
+    /// its adjoint: no other encoding, norm, convolution, temperature, user's mask, cache or
+    /// returned weights. `None` elsewhere (and
     /// where the node does not take the device, dtype or sizes): the pipeline runs.
     fn train_node(
         &self,
@@ -464,7 +465,17 @@ impl MultiHeadAttention {
         let Projections::Separate { q, k, v: Some(v) } = &self.projections else {
             return Ok(None);
         };
-        let between = self.encoding.is_some()
+        let rotation = match &self.encoding {
+            Some(e) if e.rotation_only() => Some(train_node::Rotation {
+                encoding: e.clone(),
+                positions: call.positions.clone(),
+                causal: cfg.causal,
+                train: options.train,
+                sinks: cfg.sinks,
+            }),
+            _ => None,
+        };
+        let between = (self.encoding.is_some() && rotation.is_none())
             || self.qk_norm.is_some()
             || cfg.value_norm.is_some()
             || self.short_conv.is_some()
@@ -499,6 +510,7 @@ impl MultiHeadAttention {
             rule,
             sinks: self.sinks.as_ref(),
             dropout,
+            rotation,
         })
     }
 

@@ -16,9 +16,11 @@
 //! on the node through a chain of one-element links (`crate::graft`), so their gradients,
 //! computed by the node's backward, reach candle without a tensor the size of the chunk.
 //!
-//! The block takes this node only when nothing sits between its projections and its core
-//! (`MultiHeadAttention`'s `train_node`): an encoding, a norm, a convolution or a cache would
-//! need their own gradients inside it.
+//! The block takes this node only when nothing sits between its projections and its core but
+//! a rotation that declares its adjoint (`PositionalEncoding::rotation_only`, every RoPE
+//! variant): q and k are rotated outside the graph and their gradients rotated back. Any
+//! other encoding, a norm, a convolution or a cache would need gradients of its own inside the
+//! node (`MultiHeadAttention`'s `train_node` decides).
 
 use std::sync::{Arc, Mutex};
 
@@ -34,8 +36,10 @@ use crate::cpu::linear_node::{
 };
 use crate::cpu::pool::on_pool;
 use crate::cpu::{gemm, zeroed};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::graft::{graft_through, GraftBackward};
+use crate::plug::{AttentionContext, PositionalEncoding};
+use crate::positions::Positions;
 
 /// What the node computes from: the block's input and weights, and the core's rule.
 pub(crate) struct Parts<'a> {
@@ -53,6 +57,62 @@ pub(crate) struct Parts<'a> {
     /// `(H)` sink logits (the rule holds their values).
     pub(crate) sinks: Option<&'a Tensor>,
     pub(crate) dropout: Option<Dropout>,
+    /// An encoding that declares [`PositionalEncoding::rotation_only`], rotating q and k.
+    pub(crate) rotation: Option<Rotation>,
+}
+
+/// A rotation and what its context is made of: the chunk's positions (queries and keys alike)
+/// and the block's rule.
+#[derive(Clone)]
+pub(crate) struct Rotation {
+    pub(crate) encoding: Arc<dyn PositionalEncoding>,
+    pub(crate) positions: Positions,
+    pub(crate) causal: bool,
+    pub(crate) train: bool,
+    pub(crate) sinks: bool,
+}
+
+impl Rotation {
+    /// `f` with the context the rotation hook is given: the chunk's own tokens.
+    fn with_context<R>(&self, len: usize, f: impl FnOnce(&AttentionContext) -> R) -> R {
+        let ctx = AttentionContext::chunk(&self.positions, len)
+            .with_causal(self.causal)
+            .with_train(self.train)
+            .with_sinks(self.sinks);
+        f(&ctx)
+    }
+
+    /// q and k rotated (or, with `adjoint`, their gradients rotated back), checked to keep
+    /// their shapes, dtype and device, and packed.
+    fn apply(&self, q: Tensor, k: Tensor, adjoint: bool) -> Result<(Tensor, Tensor)> {
+        let (shapes, len) = ((q.shape().clone(), k.shape().clone()), q.dim(2)?);
+        let e = &self.encoding;
+        let (q, k) = self.with_context(len, |ctx| match adjoint {
+            false => e.rotate(q, k, ctx),
+            true => e.rotate_adjoint(q, k, ctx),
+        })?;
+        let what = match adjoint {
+            false => "rotated queries and keys",
+            true => "the rotation's adjoint of their gradients",
+        };
+        for (x, shape) in [(&q, &shapes.0), (&k, &shapes.1)] {
+            if x.shape() != shape {
+                return Err(Error::shape(
+                    what,
+                    format!("{shape:?} as handed over"),
+                    x.shape(),
+                ));
+            }
+            if x.dtype() != DType::F32 || !x.device().is_cpu() {
+                return Err(Error::DType {
+                    what,
+                    expected: "f32 on the CPU, as handed over",
+                    got: x.dtype(),
+                });
+            }
+        }
+        Ok((q.contiguous()?, k.contiguous()?))
+    }
 }
 
 /// The block's output `(B, T, d_model)` as one node of candle's graph, or `None` where the
@@ -77,6 +137,10 @@ pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
     let x_rows = x.detach().contiguous()?;
     let Some([q, k, v]) = project(&parts, &x_rows, (b, t))? else {
         return Ok(None);
+    };
+    let (q, k) = match &parts.rotation {
+        Some(rotation) => rotation.apply(q, k, false)?,
+        None => (q, k),
     };
     let core = Core {
         q: &q,
@@ -125,6 +189,7 @@ pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
     }
     let state = Arc::new(State {
         linears: linears.map(Linear::clone),
+        rotation: parts.rotation.clone(),
         q_scale: parts.q_scale,
         dims: (b, t, d_model, h, hkv, d),
         saved: Mutex::new(Some(Saved {
@@ -200,6 +265,7 @@ struct Saved {
 struct State {
     /// q, k, v, o as the block holds them.
     linears: [Linear; 4],
+    rotation: Option<Rotation>,
     q_scale: f32,
     /// `(B, T, d_model, H, Hkv, D)`.
     dims: (usize, usize, usize, usize, usize, usize),
@@ -270,15 +336,21 @@ impl State {
         let core = saved.pass.grads([q, k, v], &saved.o, &d_o)?;
         drop(d_o);
         // ∂x and the projections' weights, from ∂q, ∂k and ∂v heads first.
+        let [dq, dk, dv] = core.qkv;
+        let (Some(dq), Some(dk), Some(dv)) = (dq, dk, dv) else {
+            candle_core::bail!("training block: the core gave no gradient to q, k or v")
+        };
+        let (dq, dk) = match &self.rotation {
+            Some(rotation) => rotation.apply(dq, dk, true)?,
+            None => (dq, dk),
+        };
         let mut dx = match x.track_op() {
             true => Some(zeroed(rows * d_model, "training block: input gradient")?),
             false => None,
         };
         let projections = [(qp, h, self.q_scale), (kp, hkv, 1.0), (vp, hkv, 1.0)];
-        for (i, (grad, (linear, heads, scale))) in core.qkv.iter().zip(projections).enumerate() {
-            let Some(grad) = grad else {
-                candle_core::bail!("training block: the core gave no gradient to q, k or v")
-            };
+        for (i, (grad, (linear, heads, scale))) in [dq, dk, dv].iter().zip(projections).enumerate()
+        {
             let out = heads * d;
             weight_grads[i] = with_values(grad, |g| {
                 with_values(&saved.x, |xs| {

@@ -363,6 +363,41 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
     fn scaled_queries(&self) -> bool {
         self.relative_rotation()
     }
+
+    /// A declaration, not a hook: whether the encoding acts on attention only through
+    /// [`Self::rotate`] (every other hook keeps its default), rotating q and k linearly (so
+    /// the block may hand it queries already multiplied by the softmax scale), with
+    /// [`Self::rotate_adjoint`] its adjoint. A training call of a block with nothing else
+    /// between its projections and its core then runs as one node of candle's graph: q and k
+    /// rotated outside the graph, their gradients by the adjoint. Default `false`.
+    fn rotation_only(&self) -> bool {
+        false
+    }
+
+    /// The adjoint of [`Self::rotate`], for an encoding that declares
+    /// [`Self::rotation_only`]: the gradients of the q and k it was handed from those of its
+    /// outputs, `Rᵀ ∂q'` and `Rᵀ ∂k'` (for a rotation by θ, the rotation by −θ), with the
+    /// context `rotate` was given. The block hands over gradients it owns, which may be
+    /// overwritten in place.
+    ///
+    /// # Shapes
+    /// `dq`: `(B, H, Tq, D)`, `dk`: `(B, Hkv, Tk, D)`; returns the same shapes.
+    ///
+    /// # Errors
+    /// The default: [`Error::InvalidConfig`], as no encoding without the declaration is asked.
+    fn rotate_adjoint(
+        &self,
+        dq: Tensor,
+        dk: Tensor,
+        ctx: &AttentionContext,
+    ) -> Result<(Tensor, Tensor)> {
+        let _ = (dq, dk, ctx);
+        Err(Error::config(
+            "rotate_adjoint",
+            "called",
+            "an encoding that declares rotation_only",
+        ))
+    }
 }
 
 /// How much of an encoding's answers for a query block grows with the block's queries

@@ -567,7 +567,27 @@ impl RotaryEmbedding {
         k_positions: &Positions,
         layout: QkLayout,
     ) -> Result<(Tensor, Tensor)> {
-        let (qt, kt, tables, first) = self.prepare(&q, &k, q_positions, k_positions, layout)?;
+        self.rotate_owned([q, k], [q_positions, k_positions], layout, false)
+    }
+
+    /// [`Self::rotate_queries_keys_owned`], or with `inverse` its adjoint: each rotated by
+    /// `−θ` (sin negated), with xPos's and the attention factor's scales as they are, which
+    /// is the transpose of the rotation `ζ·R(θ)`.
+    fn rotate_owned(
+        &self,
+        [q, k]: [Tensor; 2],
+        [q_positions, k_positions]: [&Positions; 2],
+        layout: QkLayout,
+        inverse: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        let (qt, kt, mut tables, first) = self.prepare(&q, &k, q_positions, k_positions, layout)?;
+        if inverse {
+            // sin negated over the rows the positions read (the tables may hold many more).
+            let end = q_positions.end(qt).max(k_positions.end(kt)) - first;
+            for (_, sin) in [&mut tables.q, &mut tables.k] {
+                *sin = sin.narrow(0, 0, end.min(sin.dim(0)?))?.neg()?;
+            }
+        }
         let (q_positions, k_positions) =
             (&from_row(q_positions, first), &from_row(k_positions, first));
         if shares_storage(&q, &k) {
@@ -1107,6 +1127,21 @@ impl PositionalEncoding for RotaryEmbedding {
     /// Every RoPE variant rotates (and xPos scales) each query linearly.
     fn scaled_queries(&self) -> bool {
         true
+    }
+
+    /// RoPE has no other hook, and every variant is linear in q and k.
+    fn rotation_only(&self) -> bool {
+        true
+    }
+
+    /// q and k rotated by `−θ` with the same scales: the transpose of the rotation.
+    fn rotate_adjoint(
+        &self,
+        dq: Tensor,
+        dk: Tensor,
+        ctx: &AttentionContext,
+    ) -> Result<(Tensor, Tensor)> {
+        self.rotate_owned([dq, dk], [ctx.queries, ctx.keys], QkLayout::Bhtd, true)
     }
 }
 

@@ -8,7 +8,9 @@ use crate::common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use candle_posenc::{AttentionConfig, AttentionOptions, MultiHeadAttention};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, EncodingConfig, MultiHeadAttention, RopeConfig, RopeScaling,
+};
 use common::{max_abs_diff, zoo};
 
 /// The configurations: grouped heads, biases, sinks, windows, chunks, a soft cap, dropout.
@@ -29,6 +31,15 @@ fn configs() -> Vec<(&'static str, AttentionConfig)> {
 /// Each gradient by name, `None` where there is none.
 type Grads = Vec<(String, Option<Tensor>)>;
 
+/// The largest absolute value of `t`.
+fn max_abs(t: &Tensor) -> anyhow::Result<f64> {
+    Ok(t.abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?)
+}
+
 /// Output and gradients (input first, then every variable by name) of one training call.
 fn step(
     mha: &MultiHeadAttention,
@@ -45,6 +56,50 @@ fn step(
             .map(|(name, v)| (name.clone(), grads.get(v).cloned())),
     );
     Ok((out, all))
+}
+
+/// Asserts that the node's output and gradients equal the pipeline's (outputs to 1e-5, each
+/// gradient to 1e-5 of its largest value: ∂x is summed over three projections in another
+/// order).
+fn assert_same(
+    what: &str,
+    (out, grads): (Tensor, Grads),
+    (want, wanted): (Tensor, Grads),
+) -> anyhow::Result<()> {
+    let diff = max_abs_diff(&out, &want)?;
+    assert!(diff < 1e-5, "{what}: output differs by {diff}");
+    for ((n, got), (_, want)) in grads.iter().zip(&wanted) {
+        let (Some(got), Some(want)) = (got, want) else {
+            panic!("{what}: {n} has a gradient on one side only");
+        };
+        let diff = max_abs_diff(got, want)? / max_abs(want)?.max(1.0);
+        assert!(diff < 1e-5, "{what}: ∂{n} differs by {diff} (relative)");
+    }
+    Ok(())
+}
+
+/// The node block against its pipeline clone, on the same fresh random weights (every
+/// variable of `varmap`), input and probe.
+fn compare(
+    what: &str,
+    node: &MultiHeadAttention,
+    varmap: &VarMap,
+    (b, t): (usize, usize),
+    options: &AttentionOptions,
+) -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for var in varmap.all_vars() {
+        var.set(&Tensor::randn(0f32, 0.5, var.shape(), &dev)?)?;
+    }
+    let pipeline = node.clone().without_train_node();
+    let vars = zoo::named_tensors(varmap)?;
+    let x = Var::randn(0f32, 1.0, (b, t, 32), &dev)?;
+    let probe = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
+    assert_same(
+        what,
+        step(node, x.as_tensor(), &probe, options, &vars)?,
+        step(&pipeline, x.as_tensor(), &probe, options, &vars)?,
+    )
 }
 
 #[test]
@@ -67,13 +122,6 @@ fn one_node_equals_the_pipeline() -> anyhow::Result<()> {
                 let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
                 let cfg = config.clone().with_causal(causal);
                 let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
-                for var in varmap.all_vars() {
-                    var.set(&Tensor::randn(0f32, 0.5, var.shape(), &dev)?)?;
-                }
-                let pipeline = node.clone().without_train_node();
-                let vars = zoo::named_tensors(&varmap)?;
-                let x = Var::randn(0f32, 1.0, (b, t, 32), &dev)?;
-                let probe = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
                 let options = AttentionOptions {
                     train: true,
                     padding_mask: padded.then_some(&padding),
@@ -81,22 +129,53 @@ fn one_node_equals_the_pipeline() -> anyhow::Result<()> {
                     ..Default::default()
                 };
                 let what = format!("{name} causal {causal} padded {padded}");
-                let (out, grads) = step(&node, x.as_tensor(), &probe, &options, &vars)?;
-                let (want, want_grads) = step(&pipeline, x.as_tensor(), &probe, &options, &vars)?;
-                let diff = max_abs_diff(&out, &want)?;
-                assert!(diff < 1e-5, "{what}: output differs by {diff}");
-                for ((n, got), (_, want)) in grads.iter().zip(&want_grads) {
-                    let (Some(got), Some(want)) = (got, want) else {
-                        panic!("{what}: {n} has a gradient on one side only");
-                    };
-                    let scale = want.abs()?.max_keepdim(0)?.flatten_all()?.max(0)?;
-                    let scale = scale.to_scalar::<f32>()?.max(1.0) as f64;
-                    let diff = max_abs_diff(got, want)?;
-                    assert!(diff < 1e-5 * scale, "{what}: ∂{n} differs by {diff}");
-                }
+                compare(&what, &node, &varmap, (b, t), &options)?;
             }
         }
     }
+    Ok(())
+}
+
+/// Every encoding of the zoo that declares itself a rotation only (every RoPE variant there,
+/// and dynamic NTK past its original length, whose frequencies follow the call's) runs as the
+/// node, rotating q and k outside the graph and their gradients back by its adjoint: the same
+/// output and gradients as the pipeline, which keeps the rotation in candle's graph.
+#[test]
+fn one_node_with_a_rotation_equals_the_pipeline() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (b, t) = (2, 13);
+    let mut configs = zoo::configs(32, 4, 8);
+    configs.push(EncodingConfig::Rotary(RopeConfig::new(8).with_scaling(
+        RopeScaling::Dynamic {
+            factor: 2.0,
+            original_max_position_embeddings: 8,
+        },
+    )));
+    let mut rotations = 0;
+    for (i, config) in configs.iter().enumerate() {
+        for causal in [false, true] {
+            let varmap = VarMap::new();
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+            let encoding = config.build(vb.pp("enc"))?;
+            if !encoding.as_ref().is_some_and(|e| e.rotation_only()) {
+                continue;
+            }
+            rotations += 1;
+            let cfg = AttentionConfig::new(32, 4)
+                .with_kv_heads(2)
+                .with_bias(true)
+                .with_causal(causal);
+            let node = MultiHeadAttention::new(&cfg, encoding, vb.pp("attn"))?;
+            let options = AttentionOptions {
+                train: true,
+                ..Default::default()
+            };
+            let what = format!("{} causal {causal}", zoo::label(i, config));
+            compare(&what, &node, &varmap, (b, t), &options)?;
+        }
+    }
+    // Four RoPE forms in the zoo and dynamic NTK, causal and not.
+    assert_eq!(rotations, 10);
     Ok(())
 }
 

@@ -1261,6 +1261,17 @@ fn mrope_fixture(dev: &Device) -> anyhow::Result<candle_posenc::Checkpoint> {
 }
 
 /// The `(3, 1, T)` multimodal positions of `segments` (and HF's delta).
+/// Positions of a 4 × 6 patch grid (one image), as axial RoPE reads them.
+fn patch_grid(dev: &Device) -> anyhow::Result<Positions> {
+    let grid = candle_posenc::MropeSegment::Grid {
+        t: 1,
+        h: 4,
+        w: 6,
+        time_interval: 1.0,
+    };
+    Ok(multimodal(&[grid], dev)?.0)
+}
+
 fn multimodal(
     segments: &[candle_posenc::MropeSegment],
     dev: &Device,
@@ -1387,22 +1398,85 @@ fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The rotation hook's adjoint is the transpose of the rotation: for random q, k and
+/// gradients g, `Σ R(q) · g_q = Σ q · Rᵀ(g_q)` (and for k), for every RoPE form (both pair
+/// layouts, partial rotary, xPos, YaRN, Llama 3, dynamic NTK past its length, the fused and
+/// the ops kernel) and for axial 2-D RoPE's three layouts over a patch grid. An adjoint that
+/// rotated by +θ, dropped a scale or missed the unrotated features would break the equality.
+fn adjoint_is_the_transpose(dev: &Device) -> anyhow::Result<()> {
+    use candle_posenc::plug::{AttentionContext, PositionalEncoding};
+    use candle_posenc::rotary::mrope::AxialRope;
+    let dot = |a: &Tensor, b: &Tensor| -> anyhow::Result<f64> {
+        Ok((a.to_dtype(DType::F64)? * b.to_dtype(DType::F64)?)?
+            .sum_all()?
+            .to_scalar::<f64>()?)
+    };
+    let check = |rope: &RotaryEmbedding, positions: &Positions, t: usize| -> anyhow::Result<()> {
+        let d = rope.config().head_dim;
+        let (q, k) = (
+            Tensor::randn(0f32, 1.0, (1, 4, t, d), dev)?,
+            Tensor::randn(0f32, 1.0, (1, 2, t, d), dev)?,
+        );
+        let (gq, gk) = (
+            Tensor::randn(0f32, 1.0, q.shape(), dev)?,
+            Tensor::randn(0f32, 1.0, k.shape(), dev)?,
+        );
+        let ctx = AttentionContext::chunk(positions, t);
+        let (rq, rk) = rope.rotate(q.copy()?, k.copy()?, &ctx)?;
+        let (aq, ak) = rope.rotate_adjoint(gq.copy()?, gk.copy()?, &ctx)?;
+        for (x, rx, g, ag) in [(&q, &rq, &gq, &aq), (&k, &rk, &gk, &ak)] {
+            let (lhs, rhs) = (dot(rx, g)?, dot(x, ag)?);
+            let scale = dot(rx, rx)?.sqrt() * dot(g, g)?.sqrt();
+            assert!(
+                (lhs - rhs).abs() <= 1e-5 * scale,
+                "{:?}: {lhs} vs {rhs}",
+                rope.config()
+            );
+        }
+        Ok(())
+    };
+    let mut configs: Vec<RopeConfig> = common::zoo::rope_variants().into();
+    configs.extend([
+        RopeConfig::new(16)
+            .with_layout(RopeLayout::Interleaved)
+            .with_scaling(RopeScaling::Yarn(YarnScaling::new(4.0, 8))),
+        RopeConfig::new(16)
+            .with_kernel(RopeKernel::Ops)
+            .with_scaling(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8,
+            }),
+        RopeConfig::new(16).with_scaling(RopeScaling::Dynamic {
+            factor: 2.0,
+            original_max_position_embeddings: 8,
+        }),
+    ]);
+    for cfg in configs {
+        let rope = RotaryEmbedding::new(&cfg, dev)?;
+        check(&rope, &Positions::Offset(5), 20)?;
+    }
+    let grid = patch_grid(dev)?;
+    for axial in [
+        AxialRope::EvenOdd,
+        AxialRope::Repeated,
+        AxialRope::SplitHalves,
+    ] {
+        let rope = RotaryEmbedding::new(&RopeConfig::new(32).with_axial(Some(axial)), dev)?;
+        check(&rope, &grid, 24)?;
+    }
+    Ok(())
+}
+
 /// Axial 2-D RoPE over a 4 × 6 patch grid, read from the vision configs: Pixtral's (even and
 /// odd frequencies on rows and columns) and Qwen2-VL's vision encoder's (a half-width head's
 /// frequencies on both), against HF's rotary embeddings and apply functions (f32, 1e-5).
 fn axial_matches_hf(dev: &Device) -> anyhow::Result<()> {
-    use candle_posenc::rotary::mrope::{AxialRope, MropeSegment};
+    use candle_posenc::rotary::mrope::AxialRope;
     let file = mrope_fixture(dev)?;
     let fx = file.tensors();
-    let (grid, _) = multimodal(
-        &[MropeSegment::Grid {
-            t: 1,
-            h: 4,
-            w: 6,
-            time_interval: 1.0,
-        }],
-        dev,
-    )?;
+    let grid = patch_grid(dev)?;
     let (q, k) = (get(fx, "pixtral.q"), get(fx, "pixtral.k"));
     for (name, layout) in [
         ("pixtral", AxialRope::EvenOdd),
@@ -1578,6 +1652,7 @@ fn null_rope_theta(_dev: &Device) -> anyhow::Result<()> {
 }
 
 device_tests!(
+    adjoint_is_the_transpose,
     rope_mixed_matches_timm,
     dynamic_rows_from_the_first_position,
     axial_matches_hf,
