@@ -192,12 +192,12 @@ pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
         rotation: parts.rotation.clone(),
         q_scale: parts.q_scale,
         dims: (b, t, d_model, h, hkv, d),
-        saved: Mutex::new(Some(Saved {
+        saved: Saved {
             x: x_rows,
             qkv: [q, k, v],
             o: Tensor::from_vec(o, (b, t, h, d), x.device())?,
             pass,
-        })),
+        },
         slots: linked.iter().map(|(_, s)| *s).collect(),
         grads: Mutex::new(Vec::new()),
     });
@@ -269,8 +269,9 @@ struct State {
     q_scale: f32,
     /// `(B, T, d_model, H, Hkv, D)`.
     dims: (usize, usize, usize, usize, usize, usize),
-    /// Taken by the backward.
-    saved: Mutex<Option<Saved>>,
+    /// Read by every backward of the node's graph (a graph may be differentiated more than
+    /// once: two losses of one output).
+    saved: Saved,
     /// The linked tensors' sources, in link order.
     slots: Vec<Slot>,
     /// Their gradients, left by the backward for the links to take.
@@ -306,9 +307,7 @@ fn with_values<R>(
 impl State {
     /// ∂x (where x tracks), with every linked tensor's gradient left in `grads`.
     fn backward(&self, x: &Tensor, grad_y: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let saved = lock(&self.saved)?.take().ok_or_else(|| {
-            candle_core::Error::Msg("training block: a second backward of one forward".into())
-        })?;
+        let saved = &self.saved;
         let (b, t, d_model, h, hkv, d) = self.dims;
         let rows = b * t;
         let grad_y = grad_y.to_dtype(DType::F32)?.contiguous()?;

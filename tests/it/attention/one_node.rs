@@ -235,3 +235,45 @@ fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
     assert!(max_abs_diff(got, want)? < 1e-5);
     Ok(())
 }
+
+/// A graph with the node may be differentiated more than once (two losses of one output),
+/// each time as the pipeline's; a strided input gets its gradient in its own shape.
+#[test]
+fn one_node_twice_and_strided() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let cfg = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+    let pipeline = node.clone().without_train_node();
+    let vars = zoo::named_tensors(&varmap)?;
+    // (T, B, d) stored, read as (B, T, d).
+    let xv = Var::randn(0f32, 1.0, (7, 2, 32), &dev)?;
+    let x = xv.as_tensor().transpose(0, 1)?;
+    let options = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    let outs = [&node, &pipeline].map(|m| m.forward_with(&x, &options, None).map(|o| o.output));
+    let [Ok(out), Ok(want)] = outs else {
+        panic!("a forward failed");
+    };
+    for seed in 0..2 {
+        let probe = Tensor::randn(0f32, 1.0 + seed as f32, (2, 7, 32), &dev)?;
+        let grads = |y: &Tensor| -> anyhow::Result<Grads> {
+            let g = (y * &probe)?.sum_all()?.backward()?;
+            let mut all = vec![("x".to_string(), g.get(xv.as_tensor()).cloned())];
+            all.extend(vars.iter().map(|(n, v)| (n.clone(), g.get(v).cloned())));
+            Ok(all)
+        };
+        let what = format!("backward {seed}");
+        assert_same(
+            &what,
+            (out.clone(), grads(&out)?),
+            (want.clone(), grads(&want)?),
+        )?;
+    }
+    Ok(())
+}
