@@ -277,3 +277,31 @@ fn one_node_twice_and_strided() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Edge cases through the node as through the pipeline: one token, and a sequence padded
+/// whole (its rows uniform over every key).
+#[test]
+fn one_node_edge_cases() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for (t, padded) in [(1, false), (1, true), (5, true)] {
+        for causal in [false, true] {
+            let varmap = VarMap::new();
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+            let cfg = AttentionConfig::new(32, 4)
+                .with_kv_heads(2)
+                .with_causal(causal);
+            let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+            // The second sequence padded whole.
+            let keep: Vec<u8> = (0..2 * t).map(|i| u8::from(i < t)).collect();
+            let padding = Tensor::from_vec(keep, (2, t), &dev)?;
+            let options = AttentionOptions {
+                train: true,
+                padding_mask: padded.then_some(&padding),
+                ..Default::default()
+            };
+            let what = format!("T {t} padded {padded} causal {causal}");
+            compare(&what, &node, &varmap, (2, t), &options)?;
+        }
+    }
+    Ok(())
+}
