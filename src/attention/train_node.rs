@@ -165,25 +165,10 @@ pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
     let (o, pass, extras) = train.detached()?;
     let o_proj = linears[3];
     let mut y = zeroed(b * t * d_model, "training block: output")?;
-    with_values(o_proj.weight(), |w| {
-        let bias = o_proj.bias().map(read_storage);
-        let bias = bias.as_ref().map(|g| f32_slice(g, d_model)).transpose()?;
+    with_linear(o_proj, |w, bias| {
         gemm::linear(&mut y, (&o, w, bias), (b * t, d_model, h * d), 1.0)
     })?;
-    let mut linked: Vec<(Tensor, Slot)> = Vec::new();
-    for (i, l) in linears.iter().enumerate() {
-        linked.push((l.weight().clone(), Slot::Weight(i)));
-        if let Some(bias) = l.bias() {
-            linked.push((bias.clone(), Slot::Bias(i)));
-        }
-    }
-    linked.extend(
-        extras
-            .into_iter()
-            .enumerate()
-            .map(|(e, t)| (t, Slot::Extra(e))),
-    );
-    linked.retain(|(t, _)| t.track_op());
+    let linked = linked(linears, extras);
     if linked.is_empty() && !x.track_op() {
         return Ok(Some(Tensor::from_vec(y, (b, t, d_model), x.device())?));
     }
@@ -215,6 +200,26 @@ pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
         shape: Shape::from((b, t, d_model)),
     };
     Ok(Some(x.apply_op2(&anchor, op)?))
+}
+
+/// The tensors that get gradients from the node's backward: each weight and bias that tracks
+/// them, then each of the core's extras (the sinks), with where each gradient comes from.
+fn linked(linears: &[&Linear; 4], extras: Vec<Tensor>) -> Vec<(Tensor, Slot)> {
+    let mut linked: Vec<(Tensor, Slot)> = Vec::new();
+    for (i, l) in linears.iter().enumerate() {
+        linked.push((l.weight().clone(), Slot::Weight(i)));
+        if let Some(bias) = l.bias() {
+            linked.push((bias.clone(), Slot::Bias(i)));
+        }
+    }
+    linked.extend(
+        extras
+            .into_iter()
+            .enumerate()
+            .map(|(e, t)| (t, Slot::Extra(e))),
+    );
+    linked.retain(|(t, _)| t.track_op());
+    linked
 }
 
 /// q `(B, H, T, D)` scaled, k and v `(B, Hkv, T, D)`, outside the graph; `None` where the
@@ -304,37 +309,26 @@ fn with_values<R>(
     f(f32_slice(&guard, t.elem_count())?)
 }
 
+/// `f` with a projection's weight and bias values.
+fn with_linear<R>(
+    linear: &Linear,
+    f: impl FnOnce(&[f32], Option<&[f32]>) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    with_values(linear.weight(), |w| match linear.bias() {
+        Some(b) => with_values(b, |b| f(w, Some(b))),
+        None => f(w, None),
+    })
+}
+
 impl State {
     /// ∂x (where x tracks), with every linked tensor's gradient left in `grads`.
     fn backward(&self, x: &Tensor, grad_y: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let saved = &self.saved;
-        let (b, t, d_model, h, hkv, d) = self.dims;
-        let rows = b * t;
-        let grad_y = grad_y.to_dtype(DType::F32)?.contiguous()?;
-        let [qp, kp, vp, op] = &self.linears;
         let mut weight_grads: [WeightGrads; 4] = Default::default();
-        // ∂O, ∂W_o, ∂b_o.
-        let mut d_o = zeroed(rows * h * d, "training block: output gradient")?;
-        with_values(&grad_y, |g| {
-            with_values(&saved.o, |o| {
-                with_values(op.weight(), |w| {
-                    weight_grads[3] = grads_of_rows(
-                        g,
-                        (o, w),
-                        (rows, d_model, h * d),
-                        1.0,
-                        Some((&mut d_o, false)),
-                        self.wanted(op),
-                    )?;
-                    Ok(())
-                })
-            })
-        })?;
-        let d_o = Tensor::from_vec(d_o, (b, t, h, d), x.device())?;
+        let d_o = self.output_grads(grad_y, &mut weight_grads[3])?;
         let [q, k, v] = &saved.qkv;
         let core = saved.pass.grads([q, k, v], &saved.o, &d_o)?;
         drop(d_o);
-        // ∂x and the projections' weights, from ∂q, ∂k and ∂v heads first.
         let [dq, dk, dv] = core.qkv;
         let (Some(dq), Some(dk), Some(dv)) = (dq, dk, dv) else {
             candle_core::bail!("training block: the core gave no gradient to q, k or v")
@@ -343,16 +337,59 @@ impl State {
             Some(rotation) => rotation.apply(dq, dk, true)?,
             None => (dq, dk),
         };
+        let dx = self.projection_grads(x, [&dq, &dk, &dv], &mut weight_grads)?;
+        self.hand_out(weight_grads, core.extras)?;
+        Ok(dx)
+    }
+
+    /// ∂O `(B, T, H, D)` = ∂y W_o, with ∂W_o and ∂b_o into `grads`.
+    fn output_grads(
+        &self,
+        grad_y: &Tensor,
+        grads: &mut WeightGrads,
+    ) -> candle_core::Result<Tensor> {
+        let (b, t, d_model, h, _, d) = self.dims;
+        let op = &self.linears[3];
+        let grad_y = grad_y.to_dtype(DType::F32)?.contiguous()?;
+        let mut d_o = zeroed(b * t * h * d, "training block: output gradient")?;
+        with_values(&grad_y, |g| {
+            with_values(&self.saved.o, |o| {
+                with_values(op.weight(), |w| {
+                    *grads = grads_of_rows(
+                        g,
+                        (o, w),
+                        (b * t, d_model, h * d),
+                        1.0,
+                        Some((&mut d_o, false)),
+                        self.wanted(op),
+                    )?;
+                    Ok(())
+                })
+            })
+        })?;
+        Tensor::from_vec(d_o, (b, t, h, d), &candle_core::Device::Cpu)
+    }
+
+    /// ∂x from ∂q, ∂k and ∂v heads first (before the rotation), where x tracks, with each
+    /// projection's ∂W and ∂b into `grads`.
+    fn projection_grads(
+        &self,
+        x: &Tensor,
+        d_qkv: [&Tensor; 3],
+        grads: &mut [WeightGrads; 4],
+    ) -> candle_core::Result<Option<Tensor>> {
+        let (b, t, d_model, h, hkv, d) = self.dims;
+        let rows = b * t;
         let mut dx = match x.track_op() {
             true => Some(zeroed(rows * d_model, "training block: input gradient")?),
             false => None,
         };
+        let [qp, kp, vp, _] = &self.linears;
         let projections = [(qp, h, self.q_scale), (kp, hkv, 1.0), (vp, hkv, 1.0)];
-        for (i, (grad, (linear, heads, scale))) in [dq, dk, dv].iter().zip(projections).enumerate()
-        {
+        for (i, (grad, (linear, heads, scale))) in d_qkv.into_iter().zip(projections).enumerate() {
             let out = heads * d;
-            weight_grads[i] = with_values(grad, |g| {
-                with_values(&saved.x, |xs| {
+            grads[i] = with_values(grad, |g| {
+                with_values(&self.saved.x, |xs| {
                     with_values(linear.weight(), |w| {
                         with_scratch(rows * out, |scratch| {
                             heads_to_rows(g, scratch, (t, heads, d));
@@ -370,31 +407,35 @@ impl State {
                 })
             })?;
         }
-        let mut extras = core.extras;
+        dx.map(|dx| Tensor::from_vec(dx, x.shape(), x.device()))
+            .transpose()
+    }
+
+    /// Each linked tensor's gradient, left in `grads` for its link: the projections' from
+    /// `weights`, the core's extras from `extras`.
+    fn hand_out(
+        &self,
+        mut weights: [WeightGrads; 4],
+        mut extras: Vec<Option<Tensor>>,
+    ) -> candle_core::Result<()> {
         let mut grads = Vec::with_capacity(self.slots.len());
         for slot in &self.slots {
-            let grad = match *slot {
-                Slot::Weight(i) => {
-                    let w = self.linears[i].weight();
-                    let g = weight_grads[i].0.take();
-                    g.map(|g| Tensor::from_vec(g, w.shape(), w.device()))
-                        .transpose()?
+            let (values, like) = match *slot {
+                Slot::Weight(i) => (weights[i].0.take(), Some(self.linears[i].weight())),
+                Slot::Bias(i) => (weights[i].1.take(), self.linears[i].bias()),
+                Slot::Extra(e) => {
+                    grads.push(extras.get_mut(e).and_then(Option::take));
+                    continue;
                 }
-                Slot::Bias(i) => match self.linears[i].bias() {
-                    Some(bias) => weight_grads[i]
-                        .1
-                        .take()
-                        .map(|g| Tensor::from_vec(g, bias.shape(), bias.device()))
-                        .transpose()?,
-                    None => None,
-                },
-                Slot::Extra(e) => extras.get_mut(e).and_then(Option::take),
+            };
+            let grad = match (values, like) {
+                (Some(g), Some(like)) => Some(Tensor::from_vec(g, like.shape(), like.device())?),
+                _ => None,
             };
             grads.push(grad);
         }
         *lock(&self.grads)? = grads;
-        dx.map(|dx| Tensor::from_vec(dx, x.shape(), x.device()))
-            .transpose()
+        Ok(())
     }
 
     /// Which of a projection's gradients are wanted: (∂W, ∂b).
