@@ -449,11 +449,11 @@ impl MultiHeadAttention {
         Ok(Some(states))
     }
 
-    /// The call as one node of candle's graph ([`train_node`]) where it keeps gradients and
-    /// nothing sits between the three projections and the core but a rotation that declares
-    /// its adjoint: no other encoding, norm, convolution, temperature, user's mask, cache or
-    /// returned weights. `None` elsewhere (and
-    /// where the node does not take the device, dtype or sizes): the pipeline runs.
+    /// The call as one node of candle's graph ([`train_node`]) where it keeps gradients, runs
+    /// on the CPU in f32, and nothing sits between the three projections and the core but a
+    /// rotation that declares its adjoint: no other encoding, norm, convolution, temperature,
+    /// user's mask, cache or returned weights. `None` elsewhere (and where the node does not
+    /// take the weights): the pipeline runs.
     fn train_node(
         &self,
         x: &Tensor,
@@ -480,7 +480,11 @@ impl MultiHeadAttention {
             || cfg.value_norm.is_some()
             || self.short_conv.is_some()
             || cfg.attention_temperature.is_some();
-        let call_needs = cached || call.attn_mask.is_some() || options.return_weights;
+        let call_needs = cached
+            || call.attn_mask.is_some()
+            || options.return_weights
+            || !x.device().is_cpu()
+            || x.dtype() != DType::F32;
         if !self.train_node || between || call_needs || !self.differentiable(x, options) {
             return Ok(None);
         }
