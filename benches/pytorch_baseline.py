@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--train-peaks", action="store_true")
     parser.add_argument("--train-peak", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--train-step", nargs=2, metavar=("NAME", "CAUSAL"), default=None,
+                        help="one case's training step alone in this process (median of 9 after "
+                             "two), the counterpart of the bench's --train-steps-child")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--max-t", type=int, default=None,
@@ -120,6 +123,12 @@ def main() -> None:
         return
     if args.train_peak:
         train_peak(args.train_peak, 8, 64)
+        return
+    if args.train_step:
+        name, causal = args.train_step
+        step = train_step(name, 2, 8, 1024, 64, causal == "true")
+        step()  # (median_ms runs one more first: two, as the bench's child)
+        print(f"{median_ms(step, runs=9):.2f}")
         return
     if args.train_peaks:
         train_peaks(8, 64, args.threads)
