@@ -2,12 +2,14 @@
 //! node of candle's graph: its output and the gradients of the input, every weight and bias
 //! and the sinks equal the block's pipeline of nodes (projections, fused core, output
 //! projection), under every rule the core takes, with dropout drawn from the same seed, and
-//! whichever of the input and the weights track gradients.
+//! whichever of the input and the weights track gradients; with a rotation (RoPE's forms, or a
+//! third party's through the plug) rotated outside the graph and its gradients by its adjoint.
 
 use crate::common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::plug::{AttentionContext, PositionalEncoding};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, EncodingConfig, MultiHeadAttention, RopeConfig, RopeScaling,
 };
@@ -278,6 +280,22 @@ fn one_node_twice_and_strided() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A block of 4 heads over 2 KV heads (d_model 32) on a fresh `VarMap`.
+fn gqa_block(
+    causal: bool,
+    encoding: Option<std::sync::Arc<dyn PositionalEncoding>>,
+) -> anyhow::Result<(MultiHeadAttention, VarMap)> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let cfg = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_causal(causal);
+    Ok((
+        MultiHeadAttention::new(&cfg, encoding, vb.pp("attn"))?,
+        varmap,
+    ))
+}
+
 /// Edge cases through the node as through the pipeline: one token, and a sequence padded
 /// whole (its rows uniform over every key).
 #[test]
@@ -285,12 +303,7 @@ fn one_node_edge_cases() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     for (t, padded) in [(1, false), (1, true), (5, true)] {
         for causal in [false, true] {
-            let varmap = VarMap::new();
-            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-            let cfg = AttentionConfig::new(32, 4)
-                .with_kv_heads(2)
-                .with_causal(causal);
-            let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+            let (node, varmap) = gqa_block(causal, None)?;
             // The second sequence padded whole.
             let keep: Vec<u8> = (0..2 * t).map(|i| u8::from(i < t)).collect();
             let padding = Tensor::from_vec(keep, (2, t), &dev)?;
@@ -303,5 +316,94 @@ fn one_node_edge_cases() -> anyhow::Result<()> {
             compare(&what, &node, &varmap, (2, t), &options)?;
         }
     }
+    Ok(())
+}
+
+/// A third-party rotation through the plug: each query and key scaled by `1 + 0.1·p` at its
+/// position p (linear, its own adjoint). Declared, it trains inside the node as in the
+/// pipeline; declared without an adjoint, the backward fails with the default's error.
+#[derive(Debug)]
+struct Stretch {
+    adjoint: bool,
+}
+
+impl Stretch {
+    fn scale(x: Tensor, ctx: &AttentionContext) -> candle_posenc::Result<Tensor> {
+        let t = x.dim(2)?;
+        let start = match ctx.queries {
+            candle_posenc::Positions::Offset(s) => *s,
+            candle_posenc::Positions::Ids(_) => 0,
+        };
+        let s: Vec<f32> = (0..t).map(|i| 1.0 + 0.1 * (start + i) as f32).collect();
+        let s = Tensor::from_vec(s, (1, 1, t, 1), x.device())?;
+        Ok(x.broadcast_mul(&s)?)
+    }
+}
+
+impl PositionalEncoding for Stretch {
+    fn rotate(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        ctx: &AttentionContext,
+    ) -> candle_posenc::Result<(Tensor, Tensor)> {
+        Ok((Self::scale(q, ctx)?, Self::scale(k, ctx)?))
+    }
+
+    fn rotation_only(&self) -> bool {
+        true
+    }
+
+    fn rotate_adjoint(
+        &self,
+        dq: Tensor,
+        dk: Tensor,
+        ctx: &AttentionContext,
+    ) -> candle_posenc::Result<(Tensor, Tensor)> {
+        match self.adjoint {
+            true => self.rotate(dq, dk, ctx),
+            false => Err(candle_posenc::Error::InvalidConfig {
+                name: "test",
+                value: "no adjoint".into(),
+                expected: "one".into(),
+            }),
+        }
+    }
+}
+
+#[test]
+fn a_third_party_rotation_trains_in_the_node() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for causal in [false, true] {
+        let (node, varmap) =
+            gqa_block(causal, Some(std::sync::Arc::new(Stretch { adjoint: true })))?;
+        let options = AttentionOptions {
+            train: true,
+            ..Default::default()
+        };
+        compare(
+            &format!("stretch causal {causal}"),
+            &node,
+            &varmap,
+            (2, 6),
+            &options,
+        )?;
+    }
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let cfg = AttentionConfig::new(32, 4);
+    let broken = std::sync::Arc::new(Stretch { adjoint: false });
+    let node = MultiHeadAttention::new(&cfg, Some(broken), vb.pp("attn"))?;
+    let x = Var::randn(0f32, 1.0, (2, 6, 32), &dev)?;
+    let out = node.forward_with(
+        x.as_tensor(),
+        &AttentionOptions {
+            train: true,
+            ..Default::default()
+        },
+        None,
+    )?;
+    let err = out.output.sum_all()?.backward().expect_err("no adjoint");
+    assert!(err.to_string().contains("no adjoint"), "{err}");
     Ok(())
 }
