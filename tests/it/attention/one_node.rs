@@ -60,16 +60,17 @@ fn step(
     Ok((out, all))
 }
 
-/// Asserts that the node's output and gradients equal the pipeline's (outputs to 1e-5, each
-/// gradient to 1e-5 of its largest value: ∂x is summed over three projections in another
-/// order).
+/// Asserts that the node's output and gradients equal the pipeline's, each to 1e-5 of its
+/// largest value (at least 1): ∂x is summed over three projections in another order, and a
+/// rotation that does not declare `scaled_queries` gets queries scaled before it in the node,
+/// after it in the pipeline.
 fn assert_same(
     what: &str,
     (out, grads): (Tensor, Grads),
     (want, wanted): (Tensor, Grads),
 ) -> anyhow::Result<()> {
-    let diff = max_abs_diff(&out, &want)?;
-    assert!(diff < 1e-5, "{what}: output differs by {diff}");
+    let diff = max_abs_diff(&out, &want)? / max_abs(&want)?.max(1.0);
+    assert!(diff < 1e-5, "{what}: output differs by {diff} (relative)");
     for ((n, got), (_, want)) in grads.iter().zip(&wanted) {
         let (Some(got), Some(want)) = (got, want) else {
             panic!("{what}: {n} has a gradient on one side only");
