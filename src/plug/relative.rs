@@ -203,14 +203,17 @@ impl RelativeBias {
     }
 
     /// Rows given as a mix of a shared bank, `values = mix · bank`, read at `columns`: the
-    /// fused CPU passes compute each row's columns as they read them (see [`MixedRows`]), so
-    /// the `(B, H, Tq, W)` rows exist only where another path asks for [`Self::values`].
+    /// fused CPU passes compute each row's columns as they read them, so the `(B, H, Tq, W)`
+    /// rows exist only where another path asks for [`Self::values`].
     ///
     /// # Shapes
     /// `mix`: `(1|B, 1|H, 1|Tq, R)`; `bank`: `(R, W)`.
     ///
     /// # Errors
-    /// As [`MixedRows::new`]; for an index map, as [`Self::new`].
+    /// [`Error::Rank`] unless the mix is 4-D and the bank 2-D; [`Error::Shape`] for `R = 0`,
+    /// mixes and banks of different `R`, or `W` outside `1..2^32`; [`Error::DType`] for integer
+    /// tensors or two dtypes; [`Error::Device`] for two devices; for an index map, as
+    /// [`Self::new`].
     pub fn mixed(mix: Tensor, bank: Tensor, columns: Columns) -> Result<Self> {
         let rows = MixedRows::new(mix, bank)?;
         columns.check()?;
