@@ -116,8 +116,9 @@ impl Rotation {
 }
 
 /// The block's output `(B, T, d_model)` as one node of candle's graph, or `None` where the
-/// node does not apply (another device or dtype than f32 on the CPU, or sizes the projection
-/// nodes do not take); the caller then runs the block's pipeline.
+/// node does not apply (another device or dtype than f32 on the CPU, sizes the projection
+/// nodes do not take, or a rotation whose result tracks gradients of its own); the caller then
+/// runs the block's pipeline.
 ///
 /// # Errors
 /// A buffer cannot be allocated; candle's errors.
@@ -142,6 +143,10 @@ pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
         Some(rotation) => rotation.apply(q, k, false)?,
         None => (q, k),
     };
+    if q.track_op() || k.track_op() {
+        // A rotation with parameters of its own that train: they would get no gradient here.
+        return Ok(None);
+    }
     let core = Core {
         q: &q,
         k: &k,

@@ -369,7 +369,9 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
     /// the block may hand it queries already multiplied by the softmax scale), with
     /// [`Self::rotate_adjoint`] its adjoint. A training call of a block with nothing else
     /// between its projections and its core then runs as one node of candle's graph: q and k
-    /// rotated outside the graph, their gradients by the adjoint. Default `false`.
+    /// rotated outside the graph, their gradients by the adjoint. (A rotation whose result
+    /// tracks gradients of its own, learned frequencies, is left in the graph whatever it
+    /// declares.) Default `false`.
     fn rotation_only(&self) -> bool {
         false
     }

@@ -408,3 +408,53 @@ fn a_third_party_rotation_trains_in_the_node() -> anyhow::Result<()> {
     assert!(err.to_string().contains("no adjoint"), "{err}");
     Ok(())
 }
+
+/// A rotation with a parameter that trains (q and k times a learned factor), declared
+/// rotation-only: its result tracks gradients of its own, so the block keeps it in the graph,
+/// and the factor gets the pipeline's gradient.
+#[derive(Debug)]
+struct LearnedFactor(Tensor);
+
+impl PositionalEncoding for LearnedFactor {
+    fn rotate(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        _ctx: &AttentionContext,
+    ) -> candle_posenc::Result<(Tensor, Tensor)> {
+        Ok((q.broadcast_mul(&self.0)?, k.broadcast_mul(&self.0)?))
+    }
+
+    fn rotation_only(&self) -> bool {
+        true
+    }
+
+    fn rotate_adjoint(
+        &self,
+        dq: Tensor,
+        dk: Tensor,
+        _ctx: &AttentionContext,
+    ) -> candle_posenc::Result<(Tensor, Tensor)> {
+        let f = self.0.detach();
+        Ok((dq.broadcast_mul(&f)?, dk.broadcast_mul(&f)?))
+    }
+}
+
+#[test]
+fn a_rotation_that_trains_stays_in_the_graph() -> anyhow::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let factor = vb.get_with_hints(1, "enc.factor", candle_nn::Init::Const(1.3))?;
+    let cfg = AttentionConfig::new(32, 4).with_kv_heads(2);
+    let node = MultiHeadAttention::new(
+        &cfg,
+        Some(std::sync::Arc::new(LearnedFactor(factor))),
+        vb.pp("attn"),
+    )?;
+    let options = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    // (compare checks every variable's gradient, the factor's included, on both sides.)
+    compare("learned factor", &node, &varmap, (2, 6), &options)
+}
