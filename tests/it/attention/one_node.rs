@@ -244,12 +244,7 @@ fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
 #[test]
 fn one_node_twice_and_strided() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-    let cfg = AttentionConfig::new(32, 4)
-        .with_kv_heads(2)
-        .with_causal(true);
-    let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
+    let (node, varmap) = gqa_block(true, None)?;
     let pipeline = node.clone().without_train_node();
     let vars = zoo::named_tensors(&varmap)?;
     // (T, B, d) stored, read as (B, T, d).
