@@ -626,6 +626,30 @@ fn train_steps_child(name: &str, t: usize, causal: bool) -> Result<()> {
     Ok(())
 }
 
+/// Child mode: the inference forward of `name` as a user's process runs it (B2, the block from
+/// plain tensors as a loaded checkpoint gives them, nothing else run before), the median of 9
+/// forwards after 2, printed in ms.
+fn infer_steps_child(name: &str, t: usize, causal: bool) -> Result<()> {
+    let dev = Device::Cpu;
+    let (d_model, heads, head_dim) = (512, 8, 64);
+    let vb = common::inference_vb(&dev);
+    let all = cases(d_model, heads, head_dim, t, &dev, &vb)?;
+    let case = all
+        .iter()
+        .find(|c| c.name == name)
+        .with_context(|| format!("inference case {name}"))?;
+    let mha = block(case, causal, d_model, heads, &vb)?;
+    let x = Tensor::randn(0f32, 1.0, (2, t, d_model), &dev)?;
+    let forward = || -> Result<()> {
+        mha.forward(&x)?;
+        Ok(())
+    };
+    forward()?;
+    let ms = common::median_ms(9, forward)?;
+    println!("{ms}");
+    Ok(())
+}
+
 fn peak_rss_mib() -> Result<f64> {
     let status = std::fs::read_to_string("/proc/self/status")?;
     let line = status
@@ -788,6 +812,11 @@ fn main() -> Result<()> {
         let t = args[i + 2].parse()?;
         let causal = args[i + 3].parse()?;
         return train_steps_child(&args[i + 1], t, causal);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--infer-steps-child") {
+        let t = args[i + 2].parse()?;
+        let causal = args[i + 3].parse()?;
+        return infer_steps_child(&args[i + 1], t, causal);
     }
     if let Some(i) = args.iter().position(|a| a == "--peak-child-train") {
         let t = args[i + 2].parse()?;

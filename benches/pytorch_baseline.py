@@ -108,6 +108,9 @@ def main() -> None:
     parser.add_argument("--train-step", nargs=2, metavar=("NAME", "CAUSAL"), default=None,
                         help="one case's training step alone in this process (median of 9 after "
                              "two), the counterpart of the bench's --train-steps-child")
+    parser.add_argument("--infer-step", nargs=2, metavar=("NAME", "CAUSAL"), default=None,
+                        help="the same block's inference forward alone in this process (median "
+                             "of 9 after two), the counterpart of the bench's --infer-steps-child")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--max-t", type=int, default=None,
@@ -124,9 +127,9 @@ def main() -> None:
     if args.train_peak:
         train_peak(args.train_peak, 8, 64)
         return
-    if args.train_step:
-        name, causal = args.train_step
-        step = train_step(name, 2, 8, 1024, 64, causal == "true")
+    if args.train_step or args.infer_step:
+        name, causal = args.train_step or args.infer_step
+        step = train_step(name, 2, 8, 1024, 64, causal == "true", train=bool(args.train_step))
         step()  # (median_ms runs one more first: two, as the bench's child)
         print(f"{median_ms(step, runs=9):.2f}")
         return
@@ -309,9 +312,10 @@ def t5_buckets(t: int, causal: bool) -> torch.Tensor:
 TRAINED = ("none", "rope", "alibi", "t5", "clipped_bias", "shaw_k64", "fox", "inkling")
 
 
-def train_step(name: str, b: int, h: int, t: int, d: int, causal: bool):
+def train_step(name: str, b: int, h: int, t: int, d: int, causal: bool, train: bool = True):
     """One training step of the block with encoding `name` (see the module docs): a closure
-    running the forward and autograd's backward of `sum(probe * out)`."""
+    running the forward and autograd's backward of `sum(probe * out)`; with `train` false, the
+    same block's forward alone under `torch.inference_mode()`."""
     dm = h * d
     k_clip = 64
     rel = torch.arange(t)[None, :] - torch.arange(t)[:, None]  # j - i
@@ -337,7 +341,7 @@ def train_step(name: str, b: int, h: int, t: int, d: int, causal: bool):
     def split(y: torch.Tensor) -> torch.Tensor:
         return y.view(b, t, h, d).transpose(1, 2)
 
-    def step() -> None:
+    def forward() -> torch.Tensor:
         q, k, v = (split(p(x)) for p in proj[:3])
         mask, is_causal = None, causal
         if name == "rope":
@@ -384,10 +388,16 @@ def train_step(name: str, b: int, h: int, t: int, d: int, causal: bool):
             out = p @ v + sums @ a_v
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        y = proj[3](out.transpose(1, 2).reshape(b, t, dm))
-        (y * probe).sum().backward()
+        return proj[3](out.transpose(1, 2).reshape(b, t, dm))
 
-    return step
+    def step() -> None:
+        (forward() * probe).sum().backward()
+
+    def infer() -> None:
+        with torch.inference_mode():
+            forward()
+
+    return step if train else infer
 
 
 def training(b: int, h: int, t: int, d: int, as_json: bool) -> None:
