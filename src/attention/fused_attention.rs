@@ -475,6 +475,31 @@ impl InplaceOp1 for CoreOp {
 }
 
 impl CoreSpec {
+    /// The core with no terms of an encoding: keys seen by `rule`, `padding` `(B, Tk)` u8
+    /// (non-zero = keep), for q `(B, H, Tq, D)` and k and v `(B, Hkv, Tk, D)` of `dims`
+    /// `(B, H, Tq, Tk, D)`, written from row 0.
+    ///
+    /// # Errors
+    /// The padding cannot be made contiguous.
+    pub(crate) fn plain(
+        dims: (usize, usize, usize, usize, usize),
+        rule: &RowRule,
+        padding: Option<&Tensor>,
+    ) -> Result<Self> {
+        Ok(CoreSpec {
+            terms: Vec::new(),
+            padding: padding.map(Tensor::contiguous).transpose()?,
+            skip: padding.is_none(),
+            rule: rule.clone(),
+            first_row: 0,
+            dims,
+            tile: tile_rows(dims.3),
+            key_tile: KEY_TILE,
+            values: None,
+            dropout: None,
+        })
+    }
+
     /// The core over `q` `(B, H, Tq, D)`, `k` and `v` `(B, Hkv, Tk, D)` as stored, writing
     /// rows `first_row..first_row + Tq` of `out` (contiguous `(B, T, H, D)`, checked by the
     /// caller) and, when asked, each row's softmax maximum and inverse sum into `stats`

@@ -41,7 +41,7 @@ use super::projection::{self, parts};
 use super::qk_norm::{rms_normalized, QkNorm};
 use super::short_conv::{ConvState, ShortConvs};
 use super::streaming;
-use super::train_node;
+use super::{one_pass, train_node};
 use crate::cpu::linear_node::{self, Arrange};
 use crate::cpu::pool::on_pool;
 use crate::error::{
@@ -89,9 +89,9 @@ pub struct MultiHeadAttention {
     /// `(H)` learned sink logits.
     sinks: Option<Tensor>,
     encoding: Option<Arc<dyn PositionalEncoding>>,
-    /// Whether a training call may run as one node ([`train_node`]); off only in tests that
-    /// compare it with the pipeline.
-    train_node: bool,
+    /// Whether a call may run as one node or one pass ([`train_node`], [`one_pass`]); off
+    /// only in tests that compare them with the pipeline.
+    one_node: bool,
 }
 
 /// Where q, k and v come from.
@@ -187,7 +187,7 @@ impl MultiHeadAttention {
             short_conv,
             sinks,
             encoding,
-            train_node: true,
+            one_node: true,
         };
         // A `VarMap` hands back a variable it already holds in the variable's own dtype.
         for t in block.held() {
@@ -212,12 +212,12 @@ impl MultiHeadAttention {
         self
     }
 
-    /// The block with training calls run through its pipeline of graph nodes, never as one
-    /// node (for tests that compare the two).
+    /// The block with every call run through its pipeline, never as one node of the graph
+    /// or one pass (for tests that compare them).
     #[cfg(feature = "testing")]
     #[doc(hidden)]
-    pub fn without_train_node(mut self) -> Self {
-        self.train_node = false;
+    pub fn without_one_node(mut self) -> Self {
+        self.one_node = false;
         self
     }
 
@@ -268,7 +268,7 @@ impl MultiHeadAttention {
         if call.is_empty() {
             return self.empty_output(call.full, x, options.return_weights);
         }
-        if let Some(output) = self.train_node(x, &call, options, cache.is_some())? {
+        if let Some(output) = self.one_node(x, &call, options, cache.is_some())? {
             return Ok(AttentionOutput {
                 output,
                 weights: None,
@@ -449,12 +449,13 @@ impl MultiHeadAttention {
         Ok(Some(states))
     }
 
-    /// The call as one node of candle's graph ([`train_node`]) where it keeps gradients, runs
-    /// on the CPU in f32, and nothing sits between the three projections and the core but a
-    /// rotation that declares its adjoint: no other encoding, norm, convolution, temperature,
-    /// user's mask, cache or returned weights. `None` elsewhere (and where the node does not
-    /// take the weights): the pipeline runs.
-    fn train_node(
+    /// The call as one node of candle's graph ([`train_node`]) where it keeps gradients, or
+    /// as one pass over buffers kept across calls ([`one_pass`]) where it does not, when it
+    /// runs on the CPU in f32 and nothing sits between the three projections and the core but
+    /// a rotation that declares its adjoint: no other encoding, norm, convolution,
+    /// temperature, user's mask, cache or returned weights. `None` elsewhere (and where the
+    /// node or the pass does not take the weights): the pipeline runs.
+    fn one_node(
         &self,
         x: &Tensor,
         call: &Call,
@@ -485,7 +486,7 @@ impl MultiHeadAttention {
             || options.return_weights
             || !x.device().is_cpu()
             || x.dtype() != DType::F32;
-        if !self.train_node || between || call_needs || !self.differentiable(x, options) {
+        if !self.one_node || between || call_needs {
             return Ok(None);
         }
         let sinks = self
@@ -505,7 +506,7 @@ impl MultiHeadAttention {
             p: cfg.dropout,
             seed: options.dropout_seed.unwrap_or_else(fresh_seed),
         });
-        train_node::forward(train_node::Parts {
+        let parts = train_node::Parts {
             x,
             linears: [q, k, v, &self.o_proj],
             heads: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
@@ -515,7 +516,11 @@ impl MultiHeadAttention {
             sinks: self.sinks.as_ref(),
             dropout,
             rotation,
-        })
+        };
+        match self.differentiable(x, options) {
+            true => train_node::forward(parts),
+            false => one_pass::forward(&parts),
+        }
     }
 
     /// Whether the call keeps gradients: whenever anything upstream tracks them (the input,

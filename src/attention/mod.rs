@@ -35,6 +35,7 @@ mod kv_cache;
 mod latent;
 mod mask;
 mod mha;
+mod one_pass;
 mod projection;
 mod qk_norm;
 mod short_conv;

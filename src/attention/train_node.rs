@@ -61,6 +61,21 @@ pub(crate) struct Parts<'a> {
     pub(crate) rotation: Option<Rotation>,
 }
 
+impl Parts<'_> {
+    /// `(B, T, d_model)` when the input, every weight and every bias are f32 on the CPU.
+    pub(crate) fn f32_cpu_dims(&self) -> Option<(usize, usize, usize)> {
+        let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+        let mut tensors = self
+            .linears
+            .iter()
+            .flat_map(|l| std::iter::once(l.weight()).chain(l.bias()));
+        match f32_cpu(self.x) && tensors.all(f32_cpu) {
+            true => self.x.dims3().ok(),
+            false => None,
+        }
+    }
+}
+
 /// A rotation and what its context is made of: the chunk's positions (queries and keys alike)
 /// and the block's rule.
 #[derive(Clone)]
@@ -84,7 +99,7 @@ impl Rotation {
 
     /// q and k rotated (or, with `adjoint`, their gradients rotated back), checked to keep
     /// their shapes, dtype and device, and packed.
-    fn apply(&self, q: Tensor, k: Tensor, adjoint: bool) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn apply(&self, q: Tensor, k: Tensor, adjoint: bool) -> Result<(Tensor, Tensor)> {
         let (shapes, len) = ((q.shape().clone(), k.shape().clone()), q.dim(2)?);
         let e = &self.encoding;
         let (q, k) = self.with_context(len, |ctx| match adjoint {
@@ -124,14 +139,7 @@ impl Rotation {
 /// A buffer cannot be allocated; candle's errors.
 pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
     let Parts { x, linears, .. } = &parts;
-    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    let tensors = linears
-        .iter()
-        .flat_map(|l| std::iter::once(l.weight()).chain(l.bias()));
-    if !f32_cpu(x) || !tensors.clone().all(f32_cpu) {
-        return Ok(None);
-    }
-    let Ok((b, t, d_model)) = x.dims3() else {
+    let Some((b, t, d_model)) = parts.f32_cpu_dims() else {
         return Ok(None);
     };
     let (h, hkv, d) = parts.heads;
@@ -305,7 +313,7 @@ fn f32_slice<'a>(
 }
 
 /// `f` with the values of `t` (contiguous, f32, CPU; copied first if strided).
-fn with_values<R>(
+pub(crate) fn with_values<R>(
     t: &Tensor,
     f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
@@ -315,7 +323,7 @@ fn with_values<R>(
 }
 
 /// `f` with a projection's weight and bias values.
-fn with_linear<R>(
+pub(crate) fn with_linear<R>(
     linear: &Linear,
     f: impl FnOnce(&[f32], Option<&[f32]>) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {

@@ -159,6 +159,25 @@ fn values<'a>(s: &'a CpuStorage, l: &Layout, n: usize) -> candle_core::Result<&'
     }
 }
 
+/// `scale · (x Wᵀ + b)` written into `y` heads first, `(B, H, T, D)` for `heads` `(T, H, D)`,
+/// through this thread's scratch rows; every value of `y` is written.
+///
+/// # Errors
+/// The scratch rows cannot be allocated.
+pub(crate) fn heads_into(
+    y: &mut [f32],
+    (x, w, bias): (&[f32], &[f32], Option<&[f32]>),
+    (rows, out, inner): (usize, usize, usize),
+    heads: (usize, usize, usize),
+    scale: f32,
+) -> candle_core::Result<()> {
+    with_scratch(rows * out, |scratch| {
+        linear_product(scratch, (x, w, bias), (rows, out, inner), scale)?;
+        rows_to_heads(scratch, y, heads);
+        Ok(())
+    })?
+}
+
 /// `(B, H, T, D)` from rows `(B·T, H·D)`.
 fn rows_to_heads(rows: &[f32], heads_first: &mut [f32], (len, heads, d): (usize, usize, usize)) {
     let out = heads * d;
@@ -240,11 +259,7 @@ impl Node {
         let dims = (rows, out, inner);
         match self.heads() {
             None => linear_product(&mut y, (x, w, bias), dims, self.scale)?,
-            Some(heads) => with_scratch(rows * out, |scratch| {
-                linear_product(scratch, (x, w, bias), dims, self.scale)?;
-                rows_to_heads(scratch, &mut y, heads);
-                Ok::<_, candle_core::Error>(())
-            })??,
+            Some(heads) => heads_into(&mut y, (x, w, bias), dims, heads, self.scale)?,
         }
         Ok((CpuStorage::F32(y), self.shape()))
     }

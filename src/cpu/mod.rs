@@ -6,6 +6,7 @@ pub(crate) mod gemm;
 pub(crate) mod linear_node;
 pub(crate) mod pool;
 pub(crate) mod row_scale;
+pub(crate) mod workspace;
 
 /// `n` zeros, or an error naming `what` when the allocation fails. The zeros come from the
 /// allocator (`calloc`), which leaves memory fresh from the system as it is instead of

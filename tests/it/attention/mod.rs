@@ -6,6 +6,7 @@ mod fused_core;
 mod gradients;
 mod half_precision;
 mod one_node;
+mod one_pass;
 mod plug;
 mod separable;
 mod threads;

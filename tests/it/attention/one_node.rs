@@ -7,6 +7,8 @@
 
 use crate::common;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{AttentionContext, PositionalEncoding};
@@ -16,7 +18,7 @@ use candle_posenc::{
 use common::{max_abs_diff, zoo};
 
 /// The configurations: grouped heads, biases, sinks, windows, chunks, a soft cap, dropout.
-fn configs() -> Vec<(&'static str, AttentionConfig)> {
+pub(super) fn configs() -> Vec<(&'static str, AttentionConfig)> {
     let base = || AttentionConfig::new(32, 4).with_kv_heads(2);
     vec![
         ("plain", base()),
@@ -94,7 +96,7 @@ fn compare(
     for var in varmap.all_vars() {
         var.set(&Tensor::randn(0f32, 0.5, var.shape(), &dev)?)?;
     }
-    let pipeline = node.clone().without_train_node();
+    let pipeline = node.clone().without_one_node();
     let vars = zoo::named_tensors(varmap)?;
     let x = Var::randn(0f32, 1.0, (b, t, 32), &dev)?;
     let probe = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
@@ -105,13 +107,17 @@ fn compare(
     )
 }
 
+/// A padding mask `(B, T)` whose last sequence has its last three keys padded.
+pub(super) fn padded_tail(b: usize, t: usize) -> candle_core::Result<Tensor> {
+    let keep: Vec<u8> = (0..b * t).map(|i| u8::from(i < b * t - 3)).collect();
+    Tensor::from_vec(keep, (b, t), &Device::Cpu)
+}
+
 #[test]
 fn one_node_equals_the_pipeline() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let (b, t) = (2, 11);
-    // The second sequence's last three keys are padding.
-    let keep: Vec<u8> = (0..b * t).map(|i| u8::from(i < t + 8)).collect();
-    let padding = Tensor::from_vec(keep, (b, t), &dev)?;
+    let padding = padded_tail(b, t)?;
     for (name, config) in configs() {
         // (Chunks are causal.)
         let rules = if name == "chunk" {
@@ -154,32 +160,48 @@ fn one_node_with_a_rotation_equals_the_pipeline() -> anyhow::Result<()> {
             original_max_position_embeddings: 8,
         },
     )));
-    let mut rotations = 0;
+    let cases = rotating_cases(&configs)?;
+    for (what, cfg, encoding, varmap) in &cases {
+        let vb = VarBuilder::from_varmap(varmap, DType::F32, &dev);
+        let node = MultiHeadAttention::new(cfg, Some(encoding.clone()), vb.pp("attn"))?;
+        let options = AttentionOptions {
+            train: true,
+            ..Default::default()
+        };
+        compare(what, &node, varmap, (b, t), &options)?;
+    }
+    // Four RoPE forms in the zoo and dynamic NTK, causal and not.
+    assert_eq!(cases.len(), 10);
+    Ok(())
+}
+
+/// A rotating case: its label, the block's config, the encoding and the `VarMap` it was
+/// built on.
+pub(super) type Rotating = (String, AttentionConfig, Arc<dyn PositionalEncoding>, VarMap);
+
+/// Each encoding of `configs` that declares itself a rotation only, built on a fresh
+/// `VarMap`, for a block of 4 heads over 2 KV heads with biases, causal and not.
+pub(super) fn rotating_cases(configs: &[EncodingConfig]) -> anyhow::Result<Vec<Rotating>> {
+    let mut cases = Vec::new();
     for (i, config) in configs.iter().enumerate() {
         for causal in [false, true] {
             let varmap = VarMap::new();
-            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-            let encoding = config.build(vb.pp("enc"))?;
-            if !encoding.as_ref().is_some_and(|e| e.rotation_only()) {
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+            let Some(encoding) = config.build(vb.pp("enc"))? else {
+                continue;
+            };
+            if !encoding.rotation_only() {
                 continue;
             }
-            rotations += 1;
             let cfg = AttentionConfig::new(32, 4)
                 .with_kv_heads(2)
                 .with_bias(true)
                 .with_causal(causal);
-            let node = MultiHeadAttention::new(&cfg, encoding, vb.pp("attn"))?;
-            let options = AttentionOptions {
-                train: true,
-                ..Default::default()
-            };
             let what = format!("{} causal {causal}", zoo::label(i, config));
-            compare(&what, &node, &varmap, (b, t), &options)?;
+            cases.push((what, cfg, encoding, varmap));
         }
     }
-    // Four RoPE forms in the zoo and dynamic NTK, causal and not.
-    assert_eq!(rotations, 10);
-    Ok(())
+    Ok(cases)
 }
 
 /// Only the weights track (a frozen input), or only the input (plain weights, as a checkpoint
@@ -194,7 +216,7 @@ fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
         .with_bias(true)
         .with_causal(true);
     let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
-    let pipeline = node.clone().without_train_node();
+    let pipeline = node.clone().without_one_node();
     let vars = zoo::named_tensors(&varmap)?;
     let probe = Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?;
     let options = AttentionOptions {
@@ -226,7 +248,7 @@ fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
     let x = Var::randn(0f32, 1.0, (2, 9, 32), &dev)?;
     let (_, grads) = step(&frozen, x.as_tensor(), &probe, &options, &[])?;
     let (_, want_grads) = step(
-        &frozen.without_train_node(),
+        &frozen.without_one_node(),
         x.as_tensor(),
         &probe,
         &options,
@@ -245,7 +267,7 @@ fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
 fn one_node_twice_and_strided() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let (node, varmap) = gqa_block(true, None)?;
-    let pipeline = node.clone().without_train_node();
+    let pipeline = node.clone().without_one_node();
     let vars = zoo::named_tensors(&varmap)?;
     // (T, B, d) stored, read as (B, T, d).
     let xv = Var::randn(0f32, 1.0, (7, 2, 32), &dev)?;

@@ -1,0 +1,125 @@
+//! An inference call's whole block in one pass, on the CPU in f32.
+//!
+//! ```text
+//! q = s·(x W_qᵀ + b_q),  k = x W_kᵀ + b_k,  v = x W_vᵀ + b_v     heads first, (B, H, T, D)
+//! q, k = the rotation's (an encoding that declares `rotation_only`), if any
+//! O = softmax(q kᵀ, the block's rule and padding) v              (B, T, H, D)
+//! y = O W_oᵀ + b_o                                               O read as rows of H·D
+//! ```
+//!
+//! The pipeline makes q, k, v and O as tensors, four allocations the size of the chunk that
+//! are freed when the call returns; the allocator hands memory that large back to the system,
+//! and every call took its pages again (a page fault each, about a tenth of a B2 T1024 call).
+//! Here they are buffers kept across calls (`cpu::workspace`), and only the output is new.
+//! The block takes this pass where the training node would apply but nothing tracks
+//! gradients (`MultiHeadAttention`'s `one_node` decides); q and k handed to a rotation become
+//! tensors, which the rotation may keep, and are not kept.
+
+use candle_core::{CpuStorage, Layout, Storage, Tensor};
+
+use super::fused_attention::{CoreSpec, OutPtr};
+use super::fused_softmax::read_storage;
+use super::train_node::{with_linear, with_values, Parts};
+use crate::cpu::linear_node::heads_into;
+use crate::cpu::{gemm, workspace, zeroed};
+use crate::error::Result;
+
+/// The block's output `(B, T, d_model)`, or `None` where the pass does not apply (another
+/// device or dtype than f32 on the CPU, or weights of other shapes than the block's); the
+/// caller then runs the block's pipeline.
+///
+/// # Errors
+/// A buffer cannot be allocated; what the rotation returns; candle's errors.
+pub(crate) fn forward(parts: &Parts) -> Result<Option<Tensor>> {
+    let Some((b, t, d_model)) = parts.f32_cpu_dims() else {
+        return Ok(None);
+    };
+    let (h, hkv, d) = parts.heads;
+    if !weights_fit(parts, d_model) {
+        return Ok(None);
+    }
+    let x = parts.x.contiguous()?;
+    let [q, k, v] = project(parts, &x, (b, t, d_model))?;
+    let kv_layout = Layout::contiguous((b, hkv, t, d));
+    let q_layout = Layout::contiguous((b, h, t, d));
+    let spec = CoreSpec::plain((b, h, t, t, d), &parts.rule, parts.padding)?;
+    let mut o = workspace::take(b * t * h * d, "inference block: attention output")?;
+    let out = OutPtr(o.as_mut_ptr());
+    let v = CpuStorage::F32(v);
+    match &parts.rotation {
+        None => {
+            let (q, k) = (CpuStorage::F32(q), CpuStorage::F32(k));
+            spec.run(
+                [(&q, &q_layout), (&k, &kv_layout), (&v, &kv_layout)],
+                out,
+                t,
+                None,
+            )?;
+            keep(q);
+            keep(k);
+        }
+        Some(rotation) => {
+            let dev = x.device();
+            let q = Tensor::from_vec(q, (b, h, t, d), dev)?;
+            let k = Tensor::from_vec(k, (b, hkv, t, d), dev)?;
+            let (q, k) = rotation.apply(q, k, false)?;
+            let guards = [&q, &k].map(read_storage);
+            let [q, k] = guards.each_ref().map(|(g, l)| match &***g {
+                Storage::Cpu(s) => Ok((s, *l)),
+                _ => candle_core::bail!("inference block: rotated q and k must be CPU tensors"),
+            });
+            spec.run([q?, k?, (&v, &kv_layout)], out, t, None)?;
+        }
+    }
+    keep(v);
+    let mut y = zeroed(b * t * d_model, "inference block: output")?;
+    with_linear(parts.linears[3], |w, bias| {
+        gemm::linear(&mut y, (&o, w, bias), (b * t, d_model, h * d), 1.0)
+    })?;
+    workspace::keep(o);
+    Ok(Some(Tensor::from_vec(y, (b, t, d_model), x.device())?))
+}
+
+/// Whether each projection's weight and bias have the block's shapes (q and o `H·D` wide, k
+/// and v `Hkv·D`), which the products below take on trust.
+fn weights_fit(parts: &Parts, d_model: usize) -> bool {
+    let (h, hkv, d) = parts.heads;
+    let shapes = [
+        (h * d, d_model),
+        (hkv * d, d_model),
+        (hkv * d, d_model),
+        (d_model, h * d),
+    ];
+    parts.linears.iter().zip(shapes).all(|(l, (out, inner))| {
+        l.weight().dims() == [out, inner] && l.bias().is_none_or(|b| b.dims() == [out])
+    })
+}
+
+/// q (scaled), k and v heads first, in kept buffers.
+fn project(
+    parts: &Parts,
+    x: &Tensor,
+    (b, t, d_model): (usize, usize, usize),
+) -> Result<[Vec<f32>; 3]> {
+    let (h, hkv, d) = parts.heads;
+    let mut out = Vec::with_capacity(3);
+    for (i, heads) in [h, hkv, hkv].into_iter().enumerate() {
+        let mut y = workspace::take(b * heads * t * d, "inference block: projection")?;
+        let scale = if i == 0 { parts.q_scale } else { 1.0 };
+        with_values(x, |x| {
+            with_linear(parts.linears[i], |w, bias| {
+                let dims = (b * t, heads * d, d_model);
+                heads_into(&mut y, (x, w, bias), dims, (t, heads, d), scale)
+            })
+        })?;
+        out.push(y);
+    }
+    Ok([out.remove(0), out.remove(0), out.remove(0)])
+}
+
+/// Keeps a buffer the pass made its storage.
+fn keep(storage: CpuStorage) {
+    if let CpuStorage::F32(values) = storage {
+        workspace::keep(values);
+    }
+}

@@ -1,0 +1,107 @@
+//! Buffers a call fills, reads and frees before it returns, kept for the next call.
+//!
+//! A block's call frees its queries, keys, values and the core's output (each the size of the
+//! chunk) when it returns. Handed back to the allocator, buffers that large sit at the top of
+//! its heap or in their own mapping, and glibc's allocator returns them to the system at once
+//! (its trim threshold is twice the largest mapping freed so far, a few MiB): the next call then
+//! takes every page from the kernel again, a page fault each, 5 ms of a 50 ms call at B2 T1024.
+//! Kept here instead, up to [`KEEP`] values in all (process-wide, whatever thread runs the
+//! call), they are written again in place.
+
+use std::sync::Mutex;
+
+/// Values kept in all (64 MiB); a buffer that would pass it is freed.
+pub(crate) const KEEP: usize = 1 << 24;
+
+/// The kept buffers, each with its values (contents unspecified).
+static KEPT: Mutex<Kept> = Mutex::new(Kept(Vec::new()));
+
+/// `n` values whose contents are unspecified (a kept buffer's old values, or zeros): for a
+/// caller that writes every value before reading it. The smallest kept buffer that holds `n`
+/// is taken, else a new one is allocated.
+///
+/// # Errors
+/// The allocation fails (an error naming `what`, not an abort).
+pub(crate) fn take(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
+    match KEPT.lock().ok().and_then(|mut kept| kept.take(n)) {
+        Some(buf) => Ok(buf),
+        None => super::zeroed(n, what),
+    }
+}
+
+/// Keeps `buf` for a later [`take`], within [`KEEP`] values in all.
+pub(crate) fn keep(buf: Vec<f32>) {
+    if let Ok(mut kept) = KEPT.lock() {
+        kept.keep(buf, KEEP);
+    }
+}
+
+/// Buffers and their values.
+struct Kept(Vec<Vec<f32>>);
+
+impl Kept {
+    /// The smallest buffer holding `n` values, at length `n`.
+    fn take(&mut self, n: usize) -> Option<Vec<f32>> {
+        let best = (0..self.0.len())
+            .filter(|&i| self.0[i].capacity() >= n)
+            .min_by_key(|&i| self.0[i].capacity())?;
+        let mut buf = self.0.swap_remove(best);
+        // Within capacity: no allocation; only values past the old length are written.
+        buf.resize(n, 0.0);
+        Some(buf)
+    }
+
+    /// Keeps `buf` unless it alone passes `cap` values; the smallest kept buffers are freed
+    /// first to make room (a call's buffers are alike in size, and larger ones serve both).
+    fn keep(&mut self, buf: Vec<f32>, cap: usize) {
+        if buf.capacity() == 0 || buf.capacity() > cap {
+            return;
+        }
+        while self.values() + buf.capacity() > cap {
+            let Some(smallest) = (0..self.0.len()).min_by_key(|&i| self.0[i].capacity()) else {
+                break;
+            };
+            self.0.swap_remove(smallest);
+        }
+        self.0.push(buf);
+    }
+
+    fn values(&self) -> usize {
+        self.0.iter().map(Vec::capacity).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_come_back_and_stay_under_the_cap() {
+        let mut kept = Kept(Vec::new());
+        let a = vec![1.0f32; 1000];
+        let ptr = a.as_ptr();
+        kept.keep(a, 4000);
+        assert_eq!(kept.values(), 1000);
+        // The kept buffer serves a smaller call, in place, with its old values.
+        let b = kept.take(600).unwrap();
+        assert_eq!((b.len(), b.as_ptr(), b[599]), (600, ptr, 1.0));
+        assert_eq!(kept.values(), 0);
+        assert!(kept.take(1).is_none());
+        kept.keep(b, 4000);
+        // Grown past its old length, within capacity, zeros after the old values.
+        let c = kept.take(1000).unwrap();
+        assert_eq!((c.as_ptr(), c[599], c[600]), (ptr, 1.0, 0.0));
+        kept.keep(c, 4000);
+        // Larger than the cap: never kept; filling up frees the smallest first.
+        kept.keep(Vec::with_capacity(4001), 4000);
+        assert_eq!(kept.values(), 1000);
+        kept.keep(Vec::with_capacity(2000), 4000);
+        kept.keep(Vec::with_capacity(1500), 4000);
+        assert_eq!(kept.values(), 3500);
+        kept.keep(Vec::with_capacity(2500), 4000);
+        // Room for 2500 takes both smaller ones.
+        assert_eq!(kept.values(), 2500);
+        assert!(kept.take(3000).is_none());
+        assert_eq!(kept.take(2100).unwrap().capacity(), 2500);
+    }
+}

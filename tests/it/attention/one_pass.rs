@@ -1,0 +1,216 @@
+//! An inference call of a block with nothing between its projections and its core runs as one
+//! pass over buffers kept from call to call: its output equals the block's pipeline under
+//! every rule the core takes, with RoPE's forms and a third party's rotation, whatever shapes
+//! and blocks came before it and from whichever threads; a rotation that keeps what it is
+//! handed finds it unchanged by later calls.
+
+use std::sync::{Arc, Mutex};
+
+use crate::common;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_posenc::plug::{AttentionContext, PositionalEncoding};
+use candle_posenc::{AttentionConfig, AttentionOptions, MultiHeadAttention};
+use common::{max_abs_diff, zoo};
+
+/// The block of `cfg` (d_model 32) with `encoding`, on plain tensors drawn as a `VarMap` draws
+/// them (a checkpoint loaded for inference), and its pipeline clone.
+fn plain_block(
+    cfg: &AttentionConfig,
+    encoding: Option<Arc<dyn PositionalEncoding>>,
+) -> anyhow::Result<(MultiHeadAttention, MultiHeadAttention)> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    MultiHeadAttention::new(
+        cfg,
+        None,
+        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
+    )?;
+    let weights = zoo::named_tensors(&varmap)?
+        .into_iter()
+        .map(|(n, t)| Ok((n, (t.randn_like(0.0, 0.5)?))))
+        .collect::<anyhow::Result<_>>()?;
+    let vb = VarBuilder::from_tensors(weights, DType::F32, &dev);
+    let pass = MultiHeadAttention::new(cfg, encoding, vb)?;
+    let pipeline = pass.clone().without_one_node();
+    Ok((pass, pipeline))
+}
+
+/// Asserts the pass's output equals the pipeline's to 1e-5 of its largest value (at least
+/// 1): a rotation that does not declare `scaled_queries` gets queries scaled before it in the
+/// pass, after it in the pipeline.
+fn assert_same(
+    what: &str,
+    (pass, pipeline): (&MultiHeadAttention, &MultiHeadAttention),
+    x: &Tensor,
+    options: &AttentionOptions,
+) -> anyhow::Result<()> {
+    let got = pass.forward_with(x, options, None)?.output;
+    let want = pipeline.forward_with(x, options, None)?.output;
+    let scale = want
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?
+        .max(1.0);
+    let diff = max_abs_diff(&got, &want)? / f64::from(scale);
+    assert!(diff < 1e-5, "{what}: output differs by {diff} (relative)");
+    Ok(())
+}
+
+#[test]
+fn one_pass_equals_the_pipeline() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (b, t) = (2, 11);
+    let padding = super::one_node::padded_tail(b, t)?;
+    let x = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
+    // (Dropout's is a training call's: inference runs without it.)
+    for (name, config) in super::one_node::configs() {
+        let rules = if name == "chunk" {
+            &[true][..]
+        } else {
+            &[false, true]
+        };
+        for &causal in rules {
+            let blocks = plain_block(&config.clone().with_causal(causal), None)?;
+            for padded in [false, true] {
+                let options = AttentionOptions {
+                    padding_mask: padded.then_some(&padding),
+                    ..Default::default()
+                };
+                let what = format!("{name} causal {causal} padded {padded}");
+                assert_same(&what, (&blocks.0, &blocks.1), &x, &options)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every encoding of the zoo that declares itself a rotation only rotates q and k in the pass
+/// as in the pipeline.
+#[test]
+fn one_pass_with_a_rotation_equals_the_pipeline() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (2, 13, 32), &dev)?;
+    let cases = super::one_node::rotating_cases(&zoo::configs(32, 4, 8))?;
+    for (what, cfg, encoding, _) in &cases {
+        let blocks = plain_block(cfg, Some(encoding.clone()))?;
+        assert_same(what, (&blocks.0, &blocks.1), &x, &Default::default())?;
+    }
+    assert_eq!(cases.len(), 8, "four RoPE forms, causal and not");
+    Ok(())
+}
+
+/// Calls of other shapes and blocks in between (each leaving larger or smaller buffers for
+/// the next), from several threads at once, a strided input, one token, a sequence padded
+/// whole: each as the pipeline.
+#[test]
+fn kept_buffers_never_leak_into_a_call() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let cfg = |heads, kv, causal| {
+        AttentionConfig::new(32, heads)
+            .with_kv_heads(kv)
+            .with_causal(causal)
+    };
+    let blocks = [
+        plain_block(&cfg(4, 2, true), None)?,
+        plain_block(&cfg(4, 4, false), None)?,
+        plain_block(&cfg(2, 1, true), None)?,
+    ];
+    let lengths = [17, 3, 40, 1, 9, 40, 2];
+    for (i, &t) in lengths.iter().enumerate() {
+        let (pass, pipeline) = &blocks[i % blocks.len()];
+        let x = Tensor::randn(0f32, 1.0, (1 + i % 2, t, 32), &dev)?;
+        assert_same(
+            &format!("call {i}, T {t}"),
+            (pass, pipeline),
+            &x,
+            &Default::default(),
+        )?;
+    }
+    // Strided: (T, B, d) stored, read as (B, T, d).
+    let x = Tensor::randn(0f32, 1.0, (7, 2, 32), &dev)?.transpose(0, 1)?;
+    assert_same(
+        "strided",
+        (&blocks[0].0, &blocks[0].1),
+        &x,
+        &Default::default(),
+    )?;
+    // The second sequence padded whole.
+    let padding = Tensor::from_vec(vec![1u8, 1, 1, 1, 1, 0, 0, 0, 0, 0], (2, 5), &dev)?;
+    let options = AttentionOptions {
+        padding_mask: Some(&padding),
+        ..Default::default()
+    };
+    let x = Tensor::randn(0f32, 1.0, (2, 5, 32), &dev)?;
+    assert_same("padded whole", (&blocks[1].0, &blocks[1].1), &x, &options)?;
+    // Four threads, each its own shapes, at once.
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|i| {
+                let (pass, pipeline) = &blocks[i % blocks.len()];
+                s.spawn(move || -> anyhow::Result<()> {
+                    for round in 0..5 {
+                        let t = 5 + 7 * i + round;
+                        let x = Tensor::randn(0f32, 1.0, (2, t, 32), &Device::Cpu)?;
+                        let want = pipeline.forward(&x)?;
+                        let got = pass.forward(&x)?;
+                        let diff = max_abs_diff(&got, &want)?;
+                        anyhow::ensure!(diff < 1e-5, "thread {i} round {round}: {diff}");
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().expect("a thread panicked"))
+    })
+}
+
+/// A rotation that keeps clones of the q and k it is handed (and returns them as they are).
+#[derive(Debug, Default)]
+struct Keeper(Mutex<Vec<Tensor>>);
+
+impl PositionalEncoding for Keeper {
+    fn rotate(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        _ctx: &AttentionContext,
+    ) -> candle_posenc::Result<(Tensor, Tensor)> {
+        let mut kept = self.0.lock().expect("lock");
+        kept.push(q.clone());
+        kept.push(k.clone());
+        Ok((q, k))
+    }
+
+    fn rotation_only(&self) -> bool {
+        true
+    }
+}
+
+/// What a rotation is handed is its own: later calls (of the same shapes, whose buffers the
+/// pass keeps) leave it as it was.
+#[test]
+fn a_rotation_keeps_what_it_is_handed() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let keeper = Arc::new(Keeper::default());
+    let cfg = AttentionConfig::new(32, 4).with_kv_heads(2);
+    let (pass, pipeline) = plain_block(&cfg, Some(keeper.clone()))?;
+    let x = Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    assert_same("keeper", (&pass, &pipeline), &x, &Default::default())?;
+    let first: Vec<Tensor> = keeper.0.lock().expect("lock")[..2].to_vec();
+    let copies = first
+        .iter()
+        .map(|t| t.copy())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    for _ in 0..3 {
+        pass.forward(&Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?)?;
+    }
+    for (kept, copy) in first.iter().zip(&copies) {
+        assert_eq!(max_abs_diff(kept, copy)?, 0.0, "a kept tensor changed");
+    }
+    Ok(())
+}
