@@ -575,7 +575,7 @@ impl CoreSpec {
             SCRATCH.with_borrow_mut(|scratch| run.query_tile(bh / h, bh % h, i0, scratch));
         });
         if let Some(keys) = run.keys_t {
-            keep_transposed(keys);
+            crate::cpu::workspace::keep(keys);
         }
         Ok(())
     }
@@ -772,23 +772,6 @@ fn value_tile_rows(tile: usize, width: usize, d: usize) -> usize {
     tile.min(cap).max(1)
 }
 
-/// Transposed keys kept per thread up to this many values (64 MiB); larger ones are freed.
-const KEEP_TRANSPOSED: usize = 1 << 24;
-
-thread_local! {
-    /// The last call's transposed keys, reused by the next call on this thread: a fresh buffer
-    /// the size of the keys on every call took its pages from the kernel again each time
-    /// (allocations that large are the allocator's to return). Taken while in use.
-    static TRANSPOSED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
-}
-
-/// Keeps `keys` for the next call on this thread, unless they are past [`KEEP_TRANSPOSED`].
-fn keep_transposed(keys: Vec<f32>) {
-    if keys.capacity() <= KEEP_TRANSPOSED {
-        TRANSPOSED.set(keys);
-    }
-}
-
 /// The keys of `k` `(B, Hkv, Tk, D)` transposed into a new `(B, Hkv, D, Tk)` buffer, in
 /// parallel over heads and blocks of 16 keys.
 ///
@@ -807,16 +790,8 @@ fn transposed_keys(
                 "fused attention: transposed keys past the element budget".into(),
             )
         })?;
-    // Every value is written below: a kept buffer is reused as it is.
-    let mut out = TRANSPOSED.take();
-    if out.len() < len {
-        out = Vec::new();
-        out.try_reserve_exact(len).map_err(|e| {
-            candle_core::Error::Msg(format!("fused attention: transposed keys: {e}"))
-        })?;
-        out.resize(len, 0.0);
-    }
-    out.truncate(len);
+    // Every value is written below: a kept buffer (`cpu::workspace`) is reused as it is.
+    let mut out = crate::cpu::workspace::take(len, "fused attention: transposed keys")?;
     out.par_chunks_mut(d * tk)
         .enumerate()
         .for_each(|(bh, dst)| {

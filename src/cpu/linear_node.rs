@@ -19,14 +19,12 @@
 //! as the weights. The heads-first arrangement goes through rows kept per thread (up to
 //! 64 MiB each; larger ones are freed after the call).
 
-use std::cell::Cell;
-
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 use candle_nn::Linear;
 use rayon::prelude::*;
 
 use super::gemm::{linear as linear_product, product_parallel};
-use super::zeroed;
+use super::{workspace, zeroed};
 use crate::error::Result;
 
 /// How a projection's output is laid out.
@@ -124,28 +122,14 @@ struct Node {
     scale: f32,
 }
 
-/// Scratch rows kept per thread up to this many values (64 MiB); larger ones are freed.
-const KEEP: usize = 1 << 24;
-
-thread_local! {
-    /// Rows `(B·T, H·D)` for the heads-first arrangement. Taken out while in use, so that a
-    /// nested call (rayon may run another task on this thread inside `gemm`) makes its own.
-    static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-}
-
-/// `f` with `n` values of this thread's scratch (their contents unspecified).
+/// `f` with `n` values of kept scratch (their contents unspecified; `cpu::workspace`).
+///
+/// # Errors
+/// The scratch cannot be allocated.
 pub(crate) fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> candle_core::Result<R> {
-    let mut buf = SCRATCH.take();
-    if buf.len() < n {
-        buf.clear();
-        buf.try_reserve_exact(n)
-            .map_err(|e| candle_core::Error::Msg(format!("projection rows ({n} values): {e}")))?;
-        buf.resize(n, 0.0);
-    }
-    let r = f(&mut buf[..n]);
-    if buf.capacity() <= KEEP {
-        SCRATCH.set(buf);
-    }
+    let mut buf = workspace::take(n, "projection rows")?;
+    let r = f(&mut buf);
+    workspace::keep(buf);
     Ok(r)
 }
 

@@ -1,12 +1,14 @@
-//! Buffers a call fills, reads and frees before it returns, kept for the next call.
+//! Buffers a call fills, reads and frees before it returns, kept for the next call: the
+//! one-pass block's queries, keys, values and core output (`attention/one_pass.rs`), the
+//! projections' scratch rows and the fused core's transposed keys.
 //!
-//! A block's call frees its queries, keys, values and the core's output (each the size of the
-//! chunk) when it returns. Handed back to the allocator, buffers that large sit at the top of
-//! its heap or in their own mapping, and glibc's allocator returns them to the system at once
-//! (its trim threshold is twice the largest mapping freed so far, a few MiB): the next call then
-//! takes every page from the kernel again, a page fault each, 5 ms of a 50 ms call at B2 T1024.
-//! Kept here instead, up to [`KEEP`] values in all (process-wide, whatever thread runs the
-//! call), they are written again in place.
+//! Each is the size of the chunk. Handed back to the allocator, buffers that large sit at the
+//! top of its heap or in a mapping of their own, and glibc's allocator returns them to the
+//! system at once (its trim threshold is twice the largest mapping freed so far, a few MiB):
+//! the next call then takes every page from the kernel again, a page fault each, 5 ms of a
+//! 50 ms call at B2 T1024. Kept here instead, up to [`KEEP`] values in all (process-wide,
+//! whichever thread runs the call), they are written again in place. Taken while in use, so
+//! nested and concurrent calls each get buffers of their own.
 
 use std::sync::Mutex;
 
@@ -40,11 +42,18 @@ pub(crate) fn keep(buf: Vec<f32>) {
 struct Kept(Vec<Vec<f32>>);
 
 impl Kept {
-    /// The smallest buffer holding `n` values, at length `n`.
+    /// A buffer holding `n` values, at length `n`: the shortest already that long (a call's
+    /// sizes repeat from one call to the next), else the smallest with room.
     fn take(&mut self, n: usize) -> Option<Vec<f32>> {
+        let fits = |i: &usize| self.0[*i].len() >= n;
         let best = (0..self.0.len())
-            .filter(|&i| self.0[i].capacity() >= n)
-            .min_by_key(|&i| self.0[i].capacity())?;
+            .filter(fits)
+            .min_by_key(|&i| self.0[i].len())
+            .or_else(|| {
+                (0..self.0.len())
+                    .filter(|&i| self.0[i].capacity() >= n)
+                    .min_by_key(|&i| self.0[i].capacity())
+            })?;
         let mut buf = self.0.swap_remove(best);
         // Within capacity: no allocation; only values past the old length are written.
         buf.resize(n, 0.0);
@@ -103,5 +112,13 @@ mod tests {
         assert_eq!(kept.values(), 2500);
         assert!(kept.take(3000).is_none());
         assert_eq!(kept.take(2100).unwrap().capacity(), 2500);
+        // One already as long as asked is preferred to a larger one that would need zeros.
+        let mut kept = Kept(Vec::new());
+        let mut large = vec![2.0f32; 1000];
+        large.truncate(100);
+        kept.keep(large, 4000);
+        kept.keep(vec![3.0f32; 500], 4000);
+        assert_eq!(kept.take(400).unwrap()[0], 3.0);
+        assert_eq!(kept.take(400).unwrap()[399], 0.0);
     }
 }
