@@ -13,7 +13,7 @@
 //! Here they are buffers kept across calls (`cpu::workspace`), and only the output is new.
 //! The block takes this pass where the training node would apply but nothing tracks
 //! gradients (`MultiHeadAttention`'s `one_node` decides); q and k handed to a rotation become
-//! tensors, which the rotation may keep, and are not kept.
+//! tensors the rotation may keep: they are allocated for the call and not kept.
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
@@ -63,6 +63,13 @@ pub(crate) fn forward(parts: &Parts) -> Result<Option<Tensor>> {
             let q = Tensor::from_vec(q, (b, h, t, d), dev)?;
             let k = Tensor::from_vec(k, (b, hkv, t, d), dev)?;
             let (q, k) = rotation.apply(q, k, false)?;
+            if q.track_op() || k.track_op() {
+                // A rotation with parameters of its own that train: the pipeline keeps it in
+                // candle's graph.
+                keep(v);
+                workspace::keep(o);
+                return Ok(None);
+            }
             let guards = [&q, &k].map(read_storage);
             let [q, k] = guards.each_ref().map(|(g, l)| match &***g {
                 Storage::Cpu(s) => Ok((s, *l)),
@@ -95,7 +102,8 @@ fn weights_fit(parts: &Parts, d_model: usize) -> bool {
     })
 }
 
-/// q (scaled), k and v heads first, in kept buffers.
+/// q (scaled), k and v heads first: v in a kept buffer, q and k too unless a rotation will
+/// take them (as tensors it may keep).
 fn project(
     parts: &Parts,
     x: &Tensor,
@@ -104,7 +112,11 @@ fn project(
     let (h, hkv, d) = parts.heads;
     let mut out = Vec::with_capacity(3);
     for (i, heads) in [h, hkv, hkv].into_iter().enumerate() {
-        let mut y = workspace::take(b * heads * t * d, "inference block: projection")?;
+        let (n, what) = (b * heads * t * d, "inference block: projection");
+        let mut y = match parts.rotation.is_some() && i < 2 {
+            true => zeroed(n, what)?,
+            false => workspace::take(n, what)?,
+        };
         let scale = if i == 0 { parts.q_scale } else { 1.0 };
         with_values(x, |x| {
             with_linear(parts.linears[i], |w, bias| {

@@ -20,7 +20,7 @@
 //! a rotation that declares its adjoint (`PositionalEncoding::rotation_only`, every RoPE
 //! variant): q and k are rotated outside the graph and their gradients rotated back. Any
 //! other encoding, a norm, a convolution or a cache would need gradients of its own inside the
-//! node (`MultiHeadAttention`'s `train_node` decides).
+//! node (`MultiHeadAttention`'s `one_node` decides).
 
 use std::sync::{Arc, Mutex};
 

@@ -69,7 +69,10 @@ pub(crate) fn linear(
         });
     }
     if inner == 0 {
-        // No products: the bias, or the zeros `y` holds.
+        // No products: the bias, or zeros.
+        if bias.is_none() {
+            y[..rows * out].fill(0.0);
+        }
         return Ok(());
     }
     if rows > FEW_ROWS {

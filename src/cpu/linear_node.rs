@@ -16,8 +16,8 @@
 //!
 //! Elsewhere (another device or dtype) [`linear`] answers `None` and the block keeps
 //! candle's `Linear`. Shaw's products `q · a^Kᵀ` go through the same node, the table's rows
-//! as the weights. The heads-first arrangement goes through rows kept per thread (up to
-//! 64 MiB each; larger ones are freed after the call).
+//! as the weights. The heads-first arrangement goes through scratch rows kept across calls
+//! (`cpu::workspace`).
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 use candle_nn::Linear;
@@ -144,7 +144,7 @@ fn values<'a>(s: &'a CpuStorage, l: &Layout, n: usize) -> candle_core::Result<&'
 }
 
 /// `scale · (x Wᵀ + b)` written into `y` heads first, `(B, H, T, D)` for `heads` `(T, H, D)`,
-/// through this thread's scratch rows; every value of `y` is written.
+/// through kept scratch rows; every value of `y` is written.
 ///
 /// # Errors
 /// The scratch rows cannot be allocated.

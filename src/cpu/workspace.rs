@@ -25,7 +25,7 @@ static KEPT: Mutex<Kept> = Mutex::new(Kept(Vec::new()));
 /// # Errors
 /// The allocation fails (an error naming `what`, not an abort).
 pub(crate) fn take(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
-    match KEPT.lock().ok().and_then(|mut kept| kept.take(n)) {
+    match lock().take(n) {
         Some(buf) => Ok(buf),
         None => super::zeroed(n, what),
     }
@@ -33,9 +33,14 @@ pub(crate) fn take(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
 
 /// Keeps `buf` for a later [`take`], within [`KEEP`] values in all.
 pub(crate) fn keep(buf: Vec<f32>) {
-    if let Ok(mut kept) = KEPT.lock() {
-        kept.keep(buf, KEEP);
-    }
+    lock().keep(buf, KEEP);
+}
+
+/// The kept buffers, locked. No code runs under the lock that could leave them inconsistent,
+/// so a lock poisoned by a panic elsewhere is taken as it is.
+fn lock() -> std::sync::MutexGuard<'static, Kept> {
+    KEPT.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Buffers and their values.
@@ -61,7 +66,8 @@ impl Kept {
     }
 
     /// Keeps `buf` unless it alone passes `cap` values; the smallest kept buffers are freed
-    /// first to make room (a call's buffers are alike in size, and larger ones serve both).
+    /// first to make room (a call's buffers are alike in size, and larger ones serve both),
+    /// but none for a buffer smaller than they are, which is freed instead.
     fn keep(&mut self, buf: Vec<f32>, cap: usize) {
         if buf.capacity() == 0 || buf.capacity() > cap {
             return;
@@ -70,6 +76,9 @@ impl Kept {
             let Some(smallest) = (0..self.0.len()).min_by_key(|&i| self.0[i].capacity()) else {
                 break;
             };
+            if self.0[smallest].capacity() > buf.capacity() {
+                return;
+            }
             self.0.swap_remove(smallest);
         }
         self.0.push(buf);
@@ -112,6 +121,11 @@ mod tests {
         assert_eq!(kept.values(), 2500);
         assert!(kept.take(3000).is_none());
         assert_eq!(kept.take(2100).unwrap().capacity(), 2500);
+        // A full set of larger buffers is not given up for a smaller one.
+        kept.keep(Vec::with_capacity(2000), 4000);
+        kept.keep(Vec::with_capacity(2000), 4000);
+        kept.keep(Vec::with_capacity(10), 4000);
+        assert_eq!(kept.values(), 4000);
         // One already as long as asked is preferred to a larger one that would need zeros.
         let mut kept = Kept(Vec::new());
         let mut large = vec![2.0f32; 1000];

@@ -430,7 +430,7 @@ fn a_third_party_rotation_trains_in_the_node() -> anyhow::Result<()> {
 /// rotation-only: its result tracks gradients of its own, so the block keeps it in the graph,
 /// and the factor gets the pipeline's gradient.
 #[derive(Debug)]
-struct LearnedFactor(Tensor);
+pub(super) struct LearnedFactor(pub(super) Tensor);
 
 impl PositionalEncoding for LearnedFactor {
     fn rotate(

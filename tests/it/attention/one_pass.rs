@@ -8,11 +8,16 @@ use std::sync::{Arc, Mutex};
 
 use crate::common;
 
-use candle_core::{DType, Device, Module, Tensor};
+use anyhow::Context;
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{AttentionContext, PositionalEncoding};
-use candle_posenc::{AttentionConfig, AttentionOptions, MultiHeadAttention};
+use candle_posenc::{
+    AttentionConfig, AttentionOptions, MultiHeadAttention, PositionIds, Positions, RopeConfig,
+    RotaryEmbedding,
+};
 use common::{max_abs_diff, zoo};
+use rayon::prelude::*;
 
 /// The block of `cfg` (d_model 32) with `encoding`, on plain tensors drawn as a `VarMap` draws
 /// them (a checkpoint loaded for inference), and its pipeline clone.
@@ -211,6 +216,206 @@ fn a_rotation_keeps_what_it_is_handed() -> anyhow::Result<()> {
     }
     for (kept, copy) in first.iter().zip(&copies) {
         assert_eq!(max_abs_diff(kept, copy)?, 0.0, "a kept tensor changed");
+    }
+    Ok(())
+}
+
+/// Positions given with the call (an offset, or ids per token) rotate q and k as in the
+/// pipeline, under a window and under chunks (whose rule counts the chunk's own tokens).
+#[test]
+fn one_pass_with_positions_given() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (b, t) = (2, 9);
+    let x = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
+    let ids: Vec<u32> = (0..b * t).map(|i| ((i * 7) % 23) as u32).collect();
+    let ids = Positions::Ids(PositionIds::new(&Tensor::from_vec(ids, (b, t), &dev)?)?);
+    let base = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    for (name, cfg) in [
+        ("window", base.clone().with_sliding_window(Some(4))),
+        ("chunk", base.with_attention_chunk(Some(4))),
+    ] {
+        let blocks = plain_block(&cfg, Some(rope(8)?))?;
+        for (what, positions) in [("offset 37", Positions::Offset(37)), ("ids", ids.clone())] {
+            let options = AttentionOptions {
+                positions: Some(&positions),
+                ..Default::default()
+            };
+            let what = format!("{name}, {what}");
+            assert_same(&what, (&blocks.0, &blocks.1), &x, &options)?;
+        }
+    }
+    Ok(())
+}
+
+/// Sinks with rows masked whole (leading padding under a causal rule, a sequence padded
+/// whole), and a long call (several query and key tiles, window, soft cap, padding) followed
+/// by a shorter one on the buffers it leaves.
+#[test]
+fn one_pass_with_sinks_and_long_calls() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for causal in [false, true] {
+        let cfg = AttentionConfig::new(32, 4)
+            .with_kv_heads(2)
+            .with_sinks(true)
+            .with_bias(true)
+            .with_causal(causal);
+        let blocks = plain_block(&cfg, None)?;
+        let keep = vec![0u8, 0, 1, 1, 1, 0, 0, 0, 0, 0];
+        let padding = Tensor::from_vec(keep, (2, 5), &dev)?;
+        let options = AttentionOptions {
+            padding_mask: Some(&padding),
+            ..Default::default()
+        };
+        let x = Tensor::randn(0f32, 1.0, (2, 5, 32), &dev)?;
+        let what = format!("sinks, rows masked whole, causal {causal}");
+        assert_same(&what, (&blocks.0, &blocks.1), &x, &options)?;
+        let cfg = cfg
+            .with_sliding_window(Some(300))
+            .with_logit_softcap(Some(5.0));
+        let blocks = plain_block(&cfg, Some(rope(8)?))?;
+        let t = 1100;
+        let keep: Vec<u8> = (0..2 * t).map(|i| u8::from(i % 97 != 3)).collect();
+        let padding = Tensor::from_vec(keep, (2, t), &dev)?;
+        let options = AttentionOptions {
+            padding_mask: Some(&padding),
+            ..Default::default()
+        };
+        let x = Tensor::randn(0f32, 1.0, (2, t, 32), &dev)?;
+        let what = format!("T {t}, causal {causal}");
+        assert_same(&what, (&blocks.0, &blocks.1), &x, &options)?;
+        let x = Tensor::randn(0f32, 1.0, (1, 300, 32), &dev)?;
+        let what = format!("T 300 after T {t}, causal {causal}");
+        assert_same(&what, (&blocks.0, &blocks.1), &x, &Default::default())?;
+    }
+    Ok(())
+}
+
+/// RoPE at head width `head_dim`.
+fn rope(head_dim: usize) -> anyhow::Result<Arc<dyn PositionalEncoding>> {
+    Ok(Arc::new(RotaryEmbedding::new(
+        &RopeConfig::new(head_dim),
+        &Device::Cpu,
+    )?))
+}
+
+/// An inference call of a frozen block whose rotation has a parameter that trains: its
+/// result tracks gradients, so the call stays in the pipeline's graph and the parameter gets
+/// the pipeline's gradient.
+#[test]
+fn a_learned_rotation_keeps_its_gradient() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let factor = Var::from_tensor(&Tensor::new(&[1.3f32], &dev)?)?;
+    let cfg = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let learned = super::one_node::LearnedFactor(factor.as_tensor().clone());
+    let (pass, pipeline) = plain_block(&cfg, Some(Arc::new(learned)))?;
+    let x = Tensor::randn(0f32, 1.0, (2, 7, 32), &dev)?;
+    let probe = Tensor::randn(0f32, 1.0, (2, 7, 32), &dev)?;
+    let grad = |m: &MultiHeadAttention| -> anyhow::Result<f32> {
+        let y = m.forward(&x)?;
+        let g = (y * &probe)?.sum_all()?.backward()?;
+        let g = g.get(factor.as_tensor()).context("no gradient")?;
+        Ok(g.flatten_all()?.to_vec1::<f32>()?[0])
+    };
+    let (got, want) = (grad(&pass)?, grad(&pipeline)?);
+    assert!(
+        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+        "{got} against {want}"
+    );
+    Ok(())
+}
+
+/// A rotation returning q and k of the wrong shape or dtype (or q as the keys) is an error,
+/// as in the pipeline, and the next call is right.
+#[derive(Debug)]
+struct Bad(u8);
+
+impl PositionalEncoding for Bad {
+    fn rotate(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        _ctx: &AttentionContext,
+    ) -> candle_posenc::Result<(Tensor, Tensor)> {
+        Ok(match self.0 {
+            0 => (q.narrow(2, 0, 1)?, k),
+            1 => (q.to_dtype(DType::F64)?, k),
+            _ => (q.clone(), q),
+        })
+    }
+
+    fn rotation_only(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_bad_rotation_is_an_error() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (2, 8, 32), &dev)?;
+    let cfg = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    for kind in 0..3u8 {
+        let (pass, pipeline) = plain_block(&cfg, Some(Arc::new(Bad(kind))))?;
+        let err = pass.forward(&x).expect_err("a bad rotation");
+        assert!(err.to_string().contains("rotated"), "kind {kind}: {err}");
+        assert!(pipeline.forward(&x).is_err(), "kind {kind}");
+    }
+    let good = plain_block(&cfg, Some(rope(8)?))?;
+    assert_same(
+        "after the errors",
+        (&good.0, &good.1),
+        &x,
+        &Default::default(),
+    )
+}
+
+/// Calls from inside rayon's pool, several at once, and training steps (whose backward takes
+/// kept scratch rows) between calls: each as the pipeline.
+#[test]
+fn kept_buffers_under_rayon_and_training() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let cfg = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_causal(true)
+        .with_sinks(true);
+    let (pass, pipeline) = plain_block(&cfg, Some(rope(8)?))?;
+    let results: Vec<anyhow::Result<f64>> = (0..16usize)
+        .into_par_iter()
+        .map(|i| {
+            let x = Tensor::randn(0f32, 1.0, (2, 20 + 13 * i, 32), &Device::Cpu)?;
+            max_abs_diff(&pass.forward(&x)?, &pipeline.forward(&x)?)
+        })
+        .collect();
+    for (i, diff) in results.into_iter().enumerate() {
+        let diff = diff?;
+        assert!(diff < 1e-5, "call {i} in the pool: {diff}");
+    }
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let train = MultiHeadAttention::new(&cfg, Some(rope(8)?), vb)?;
+    let options = AttentionOptions {
+        train: true,
+        ..Default::default()
+    };
+    for t in [50, 7, 130] {
+        let x = Tensor::randn(0f32, 1.0, (2, t, 32), &dev)?;
+        train
+            .forward_with(&x, &options, None)?
+            .output
+            .sum_all()?
+            .backward()?;
+        let x = Tensor::randn(0f32, 1.0, (1, t + 3, 32), &dev)?;
+        assert_same(
+            &format!("after a step at T {t}"),
+            (&pass, &pipeline),
+            &x,
+            &Default::default(),
+        )?;
     }
     Ok(())
 }
