@@ -20,6 +20,13 @@
 //! in `tests/it/robustness/budget.rs`) for the block with its weights returned (6.8 × E, with
 //! a T5 bias 7.4 × E), its fused core (3.9 × E), a training step with gradients (6.5 × E), a
 //! RoPE table (1.1 × E) and a KV cache filled to its storage limit (3.3 × E).
+//!
+//! # What the crate keeps between calls
+//! The CPU paths keep the buffers a call fills and frees (a chunk's queries, keys, values and
+//! attention output, the projections' rows, the transposed keys) for the next call, up to
+//! [`KEPT_BYTES_MAX`] in all, process-wide, beside any call's budget: calls of repeating sizes
+//! then write into memory they already hold instead of taking its pages from the system again.
+//! [`kept_bytes`] says how much is held; [`release_kept`] frees it.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -107,4 +114,26 @@ pub(crate) fn check_elements(
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .filter(|&n| n <= budget && dims.iter().all(|&d| d <= budget))
         .ok_or_else(|| Error::config(name, value, format!("{what} at most {budget}")))
+}
+
+/// The most the CPU paths keep between calls, in bytes (64 MiB).
+pub const KEPT_BYTES_MAX: usize = crate::cpu::workspace::KEEP * std::mem::size_of::<f32>();
+
+/// Bytes of the buffers the CPU paths keep between calls now (at most [`KEPT_BYTES_MAX`]).
+pub fn kept_bytes() -> usize {
+    crate::cpu::workspace::kept_values() * std::mem::size_of::<f32>()
+}
+
+/// Frees the buffers the CPU paths keep between calls and returns the bytes they held; later
+/// calls allocate them again.
+///
+/// ```
+/// use candle_posenc::limits::{kept_bytes, release_kept, KEPT_BYTES_MAX};
+///
+/// assert!(kept_bytes() <= KEPT_BYTES_MAX);
+/// release_kept();
+/// assert_eq!(kept_bytes(), 0);
+/// ```
+pub fn release_kept() -> usize {
+    crate::cpu::workspace::release() * std::mem::size_of::<f32>()
 }

@@ -36,6 +36,19 @@ pub(crate) fn keep(buf: Vec<f32>) {
     lock().keep(buf, KEEP);
 }
 
+/// Frees every kept buffer; returns the values they held.
+pub(crate) fn release() -> usize {
+    let mut kept = lock();
+    let values = kept.values();
+    kept.0 = Vec::new();
+    values
+}
+
+/// The values the kept buffers hold now.
+pub(crate) fn kept_values() -> usize {
+    lock().values()
+}
+
 /// The kept buffers, locked. No code runs under the lock that could leave them inconsistent,
 /// so a lock poisoned by a panic elsewhere is taken as it is.
 fn lock() -> std::sync::MutexGuard<'static, Kept> {

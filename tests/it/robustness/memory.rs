@@ -78,3 +78,61 @@ device_tests!(
     streaming_storage_follows_the_tokens_held,
     capacity_hints_stay_within_the_budget
 );
+
+/// The buffers kept between calls stay under their bound, are freed on request (the bytes
+/// reported), and the next call is the same without them. Alone in its process: the kept
+/// buffers are process-wide.
+#[test]
+fn kept_buffers_stay_bounded_and_release() -> anyhow::Result<()> {
+    use candle_core::Module;
+    use candle_posenc::limits::{kept_bytes, release_kept, KEPT_BYTES_MAX};
+    if !crate::common::alone() {
+        return crate::common::run_alone(concat!(
+            module_path!(),
+            "::kept_buffers_stay_bounded_and_release"
+        ));
+    }
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let cfg = AttentionConfig::new(128, 8).with_causal(true);
+    MultiHeadAttention::new(
+        &cfg,
+        None,
+        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
+    )?;
+    let plain: std::collections::HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("lock"))?
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+        .collect();
+    let mha = MultiHeadAttention::new(
+        &cfg,
+        None,
+        VarBuilder::from_tensors(plain, DType::F32, &dev),
+    )?;
+    release_kept();
+    assert_eq!(kept_bytes(), 0);
+    let x = Tensor::randn(0f32, 1.0, (2, 300, 128), &dev)?;
+    let first = mha.forward(&x)?;
+    // q, k, v and the attention output at least (2 × 300 × 128 f32 each).
+    let held = kept_bytes();
+    assert!(held >= 4 * 2 * 300 * 128 * 4, "{held} bytes kept");
+    // Calls of other sizes leave the total under the bound (`cpu::workspace`'s unit test
+    // covers the cap itself).
+    for t in [1000, 7, 2000] {
+        mha.forward(&Tensor::randn(0f32, 1.0, (2, t, 128), &dev)?)?;
+        assert!(
+            kept_bytes() <= KEPT_BYTES_MAX,
+            "{} bytes kept",
+            kept_bytes()
+        );
+    }
+    let before = kept_bytes();
+    assert_eq!(release_kept(), before);
+    assert_eq!(kept_bytes(), 0);
+    let again = mha.forward(&x)?;
+    assert_eq!(crate::common::max_abs_diff(&first, &again)?, 0.0);
+    Ok(())
+}
