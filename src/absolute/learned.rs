@@ -389,6 +389,10 @@ impl PositionalEncoding for LearnedPositionalEncoding {
     fn add_to_input(&self, x: &Tensor, ctx: &AttentionContext) -> Result<Tensor> {
         self.forward_with_positions(x, ctx.queries, ctx.train)
     }
+
+    fn input_only(&self) -> bool {
+        true
+    }
 }
 
 impl crate::plug::SchemeConfig for LearnedConfig {

@@ -268,18 +268,18 @@ impl MultiHeadAttention {
         if call.is_empty() {
             return self.empty_output(call.full, x, options.return_weights);
         }
-        if let Some(output) = self.one_node(x, &call, options, cache.is_some())? {
-            return Ok(AttentionOutput {
-                output,
-                weights: None,
-            });
-        }
         let ctx = AttentionContext::chunk(&call.positions, call.t)
             .with_causal(self.config.causal)
             .with_train(options.train)
             .with_sinks(self.config.sinks);
         let input = x;
         let x = self.add_positions(x, &ctx, call.streaming)?;
+        if let Some(output) = self.one_node(&x, &call, options, cache.is_some())? {
+            return Ok(AttentionOutput {
+                output,
+                weights: None,
+            });
+        }
         let differentiable = self.differentiable(&x, options);
         let mut cache = CacheGuard::open(cache);
         let conv = self.conv_input(&call, cache.get().map(|c| &*c))?;
@@ -452,8 +452,9 @@ impl MultiHeadAttention {
     /// The call as one node of candle's graph ([`train_node`]) where it keeps gradients, or
     /// as one pass over buffers kept across calls ([`one_pass`]) where it does not, when it
     /// runs on the CPU in f32 and nothing sits between the three projections and the core but
-    /// a rotation that declares its adjoint: no other encoding, norm, convolution,
-    /// temperature, user's mask, cache or returned weights. `None` elsewhere (and where the
+    /// a rotation that declares its adjoint: no other encoding (one added to the input is in
+    /// `x`, which has its positions), norm, convolution, temperature, user's mask, cache or
+    /// returned weights. `None` elsewhere (and where the
     /// node or the pass does not take the weights): the pipeline runs.
     fn one_node(
         &self,
@@ -476,7 +477,9 @@ impl MultiHeadAttention {
             }),
             _ => None,
         };
-        let between = (self.encoding.is_some() && rotation.is_none())
+        // An encoding added to the input is in `x` already.
+        let acts_between = self.encoding.as_ref().is_some_and(|e| !e.input_only());
+        let between = (acts_between && rotation.is_none())
             || self.qk_norm.is_some()
             || cfg.value_norm.is_some()
             || self.short_conv.is_some()

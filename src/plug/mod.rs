@@ -376,6 +376,15 @@ pub trait PositionalEncoding: std::fmt::Debug + Send + Sync {
         false
     }
 
+    /// A declaration, not a hook: whether the encoding acts on attention only through
+    /// [`Self::add_to_input`] (every other hook keeps its default), as absolute encodings do.
+    /// The block then adds the positions first and runs the rest as it runs a block without
+    /// an encoding: a call with nothing else between its projections and its core as one node
+    /// of candle's graph (training) or one pass (inference). Default `false`.
+    fn input_only(&self) -> bool {
+        false
+    }
+
     /// The adjoint of [`Self::rotate`], for an encoding that declares
     /// [`Self::rotation_only`]: the gradients of the q and k it was handed from those of its
     /// outputs, `Rᵀ ∂q'` and `Rᵀ ∂k'` (for a rotation by θ, the rotation by −θ), with the

@@ -107,6 +107,24 @@ fn one_pass_with_a_rotation_equals_the_pipeline() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every encoding of the zoo added to the input runs the pass after its positions are added,
+/// as in the pipeline.
+#[test]
+fn one_pass_with_positions_added_to_the_input() -> anyhow::Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (2, 13, 32), &Device::Cpu)?;
+    let cases = super::one_node::cases_declaring(&zoo::configs(32, 4, 8), |e| e.input_only())?;
+    for (what, cfg, encoding, _) in &cases {
+        let blocks = plain_block(cfg, Some(encoding.clone()))?;
+        assert_same(what, (&blocks.0, &blocks.1), &x, &Default::default())?;
+    }
+    assert_eq!(
+        cases.len(),
+        6,
+        "sinusoidal, scaled sinusoidal, learned, causal and not"
+    );
+    Ok(())
+}
+
 /// Calls of other shapes and blocks in between (each leaving larger or smaller buffers for
 /// the next), from several threads at once, a strided input, one token, a sequence padded
 /// whole: each as the pipeline.
