@@ -454,8 +454,8 @@ impl MultiHeadAttention {
     /// runs on the CPU in f32 and nothing sits between the three projections and the core but
     /// a rotation that declares its adjoint: no other encoding (one added to the input is in
     /// `x`, which has its positions), norm, convolution, temperature, user's mask, cache or
-    /// returned weights. `None` elsewhere (and where the
-    /// node or the pass does not take the weights): the pipeline runs.
+    /// returned weights. `None` elsewhere (and where the node or the pass does not take the
+    /// weights): the pipeline runs.
     fn one_node(
         &self,
         x: &Tensor,
