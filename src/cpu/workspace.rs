@@ -19,16 +19,25 @@ pub(crate) const KEEP: usize = 1 << 24;
 static KEPT: Mutex<Kept> = Mutex::new(Kept(Vec::new()));
 
 /// `n` values whose contents are unspecified (a kept buffer's old values, or zeros): for a
-/// caller that writes every value before reading it. The smallest kept buffer that holds `n`
-/// is taken, else a new one is allocated.
+/// caller that writes every value before reading it. A kept buffer is taken where one has
+/// room ([`Kept::pick`]), else a new one is allocated.
 ///
 /// # Errors
 /// The allocation fails (an error naming `what`, not an abort).
 pub(crate) fn take(n: usize, what: &str) -> candle_core::Result<Vec<f32>> {
-    match lock().take(n) {
-        Some(buf) => Ok(buf),
+    let picked = lock().pick(n);
+    match picked {
+        // Out of the lock: a gap past the buffer's old length is written with zeros.
+        Some(buf) => Ok(sized(buf, n)),
         None => super::zeroed(n, what),
     }
+}
+
+/// `buf` at length `n`, within its capacity: no allocation; only values past its old length
+/// are written.
+fn sized(mut buf: Vec<f32>, n: usize) -> Vec<f32> {
+    buf.resize(n, 0.0);
+    buf
 }
 
 /// Keeps `buf` for a later [`take`], within [`KEEP`] values in all.
@@ -60,22 +69,18 @@ fn lock() -> std::sync::MutexGuard<'static, Kept> {
 struct Kept(Vec<Vec<f32>>);
 
 impl Kept {
-    /// A buffer holding `n` values, at length `n`: the shortest already that long (a call's
-    /// sizes repeat from one call to the next), else the smallest with room.
-    fn take(&mut self, n: usize) -> Option<Vec<f32>> {
-        let fits = |i: &usize| self.0[*i].len() >= n;
+    /// A buffer with room for `n` values, taken out: the shortest already that long (a
+    /// call's sizes repeat from one call to the next), else the smallest with room.
+    fn pick(&mut self, n: usize) -> Option<Vec<f32>> {
         let best = (0..self.0.len())
-            .filter(fits)
+            .filter(|&i| self.0[i].len() >= n)
             .min_by_key(|&i| self.0[i].len())
             .or_else(|| {
                 (0..self.0.len())
                     .filter(|&i| self.0[i].capacity() >= n)
                     .min_by_key(|&i| self.0[i].capacity())
             })?;
-        let mut buf = self.0.swap_remove(best);
-        // Within capacity: no allocation; only values past the old length are written.
-        buf.resize(n, 0.0);
-        Some(buf)
+        Some(self.0.swap_remove(best))
     }
 
     /// Keeps `buf` unless it alone passes `cap` values; the smallest kept buffers are freed
@@ -114,13 +119,13 @@ mod tests {
         kept.keep(a, 4000);
         assert_eq!(kept.values(), 1000);
         // The kept buffer serves a smaller call, in place, with its old values.
-        let b = kept.take(600).unwrap();
+        let b = sized(kept.pick(600).unwrap(), 600);
         assert_eq!((b.len(), b.as_ptr(), b[599]), (600, ptr, 1.0));
         assert_eq!(kept.values(), 0);
-        assert!(kept.take(1).is_none());
+        assert!(kept.pick(1).is_none());
         kept.keep(b, 4000);
         // Grown past its old length, within capacity, zeros after the old values.
-        let c = kept.take(1000).unwrap();
+        let c = sized(kept.pick(1000).unwrap(), 1000);
         assert_eq!((c.as_ptr(), c[599], c[600]), (ptr, 1.0, 0.0));
         kept.keep(c, 4000);
         // Larger than the cap: never kept; filling up frees the smallest first.
@@ -132,8 +137,8 @@ mod tests {
         kept.keep(Vec::with_capacity(2500), 4000);
         // Room for 2500 takes both smaller ones.
         assert_eq!(kept.values(), 2500);
-        assert!(kept.take(3000).is_none());
-        assert_eq!(kept.take(2100).unwrap().capacity(), 2500);
+        assert!(kept.pick(3000).is_none());
+        assert_eq!(sized(kept.pick(2100).unwrap(), 2100).capacity(), 2500);
         // A full set of larger buffers is not given up for a smaller one.
         kept.keep(Vec::with_capacity(2000), 4000);
         kept.keep(Vec::with_capacity(2000), 4000);
@@ -145,7 +150,7 @@ mod tests {
         large.truncate(100);
         kept.keep(large, 4000);
         kept.keep(vec![3.0f32; 500], 4000);
-        assert_eq!(kept.take(400).unwrap()[0], 3.0);
-        assert_eq!(kept.take(400).unwrap()[399], 0.0);
+        assert_eq!(sized(kept.pick(400).unwrap(), 400)[0], 3.0);
+        assert_eq!(sized(kept.pick(400).unwrap(), 400)[399], 0.0);
     }
 }

@@ -67,7 +67,10 @@ fn step(
 /// rotation that does not declare `scaled_queries` gets queries scaled before it in the node,
 /// after it in the pipeline. The keys' bias has a gradient of exactly 0 without a rotation
 /// (it moves each query's logits by one constant), so what both sides hold is the rounding of
-/// sums of ∂k, compared to the scale of the keys' weight gradient instead.
+/// sums of ∂k, compared to the scale of the keys' weight gradient instead. A parameter of one
+/// value (scaled sinusoidal's learned scale) is one f32 sum over every element of ∂x times
+/// its table, summed in another order on each side: 1e-4 of its value (measured: up to
+/// 1.04e-5, 1e-3 on a value near 500).
 fn assert_same(
     what: &str,
     (out, grads): (Tensor, Grads),
@@ -90,8 +93,15 @@ fn assert_same(
         if let Some(prefix) = n.strip_suffix("k_proj.bias") {
             scale = scale.max(scale_of(&format!("{prefix}k_proj.weight"))?);
         }
+        let tolerance = match want.elem_count() {
+            1 => 1e-4,
+            _ => 1e-5,
+        };
         let diff = max_abs_diff(got, want)? / scale;
-        assert!(diff < 1e-5, "{what}: ∂{n} differs by {diff} (relative)");
+        assert!(
+            diff < tolerance,
+            "{what}: ∂{n} differs by {diff} (relative)"
+        );
     }
     Ok(())
 }
