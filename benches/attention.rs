@@ -1,5 +1,7 @@
 //! Attention block cost of each positional encoding, against the same block with no encoding
-//! measured in the same run (ratio of the medians, and median of the per-pair ratios), and the
+//! measured in the same run (ratio of the medians, and median of the per-pair ratios), and
+//! alone in a fresh process as a user's process runs it (on the CPU; the figure to publish),
+//! and the
 //! block with no encoding against the same attention written as plain candle ops (matmul,
 //! softmax_last_dim, matmul); the block in bf16 and f16 against f32; query block sizes; one decoding step
 //! against caches of growing length; peak memory of Shaw attention against the direct formula;
@@ -778,13 +780,18 @@ fn run_child_as(mode: &str, name: &str, t: usize, causal: bool) -> Result<(f64, 
 
 /// Runs [`train_steps_child`] in a fresh process: the median step in ms.
 fn train_steps_in_child(name: &str, t: usize, causal: bool) -> Result<f64> {
+    steps_in_child("--train-steps-child", name, t, causal)
+}
+
+/// Runs [`infer_steps_child`] in a fresh process: the median forward in ms.
+fn infer_steps_in_child(name: &str, t: usize, causal: bool) -> Result<f64> {
+    steps_in_child("--infer-steps-child", name, t, causal)
+}
+
+/// Runs this bench in child `mode` for one case: the median it prints, in ms.
+fn steps_in_child(mode: &str, name: &str, t: usize, causal: bool) -> Result<f64> {
     let out = std::process::Command::new(std::env::current_exe()?)
-        .args([
-            "--train-steps-child",
-            name,
-            &t.to_string(),
-            &causal.to_string(),
-        ])
+        .args([mode, name, &t.to_string(), &causal.to_string()])
         .output()?;
     let text = String::from_utf8(out.stdout)?;
     text.trim().parse().map_err(|_| {
@@ -840,12 +847,15 @@ fn main() -> Result<()> {
     // One learned table long enough for the decoding section too.
     let all = cases(d_model, heads, head_dim, 16385, &dev, &vb)?;
 
+    // The block alone in a fresh process, as a user's runs it (the figure to publish; the
+    // paired columns are for finding causes): on the CPU at B2 only, the child's shape.
+    let own_proc = dev.is_cpu() && b == 2;
     println!(
-        "attention block B{b} H{heads} T{t} D{head_dim} f32 on {dev:?}: median of {runs} runs"
+        "attention block B{b} H{heads} T{t} D{head_dim} f32 on {dev:?}: median of {runs} runs, paired with the block without an encoding in this process (for causes);\nown proc: the block alone in a fresh process, as a user's runs it (the figure to publish)"
     );
     println!(
-        "{:<18} {:>8} {:>12} {:>10} {:>10}",
-        "encoding", "causal", "median ms", "vs none", "per pair"
+        "{:<18} {:>8} {:>12} {:>10} {:>10} {:>12}",
+        "encoding", "causal", "median ms", "vs none", "per pair", "own proc ms"
     );
     for causal in [false, true].into_iter().filter(|_| section("encodings")) {
         // Each encoding is timed in alternation with the block without one, so both see the
@@ -875,18 +885,24 @@ fn main() -> Result<()> {
                 },
             )?;
             baseline.get_or_insert(base);
+            let own = match own_proc {
+                true => Some(infer_steps_in_child(case.name, t, causal)?),
+                false => None,
+            };
             println!(
-                "{:<18} {:>8} {:>12.2} {:>9.2}x {:>9.2}x",
+                "{:<18} {:>8} {:>12.2} {:>9.2}x {:>9.2}x {:>12}",
                 case.name,
                 causal,
                 ms,
                 ms / base,
-                ratio
+                ratio,
+                own.map_or("-".into(), |ms| format!("{ms:.2}"))
             );
             json_line(json, &format!(
-                "\"bench\":\"attention\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4},\"pair_ratio\":{ratio:.4}",
+                "\"bench\":\"attention\",\"encoding\":\"{}\",\"causal\":{causal},\"t\":{t},\"median_ms\":{ms:.3},\"ratio\":{:.4},\"pair_ratio\":{ratio:.4},\"own_proc_ms\":{}",
                 case.name,
-                ms / base
+                ms / base,
+                own.map_or("null".into(), |ms| format!("{ms:.3}"))
             ));
         }
         // The absolute encodings differ from the block without one only by their input hook;
