@@ -103,23 +103,18 @@ impl Core<'_> {
     pub(crate) fn spec(&self, first_row: usize) -> Result<CoreSpec> {
         let (b, h, tq, d) = self.q.dims4()?;
         let (_, _, tk, _) = self.k.dims4()?;
-        Ok(CoreSpec {
-            terms: strided_terms((b, h, tq, tk), &self.dense, &self.relative, &self.separable)?,
-            padding: self.padding.map(|p| p.contiguous()).transpose()?,
-            // Keys no row of a tile sees may be left out only when no row can be masked whole
-            // (such a row is uniform over every key).
-            skip: self.padding.is_none() && !self.dense_masks,
-            rule: self.rule.clone(),
-            first_row,
-            dims: (b, h, tq, tk, d),
-            tile: self.tile.max(1),
-            key_tile: self.key_tile.max(1),
-            values: match self.values {
-                Some(v) => Some(ValueOperands::new(v, (b, tq, tk, d))?),
-                None => None,
-            },
-            dropout: None,
-        })
+        let mut spec = CoreSpec::plain((b, h, tq, tk, d), self.rule, self.padding)?;
+        spec.terms = strided_terms((b, h, tq, tk), &self.dense, &self.relative, &self.separable)?;
+        // Keys no row of a tile sees may be left out only when no row can be masked whole
+        // (such a row is uniform over every key).
+        spec.skip &= !self.dense_masks;
+        spec.first_row = first_row;
+        (spec.tile, spec.key_tile) = (self.tile.max(1), self.key_tile.max(1));
+        spec.values = match self.values {
+            Some(v) => Some(ValueOperands::new(v, (b, tq, tk, d))?),
+            None => None,
+        };
+        Ok(spec)
     }
 
     /// Writes `softmax(q kᵀ + terms, masked) v` into `out` `(B, T, H, D)` (contiguous f32, not
@@ -477,7 +472,8 @@ impl InplaceOp1 for CoreOp {
 impl CoreSpec {
     /// The core with no terms of an encoding: keys seen by `rule`, `padding` `(B, Tk)` u8
     /// (non-zero = keep), for q `(B, H, Tq, D)` and k and v `(B, Hkv, Tk, D)` of `dims`
-    /// `(B, H, Tq, Tk, D)`, written from row 0.
+    /// `(B, H, Tq, Tk, D)`, written from row 0, tiles of [`tile_rows`] and [`KEY_TILE`]
+    /// ([`Core::spec`] adds an encoding's terms to it).
     ///
     /// # Errors
     /// The padding cannot be made contiguous.
