@@ -20,6 +20,7 @@ use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use super::fused_attention::{CoreSpec, OutPtr};
 use super::fused_softmax::read_storage;
 use super::train_node::{with_linear, with_values, Parts};
+use crate::cpu::gemm::{Place, Product};
 use crate::cpu::linear_node::heads_into;
 use crate::cpu::{gemm, workspace, zeroed};
 use crate::error::Result;
@@ -103,30 +104,63 @@ fn weights_fit(parts: &Parts, d_model: usize) -> bool {
 }
 
 /// q (scaled), k and v heads first: v in a kept buffer, q and k too unless a rotation will
-/// take them (as tensors it may keep).
+/// take them (as tensors it may keep). A few rows are one fork for all three
+/// (`gemm::few_rows`).
 fn project(
     parts: &Parts,
     x: &Tensor,
     (b, t, d_model): (usize, usize, usize),
 ) -> Result<[Vec<f32>; 3]> {
     let (h, hkv, d) = parts.heads;
-    let mut out = Vec::with_capacity(3);
-    for (i, heads) in [h, hkv, hkv].into_iter().enumerate() {
-        let (n, what) = (b * heads * t * d, "inference block: projection");
-        let mut y = match parts.rotation.is_some() && i < 2 {
+    let heads = [h, hkv, hkv];
+    let mut ys: [Vec<f32>; 3] = Default::default();
+    for (i, y) in ys.iter_mut().enumerate() {
+        let (n, what) = (b * heads[i] * t * d, "inference block: projection");
+        *y = match parts.rotation.is_some() && i < 2 {
             true => zeroed(n, what)?,
             false => workspace::take(n, what)?,
         };
-        let scale = if i == 0 { parts.q_scale } else { 1.0 };
-        with_values(x, |x| {
-            with_linear(parts.linears[i], |w, bias| {
-                let dims = (b * t, heads * d, d_model);
-                heads_into(&mut y, (x, w, bias), dims, (t, heads, d), scale)
-            })
-        })?;
-        out.push(y);
     }
-    Ok([out.remove(0), out.remove(0), out.remove(0)])
+    let scales = [parts.q_scale, 1.0, 1.0];
+    let rows = b * t;
+    with_values(x, |x| {
+        if rows > gemm::FEW_ROWS || d_model == 0 {
+            for (i, y) in ys.iter_mut().enumerate() {
+                with_linear(parts.linears[i], |w, bias| {
+                    let dims = (rows, heads[i] * d, d_model);
+                    heads_into(y, (x, w, bias), dims, (t, heads[i], d), scales[i])
+                })?;
+            }
+            return Ok(());
+        }
+        let [q, k, v, _] = parts.linears;
+        with_linear(q, |wq, bq| {
+            with_linear(k, |wk, bk| {
+                with_linear(v, |wv, bv| {
+                    let weights = [(wq, bq), (wk, bk), (wv, bv)];
+                    let mut products: Vec<Product> = ys
+                        .iter_mut()
+                        .zip(weights)
+                        .enumerate()
+                        .map(|(i, (y, (w, bias)))| Product {
+                            y,
+                            w,
+                            bias,
+                            out: heads[i] * d,
+                            scale: scales[i],
+                            place: Place::Heads {
+                                len: t,
+                                heads: heads[i],
+                                d,
+                            },
+                        })
+                        .collect();
+                    gemm::few_rows(x, (rows, d_model), &mut products)
+                })
+            })
+        })
+    })?;
+    Ok(ys)
 }
 
 /// Keeps a buffer the pass made its storage.

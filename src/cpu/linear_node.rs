@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor
 use candle_nn::Linear;
 use rayon::prelude::*;
 
-use super::gemm::{linear as linear_product, product_parallel};
+use super::gemm::{few_rows, linear as linear_product, product_parallel, Place, Product, FEW_ROWS};
 use super::{workspace, zeroed};
 use crate::error::Result;
 
@@ -143,11 +143,12 @@ fn values<'a>(s: &'a CpuStorage, l: &Layout, n: usize) -> candle_core::Result<&'
     }
 }
 
-/// `scale · (x Wᵀ + b)` written into `y` heads first, `(B, H, T, D)` for `heads` `(T, H, D)`,
-/// through kept scratch rows; every value of `y` is written.
+/// `scale · (x Wᵀ + b)` written into `y` heads first, `(B, H, T, D)` for `heads` `(T, H, D)`:
+/// a few rows directly (`gemm::few_rows`), more through kept scratch rows; every value of `y`
+/// is written.
 ///
 /// # Errors
-/// The scratch rows cannot be allocated.
+/// A buffer cannot be allocated.
 pub(crate) fn heads_into(
     y: &mut [f32],
     (x, w, bias): (&[f32], &[f32], Option<&[f32]>),
@@ -155,6 +156,19 @@ pub(crate) fn heads_into(
     heads: (usize, usize, usize),
     scale: f32,
 ) -> candle_core::Result<()> {
+    if (1..=FEW_ROWS).contains(&rows) && inner > 0 {
+        let (len, heads, d) = heads;
+        let place = Place::Heads { len, heads, d };
+        let product = Product {
+            y,
+            w,
+            bias,
+            out,
+            scale,
+            place,
+        };
+        return few_rows(x, (rows, inner), &mut [product]);
+    }
     with_scratch(rows * out, |scratch| {
         linear_product(scratch, (x, w, bias), (rows, out, inner), scale)?;
         rows_to_heads(scratch, y, heads);
