@@ -162,7 +162,7 @@ pub(crate) struct Product<'a> {
 /// The products of one input `x (rows × in)` of at most [`FEW_ROWS`] rows. When there is
 /// enough work to share (2^17 multiply-adds), in one fork: each run of [`FEATURES`] output
 /// features of each product is a task, computed as the output's columns `W_run · xᵀ` into a
-/// tile on the stack and then written to its places, so the tasks also do the transposition
+/// tile and then written to its places, so the tasks also do the transposition
 /// into rows or heads. x is copied once as columns, which `gemm` then reads in place instead of
 /// packing them for every run. Less work runs on this thread, one `gemm` call per product.
 ///
@@ -210,7 +210,7 @@ pub(crate) fn few_rows(
         let n = FEATURES.min(p.out - j0);
         // The bias first, so that `gemm` adds the product to it in one rounding, as for more
         // rows.
-        let mut tile = [0f32; FEATURES * FEW_ROWS];
+        let mut tile = vec![0f32; n * rows];
         if let Some(b) = p.bias {
             for (column, &b) in tile.chunks_exact_mut(rows).zip(&b[j0..j0 + n]) {
                 column.fill(p.scale * b);
@@ -252,14 +252,12 @@ pub(crate) fn few_rows(
 /// One product of [`few_rows`] too small to share, on this thread as one `gemm` call of the
 /// output's columns `W · xᵀ` (x read in place), then written to its places.
 fn whole(x: &[f32], (rows, inner): (usize, usize), p: &mut Product) -> candle_core::Result<()> {
+    // Written whole: with the bias here, else by the product (which then does not read it).
     let mut columns = super::workspace::take(p.out * rows, "projection columns")?;
-    match p.bias {
-        Some(b) => {
-            for (column, &b) in columns.chunks_exact_mut(rows).zip(b) {
-                column.fill(p.scale * b);
-            }
+    if let Some(b) = p.bias {
+        for (column, &b) in columns.chunks_exact_mut(rows).zip(b) {
+            column.fill(p.scale * b);
         }
-        None => columns.fill(0.0),
     }
     // SAFETY: W holds out × in values, x rows × in (asserted by `few_rows`), `columns`
     // out × rows; `xᵀ` is read with column stride `in`.
