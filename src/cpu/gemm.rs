@@ -162,9 +162,9 @@ pub(crate) struct Product<'a> {
 /// The products of one input `x (rows × in)` of at most [`FEW_ROWS`] rows. When there is
 /// enough work to share (2^17 multiply-adds), in one fork: each run of [`FEATURES`] output
 /// features of each product is a task, computed as the output's columns `W_run · xᵀ` into a
-/// tile and then written to its places, so the tasks also do the transposition
-/// into rows or heads. x is copied once as columns, which `gemm` then reads in place instead of
-/// packing them for every run. Less work runs on this thread, one `gemm` call per product.
+/// tile and then written to its places, so the tasks also do the transposition into rows or
+/// heads. x is copied once as columns, which `gemm` then reads in place instead of packing
+/// them for every run. Less work runs on this thread, one `gemm` call per product.
 ///
 /// # Errors
 /// The copy of x cannot be allocated.
@@ -208,14 +208,8 @@ pub(crate) fn few_rows(
     let run = |&(i, j0): &(usize, usize)| {
         let p = &products[i];
         let n = FEATURES.min(p.out - j0);
-        // The bias first, so that `gemm` adds the product to it in one rounding, as for more
-        // rows.
         let mut tile = vec![0f32; n * rows];
-        if let Some(b) = p.bias {
-            for (column, &b) in tile.chunks_exact_mut(rows).zip(&b[j0..j0 + n]) {
-                column.fill(p.scale * b);
-            }
-        }
+        with_bias(&mut tile, rows, p.bias.map(|b| &b[j0..j0 + n]), p.scale);
         // SAFETY: W's rows j0..j0 + n lie in it and xt holds in × rows values (asserted);
         // the tile holds n × rows values.
         unsafe {
@@ -228,21 +222,11 @@ pub(crate) fn few_rows(
                 p.scale,
             )
         };
-        let features = &mut [0usize; FEATURES][..n];
-        for (c, at) in features.iter_mut().enumerate() {
-            *at = p.place.feature(j0 + c);
-        }
-        let starts = &mut [0usize; FEW_ROWS][..rows];
-        for (r, start) in starts.iter_mut().enumerate() {
-            *start = p.place.row(r, p.out);
-        }
-        for (column, at) in tile.chunks_exact(rows).zip(&*features) {
-            for (&v, start) in column.iter().zip(&*starts) {
-                // SAFETY: the index is in bounds (asserted above); feature j0 + c belongs to
-                // this task alone, and `place` is one-to-one.
-                unsafe { *outs[i].at(start + at) = v };
-            }
-        }
+        to_places(&tile, rows, (p.place, p.out, j0), |at, v| {
+            // SAFETY: the index is in bounds (asserted above); features j0..j0 + n belong to
+            // this task alone, and `place` is one-to-one.
+            unsafe { *outs[i].at(at) = v };
+        });
     };
     tasks.par_iter().for_each(run);
     super::workspace::keep(xt);
@@ -252,13 +236,8 @@ pub(crate) fn few_rows(
 /// One product of [`few_rows`] too small to share, on this thread as one `gemm` call of the
 /// output's columns `W · xᵀ` (x read in place), then written to its places.
 fn whole(x: &[f32], (rows, inner): (usize, usize), p: &mut Product) -> candle_core::Result<()> {
-    // Written whole: with the bias here, else by the product (which then does not read it).
     let mut columns = super::workspace::take(p.out * rows, "projection columns")?;
-    if let Some(b) = p.bias {
-        for (column, &b) in columns.chunks_exact_mut(rows).zip(b) {
-            column.fill(p.scale * b);
-        }
-    }
+    with_bias(&mut columns, rows, p.bias, p.scale);
     // SAFETY: W holds out × in values, x rows × in (asserted by `few_rows`), `columns`
     // out × rows; `xᵀ` is read with column stride `in`.
     unsafe {
@@ -271,18 +250,40 @@ fn whole(x: &[f32], (rows, inner): (usize, usize), p: &mut Product) -> candle_co
             p.scale,
         )
     };
-    let starts = &mut [0usize; FEW_ROWS][..rows];
-    for (r, start) in starts.iter_mut().enumerate() {
-        *start = p.place.row(r, p.out);
-    }
-    for (j, column) in columns.chunks_exact(rows).enumerate() {
-        let at = p.place.feature(j);
-        for (&v, start) in column.iter().zip(&*starts) {
-            p.y[start + at] = v;
-        }
-    }
+    to_places(&columns, rows, (p.place, p.out, 0), |at, v| p.y[at] = v);
     super::workspace::keep(columns);
     Ok(())
+}
+
+/// `columns` (features of `rows` values each) with `scale · b` in each feature's values, for a
+/// product that adds to them (`accumulate`) in one rounding, as for more rows; without a bias,
+/// left to the product, which writes them without reading them.
+fn with_bias(columns: &mut [f32], rows: usize, bias: Option<&[f32]>, scale: f32) {
+    if let Some(b) = bias {
+        for (column, &b) in columns.chunks_exact_mut(rows).zip(b) {
+            column.fill(scale * b);
+        }
+    }
+}
+
+/// `write(index, value)` for each value of `columns` (features `j0..` of `rows` values each) at
+/// its place in an output of `out` features.
+fn to_places(
+    columns: &[f32],
+    rows: usize,
+    (place, out, j0): (Place, usize, usize),
+    mut write: impl FnMut(usize, f32),
+) {
+    let starts = &mut [0usize; FEW_ROWS][..rows];
+    for (r, start) in starts.iter_mut().enumerate() {
+        *start = place.row(r, out);
+    }
+    for (c, column) in columns.chunks_exact(rows).enumerate() {
+        let at = place.feature(j0 + c);
+        for (&v, start) in column.iter().zip(&*starts) {
+            write(start + at, v);
+        }
+    }
 }
 
 /// The output of [`few_rows`], written at disjoint places by its tasks.
