@@ -14,14 +14,16 @@
 //!   weights' dtype (half-precision runs widened into the thread's buffer first, never the
 //!   whole matrix, which candle's half matmul widens on every call), rounded once to the
 //!   weights' dtype;
-//! - more rows in f32: `gemm` directly (the crate candle's matmul calls);
+//! - more rows: `gemm` directly (the crate candle's matmul calls), in f32 whatever the dtype
+//!   (half-precision x widened once for all three projections, each weight once per call),
+//!   the bias added before the one rounding to the dtype;
 //! - otherwise (gradients, other dtypes and devices) candle's `Linear`, unchanged.
 
 use std::cell::RefCell;
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use candle_nn::Linear;
-use half::{bf16, f16};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
 
 use super::widen::Widen;
@@ -37,70 +39,139 @@ pub(crate) fn parts(linear: &Linear) -> impl Iterator<Item = &Tensor> {
 /// Rows (tokens) up to which the projections run as one pass over all their weights.
 pub(crate) const FEW_ROWS: usize = 4;
 
-/// `linear(x)`: a few rows by [`few_rows`], more by `gemm` directly for f32 CPU tensors that
-/// track no gradients, else by candle's `Linear`.
+/// `linear(x)`: a few rows by [`few_rows`], more by [`direct`], else by candle's `Linear`.
 pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
-    if let Some(mut ys) = few_rows(&[linear], x)? {
-        if let Some(y) = ys.pop() {
-            return Ok(y);
-        }
-    }
-    let w = linear.weight();
-    let direct = x.device().is_cpu()
-        && x.dtype() == DType::F32
-        && w.dtype() == DType::F32
-        && w.device().is_cpu()
-        && !x.track_op()
-        && !w.track_op()
-        && linear
-            .bias()
-            .is_none_or(|b| b.dtype() == DType::F32 && b.device().is_cpu() && !b.track_op());
-    let (Some(&features), Ok((out, inner))) = (x.dims().last(), w.dims2()) else {
-        return matmul::linear(linear, x);
+    let ys = match few_rows(&[linear], x)? {
+        Some(ys) => Some(ys),
+        None => direct(&[linear], x)?,
     };
-    if !direct || features != inner || x.rank() < 2 {
-        return matmul::linear(linear, x);
+    match ys.and_then(|mut ys| ys.pop()) {
+        Some(y) => Ok(y),
+        None => matmul::linear(linear, x),
     }
-    let x = x.contiguous()?;
-    let w = w.contiguous()?;
-    let rows = x.elem_count() / inner.max(1);
-    let mut y = crate::cpu::zeroed(rows * out, "projection output")?;
-    let bias = match linear.bias() {
-        Some(b) => Some(b.flatten_all()?.to_vec1::<f32>()?),
-        None => None,
-    };
-    {
-        let (xs, _) = x.storage_and_layout();
-        let (ws, _) = w.storage_and_layout();
-        let (
-            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(xd)),
-            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(wd)),
-        ) = (&*xs, &*ws)
-        else {
-            return matmul::linear(linear, &x);
-        };
-        let (xo, wo) = (x.layout().start_offset(), w.layout().start_offset());
-        let (Some(xd), Some(wd)) = (xd.get(xo..xo + rows * inner), wd.get(wo..wo + out * inner))
-        else {
-            return matmul::linear(linear, &x);
-        };
-        crate::cpu::gemm::linear(&mut y, (xd, wd, bias.as_deref()), (rows, out, inner), 1.0)?;
-    }
-    let mut dims = x.dims().to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = out;
-    }
-    Ok(Tensor::from_vec(y, dims, x.device())?)
 }
 
 /// `[linear(x) for linear in linears]`: a few rows of CPU tensors that track nothing in one
-/// parallel pass over all the weights ([`FEW_ROWS`]), else one [`project`] each.
+/// parallel pass over all the weights ([`FEW_ROWS`]), more by [`direct`] (x widened once for
+/// all of them), else one candle `Linear` each.
 pub(crate) fn project_all(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
-    match few_rows(linears, x)? {
+    if let Some(ys) = few_rows(linears, x)? {
+        return Ok(ys);
+    }
+    match direct(linears, x)? {
         Some(ys) => Ok(ys),
-        None => linears.iter().map(|l| project(l, x)).collect(),
+        None => linears.iter().map(|l| matmul::linear(l, x)).collect(),
     }
 }
+
+/// `[linear(x) for linear in linears]` by `gemm` in f32, or `None` when x, a weight or a bias
+/// is not a plain CPU tensor of x's dtype (f32, bf16 or f16) or a weight does not fit x.
+///
+/// Half precision is widened to f32 (x once for every projection), each product summed in f32
+/// with its bias and rounded once to the dtype: candle 0.11's bf16 matmul widens both operands
+/// too, but serially, its f16 one runs `gemm`'s f16 kernel (about 0.75× the f32 rate here),
+/// and its `Linear` rounds again after adding the bias in the half format.
+fn direct(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    let dtype = x.dtype();
+    let plain = |t: &Tensor| t.device().is_cpu() && t.dtype() == dtype && !t.track_op();
+    let Some(&inner) = x.dims().last() else {
+        return Ok(None);
+    };
+    let fits = linears.iter().all(|l| {
+        let w = l.weight();
+        plain(w)
+            && w.dims2().is_ok_and(|(_, i)| i == inner)
+            && l.bias()
+                .is_none_or(|b| plain(b) && b.dims() == [w.dims()[0]])
+    });
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || x.rank() < 2 || !plain(x) || !fits
+    {
+        return Ok(None);
+    }
+    let x = x.contiguous()?;
+    let rows = x.elem_count() / inner.max(1);
+    let ys = with_f32(&x, |xs| {
+        let mut ys = Vec::with_capacity(linears.len());
+        for linear in linears {
+            let w = linear.weight().contiguous()?;
+            let out = w.dims()[0];
+            let bias = match linear.bias() {
+                Some(b) => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+                None => None,
+            };
+            let mut y = crate::cpu::zeroed(rows * out, "projection output")?;
+            let product = with_f32(&w, |ws| {
+                crate::cpu::gemm::linear(&mut y, (xs, ws, bias.as_deref()), (rows, out, inner), 1.0)
+                    .map_err(crate::error::Error::from)
+            })?;
+            if product.is_none() {
+                return Ok(None);
+            }
+            let mut dims = x.dims().to_vec();
+            if let Some(last) = dims.last_mut() {
+                *last = out;
+            }
+            ys.push(narrowed(y, dims, dtype)?);
+        }
+        Ok(Some(ys))
+    })?;
+    Ok(ys.flatten())
+}
+
+/// `f(t's values as f32)` for a contiguous CPU tensor: f32 storage read in place, bf16 and f16
+/// widened into a fresh buffer; `None` for other storage.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<Option<R>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(storage) = &*storage else {
+        return Ok(None);
+    };
+    let values = layout.start_offset()..layout.start_offset() + t.elem_count();
+    fn widened<T: Widen + Sync, R>(
+        src: Option<&[T]>,
+        f: impl FnOnce(&[f32]) -> Result<R>,
+    ) -> Result<Option<R>> {
+        let Some(src) = src else { return Ok(None) };
+        let mut buf = crate::cpu::zeroed(src.len(), "half-precision values widened to f32")?;
+        buf.par_chunks_mut(CONVERT)
+            .zip(src.par_chunks(CONVERT))
+            .for_each(|(dst, src)| T::widen_fast(src, dst));
+        f(&buf).map(Some)
+    }
+    match storage {
+        CpuStorage::F32(d) => d.get(values).map(f).transpose(),
+        CpuStorage::BF16(d) => widened(d.get(values), f),
+        CpuStorage::F16(d) => widened(d.get(values), f),
+        _ => Ok(None),
+    }
+}
+
+/// f32 values as a CPU tensor of `dtype` (f32 as they are; bf16 and f16 rounded to nearest,
+/// ties to even, as candle's conversion rounds).
+fn narrowed(y: Vec<f32>, dims: Vec<usize>, dtype: DType) -> Result<Tensor> {
+    fn to<T: Send + Copy + Default + candle_core::WithDType>(
+        y: &[f32],
+        dims: Vec<usize>,
+        convert: fn(&mut [T], &[f32]),
+    ) -> Result<Tensor> {
+        let mut out = Vec::new();
+        out.try_reserve_exact(y.len()).map_err(|e| {
+            crate::error::Error::from(candle_core::Error::Msg(format!("projection output: {e}")))
+        })?;
+        out.resize(y.len(), T::default());
+        out.par_chunks_mut(CONVERT)
+            .zip(y.par_chunks(CONVERT))
+            .for_each(|(dst, src)| convert(dst, src));
+        Ok(Tensor::from_vec(out, dims, &candle_core::Device::Cpu)?)
+    }
+    match dtype {
+        DType::BF16 => to::<bf16>(&y, dims, |d, s| d.convert_from_f32_slice(s)),
+        DType::F16 => to::<f16>(&y, dims, |d, s| d.convert_from_f32_slice(s)),
+        _ => Ok(Tensor::from_vec(y, dims, &candle_core::Device::Cpu)?),
+    }
+}
+
+/// Values per parallel task of the conversions to and from half precision.
+const CONVERT: usize = 1 << 16;
 
 /// One weight matrix's rows as stored.
 #[derive(Clone, Copy)]
@@ -326,11 +397,11 @@ mod tests {
         Ok(())
     }
 
-    /// The queries', keys' and values' projections of one pass (widths 96, 32, 32; 300
-    /// inputs) equal each layer in f64, for 1 to 4 tokens (and 5 in f32, past the few rows:
-    /// `gemm`), in f32 within 1e-5 of the output's scale and in bf16 and f16 within one
-    /// rounding of the exact value (the products are summed in f32 and rounded once to the
-    /// weights' dtype).
+    /// The queries', keys' and values' projections (widths 96, 32, 32; 300 inputs) equal
+    /// each layer in f64, for 1 to 4 tokens (the one pass over the weights), 5, 40 and 300
+    /// (`gemm` directly; 300 past `gemm::FEW_ROWS`), in f32 within 1e-5 of the output's scale
+    /// and in bf16 and f16 within one rounding of the exact value (the products and the bias
+    /// are summed in f32 and rounded once to the weights' dtype).
     #[test]
     fn one_pass_equals_each_layer() -> anyhow::Result<()> {
         let dev = Device::Cpu;
@@ -342,13 +413,7 @@ mod tests {
                 random_linear((inner, 32), true, dtype, &dev)?,
             ];
             let refs: Vec<&Linear> = layers.iter().collect();
-            // Past the few rows, half precision is candle's own matmul (not tested here).
-            let most = if dtype == DType::F32 {
-                FEW_ROWS + 1
-            } else {
-                FEW_ROWS
-            };
-            for rows in 1..=most {
+            for rows in [1, 2, 3, 4, 5, 40, 300] {
                 let x = Tensor::randn(0f32, 1.0, (1, rows, inner), &dev)?.to_dtype(dtype)?;
                 let ys = project_all(&refs, &x)?;
                 assert_eq!(ys.len(), 3);
