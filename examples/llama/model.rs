@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 
 use anyhow::Context;
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use candle_posenc::hf::gguf::{GgufFile, QkRows};
 use candle_posenc::hf::{HfAttentionConfig, SharedEncodings};
@@ -247,16 +247,11 @@ fn rms_norm(config: &LlamaConfig, vb: VarBuilder) -> anyhow::Result<RmsNorm> {
     Ok(RmsNorm::new(weight, config.rms_norm_eps))
 }
 
-/// `x Wᵀ` over the last axis, with `x`'s leading axes flattened into rows first, so candle
-/// multiplies two matrices (no broadcast weight).
-fn linear(l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
-    let width = x.dim(D::Minus1)?;
-    let rows = x.elem_count().checked_div(width).unwrap_or(0);
-    let y = l.forward(&x.reshape((rows, width))?)?;
-    let mut dims = x.dims().to_vec();
-    dims.pop();
-    dims.push(y.dim(1)?);
-    y.reshape(dims)
+/// `x Wᵀ` over the last axis by the crate's product (the one its attention projections use):
+/// candle-nn's `Linear` asks for the thread count on every call and widens a whole bf16 weight
+/// to f32 for each product, the head's 28 M values on every decoding step.
+fn linear(l: &Linear, x: &Tensor) -> candle_posenc::Result<Tensor> {
+    candle_posenc::attention::linear(l, x)
 }
 
 /// `silu(a) ⊙ b` of `x = [a | b]` over the last axis: one pass over contiguous f32 rows on the

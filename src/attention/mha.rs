@@ -670,7 +670,7 @@ impl MultiHeadAttention {
         };
         match node {
             Some(output) => Ok(output),
-            None => projection::project(&self.o_proj, &merged.reshape((b, t, ()))?),
+            None => projection::linear(&self.o_proj, &merged.reshape((b, t, ()))?),
         }
     }
 

@@ -49,5 +49,6 @@ pub use config::{AttentionConfig, AttentionOptions, AttentionOutput, DEFAULT_LOG
 pub use kv_cache::KvCache;
 pub use latent::LatentConfig;
 pub use mha::MultiHeadAttention;
+pub use projection::linear;
 pub use qk_norm::{QkNormConfig, QkNormScope};
 pub use temperature::AttentionTemperature;

@@ -39,15 +39,53 @@ pub(crate) fn parts(linear: &Linear) -> impl Iterator<Item = &Tensor> {
 /// Rows (tokens) up to which the projections run as one pass over all their weights.
 pub(crate) const FEW_ROWS: usize = 4;
 
-/// `linear(x)`: a few rows by [`few_rows`], more by [`direct`], else by candle's `Linear`.
-pub(crate) fn project(linear: &Linear, x: &Tensor) -> Result<Tensor> {
-    let ys = match few_rows(&[linear], x)? {
+/// `layer.forward(x)`, `y = x Wᵀ + b`, without candle 0.11's per-call CPU costs: the product
+/// the attention block uses for its own projections, for the rest of a model built around it
+/// (an MLP, an LM head).
+///
+/// On the CPU, for tensors that track no gradients, in f32, bf16 or f16: a few rows (a
+/// decoding step's token) as one parallel pass over the weight's rows, half-precision rows
+/// widened to f32 a tile at a time; more rows by `gemm` in f32 (half precision widened once
+/// per call). Products and bias are summed in f32 and rounded once to the dtype, as candle's
+/// CPU matmul sums them (its `Linear` rounds a half-precision product again after adding the
+/// bias). Anything else (gradients, another dtype or device) is candle-nn's
+/// `Linear::forward`, so this is a drop-in for it.
+///
+/// # Shapes
+/// - `x`: `(…, in)`, `layer`'s weight `(out, in)`, its bias `(out)`;
+/// - returns `(…, out)` in `x`'s dtype.
+///
+/// # Errors
+/// When `x`'s last dimension is not the weight's `in`, or `x`, the weight and the bias differ
+/// in dtype or device (candle's error); when an output or a widened copy cannot be
+/// allocated.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{Linear, Module};
+///
+/// let dev = Device::Cpu;
+/// let w = Tensor::randn(0f32, 1.0, (8, 16), &dev)?.to_dtype(DType::BF16)?;
+/// let layer = Linear::new(w, None);
+/// let x = Tensor::randn(0f32, 1.0, (2, 3, 16), &dev)?.to_dtype(DType::BF16)?;
+/// let y = candle_posenc::attention::linear(&layer, &x)?;
+/// assert_eq!(y.dims(), &[2, 3, 8]);
+/// let want = layer.forward(&x)?;
+/// let diff = (y.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?;
+/// // The same f32 sums, rounded once to bf16: equal up to one rounding of their order.
+/// let scale = want.to_dtype(DType::F32)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff.abs()?.max_all()?.to_scalar::<f32>()? <= scale / 128.0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn linear(layer: &Linear, x: &Tensor) -> Result<Tensor> {
+    let ys = match few_rows(&[layer], x)? {
         Some(ys) => Some(ys),
-        None => direct(&[linear], x)?,
+        None => direct(&[layer], x)?,
     };
     match ys.and_then(|mut ys| ys.pop()) {
         Some(y) => Ok(y),
-        None => matmul::linear(linear, x),
+        None => matmul::linear(layer, x),
     }
 }
 
@@ -388,7 +426,7 @@ mod tests {
                 Tensor::randn(0f32, 1.0, (7, 3, 40), &dev)?.transpose(0, 1)?,
             ] {
                 let want = matmul::linear(&linear, &x)?;
-                let got = project(&linear, &x)?;
+                let got = super::linear(&linear, &x)?;
                 assert_eq!(got.dims(), want.dims());
                 let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 assert!(diff < 1e-5, "bias {bias} {:?}: {diff:e}", x.dims());

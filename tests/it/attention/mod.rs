@@ -5,6 +5,7 @@ mod decode_step;
 mod fused_core;
 mod gradients;
 mod half_precision;
+mod linear;
 mod one_node;
 mod one_pass;
 mod plug;
