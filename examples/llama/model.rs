@@ -254,16 +254,44 @@ fn linear(l: &Linear, x: &Tensor) -> candle_posenc::Result<Tensor> {
     candle_posenc::attention::linear(l, x)
 }
 
-/// `silu(a) ⊙ b` of `x = [a | b]` over the last axis: one pass over contiguous f32 rows on the
-/// CPU (candle-nn's `swiglu` makes three, over strided halves), candle-nn's elsewhere.
+/// `silu(a) ⊙ b` of `x = [a | b]` over the last axis: one pass over contiguous f32 or bf16
+/// rows on the CPU (candle-nn's `swiglu` makes three, over strided halves), candle-nn's
+/// elsewhere. In bf16 as PyTorch rounds it: `silu(a)` computed in f32 and rounded to bf16, its
+/// product with `b` computed in f32 and rounded again.
 fn swiglu(x: &Tensor) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() {
+    let dtypes = [DType::F32, DType::BF16];
+    if x.device().is_cpu() && dtypes.contains(&x.dtype()) && !x.track_op() {
         return x.contiguous()?.apply_op1_no_bwd(&SwiGlu);
     }
     candle_nn::ops::swiglu(x)
 }
 
 struct SwiGlu;
+
+/// `y = silu(a) ⊙ b` for every row `[a | b]` of `x`, in `T` (values read and written through
+/// f32, `round` applied to `silu(a)` as the product's input dtype would hold it).
+fn swiglu_rows<T: Copy + Default + Send + Sync>(
+    x: &[T],
+    width: usize,
+    to_f32: impl Fn(T) -> f32 + Sync,
+    from_f32: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let half = width / 2;
+    let rows = x.len() / width.max(1);
+    let mut out = vec![T::default(); rows * half];
+    out.par_chunks_mut(half.max(1))
+        .zip(x.par_chunks(width.max(1)))
+        .for_each(|(y, x)| {
+            let (a, b) = x.split_at(half);
+            for ((y, &a), &b) in y.iter_mut().zip(a).zip(b) {
+                let a = to_f32(a);
+                let silu = to_f32(from_f32(a / (1.0 + (-a).exp())));
+                *y = from_f32(silu * to_f32(b));
+            }
+        });
+    out
+}
 
 impl candle_core::CustomOp1 for SwiGlu {
     fn name(&self) -> &'static str {
@@ -275,28 +303,25 @@ impl candle_core::CustomOp1 for SwiGlu {
         s: &candle_core::CpuStorage,
         l: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use rayon::prelude::*;
-        let (candle_core::CpuStorage::F32(data), Some((start, end))) = (s, l.contiguous_offsets())
-        else {
-            candle_core::bail!("swiglu: expected contiguous f32");
+        use candle_core::CpuStorage;
+        use half::bf16;
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("swiglu: expected contiguous rows");
         };
         let width = l.dims().last().copied().unwrap_or(0);
         let half = width / 2;
-        let rows = (end - start) / width.max(1);
-        let mut out = vec![0f32; rows * half];
-        out.par_chunks_mut(half.max(1))
-            .zip(data[start..end].par_chunks(width.max(1)))
-            .for_each(|(y, x)| {
-                let (a, b) = x.split_at(half);
-                for ((y, a), b) in y.iter_mut().zip(a).zip(b) {
-                    *y = a / (1.0 + (-a).exp()) * b;
-                }
-            });
+        let out = match s {
+            CpuStorage::F32(d) => CpuStorage::F32(swiglu_rows(&d[start..end], width, |v| v, |v| v)),
+            CpuStorage::BF16(d) => CpuStorage::BF16(swiglu_rows(
+                &d[start..end],
+                width,
+                bf16::to_f32,
+                bf16::from_f32,
+            )),
+            _ => candle_core::bail!("swiglu: expected f32 or bf16"),
+        };
         let mut dims = l.dims().to_vec();
         *dims.last_mut().expect("a last axis") = half;
-        Ok((
-            candle_core::CpuStorage::F32(out),
-            candle_core::Shape::from(dims),
-        ))
+        Ok((out, candle_core::Shape::from(dims)))
     }
 }
