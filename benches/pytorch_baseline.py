@@ -10,6 +10,7 @@ Run by hand (CI never needs Python), on the same quiet machine as `cargo bench -
     python benches/pytorch_baseline.py --lengths --json > pytorch.jsonl   # T = 1k..32k, for the plot
     python benches/pytorch_baseline.py --small    # only a small model's layer (SmolLM2's shape)
     python benches/pytorch_baseline.py --train-peaks  # only T = 8192 training steps: time, peak memory
+    python benches/pytorch_baseline.py --half     # only the block without a bias in f32, bf16, f16
 
 Each case is the crate's block written with torch: four bias-free projections of d_model = 512,
 `scaled_dot_product_attention` with ALiBi as a float mask (BLOOM's slopes; `-m|i - j|` for the
@@ -40,6 +41,9 @@ process's peak resident memory: the counterpart of the crate's T = 8192 training
 HF's rotate-half RoPE with θ 1e5 from a precomputed table, SDPA with grouped KV heads, causal,
 B1): a 30-token and a 512-token prefill (medians of 125), and one decoding step against a
 preallocated cache of 100 and 2048 keys (medians of 625): the counterpart of `--only small`.
+`--half` times only the block without a bias (B2 T1024, SDPA) with its weights and input in
+float32, bfloat16 and float16, causal and bidirectional, medians of 9 after two: the
+counterpart of `--only half`.
 
 `--device cuda` runs the GPU table instead (bf16, B4 d_model 1024 H16 D64; B1 at T = 16384),
 the counterpart of `cargo bench --features cuda --bench attention -- --only cuda`: per scheme
@@ -103,6 +107,7 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true")
     parser.add_argument("--lengths", action="store_true")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--half", action="store_true")
     parser.add_argument("--train-peaks", action="store_true")
     parser.add_argument("--train-peak", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--train-step", nargs=2, metavar=("NAME", "CAUSAL"), default=None,
@@ -123,6 +128,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.small:
         small_layer(args.json)
+        return
+    if args.half:
+        half_precision(args.json)
         return
     if args.train_peak:
         train_peak(args.train_peak, 8, 64)
@@ -291,6 +299,30 @@ def small_layer(as_json: bool) -> None:
             print(f"{case:<34} {ms:>10.3f}")
             if as_json:
                 print(json.dumps({"bench": "pytorch_small", "case": case, "median_ms": round(ms, 4)}))
+
+
+def half_precision(as_json: bool) -> None:
+    b, h, t, d = 2, 8, 1024, 64
+    dm = h * d
+    print(f"block without a bias, B{b} H{h} T{t} D{d}, by dtype (ms)")
+    for causal in (False, True):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            proj = [torch.nn.Linear(dm, dm, bias=False).to(dtype) for _ in range(4)]
+            x = torch.randn(b, t, dm).to(dtype)
+
+            def block(proj=proj, x=x, causal=causal):
+                with torch.no_grad():
+                    q, k, v = (p(x).view(b, t, h, d).transpose(1, 2) for p in proj[:3])
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    return proj[3](o.transpose(1, 2).reshape(b, t, dm))
+
+            block()
+            ms = median_ms(block)
+            name = str(dtype).removeprefix("torch.")
+            print(f"causal={causal!s:<5} {name:<8} {ms:8.2f}")
+            if as_json:
+                print(json.dumps({"bench": "pytorch_half", "causal": causal, "dtype": name,
+                                  "median_ms": round(ms, 3)}))
 
 
 def rope(x: torch.Tensor) -> torch.Tensor:
