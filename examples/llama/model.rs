@@ -309,6 +309,9 @@ impl candle_core::CustomOp1 for SwiGlu {
             candle_core::bail!("swiglu: expected contiguous rows");
         };
         let width = l.dims().last().copied().unwrap_or(0);
+        if width % 2 != 0 {
+            candle_core::bail!("swiglu: the last axis ({width}) must hold [a | b], an even width");
+        }
         let half = width / 2;
         let out = match s {
             CpuStorage::F32(d) => CpuStorage::F32(swiglu_rows(&d[start..end], width, |v| v, |v| v)),

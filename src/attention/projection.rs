@@ -47,9 +47,10 @@ pub(crate) const FEW_ROWS: usize = 4;
 /// decoding step's token) as one parallel pass over the weight's rows, half-precision rows
 /// widened to f32 a tile at a time; more rows by `gemm` in f32 (half precision widened once
 /// per call). Products and bias are summed in f32 and rounded once to the dtype, as candle's
-/// CPU matmul sums them (its `Linear` rounds a half-precision product again after adding the
-/// bias). Anything else (gradients, another dtype or device) is candle-nn's
-/// `Linear::forward`, so this is a drop-in for it.
+/// CPU matmul sums a bf16 product (its f16 one rounds after each block of `gemm`'s depth, and
+/// its `Linear` rounds a half-precision product again after adding the bias). Anything else
+/// (gradients, another dtype or device) is candle-nn's `Linear::forward`, so this is a
+/// drop-in for it.
 ///
 /// # Shapes
 /// - `x`: `(…, in)`, `layer`'s weight `(out, in)`, its bias `(out)`;
@@ -127,7 +128,8 @@ fn direct(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         return Ok(None);
     }
     let x = x.contiguous()?;
-    let rows = x.elem_count() / inner.max(1);
+    // The leading axes' product (not elem_count / in, which is 0 for 0 features).
+    let rows: usize = x.dims()[..x.rank() - 1].iter().product();
     let ys = with_f32(&x, |xs| {
         let mut ys = Vec::with_capacity(linears.len());
         for linear in linears {

@@ -103,3 +103,37 @@ fn an_input_that_does_not_fit_is_an_error() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Views with a start offset (x and the weight narrowed out of larger tensors), leading axes
+/// of more than one, and empty axes: the values of candle-nn's `Linear` (f32), and for no
+/// input features the bias alone.
+#[test]
+fn views_and_empty_axes() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let big_w = Tensor::randn(0f32, 1.0, (10, 16), &dev)?;
+    let big_b = Tensor::randn(0f32, 1.0, 10, &dev)?;
+    let layer = Linear::new(big_w.narrow(0, 2, 8)?, Some(big_b.narrow(0, 2, 8)?));
+    for rows in [2, 300] {
+        let x = Tensor::randn(0f32, 1.0, (5, rows, 16), &dev)?.narrow(0, 1, 3)?;
+        let (ours, theirs) = (linear(&layer, &x)?, layer.forward(&x)?);
+        assert_eq!(ours.dims(), &[3, rows, 8]);
+        let diff = (ours - theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{rows} rows of a view: {diff:e}");
+    }
+    // No input features: y = b on every row.
+    let bias = Tensor::new(&[1f32, -2.0, 3.5], &dev)?;
+    let empty = Linear::new(Tensor::zeros((3, 0), DType::F32, &dev)?, Some(bias.clone()));
+    let y = linear(&empty, &Tensor::zeros((2, 4, 0), DType::F32, &dev)?)?;
+    assert_eq!(y.dims(), &[2, 4, 3]);
+    assert_eq!(
+        y.flatten_to(1)?.to_vec2::<f32>()?,
+        vec![vec![1.0, -2.0, 3.5]; 8]
+    );
+    // No rows, no output features.
+    let y = linear(&layer, &Tensor::zeros((2, 0, 16), DType::F32, &dev)?)?;
+    assert_eq!(y.dims(), &[2, 0, 8]);
+    let none = Linear::new(Tensor::zeros((0, 16), DType::F32, &dev)?, None);
+    let y = linear(&none, &Tensor::zeros((2, 5, 16), DType::F32, &dev)?)?;
+    assert_eq!(y.dims(), &[2, 5, 0]);
+    Ok(())
+}
