@@ -57,9 +57,9 @@ pub(crate) const FEW_ROWS: usize = 4;
 /// - returns `(…, out)` in `x`'s dtype.
 ///
 /// # Errors
-/// When `x`'s last dimension is not the weight's `in`, or `x`, the weight and the bias differ
-/// in dtype or device (candle's error); when an output or a widened copy cannot be
-/// allocated.
+/// When the output would hold more than [`crate::limits::max_elements`] elements; when `x`'s
+/// last dimension is not the weight's `in`, or `x`, the weight and the bias differ in dtype or
+/// device (candle's error); when an output or a widened copy cannot be allocated.
 ///
 /// # Example
 /// ```
@@ -80,6 +80,17 @@ pub(crate) const FEW_ROWS: usize = 4;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn linear(layer: &Linear, x: &Tensor) -> Result<Tensor> {
+    // The output's size against the budget first: x's leading axes may be huge with no
+    // features at all (`(2^40, 0)` holds nothing).
+    if let (Some((_, lead)), Ok((out, _))) = (x.dims().split_last(), layer.weight().dims2()) {
+        let rows = lead.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        crate::limits::check_elements(
+            "linear",
+            format_args!("x {:?} through a weight of {out} rows", x.dims()),
+            "rows × output features",
+            &[rows.unwrap_or(usize::MAX), out],
+        )?;
+    }
     let ys = match few_rows(&[layer], x)? {
         Some(ys) => Some(ys),
         None => direct(&[layer], x)?,

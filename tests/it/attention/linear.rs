@@ -137,3 +137,26 @@ fn views_and_empty_axes() -> anyhow::Result<()> {
     assert_eq!(y.dims(), &[2, 5, 0]);
     Ok(())
 }
+
+/// An output past the budget is refused before anything is allocated: leading axes of 2^40
+/// rows with no features (a tensor that holds nothing), and a plain product under a small
+/// scope.
+#[test]
+fn an_output_past_the_budget_is_an_error() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let empty = Linear::new(Tensor::zeros((3, 0), DType::F32, &dev)?, None);
+    let huge = Tensor::zeros((1usize << 40, 0), DType::F32, &dev)?;
+    let err = linear(&empty, &huge).err().map(|e| e.to_string());
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("linear")),
+        "{err:?}"
+    );
+    let layer = layer(16, 8, false, DType::F32)?;
+    let x = Tensor::zeros((20, 16), DType::F32, &dev)?;
+    let _scope = candle_posenc::limits::BudgetScope::new(100);
+    assert!(
+        linear(&layer, &x).is_err(),
+        "160 outputs under a budget of 100"
+    );
+    Ok(())
+}
