@@ -14,9 +14,10 @@
 //!   weights' dtype (half-precision runs widened into the thread's buffer first, never the
 //!   whole matrix, which candle's half matmul widens on every call), rounded once to the
 //!   weights' dtype;
-//! - more rows: `gemm` directly (the crate candle's matmul calls), in f32 whatever the dtype
-//!   (half-precision x widened once for all three projections, each weight once per call),
-//!   the bias added before the one rounding to the dtype;
+//! - more rows: bf16 on its own values where the CPU has AVX-512 BF16 (`cpu::bf16_gemm`, twice
+//!   the f32 rate), else `gemm` directly (the crate candle's matmul calls) in f32 (half
+//!   precision widened, x once for all three projections, each weight once per call); sums in
+//!   f32, the bias added before the one rounding to the dtype;
 //! - otherwise (gradients, other dtypes and devices) candle's `Linear`, unchanged.
 
 use std::cell::RefCell;
@@ -28,7 +29,7 @@ use rayon::prelude::*;
 
 use super::widen::Widen;
 use crate::cpu::gemm::product;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::matmul;
 
 /// The tensors a projection holds: its weight and its bias, if it has one.
@@ -45,8 +46,8 @@ pub(crate) const FEW_ROWS: usize = 4;
 ///
 /// On the CPU, for tensors that track no gradients, in f32, bf16 or f16: a few rows (a
 /// decoding step's token) as one parallel pass over the weight's rows, half-precision rows
-/// widened to f32 a tile at a time; more rows by `gemm` in f32 (half precision widened once
-/// per call). Products and bias are summed in f32 and rounded once to the dtype, as candle's
+/// widened to f32 a tile at a time; more rows in bf16 on the CPU's bf16 products where it has
+/// AVX-512 BF16, else by `gemm` in f32 (half precision widened once per call). Products and bias are summed in f32 and rounded once to the dtype, as candle's
 /// CPU matmul sums a bf16 product (its f16 one rounds after each block of `gemm`'s depth, and
 /// its `Linear` rounds a half-precision product again after adding the bias). Anything else
 /// (gradients, another dtype or device) is candle-nn's `Linear::forward`, so this is a
@@ -122,6 +123,16 @@ pub(crate) fn project_all(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>
 /// too, but serially, its f16 one runs `gemm`'s f16 kernel (about 0.75× the f32 rate here),
 /// and its `Linear` rounds again after adding the bias in the half format.
 fn direct(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    #[cfg(target_arch = "x86_64")]
+    let native_bf16 = crate::cpu::bf16_gemm::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let native_bf16 = false;
+    direct_via(linears, x, native_bf16)
+}
+
+/// [`direct`], with bf16 products on bf16 operands (`native_bf16`, AVX-512 BF16 only) or
+/// widened to f32 like f16's.
+fn direct_via(linears: &[&Linear], x: &Tensor, native_bf16: bool) -> Result<Option<Vec<Tensor>>> {
     let dtype = x.dtype();
     let plain = |t: &Tensor| t.device().is_cpu() && t.dtype() == dtype && !t.track_op();
     let Some(&inner) = x.dims().last() else {
@@ -141,32 +152,73 @@ fn direct(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     let x = x.contiguous()?;
     // The leading axes' product (not elem_count / in, which is 0 for 0 features).
     let rows: usize = x.dims()[..x.rank() - 1].iter().product();
+    let dims = (rows, inner);
+    let _ = native_bf16; // (read only on x86_64)
+                         // bf16 on AVX-512 BF16: products on the bf16 values themselves, x read in place.
+    #[cfg(target_arch = "x86_64")]
+    if native_bf16 && dtype == DType::BF16 {
+        let ys = with_bf16(&x, |xs| {
+            outputs(linears, &x, dims, |w, bias, y, sizes| {
+                with_bf16(w, |ws| {
+                    crate::cpu::bf16_gemm::linear(y, (xs, ws, bias), sizes).map_err(Error::from)
+                })
+            })
+        })?;
+        return Ok(ys.flatten());
+    }
     let ys = with_f32(&x, |xs| {
-        let mut ys = Vec::with_capacity(linears.len());
-        for linear in linears {
-            let w = linear.weight().contiguous()?;
-            let out = w.dims()[0];
-            let bias = match linear.bias() {
-                Some(b) => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-                None => None,
-            };
-            let mut y = crate::cpu::zeroed(rows * out, "projection output")?;
-            let product = with_f32(&w, |ws| {
-                crate::cpu::gemm::linear(&mut y, (xs, ws, bias.as_deref()), (rows, out, inner), 1.0)
-                    .map_err(crate::error::Error::from)
-            })?;
-            if product.is_none() {
-                return Ok(None);
-            }
-            let mut dims = x.dims().to_vec();
-            if let Some(last) = dims.last_mut() {
-                *last = out;
-            }
-            ys.push(narrowed(y, dims, dtype)?);
-        }
-        Ok(Some(ys))
+        outputs(linears, &x, dims, |w, bias, y, sizes| {
+            with_f32(w, |ws| {
+                crate::cpu::gemm::linear(y, (xs, ws, bias), sizes, 1.0).map_err(Error::from)
+            })
+        })
     })?;
     Ok(ys.flatten())
+}
+
+/// Each linear's output for x `(…, in)` of `rows` rows: its weight made contiguous, its bias in
+/// f32, `product` into a fresh f32 buffer, rounded to x's dtype; `None` when a product is.
+fn outputs(
+    linears: &[&Linear],
+    x: &Tensor,
+    (rows, inner): (usize, usize),
+    mut product: impl FnMut(
+        &Tensor,
+        Option<&[f32]>,
+        &mut [f32],
+        (usize, usize, usize),
+    ) -> Result<Option<()>>,
+) -> Result<Option<Vec<Tensor>>> {
+    let mut ys = Vec::with_capacity(linears.len());
+    for linear in linears {
+        let w = linear.weight().contiguous()?;
+        let out = w.dims()[0];
+        let bias = match linear.bias() {
+            Some(b) => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+            None => None,
+        };
+        let mut y = crate::cpu::zeroed(rows * out, "projection output")?;
+        if product(&w, bias.as_deref(), &mut y, (rows, out, inner))?.is_none() {
+            return Ok(None);
+        }
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = out;
+        }
+        ys.push(narrowed(y, dims, x.dtype())?);
+    }
+    Ok(Some(ys))
+}
+
+/// `f(t's bf16 values)` for a contiguous CPU bf16 tensor; `None` for other storage.
+#[cfg(target_arch = "x86_64")]
+fn with_bf16<R>(t: &Tensor, f: impl FnOnce(&[bf16]) -> Result<R>) -> Result<Option<R>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(CpuStorage::BF16(d)) = &*storage else {
+        return Ok(None);
+    };
+    let start = layout.start_offset();
+    d.get(start..start + t.elem_count()).map(f).transpose()
 }
 
 /// `f(t's values as f32)` for a contiguous CPU tensor: f32 storage read in place, bf16 and f16
@@ -450,7 +502,8 @@ mod tests {
 
     /// The queries', keys' and values' projections (widths 96, 32, 32; 300 inputs) equal
     /// each layer in f64, for 1 to 4 tokens (the one pass over the weights), 5, 40 and 300
-    /// (`gemm` directly; 300 past `gemm::FEW_ROWS`), in f32 within 1e-5 of the output's scale
+    /// (`gemm` directly, 300 past `gemm::FEW_ROWS`; bf16 also widened to f32 where the CPU
+    /// multiplies bf16 itself), in f32 within 1e-5 of the output's scale
     /// and in bf16 and f16 within one rounding of the exact value (the products and the bias
     /// are summed in f32 and rounded once to the weights' dtype).
     #[test]
@@ -466,9 +519,14 @@ mod tests {
             let refs: Vec<&Linear> = layers.iter().collect();
             for rows in [1, 2, 3, 4, 5, 40, 300] {
                 let x = Tensor::randn(0f32, 1.0, (1, rows, inner), &dev)?.to_dtype(dtype)?;
-                let ys = project_all(&refs, &x)?;
-                assert_eq!(ys.len(), 3);
-                for (layer, y) in layers.iter().zip(&ys) {
+                // bf16 past the few rows: the native products (where the CPU has them) and
+                // the widened ones they replace.
+                let mut runs = vec![project_all(&refs, &x)?];
+                if dtype == DType::BF16 && rows > FEW_ROWS {
+                    let widened = direct_via(&refs, &x, false)?;
+                    runs.push(widened.ok_or_else(|| anyhow::anyhow!("plain tensors"))?);
+                }
+                for (layer, y) in runs.iter().flat_map(|ys| layers.iter().zip(ys)) {
                     let exact = {
                         let w = layer.weight().to_dtype(DType::F64)?;
                         let y = matmul::broadcast_matmul(&x.to_dtype(DType::F64)?, &w.t()?)?;

@@ -1,7 +1,10 @@
 //! The CPU kernels the block and the encodings share: strided f32 products through `gemm`
-//! ([`gemm`]) and a linear projection as one node of candle's graph ([`linear_node`]). The
+//! ([`gemm`]), bf16 products on AVX-512 BF16 (`bf16_gemm`, x86-64 only) and a linear
+//! projection as one node of candle's graph ([`linear_node`]). The
 //! attention cores themselves are the block's paths (`attention/fused_*.rs`).
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod bf16_gemm;
 pub(crate) mod gemm;
 pub(crate) mod linear_node;
 pub(crate) mod pool;
