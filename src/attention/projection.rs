@@ -12,8 +12,8 @@
 //!   values' projections as one parallel pass over the rows of their weights, each task a run
 //!   of up to 64 output features of one matrix multiplied by `gemm` in f32 whatever the
 //!   weights' dtype (half-precision runs widened into the thread's buffer first, never the
-//!   whole matrix, which candle's half matmul widens on every call), rounded once to the
-//!   weights' dtype;
+//!   whole matrix, which candle's half matmul widens on every call; bf16 runs as the CPU's own
+//!   bf16 dot products where it has AVX-512 BF16), rounded once to the weights' dtype;
 //! - more rows: bf16 on its own values where the CPU has AVX-512 BF16 (`cpu::bf16_gemm`, twice
 //!   the f32 rate), else `gemm` directly (the crate candle's matmul calls) in f32 (half
 //!   precision widened, x once for all three projections, each weight once per call); sums in
@@ -123,11 +123,7 @@ pub(crate) fn project_all(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>
 /// too, but serially, its f16 one runs `gemm`'s f16 kernel (about 0.75× the f32 rate here),
 /// and its `Linear` rounds again after adding the bias in the half format.
 fn direct(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
-    #[cfg(target_arch = "x86_64")]
-    let native_bf16 = crate::cpu::bf16_gemm::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    let native_bf16 = false;
-    direct_via(linears, x, native_bf16)
+    direct_via(linears, x, native_bf16())
 }
 
 /// [`direct`], with bf16 products on bf16 operands (`native_bf16`, AVX-512 BF16 only) or
@@ -287,6 +283,24 @@ enum Rows<'a> {
 /// The few-row products of [`project_all`], or `None` when they do not apply (too many rows,
 /// a tracked tensor, another device, dtypes that differ, a weight that does not fit `x`).
 fn few_rows(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    few_rows_via(linears, x, native_bf16())
+}
+
+/// Whether this CPU multiplies bf16 itself (AVX-512 BF16: `cpu::bf16_gemm`).
+fn native_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return crate::cpu::bf16_gemm::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+// A few rows are what the bf16 dot products take together.
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(FEW_ROWS <= crate::cpu::bf16_gemm::DOT_ROWS);
+
+/// [`few_rows`], bf16 weights multiplied by the CPU's bf16 dot products (`native_bf16`) or
+/// widened to f32.
+fn few_rows_via(linears: &[&Linear], x: &Tensor, native_bf16: bool) -> Result<Option<Vec<Tensor>>> {
     let dtype = x.dtype();
     let inner = match x.dims().last() {
         Some(&n) if x.rank() >= 2 && n > 0 => n,
@@ -311,6 +325,11 @@ fn few_rows(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         return Ok(None);
     }
     let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    // bf16 on AVX-512 BF16: x as it is, for the weights' own products (`dots`).
+    let xb = match native_bf16 && dtype == DType::BF16 {
+        true => Some(x.flatten_all()?.to_vec1::<bf16>()?),
+        false => None,
+    };
     let weights = linears
         .iter()
         .map(|l| l.weight().contiguous())
@@ -352,7 +371,7 @@ fn few_rows(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     let fill = |(c, ys): (usize, &mut [f32])| {
         fill(
             (&matrices, &biases, &outs),
-            &xs,
+            (&xs, xb.as_deref()),
             (inner, rows, c * CHUNK),
             ys,
         )
@@ -395,10 +414,12 @@ type Weights<'a> = (&'a [Rows<'a>], &'a [Option<Vec<f32>>], &'a [usize]);
 /// Output features `first..first + ys.len() / rows` of the concatenated matrices (with their
 /// biases) for each of `rows` rows of `xs` (`rows × inner`), into `ys` (`[feature][row]`):
 /// each run of features within one matrix as one `gemm` product `W_run · xᵀ`, f32 rows read
-/// in place, half-precision ones widened into this thread's buffer first.
+/// in place, half-precision ones widened into this thread's buffer first, or bf16 ones with
+/// x's bf16 values (`xb`, given where the CPU multiplies bf16 itself) as their own dot
+/// products.
 fn fill(
     (matrices, biases, outs): Weights,
-    xs: &[f32],
+    (xs, xb): (&[f32], Option<&[bf16]>),
     (inner, rows, first): (usize, usize, usize),
     ys: &mut [f32],
 ) {
@@ -426,7 +447,11 @@ fn fill(
         };
         match matrices[m] {
             Rows::F32(w) => run(&w[span], dst),
-            Rows::Bf16(w) => widened(&w[span], |w| run(w, dst)),
+            Rows::Bf16(w) => match xb {
+                #[cfg(target_arch = "x86_64")]
+                Some(xb) => crate::cpu::bf16_gemm::dots(&w[span], xb, dst, (n, rows, inner)),
+                _ => widened(&w[span], |w| run(w, dst)),
+            },
             Rows::F16(w) => widened(&w[span], |w| run(w, dst)),
         }
         if let Some(b) = &biases[m] {
@@ -502,8 +527,8 @@ mod tests {
 
     /// The queries', keys' and values' projections (widths 96, 32, 32; 300 inputs) equal
     /// each layer in f64, for 1 to 4 tokens (the one pass over the weights), 5, 40 and 300
-    /// (`gemm` directly, 300 past `gemm::FEW_ROWS`; bf16 also widened to f32 where the CPU
-    /// multiplies bf16 itself), in f32 within 1e-5 of the output's scale
+    /// (`gemm` directly, 300 past `gemm::FEW_ROWS`; bf16 both by the CPU's bf16 products,
+    /// where it has them, and widened to f32), in f32 within 1e-5 of the output's scale
     /// and in bf16 and f16 within one rounding of the exact value (the products and the bias
     /// are summed in f32 and rounded once to the weights' dtype).
     #[test]
@@ -522,8 +547,11 @@ mod tests {
                 // bf16 past the few rows: the native products (where the CPU has them) and
                 // the widened ones they replace.
                 let mut runs = vec![project_all(&refs, &x)?];
-                if dtype == DType::BF16 && rows > FEW_ROWS {
-                    let widened = direct_via(&refs, &x, false)?;
+                if dtype == DType::BF16 {
+                    let widened = match rows > FEW_ROWS {
+                        true => direct_via(&refs, &x, false)?,
+                        false => few_rows_via(&refs, &x, false)?,
+                    };
                     runs.push(widened.ok_or_else(|| anyhow::anyhow!("plain tensors"))?);
                 }
                 for (layer, y) in runs.iter().flat_map(|ys| layers.iter().zip(ys)) {

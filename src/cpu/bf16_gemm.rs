@@ -24,9 +24,85 @@ pub(crate) const NR: usize = 32;
 /// Rows per block of the inner kernel (12 accumulators, two panel vectors, one broadcast).
 const MR: usize = 6;
 
-/// Whether this CPU runs the kernel (AVX-512 F and BF16).
+/// Whether this CPU runs the kernels (AVX-512 F, BW and BF16).
 pub(crate) fn available() -> bool {
-    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512bf16")
+}
+
+/// 32 bf16 values as `vdpbf16ps` reads them.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn bh(v: __m512i) -> __m512bh {
+    // SAFETY: both are 64 bytes of plain data; every bit pattern is a valid value of either.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// Rows of x up to which [`dots`] takes them together (a decoding step's tokens).
+pub(crate) const DOT_ROWS: usize = 4;
+
+/// `dst[o·rows + r] = Σ_k w[o·in + k] · x[r·in + k]` for `n` rows of w against `rows` ≤
+/// [`DOT_ROWS`] rows of x, on this thread: each weight row read once, 32 values per
+/// instruction, with no widened copy (a decoding step reads every weight once, so this is what
+/// bounds it).
+///
+/// # Panics
+/// If the CPU lacks the kernels ([`available`]), `rows` is over [`DOT_ROWS`], or a slice is
+/// shorter than its dimensions say.
+pub(crate) fn dots(
+    w: &[bf16],
+    x: &[bf16],
+    dst: &mut [f32],
+    (n, rows, inner): (usize, usize, usize),
+) {
+    assert!(available(), "bf16_gemm::dots needs AVX-512 BF16");
+    assert!(rows <= DOT_ROWS);
+    assert!(w.len() >= n * inner && x.len() >= rows * inner && dst.len() >= n * rows);
+    // SAFETY: the CPU has the features (asserted) and the slices hold what the dimensions say
+    // (asserted).
+    unsafe { dots_avx512(w, x, dst, (n, rows, inner)) }
+}
+
+/// [`dots`] itself.
+///
+/// # Safety
+/// As [`dots`]'s assertions.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn dots_avx512(
+    w: &[bf16],
+    x: &[bf16],
+    dst: &mut [f32],
+    (n, rows, inner): (usize, usize, usize),
+) {
+    let (full, tail) = (inner / 32, inner % 32);
+    let mask: __mmask32 = ((1u64 << tail) - 1) as u32;
+    for o in 0..n {
+        let row = w.as_ptr().wrapping_add(o * inner);
+        let mut acc = [_mm512_setzero_ps(); DOT_ROWS];
+        // SAFETY: chunk c of row o and of each x row holds 32 values (the last `tail`, read
+        // under the mask, which zeroes the rest and reads nothing past it).
+        unsafe {
+            for c in 0..full {
+                let wv = bh(_mm512_loadu_si512(row.add(32 * c).cast()));
+                for (r, acc) in acc.iter_mut().enumerate().take(rows) {
+                    let xv = _mm512_loadu_si512(x.as_ptr().add(r * inner + 32 * c).cast());
+                    *acc = _mm512_dpbf16_ps(*acc, wv, bh(xv));
+                }
+            }
+            if tail > 0 {
+                let at = 32 * full;
+                let wv = _mm512_maskz_loadu_epi16(mask, row.add(at).cast());
+                for (r, acc) in acc.iter_mut().enumerate().take(rows) {
+                    let xv = _mm512_maskz_loadu_epi16(mask, x.as_ptr().add(r * inner + at).cast());
+                    *acc = _mm512_dpbf16_ps(*acc, bh(wv), bh(xv));
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate().take(rows) {
+            dst[o * rows + r] = _mm512_reduce_add_ps(*acc);
+        }
+    }
 }
 
 /// `y[r·out + o] = b[o] + Σ_k x[r·in + k] · w[o·in + k]` for `rows × out` outputs, over this
@@ -194,11 +270,11 @@ unsafe fn kernel<const R: usize>(
         // two bf16 (one unaligned u32).
         unsafe {
             let step = panel.add(p * NR * 2);
-            let lo: __m512bh = std::mem::transmute(_mm512_loadu_si512(step.cast()));
-            let hi: __m512bh = std::mem::transmute(_mm512_loadu_si512(step.add(NR).cast()));
+            let lo = bh(_mm512_loadu_si512(step.cast()));
+            let hi = bh(_mm512_loadu_si512(step.add(NR).cast()));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let pair = x.add(r * x_stride + 2 * p).cast::<i32>().read_unaligned();
-                let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                let a = bh(_mm512_set1_epi32(pair));
                 acc[0] = _mm512_dpbf16_ps(acc[0], a, lo);
                 acc[1] = _mm512_dpbf16_ps(acc[1], a, hi);
             }
@@ -226,6 +302,41 @@ unsafe fn kernel<const R: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`dots`] against f64 for 1 to 4 rows and inputs around the vector of 32 (a tail under
+    /// the mask, odd and even): within the f32 sums' error. A mutation (the mask one value
+    /// short) fails it.
+    #[test]
+    fn dots_equal_f64_within_f32_sums() {
+        if !available() {
+            return;
+        }
+        let value = |i: usize| bf16::from_f32(((i * 7919 % 1000) as f32 - 500.0) / 250.0);
+        for inner in [1, 31, 32, 33, 64, 577] {
+            for rows in 1..=DOT_ROWS {
+                let n = 5;
+                let w: Vec<bf16> = (0..n * inner).map(|i| value(i + 3)).collect();
+                let x: Vec<bf16> = (0..rows * inner).map(value).collect();
+                let mut dst = vec![f32::NAN; n * rows];
+                dots(&w, &x, &mut dst, (n, rows, inner));
+                for o in 0..n {
+                    for r in 0..rows {
+                        let terms = (0..inner).map(|k| {
+                            f64::from(w[o * inner + k].to_f32())
+                                * f64::from(x[r * inner + k].to_f32())
+                        });
+                        let (sum, size) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                        let bound = (inner + 2) as f64 * 2f64.powi(-24) * size;
+                        let got = f64::from(dst[o * rows + r]);
+                        assert!(
+                            (got - sum).abs() <= bound,
+                            "in {inner} [{o}, {r}]: {got} vs {sum}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// Against f64 for rows around the block of six, features around the panel of 32, odd
     /// and even inputs, with and without a bias: each value within the f32 sums' error,
