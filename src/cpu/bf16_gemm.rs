@@ -125,6 +125,16 @@ pub(crate) fn linear(
     if rows == 0 || out == 0 {
         return Ok(());
     }
+    if inner == 0 {
+        // No products: the bias, or zeros.
+        for row in y.chunks_exact_mut(out).take(rows) {
+            match bias {
+                Some(b) => row.copy_from_slice(&b[..out]),
+                None => row.fill(0.0),
+            }
+        }
+        return Ok(());
+    }
     let pairs = inner.div_ceil(2);
     let panel_len = pairs * NR * 2;
     let panels = pack(w, (out, inner), panel_len)?;

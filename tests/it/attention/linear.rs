@@ -120,15 +120,17 @@ fn views_and_empty_axes() -> anyhow::Result<()> {
         let diff = (ours - theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{rows} rows of a view: {diff:e}");
     }
-    // No input features: y = b on every row.
-    let bias = Tensor::new(&[1f32, -2.0, 3.5], &dev)?;
-    let empty = Linear::new(Tensor::zeros((3, 0), DType::F32, &dev)?, Some(bias.clone()));
-    let y = linear(&empty, &Tensor::zeros((2, 4, 0), DType::F32, &dev)?)?;
-    assert_eq!(y.dims(), &[2, 4, 3]);
-    assert_eq!(
-        y.flatten_to(1)?.to_vec2::<f32>()?,
-        vec![vec![1.0, -2.0, 3.5]; 8]
-    );
+    // No input features: y = b on every row, in every dtype, for a few rows and many.
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let bias = Tensor::new(&[1f32, -2.0, 3.5], &dev)?.to_dtype(dtype)?;
+        let empty = Linear::new(Tensor::zeros((3, 0), dtype, &dev)?, Some(bias));
+        for rows in [2, 300] {
+            let y = linear(&empty, &Tensor::zeros((2, rows, 0), dtype, &dev)?)?;
+            assert_eq!(y.dims(), &[2, rows, 3]);
+            let y = y.to_dtype(DType::F32)?.flatten_to(1)?.to_vec2::<f32>()?;
+            assert_eq!(y, vec![vec![1.0, -2.0, 3.5]; 2 * rows], "{dtype:?}");
+        }
+    }
     // No rows, no output features.
     let y = linear(&layer, &Tensor::zeros((2, 0, 16), DType::F32, &dev)?)?;
     assert_eq!(y.dims(), &[2, 0, 8]);
