@@ -149,8 +149,9 @@ fn direct_via(linears: &[&Linear], x: &Tensor, native_bf16: bool) -> Result<Opti
     // The leading axes' product (not elem_count / in, which is 0 for 0 features).
     let rows: usize = x.dims()[..x.rank() - 1].iter().product();
     let dims = (rows, inner);
-    let _ = native_bf16; // (read only on x86_64)
-                         // bf16 on AVX-512 BF16: products on the bf16 values themselves, x read in place.
+    // (Read only on x86-64.)
+    let _ = native_bf16;
+    // bf16 on AVX-512 BF16: products on the bf16 values themselves, x read in place.
     #[cfg(target_arch = "x86_64")]
     if native_bf16 && dtype == DType::BF16 {
         let ys = with_bf16(&x, |xs| {
