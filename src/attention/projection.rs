@@ -45,11 +45,12 @@ pub(crate) const FEW_ROWS: usize = 4;
 /// (an MLP, an LM head).
 ///
 /// On the CPU, for tensors that track no gradients, in f32, bf16 or f16: a few rows (a
-/// decoding step's token) as one parallel pass over the weight's rows, half-precision rows
-/// widened to f32 a tile at a time; more rows in bf16 on the CPU's bf16 products where it has
-/// AVX-512 BF16, else by `gemm` in f32 (half precision widened once per call). Products and bias are summed in f32 and rounded once to the dtype, as candle's
-/// CPU matmul sums a bf16 product (its f16 one rounds after each block of `gemm`'s depth, and
-/// its `Linear` rounds a half-precision product again after adding the bias). Anything else
+/// decoding step's token) as one parallel pass over the weight's rows; more rows by `gemm` in
+/// f32. bf16 runs on the CPU's own bf16 products where it has AVX-512 BF16, and is otherwise
+/// widened to f32 like f16 (a tile at a time for a few rows, once per call for more).
+/// Products and bias are summed in f32 and rounded once to the dtype, as candle's CPU matmul
+/// sums a bf16 product (its f16 one rounds after each block of `gemm`'s depth, and its
+/// `Linear` rounds a half-precision product again after adding the bias). Anything else
 /// (gradients, another dtype or device) is candle-nn's `Linear::forward`, so this is a
 /// drop-in for it.
 ///
@@ -115,13 +116,15 @@ pub(crate) fn project_all(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>
     }
 }
 
-/// `[linear(x) for linear in linears]` by `gemm` in f32, or `None` when x, a weight or a bias
-/// is not a plain CPU tensor of x's dtype (f32, bf16 or f16) or a weight does not fit x.
+/// `[linear(x) for linear in linears]` by `gemm` in f32 or the CPU's bf16 products, or `None`
+/// when x, a weight or a bias is not a plain CPU tensor of x's dtype (f32, bf16 or f16) or a
+/// weight does not fit x.
 ///
-/// Half precision is widened to f32 (x once for every projection), each product summed in f32
-/// with its bias and rounded once to the dtype: candle 0.11's bf16 matmul widens both operands
-/// too, but serially, its f16 one runs `gemm`'s f16 kernel (about 0.75× the f32 rate here),
-/// and its `Linear` rounds again after adding the bias in the half format.
+/// bf16 is multiplied as it is where the CPU has AVX-512 BF16 (`cpu::bf16_gemm`); otherwise
+/// half precision is widened to f32 (x once for every projection). Each product is summed in
+/// f32 with its bias and rounded once to the dtype: candle 0.11's bf16 matmul widens both
+/// operands too, but serially, its f16 one runs `gemm`'s f16 kernel (about 0.75× the f32 rate
+/// here), and its `Linear` rounds again after adding the bias in the half format.
 fn direct(linears: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     direct_via(linears, x, native_bf16())
 }
@@ -254,9 +257,8 @@ fn narrowed(y: Vec<f32>, dims: Vec<usize>, dtype: DType) -> Result<Tensor> {
         convert: fn(&mut [T], &[f32]),
     ) -> Result<Tensor> {
         let mut out = Vec::new();
-        out.try_reserve_exact(y.len()).map_err(|e| {
-            crate::error::Error::from(candle_core::Error::Msg(format!("projection output: {e}")))
-        })?;
+        out.try_reserve_exact(y.len())
+            .map_err(|e| Error::from(candle_core::Error::Msg(format!("projection output: {e}"))))?;
         out.resize(y.len(), T::default());
         out.par_chunks_mut(CONVERT)
             .zip(y.par_chunks(CONVERT))
