@@ -11,8 +11,10 @@
 //! into panels of [`NR`] output features, each step of a panel holding the features' two
 //! weights at one pair of inputs `(2p, 2p + 1)`; each task takes one panel for every row, in
 //! blocks of [`MR`] rows, reading each row's input pairs from x in place (an odd `in` ends in a
-//! zero pair). The instruction treats subnormal inputs and results as zero (below 1.2e-38,
-//! where bf16 weights do not live); otherwise its sums round as f32 sums do, in another order.
+//! zero pair). A decoding step's few rows ([`dots`]) take each weight row as stored instead,
+//! 32 values per instruction, so the step reads every weight once and writes no copy of it.
+//! The instruction treats subnormal inputs and results as zero (below 1.2e-38, where bf16
+//! weights do not live); otherwise its sums round as f32 sums do, in another order.
 
 use std::arch::x86_64::*;
 
