@@ -29,11 +29,10 @@ use candle_core::{DType, Tensor};
 use candle_nn::{linear_b, linear_no_bias, Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use super::projection::parts;
+use super::projection::{linear, parts};
 use super::qk_norm::rms_normalized;
 use crate::error::{check_normal_f32, learned, Error, Result};
 use crate::limits::check_elements;
-use crate::matmul::linear;
 
 /// Settings of [`AttentionConfig::latent`](super::AttentionConfig::latent): the ranks and head
 /// widths of multi-head latent attention. The block's `head_dim` is `rope_dim + nope_dim` (the
