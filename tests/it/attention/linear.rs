@@ -10,6 +10,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Linear, Module};
 use candle_posenc::attention::linear;
 
+use crate::common::max_abs_diff;
+
 fn layer(inner: usize, out: usize, bias: bool, dtype: DType) -> anyhow::Result<Linear> {
     let dev = Device::Cpu;
     let w = Tensor::randn(0f32, 1.0, (out, inner), &dev)?.to_dtype(dtype)?;
@@ -74,7 +76,7 @@ fn tracked_inputs_get_candles_gradients() -> anyhow::Result<()> {
     let probe = Tensor::randn(0f32, 1.0, (2, 5, 24), &dev)?;
     let ours = linear(&layer, x.as_tensor())?;
     let theirs = layer.forward(x.as_tensor())?;
-    let diff = (&ours - &theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let diff = max_abs_diff(&ours, &theirs)?;
     assert!(diff < 1e-5, "values differ by {diff}");
     let g_ours = (ours * &probe)?.sum_all()?.backward()?;
     let g_theirs = (theirs * &probe)?.sum_all()?.backward()?;
@@ -83,7 +85,7 @@ fn tracked_inputs_get_candles_gradients() -> anyhow::Result<()> {
         let (Some(a), Some(b)) = (a, b) else {
             anyhow::bail!("a gradient is missing");
         };
-        let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let diff = max_abs_diff(a, b)?;
         assert!(diff < 1e-5, "gradients differ by {diff}");
     }
     Ok(())
@@ -117,7 +119,7 @@ fn views_and_empty_axes() -> anyhow::Result<()> {
         let x = Tensor::randn(0f32, 1.0, (5, rows, 16), &dev)?.narrow(0, 1, 3)?;
         let (ours, theirs) = (linear(&layer, &x)?, layer.forward(&x)?);
         assert_eq!(ours.dims(), &[3, rows, 8]);
-        let diff = (ours - theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let diff = max_abs_diff(&ours, &theirs)?;
         assert!(diff < 1e-5, "{rows} rows of a view: {diff:e}");
     }
     // No input features: y = b on every row, in every dtype, for a few rows and many.
