@@ -20,6 +20,10 @@ use std::collections::HashMap;
 use anyhow::Context;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+// The MLP's and head's products are the block's own (`attention::linear`): candle-nn's
+// `Linear` asks for the thread count on every call and widens a whole bf16 weight to f32 for
+// each product, the head's 28 M values on every decoding step.
+use candle_posenc::attention::linear;
 use candle_posenc::hf::gguf::{GgufFile, QkRows};
 use candle_posenc::hf::{HfAttentionConfig, SharedEncodings};
 use candle_posenc::{AttentionOptions, EncodingConfig, KvCache, MultiHeadAttention};
@@ -247,13 +251,6 @@ fn rms_norm(config: &LlamaConfig, vb: VarBuilder) -> anyhow::Result<RmsNorm> {
     Ok(RmsNorm::new(weight, config.rms_norm_eps))
 }
 
-/// `x Wᵀ` over the last axis by the crate's product (the one its attention projections use):
-/// candle-nn's `Linear` asks for the thread count on every call and widens a whole bf16 weight
-/// to f32 for each product, the head's 28 M values on every decoding step.
-fn linear(l: &Linear, x: &Tensor) -> candle_posenc::Result<Tensor> {
-    candle_posenc::attention::linear(l, x)
-}
-
 /// `silu(a) ⊙ b` of `x = [a | b]` over the last axis: one pass over contiguous f32 or bf16
 /// rows on the CPU (candle-nn's `swiglu` makes three, over strided halves), candle-nn's
 /// elsewhere. In bf16 as PyTorch rounds it: `silu(a)` computed in f32 and rounded to bf16, its
@@ -268,8 +265,8 @@ fn swiglu(x: &Tensor) -> candle_core::Result<Tensor> {
 
 struct SwiGlu;
 
-/// `y = silu(a) ⊙ b` for every row `[a | b]` of `x`, in `T` (values read and written through
-/// f32, `round` applied to `silu(a)` as the product's input dtype would hold it).
+/// `y = silu(a) ⊙ b` for every row `[a | b]` of `x`, in `T`: values read through `to_f32`,
+/// `silu(a)` and the product each rounded to `T` by `from_f32`.
 fn swiglu_rows<T: Copy + Default + Send + Sync>(
     x: &[T],
     width: usize,
