@@ -420,7 +420,31 @@ fn extras_agree_on_every_path_with_padding_and_blocks(dev: &Device) -> anyhow::R
 /// What each layer of Gemma 2, Gemma 3, SmolLM3, Cohere2 and gpt-oss reads as.
 fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
     let ckpt = fixtures(dev)?;
-    let read = |tag: &str, layer| HfAttentionConfig::from_json_layer(&ckpt.metadata()[tag], layer);
+    gemma_smollm3_and_gpt_oss_layers(&ckpt)?;
+    vision_language_models_read_their_text_config(&ckpt)?;
+    modernbert_layers_as_written_and_published(&ckpt)?;
+    llama4_rope_and_nope_layers(&ckpt)?;
+    llama4_published_layer_patterns(&ckpt)?;
+    cohere2_takes_the_files_head_dim()?;
+    zero_sliding_window_pattern_is_refused_where_read()?;
+    deepseek_latent_layers(&ckpt)?;
+    gemma4_layers(&ckpt)?;
+    llama4_chunk_and_temperature_settings_are_checked(&ckpt)
+}
+
+/// Layer `layer` of the fixture's config.json under `tag`.
+fn fixture_layer(
+    ckpt: &Checkpoint,
+    tag: &str,
+    layer: usize,
+) -> candle_posenc::Result<HfAttentionConfig> {
+    HfAttentionConfig::from_json_layer(&ckpt.metadata()[tag], layer)
+}
+
+/// Gemma 2's sliding and soft-capped layers, Gemma 3's local and global θ and q/k norms,
+/// SmolLM3's NoPE layer, gpt-oss's sinks and biases.
+fn gemma_smollm3_and_gpt_oss_layers(ckpt: &Checkpoint) -> anyhow::Result<()> {
+    let read = |tag: &str, layer| fixture_layer(ckpt, tag, layer);
     let (g0, g1) = (
         read("gemma2.0", 0)?.attention,
         read("gemma2.0", 1)?.attention,
@@ -454,7 +478,14 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         matches!(&err, Error::HfConfig { key, .. } if key == "no_rope_layers"),
         "{err}"
     );
-    // Vision-language models: the language model under text_config, with multimodal RoPE.
+    let oss = read("gpt_oss.0", 1)?.attention;
+    assert!(oss.sinks && oss.bias && oss.out_bias && oss.sliding_window.is_none());
+    Ok(())
+}
+
+/// Vision-language models: the language model under text_config, with multimodal RoPE.
+fn vision_language_models_read_their_text_config(ckpt: &Checkpoint) -> anyhow::Result<()> {
+    let read = |tag: &str, layer| fixture_layer(ckpt, tag, layer);
     for (tag, interleaved) in [("qwen2_vl", false), ("qwen3_vl", true)] {
         let vl = read(tag, 0)?;
         match &vl.encoding {
@@ -483,10 +514,12 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         read("qwen2_vl", 0)?,
         "Qwen2.5-VL reads as Qwen2-VL"
     );
-    let oss = read("gpt_oss.0", 1)?.attention;
-    assert!(oss.sinks && oss.bias && oss.out_bias && oss.sliding_window.is_none());
-    // ModernBERT, as HF writes it (nested rope_parameters, layer_types) and as the published
-    // files have it (flat θs, global_attn_every_n_layers; defaults 3, 128, 160000, 10000).
+    Ok(())
+}
+
+/// ModernBERT, as HF writes it (nested rope_parameters, layer_types) and as the published
+/// files have it (flat θs, global_attn_every_n_layers; defaults 3, 128, 160000, 10000).
+fn modernbert_layers_as_written_and_published(ckpt: &Checkpoint) -> anyhow::Result<()> {
     let base = r#""model_type": "modernbert", "hidden_size": 32, "num_attention_heads": 4,
         "num_hidden_layers": 6, "max_position_embeddings": 64"#;
     let published = format!(r#"{{{base}, "local_rope_theta": 500.0}}"#);
@@ -510,9 +543,13 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
             }
         }
     }
-    // Llama 4: RoPE layers rotate adjacent pairs, normalise q and k without a scale and attend
-    // within chunks; NoPE layers attend to every earlier key and tune the queries' temperature.
-    // Its multimodal config.json nests the same under text_config.
+    Ok(())
+}
+
+/// Llama 4: RoPE layers rotate adjacent pairs, normalise q and k without a scale and attend
+/// within chunks; NoPE layers attend to every earlier key and tune the queries' temperature.
+/// Its multimodal config.json nests the same under text_config.
+fn llama4_rope_and_nope_layers(ckpt: &Checkpoint) -> anyhow::Result<()> {
     let text = ckpt.metadata()["llama4.0"].clone();
     let nested = format!(r#"{{"model_type": "llama4", "text_config": {text}}}"#);
     for json in [&text, &nested] {
@@ -546,10 +583,15 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
             "{err}"
         );
     }
-    // Llama 4 as its class reads what a published file may hold: an empty `no_rope_layers`
-    // (Llama 4 Scout's) is the default pattern, every fourth layer NoPE; a null chunk size
-    // without `layer_types` makes every layer a full-attention one.
-    let mut scout: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)?;
+    Ok(())
+}
+
+/// Llama 4 as its class reads what a published file may hold: an empty `no_rope_layers`
+/// (Llama 4 Scout's) is the default pattern, every fourth layer NoPE; a null chunk size
+/// without `layer_types` makes every layer a full-attention one.
+fn llama4_published_layer_patterns(ckpt: &Checkpoint) -> anyhow::Result<()> {
+    let text = &ckpt.metadata()["llama4.0"];
+    let mut scout: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text)?;
     scout.insert("no_rope_layers".into(), serde_json::json!([]));
     scout.insert("num_hidden_layers".into(), serde_json::json!(8));
     scout.remove("layer_types");
@@ -578,8 +620,12 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         matches!(&err, Error::HfConfig { key, .. } if key == "attention_chunk_size"),
         "{err}"
     );
-    // Cohere2's class sets head_dim to the width over the heads and then takes a file's own
-    // (its attention and rotary embedding read it).
+    Ok(())
+}
+
+/// Cohere2's class sets head_dim to the width over the heads and then takes a file's own
+/// (its attention and rotary embedding read it).
+fn cohere2_takes_the_files_head_dim() -> anyhow::Result<()> {
     let cohere = r#"{"model_type": "cohere2", "hidden_size": 32, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 4}"#;
     let config = HfAttentionConfig::from_json_layer(cohere, 0)?;
@@ -588,8 +634,12 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         EncodingConfig::Rotary(r) => assert_eq!(r.head_dim, 16),
         other => panic!("Cohere2's sliding layer read as {other:?}"),
     }
-    // A sliding-window pattern of 0 fails in Gemma 3's and Cohere2's classes (a layer's number
-    // modulo it): refused under its key. Gemma 4's class does not read the key.
+    Ok(())
+}
+
+/// A sliding-window pattern of 0 fails in Gemma 3's and Cohere2's classes (a layer's number
+/// modulo it): refused under its key. Gemma 4's class does not read the key.
+fn zero_sliding_window_pattern_is_refused_where_read() -> anyhow::Result<()> {
     for model_type in ["gemma3_text", "cohere2", "gemma4_text"] {
         let text = format!(
             r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4,
@@ -616,9 +666,13 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
             ),
         }
     }
-    // DeepSeek: latent attention, RoPE on the rope slice of each head (interleaved), YaRN's
-    // mscale_all_dim squared in the scale; V2 without a query latent.
-    let v3 = read("deepseek_v3", 0)?;
+    Ok(())
+}
+
+/// DeepSeek: latent attention, RoPE on the rope slice of each head (interleaved), YaRN's
+/// mscale_all_dim squared in the scale; V2 without a query latent.
+fn deepseek_latent_layers(ckpt: &Checkpoint) -> anyhow::Result<()> {
+    let v3 = fixture_layer(ckpt, "deepseek_v3", 0)?;
     assert_eq!(v3.family, HfFamily::DeepSeek);
     let a = &v3.attention;
     assert_eq!(
@@ -639,7 +693,7 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
         }
         other => panic!("DeepSeek V3 read as {other:?}"),
     }
-    let v2 = read("deepseek_v2", 0)?.attention;
+    let v2 = fixture_layer(ckpt, "deepseek_v2", 0)?.attention;
     assert_eq!(v2.latent.map(|l| l.q_lora_rank), Some(None));
     assert_eq!(v2.softmax_scale, 1.0 / 8f64.sqrt());
     for (edit, key) in [
@@ -657,9 +711,16 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
             "{key}: {err}"
         );
     }
-    // Gemma 4: per-layer head widths and KV heads, values from the keys on full layers, q, k
-    // and v normalised, no scale, proportional RoPE over the full layers' wider heads.
-    let (local, global) = (read("gemma4.0", 0)?, read("gemma4.0", 1)?);
+    Ok(())
+}
+
+/// Gemma 4: per-layer head widths and KV heads, values from the keys on full layers, q, k
+/// and v normalised, no scale, proportional RoPE over the full layers' wider heads.
+fn gemma4_layers(ckpt: &Checkpoint) -> anyhow::Result<()> {
+    let (local, global) = (
+        fixture_layer(ckpt, "gemma4.0", 0)?,
+        fixture_layer(ckpt, "gemma4.0", 1)?,
+    );
     let (l, g) = (&local.attention, &global.attention);
     assert_eq!(
         (l.head_dim, l.num_kv_heads, l.k_eq_v, l.sliding_window),
@@ -696,14 +757,19 @@ fn per_layer_settings(dev: &Device) -> anyhow::Result<()> {
             "{key}: {err}"
         );
     }
-    // Chunked layers need a chunk size; the temperature's settings are checked.
+    Ok(())
+}
+
+/// Llama 4's chunked layers need a chunk size; the temperature's settings are checked.
+fn llama4_chunk_and_temperature_settings_are_checked(ckpt: &Checkpoint) -> anyhow::Result<()> {
+    let text = &ckpt.metadata()["llama4.0"];
     for (edit, key) in [
         (r#""attention_chunk_size": null"#, "attention_chunk_size"),
         (r#""floor_scale": 0"#, "floor_scale"),
         (r#""attn_scale": -1.0"#, "attn_scale"),
     ] {
         let (name, _) = edit.split_once(':').expect("an edit");
-        let mut value: serde_json::Value = serde_json::from_str(&text)?;
+        let mut value: serde_json::Value = serde_json::from_str(text)?;
         let (_, v) = edit.split_once(": ").expect("an edit");
         value[name.trim_matches('"')] = serde_json::from_str(v)?;
         let layer = usize::from(key != "attention_chunk_size");
@@ -796,6 +862,13 @@ fn errors_name_the_hf_tensor(dev: &Device) -> anyhow::Result<()> {
 
 /// `config.json` problems are reported under the file's own keys.
 fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
+    bad_values_are_reported_under_their_key();
+    windows_as_each_class_reads_them()?;
+    layers_past_the_model_or_its_layer_types()
+}
+
+/// Each bad or missing value of a small file is refused under its own key.
+fn bad_values_are_reported_under_their_key() {
     let key_of = |json: &str| match HfAttentionConfig::from_json(json) {
         Err(Error::HfConfig { key, problem }) => (key, problem),
         other => panic!("{json}: {other:?}"),
@@ -874,7 +947,10 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
         let (got, problem) = key_of(&json);
         assert_eq!(got, key, "{json}: {problem}");
     }
-    // Windows as HF's config classes read them.
+}
+
+/// Windows as HF's config classes read them.
+fn windows_as_each_class_reads_them() -> anyhow::Result<()> {
     let window = |json: &str, layer: usize| -> anyhow::Result<Option<usize>> {
         Ok(HfAttentionConfig::from_json_layer(json, layer)?
             .attention
@@ -939,7 +1015,11 @@ fn config_errors_name_the_key(_dev: &Device) -> anyhow::Result<()> {
         format!(r#"{{"model_type": "gemma3_text", {base}, "head_dim": 8, "sliding_window": 5}}"#);
     assert_eq!(window(&gemma3, 4)?, Some(5));
     assert_eq!(window(&gemma3, 5)?, None);
-    // A layer past the model's layers, then one past layer_types (which lists fewer).
+    Ok(())
+}
+
+/// A layer past the model's layers, then one past layer_types (which lists fewer).
+fn layers_past_the_model_or_its_layer_types() -> anyhow::Result<()> {
     let ckpt = fixtures(&Device::Cpu)?;
     let err = HfAttentionConfig::from_json_layer(&ckpt.metadata()["gemma2.0"], 2).unwrap_err();
     assert!(
@@ -1281,52 +1361,68 @@ fn gemma3_has_no_soft_cap(dev: &Device) -> anyhow::Result<()> {
 /// whole head with the default RoPE and fail on a factor that shortens a scaled RoPE's table
 /// (refused here); GPT-NeoX reads `rotary_pct`, not a top-level factor; Phi-3 honours it.
 fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
-    let ckpt = fixtures(dev)?;
-    let rotary_dim = |config: &HfAttentionConfig| match &config.encoding {
+    fixtures_rotate_as_much_as_hf_reads(&fixtures(dev)?)?;
+    llama_style_models_rotate_the_whole_head()?;
+    the_layer_reader_reads_the_factor_alike()?;
+    neox_phi3_and_gptj_read_their_own_keys()
+}
+
+/// The head width and rotated features of a rotary `config`.
+fn rotary_dims(config: &HfAttentionConfig) -> (usize, usize) {
+    match &config.encoding {
         EncodingConfig::Rotary(r) => (r.head_dim, r.rotary_dim),
         other => panic!("read as {other:?}"),
-    };
-    // The fixtures: the whole of Llama's 8-wide heads, half of GPT-NeoX's 16-wide ones.
+    }
+}
+
+/// The fixtures: the whole of Llama's 8-wide heads, half of GPT-NeoX's 16-wide ones.
+fn fixtures_rotate_as_much_as_hf_reads(ckpt: &Checkpoint) -> anyhow::Result<()> {
     for (tag, want, other) in [("llama_partial", (8, 8), 4), ("neox_pct", (16, 8), 16)] {
         let config = HfAttentionConfig::from_json(&ckpt.metadata()[tag])?;
-        assert_eq!(rotary_dim(&config), want, "{tag}");
-        assert!(distance_from_hf(&ckpt, tag, &config)? < 1e-5, "{tag}");
+        assert_eq!(rotary_dims(&config), want, "{tag}");
+        assert!(distance_from_hf(ckpt, tag, &config)? < 1e-5, "{tag}");
         // The other reading is far from HF's output.
         let mut wrong = config.clone();
         if let EncodingConfig::Rotary(r) = &mut wrong.encoding {
             r.rotary_dim = other;
         }
-        assert!(distance_from_hf(&ckpt, tag, &wrong)? > 1e-2, "{tag}");
+        assert!(distance_from_hf(ckpt, tag, &wrong)? > 1e-2, "{tag}");
     }
-    // Every Llama-style model type the loader reads: the default RoPE ignores the factor
-    // (in rope_parameters or at the top level); a scaled one that it would shorten is
-    // refused under the factor's key; a factor giving the whole head is fine.
-    let whole_head = [
-        "llama",
-        "mistral",
-        "ministral",
-        "starcoder2",
-        "qwen2",
-        "qwen3",
-        "gemma",
-        "gemma2",
-        "gemma3_text",
-        "olmo2",
-        "gpt_oss",
-        "smollm3",
-        "cohere",
-        "cohere2",
-        "llama4_text",
-        "gemma4_text",
-        "helium",
-        "ernie4_5",
-        "falcon",
-        "modernbert",
-        "qwen2_vl_text",
-        "qwen2_5_vl_text",
-        "qwen3_vl_text",
-        "qwen3_vl_moe_text",
-    ];
+    Ok(())
+}
+
+/// The Llama-style model types the loader reads.
+const LLAMA_STYLE_MODEL_TYPES: [&str; 24] = [
+    "llama",
+    "mistral",
+    "ministral",
+    "starcoder2",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
+    "gpt_oss",
+    "smollm3",
+    "cohere",
+    "cohere2",
+    "llama4_text",
+    "gemma4_text",
+    "helium",
+    "ernie4_5",
+    "falcon",
+    "modernbert",
+    "qwen2_vl_text",
+    "qwen2_5_vl_text",
+    "qwen3_vl_text",
+    "qwen3_vl_moe_text",
+];
+
+/// Every Llama-style model type the loader reads: the default RoPE ignores the factor
+/// (in rope_parameters or at the top level); a scaled one that it would shorten is
+/// refused under the factor's key; a factor giving the whole head is fine.
+fn llama_style_models_rotate_the_whole_head() -> anyhow::Result<()> {
     // Heads of 128 (Cohere's and Falcon's width over the heads, the others' head_dim, which
     // HF's FalconConfig refuses), which the Qwen-VL text models' default sections fit.
     let wide_of = |model_type: &str| match model_type {
@@ -1338,8 +1434,7 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "max_position_embeddings": 64"#
         }
     };
-    let base = r#""hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64"#;
-    for model_type in whole_head {
+    for model_type in LLAMA_STYLE_MODEL_TYPES {
         let wide = wide_of(model_type);
         let rope = |extra: &str| {
             RopeConfig::from_hf_json(&format!(
@@ -1380,8 +1475,12 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
             }
         }
     }
-    // The same through the layer reader: a Llama layer, a Qwen2-VL text model, and DeepSeek
-    // V3's rotary part (yarn, refused; default, the whole rotary part).
+    Ok(())
+}
+
+/// The same through the layer reader: a Llama layer, a Qwen2-VL text model, and DeepSeek
+/// V3's rotary part (yarn, refused; default, the whole rotary part).
+fn the_layer_reader_reads_the_factor_alike() -> anyhow::Result<()> {
     let llama = r#"{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5,
             "original_max_position_embeddings": 16}, "max_position_embeddings": 64}"#;
@@ -1394,7 +1493,7 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         "partial_rotary_factor": 0.5,
         "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}}"#;
     assert_eq!(
-        rotary_dim(&HfAttentionConfig::from_json(qwen2_vl)?),
+        rotary_dims(&HfAttentionConfig::from_json(qwen2_vl)?),
         (16, 16)
     );
     let deepseek = |rope: &str| {
@@ -1413,8 +1512,13 @@ fn partial_rotary_as_each_model_reads_it(dev: &Device) -> anyhow::Result<()> {
         EncodingConfig::Rotary(r) => assert_eq!((r.head_dim, r.rotary_dim), (12, 8)),
         other => panic!("DeepSeek read as {other:?}"),
     }
-    // Phi-3 honours the factor with any RoPE, from the parameters or the top level; GPT-NeoX
-    // reads rope_parameters' factor, else rotary_pct, else 0.25; GPT-J reads rotary_dim.
+    Ok(())
+}
+
+/// Phi-3 honours the factor with any RoPE, from the parameters or the top level; GPT-NeoX
+/// reads rope_parameters' factor, else rotary_pct, else 0.25; GPT-J reads rotary_dim.
+fn neox_phi3_and_gptj_read_their_own_keys() -> anyhow::Result<()> {
+    let base = r#""hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64"#;
     let rope = |json: &str| -> anyhow::Result<(usize, usize)> {
         let r = RopeConfig::from_hf_json(json)?;
         Ok((r.head_dim, r.rotary_dim))
@@ -1572,14 +1676,25 @@ fn gemma4_as_its_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
 /// the class or its attention fails on it (Qwen3, Qwen2); Falcon's file may not set
 /// `head_dim` at all (a read-only property of its class).
 fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
-    let read = |model_type: &str, extra: &str| {
-        HfAttentionConfig::from_json(&format!(
-            r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4,
-            "num_hidden_layers": 1{extra}}}"#
-        ))
-    };
-    // Keys the classes type without a null (or compute with) are refused under their name when
-    // null; where a class has no such field, or replaces the null, the key reads as absent.
+    typed_keys_refuse_a_null();
+    widths_the_heads_do_not_divide();
+    olmo2_ignores_clip_qkv()?;
+    phi3_takes_longrope_or_no_scaling();
+    a_null_rotary_pct_is_refused_unless_the_parameters_give_it()?;
+    null_heads_and_widths_as_the_classes_fill_them()
+}
+
+/// A one-layer config.json of `model_type`, 32 wide with 4 heads, and `extra` keys.
+fn one_layer(model_type: &str, extra: &str) -> candle_posenc::Result<HfAttentionConfig> {
+    HfAttentionConfig::from_json(&format!(
+        r#"{{"model_type": "{model_type}", "hidden_size": 32, "num_attention_heads": 4,
+        "num_hidden_layers": 1{extra}}}"#
+    ))
+}
+
+/// Keys the classes type without a null (or compute with) are refused under their name when
+/// null; where a class has no such field, or replaces the null, the key reads as absent.
+fn typed_keys_refuse_a_null() {
     for (model_type, key, refused) in [
         ("llama", "attention_bias", true),
         ("qwen3", "attention_bias", true),
@@ -1596,7 +1711,7 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
         ("phi3", "sliding_window", false),
     ] {
         let extra = format!(r#", "num_key_value_heads": 4, "{key}": null"#);
-        match read(model_type, &extra) {
+        match one_layer(model_type, &extra) {
             Err(Error::HfConfig { key: got, problem }) if refused => {
                 assert_eq!(got, key, "{model_type}");
                 assert!(problem.contains("null"), "{problem}");
@@ -1605,8 +1720,11 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
             other => panic!("{model_type} with {key} null: {other:?}"),
         }
     }
-    // A width the heads do not divide, where the class's validate_architecture refuses it
-    // whatever head_dim says; Mistral's class has no such check.
+}
+
+/// A width the heads do not divide, where the class's validate_architecture refuses it
+/// whatever head_dim says; Mistral's class has no such check.
+fn widths_the_heads_do_not_divide() {
     for (model_type, refused) in [
         ("llama", true),
         ("gemma2", true),
@@ -1627,7 +1745,10 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
             other => panic!("{model_type}: {other:?}"),
         }
     }
-    // OLMo 2's HF code has no clip_qkv (its class drops OLMo's): the key changes nothing.
+}
+
+/// OLMo 2's HF code has no clip_qkv (its class drops OLMo's): the key changes nothing.
+fn olmo2_ignores_clip_qkv() -> anyhow::Result<()> {
     let olmo2 = |extra: &str| {
         HfAttentionConfig::from_json(&format!(
             r#"{{"model_type": "olmo2", "hidden_size": 32, "num_attention_heads": 4,
@@ -1635,7 +1756,11 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
         ))
     };
     assert_eq!(olmo2(r#", "clip_qkv": 0.5"#)?, olmo2("")?);
-    // Phi-3's configuration takes LongRoPE or no scaling.
+    Ok(())
+}
+
+/// Phi-3's configuration takes LongRoPE or no scaling.
+fn phi3_takes_longrope_or_no_scaling() {
     let phi3 = |kind: &str| {
         RopeConfig::from_hf_json(&format!(
             r#"{{"model_type": "phi3", "hidden_size": 32, "num_attention_heads": 4,
@@ -1647,6 +1772,10 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
         Err(Error::HfConfig { key, .. }) if key == "rope_parameters.rope_type"
     ));
     assert!(phi3("default").is_ok());
+}
+
+/// GPT-NeoX refuses a null rotary_pct, unless rope_parameters give the factor.
+fn a_null_rotary_pct_is_refused_unless_the_parameters_give_it() -> anyhow::Result<()> {
     let neox = |extra: &str| {
         RopeConfig::from_hf_json(&format!(
             r#"{{"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4{extra}}}"#
@@ -1658,23 +1787,29 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
     ));
     let nested = r#", "rotary_pct": null, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}"#;
     assert_eq!(neox(nested)?.rotary_dim, 8);
+    Ok(())
+}
+
+/// Null head counts and widths as each class fills them (its default, or the width over
+/// the heads), or refuses them under their key.
+fn null_heads_and_widths_as_the_classes_fill_them() -> anyhow::Result<()> {
     for model_type in [
         "llama", "qwen2", "qwen3", "olmo2", "cohere2", "phi3", "smollm3",
     ] {
-        let a = read(
+        let a = one_layer(
             model_type,
             r#", "num_key_value_heads": null, "head_dim": 8"#,
         )?
         .attention;
         assert_eq!(a.num_kv_heads, 4, "{model_type}");
     }
-    let dsv3 = read(
+    let dsv3 = one_layer(
         "deepseek_v3",
         r#", "num_key_value_heads": null, "q_lora_rank": 8, "kv_lora_rank": 8"#,
     )?;
     assert_eq!(dsv3.attention.num_kv_heads, 4);
     for model_type in ["llama", "mistral", "starcoder2"] {
-        let a = read(
+        let a = one_layer(
             model_type,
             r#", "head_dim": null, "num_key_value_heads": 2"#,
         )?
@@ -1701,7 +1836,7 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
         ("qwen2", r#", "head_dim": null"#, "head_dim"),
         ("falcon", r#", "head_dim": 8"#, "head_dim"),
     ] {
-        let err = read(model_type, extra).unwrap_err();
+        let err = one_layer(model_type, extra).unwrap_err();
         assert!(
             matches!(&err, Error::HfConfig { key: k, .. } if k == key),
             "{model_type} {extra}: {err}"
@@ -1713,8 +1848,20 @@ fn nulls_as_each_class_reads_them(_dev: &Device) -> anyhow::Result<()> {
 /// RoPE settings as each HF config class fills them in when the file leaves them out or
 /// gives them elsewhere.
 fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
+    pixtral_types_are_axial_or_refused()?;
+    neox_theta_precedence()?;
+    gptj_ignores_the_files_rope()?;
+    llama4_attention_factor_moves_into_the_norm()?;
+    layer_types_fill_their_own_rope()?;
+    sliding_layers_need_a_window()?;
+    qwen2_vl_head_dim_must_split_hidden_size()?;
+    always_sliding_models_refuse_a_null_window()?;
+    null_pattern_refused_only_where_read()
+}
+
+/// Pixtral: a missing or "default" type is axial; any other type is refused.
+fn pixtral_types_are_axial_or_refused() -> anyhow::Result<()> {
     use candle_posenc::rotary::mrope::AxialRope;
-    // Pixtral: a missing or "default" type is axial; any other type is refused.
     let pixtral = |rope: &str| {
         RopeConfig::from_hf_json(&format!(
             r#"{{"model_type": "pixtral", "hidden_size": 32, "num_attention_heads": 4{rope}}}"#
@@ -1743,8 +1890,12 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             "{rope}: {err}"
         );
     }
-    // GPT-NeoX: the parameters' θ, else rotary_emb_base, else 10000; never a top-level
-    // rope_theta; a null rotary_emb_base (with no θ in the parameters) is refused.
+    Ok(())
+}
+
+/// GPT-NeoX: the parameters' θ, else rotary_emb_base, else 10000; never a top-level
+/// rope_theta; a null rotary_emb_base (with no θ in the parameters) is refused.
+fn neox_theta_precedence() -> anyhow::Result<()> {
     let neox = |extra: &str| {
         RopeConfig::from_hf_json(&format!(
             r#"{{"model_type": "gpt_neox", "hidden_size": 32, "num_attention_heads": 4{extra}}}"#
@@ -1764,7 +1915,16 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
     ] {
         assert_eq!(neox(extra)?.base, base, "{extra}");
     }
-    // GPT-J: θ 10000 and no scaling, whatever the file says.
+    let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { key, .. } if key == "rotary_emb_base"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// GPT-J: θ 10000 and no scaling, whatever the file says.
+fn gptj_ignores_the_files_rope() -> anyhow::Result<()> {
     for extra in [
         r#""rope_theta": 100.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}"#,
         r#""rope_theta": null, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5.0}"#,
@@ -1775,8 +1935,12 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
         assert_eq!(gptj.base, 10000.0, "{extra}");
         assert_eq!(gptj.scaling, candle_posenc::RopeScaling::None, "{extra}");
     }
-    // Llama 4 with q/k norms: the rotation's attention factor s is taken out and the norm's
-    // ε divided by s² (the norm after a scaled rotation, as HF applies it).
+    Ok(())
+}
+
+/// Llama 4 with q/k norms: the rotation's attention factor s is taken out and the norm's
+/// ε divided by s² (the norm after a scaled rotation, as HF applies it).
+fn llama4_attention_factor_moves_into_the_norm() -> anyhow::Result<()> {
     let llama4 = HfAttentionConfig::from_json(
         r#"{"model_type": "llama4_text", "hidden_size": 16, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 1, "rms_norm_eps": 0.1,
@@ -1792,29 +1956,35 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
         )),
         other => panic!("{other:?}"),
     }
-    // Gemma 3 and ModernBERT fill each layer type's entry: θ per type, a missing entry is the
-    // default RoPE, flat keys beside the entries are not read, rope_scaling is merged.
-    let typed = |model_type: &str, layer: usize, extra: &str| -> anyhow::Result<RopeConfig> {
-        let c = HfAttentionConfig::from_json_layer(
-            &format!(
-                r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
-                "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
-                "sliding_window": 3, "sliding_window_pattern": 2,
-                "global_attn_every_n_layers": 2{extra}}}"#
-            ),
-            layer,
-        )?;
-        match c.encoding {
-            EncodingConfig::Rotary(r) => Ok(r),
-            other => panic!("{other:?}"),
-        }
-    };
-    // (Gemma 3: layer 0 slides, layer 1 is full; ModernBERT: layer 0 global, layer 1 local.)
+    Ok(())
+}
+
+/// The rotation of layer `layer` of a small Gemma 3 or ModernBERT file (Gemma 3: layer 0
+/// slides, layer 1 is full; ModernBERT: layer 0 global, layer 1 local).
+fn typed_rope(model_type: &str, layer: usize, extra: &str) -> anyhow::Result<RopeConfig> {
+    let c = HfAttentionConfig::from_json_layer(
+        &format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
+            "sliding_window": 3, "sliding_window_pattern": 2,
+            "global_attn_every_n_layers": 2{extra}}}"#
+        ),
+        layer,
+    )?;
+    match c.encoding {
+        EncodingConfig::Rotary(r) => Ok(r),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Gemma 3 and ModernBERT fill each layer type's entry: θ per type, a missing entry is the
+/// default RoPE, flat keys beside the entries are not read, rope_scaling is merged.
+fn layer_types_fill_their_own_rope() -> anyhow::Result<()> {
     let gemma3 = r#", "rope_theta": 100.0, "rope_local_base_freq": 70.0,
         "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 9.0,
             "full_attention": {"rope_type": "default"}}"#;
-    assert_eq!(typed("gemma3_text", 0, gemma3)?.base, 70.0);
-    let full = typed("gemma3_text", 1, gemma3)?;
+    assert_eq!(typed_rope("gemma3_text", 0, gemma3)?.base, 70.0);
+    let full = typed_rope("gemma3_text", 1, gemma3)?;
     assert_eq!(
         (full.base, &full.scaling),
         (100.0, &candle_posenc::RopeScaling::None)
@@ -1822,25 +1992,25 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
     let scaled = r#", "rope_scaling": {"rope_type": "linear", "factor": 4.0},
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 3.0},
             "sliding_attention": {"rope_type": "default"}}"#;
-    let full = typed("gemma3_text", 1, scaled)?;
+    let full = typed_rope("gemma3_text", 1, scaled)?;
     assert_eq!(full.base, 3.0);
     assert_eq!(
         full.scaling,
         candle_posenc::RopeScaling::Linear { factor: 4.0 }
     );
-    let slide = typed("gemma3_text", 0, scaled)?;
+    let slide = typed_rope("gemma3_text", 0, scaled)?;
     assert_eq!(
         (slide.base, &slide.scaling),
         (10000.0, &candle_posenc::RopeScaling::None)
     );
-    let local = typed("modernbert", 1, scaled)?;
+    let local = typed_rope("modernbert", 1, scaled)?;
     assert_eq!(local.base, 10000.0);
     assert_eq!(
         local.scaling,
         candle_posenc::RopeScaling::Linear { factor: 4.0 }
     );
     assert_eq!(
-        typed(
+        typed_rope(
             "modernbert",
             0,
             r#", "rope_theta": 5.0, "global_rope_theta": 40.0"#
@@ -1866,24 +2036,33 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             "global_rope_theta",
         ),
     ] {
-        let err = typed(model_type, 0, extra).unwrap_err().to_string();
+        let err = typed_rope(model_type, 0, extra).unwrap_err().to_string();
         assert!(err.contains(key), "{model_type} {extra}: {err}");
     }
-    // Sliding layers: SmolLM3 masks a listed one with sliding_window whatever
-    // use_sliding_window says (its default pattern needs the switch); Qwen2/3 null the window
-    // without the switch, and a listed sliding layer without a window is refused, as HF's mask
-    // fails on it.
-    let windowed = |model_type: &str, extra: &str| {
-        HfAttentionConfig::from_json_layer(
-            &format!(
-                r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2{extra}}}"#
-            ),
-            0,
-        )
-        .map(|c| c.attention.sliding_window)
-    };
-    let listed = r#", "layer_types": ["sliding_attention", "full_attention"]"#;
+    Ok(())
+}
+
+/// A `layer_types` entry that makes layer 0 of 2 slide and layer 1 full.
+const SLIDING_THEN_FULL: &str = r#", "layer_types": ["sliding_attention", "full_attention"]"#;
+
+/// The sliding window that layer 0 of a small two-layer file of `model_type` reads.
+fn windowed(model_type: &str, extra: &str) -> candle_posenc::Result<Option<usize>> {
+    HfAttentionConfig::from_json_layer(
+        &format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 2{extra}}}"#
+        ),
+        0,
+    )
+    .map(|c| c.attention.sliding_window)
+}
+
+/// Sliding layers: SmolLM3 masks a listed one with sliding_window whatever
+/// use_sliding_window says (its default pattern needs the switch); Qwen2/3 null the window
+/// without the switch, and a listed sliding layer without a window is refused, as HF's mask
+/// fails on it.
+fn sliding_layers_need_a_window() -> anyhow::Result<()> {
+    let listed = SLIDING_THEN_FULL;
     for (model_type, extra, want) in [
         (
             "smollm3",
@@ -1952,8 +2131,15 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             "{model_type}: {err}"
         );
     }
-    // Qwen2-VL's attention splits hidden_size evenly and its rotation reads head_dim: a file
-    // where they differ fails in HF and is refused here, one where they agree reads.
+    // (Qwen2's default pattern needs a window: every layer is full without one.)
+    let qwen2 = r#", "use_sliding_window": true, "sliding_window": null, "max_window_layers": 0"#;
+    assert_eq!(windowed("qwen2", qwen2)?, None);
+    Ok(())
+}
+
+/// Qwen2-VL's attention splits hidden_size evenly and its rotation reads head_dim: a file
+/// where they differ fails in HF and is refused here, one where they agree reads.
+fn qwen2_vl_head_dim_must_split_hidden_size() -> anyhow::Result<()> {
     for (head_dim, ok) in [(8, true), (12, false)] {
         let text = format!(
             r#"{{"model_type": "qwen2_vl", "text_config": {{"hidden_size": 32,
@@ -1967,13 +2153,17 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             other => panic!("head_dim {head_dim}: {other:?}"),
         }
     }
-    // Gemma 2's and 3's, gpt-oss's and Cohere2's models build a sliding-window mask whatever
-    // their layers are, which fails without a window: a null one is refused on every layer,
-    // listed or by the default pattern, all full (a pattern of 1) included.
+    Ok(())
+}
+
+/// Gemma 2's and 3's, gpt-oss's and Cohere2's models build a sliding-window mask whatever
+/// their layers are, which fails without a window: a null one is refused on every layer,
+/// listed or by the default pattern, all full (a pattern of 1) included.
+fn always_sliding_models_refuse_a_null_window() -> anyhow::Result<()> {
     for model_type in ["gemma2", "gemma3_text", "gpt_oss", "cohere2"] {
         for (extra, layer) in [
-            (listed, 0),
-            (listed, 1),
+            (SLIDING_THEN_FULL, 0),
+            (SLIDING_THEN_FULL, 1),
             ("", 0),
             (r#", "sliding_window_pattern": 1"#, 1),
             (
@@ -1993,7 +2183,11 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
             );
         }
     }
-    // A null pattern is refused only where the class would compute layer types from it.
+    Ok(())
+}
+
+/// A null pattern is refused only where the class would compute layer types from it.
+fn null_pattern_refused_only_where_read() -> anyhow::Result<()> {
     let pattern = |extra: &str| {
         HfAttentionConfig::from_json_layer(
             &format!(
@@ -2008,15 +2202,7 @@ fn rope_as_each_class_fills_it(_dev: &Device) -> anyhow::Result<()> {
         pattern(""),
         Err(Error::HfConfig { key, .. }) if key == "sliding_window_pattern"
     ));
-    assert!(pattern(listed).is_ok());
-    // (Qwen2's default pattern needs a window: every layer is full without one.)
-    let qwen2 = r#", "use_sliding_window": true, "sliding_window": null, "max_window_layers": 0"#;
-    assert_eq!(windowed("qwen2", qwen2)?, None);
-    let err = neox(r#", "rotary_emb_base": null, "rope_theta": 100.0"#).unwrap_err();
-    assert!(
-        matches!(&err, Error::HfConfig { key, .. } if key == "rotary_emb_base"),
-        "{err}"
-    );
+    assert!(pattern(SLIDING_THEN_FULL).is_ok());
     Ok(())
 }
 
