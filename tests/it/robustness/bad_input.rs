@@ -408,12 +408,23 @@ fn learned() {
 #[test]
 fn relative() {
     let mut s = Sweep::new("relative");
-    let o = Positions::Offset(0);
     let dev = cpu();
     let alibi = Alibi::new(&AlibiConfig::new(4), &dev).expect("valid");
     let t5 = T5RelativeBias::new(&T5Config::new(2), zeros_vb()).expect("valid");
     let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 2).with_values(true), zeros_vb())
         .expect("valid");
+    alibi_configs_and_inputs(&mut s, &alibi);
+    t5_configs_and_inputs(&mut s, &t5);
+    clipped_and_shaw_configs_and_inputs(&mut s, &shaw);
+    relative_value_sums_past_the_budget(&mut s);
+    relative_context_ranges(&mut s, &alibi, &t5, &shaw);
+    s.finish(30);
+}
+
+/// ALiBi: its settings, its queries, and the positions its bias is asked for.
+fn alibi_configs_and_inputs(s: &mut Sweep, alibi: &Alibi) {
+    let o = Positions::Offset(0);
+    let dev = cpu();
     s.case(
         "alibi zero heads",
         Kind::Config,
@@ -475,6 +486,29 @@ fn relative() {
         },
     );
     s.case(
+        "alibi symmetric bias of 10^12 entries",
+        Kind::Config,
+        &["1000000 × 1000000", "at most"],
+        || {
+            let a = Alibi::new(&AlibiConfig::new(2).with_mode(AlibiMode::Symmetric), &dev)?;
+            a.bias(&AttentionContext::new(&o, 1_000_000, &o, 1_000_000))
+        },
+    );
+    s.case(
+        "alibi causal ids of another batch",
+        Kind::Shape,
+        &["key position ids", "batch 1 or 2", "[3, 1]"],
+        || {
+            let (q, k) = (ids(&[vec![0], vec![1]]), ids(&[vec![0], vec![1], vec![2]]));
+            alibi.bias(&AttentionContext::new(&q, 1, &k, 1).with_causal(true))
+        },
+    );
+}
+
+/// T5's buckets, its table's shape, and the size and batches of the bias it is asked for.
+fn t5_configs_and_inputs(s: &mut Sweep, t5: &T5RelativeBias) {
+    let dev = cpu();
+    s.case(
         "t5 too few buckets",
         Kind::Config,
         &["num_buckets = 2", "at least 4"],
@@ -495,15 +529,6 @@ fn relative() {
                 .with_num_buckets(HUGE)
                 .with_max_distance(HUGE * 4);
             T5RelativeBias::new(&c, zeros_vb())
-        },
-    );
-    s.case(
-        "alibi symmetric bias of 10^12 entries",
-        Kind::Config,
-        &["1000000 × 1000000", "at most"],
-        || {
-            let a = Alibi::new(&AlibiConfig::new(2).with_mode(AlibiMode::Symmetric), &dev)?;
-            a.bias(&AttentionContext::new(&o, 1_000_000, &o, 1_000_000))
         },
     );
     s.case(
@@ -531,6 +556,20 @@ fn relative() {
             )
         },
     );
+    s.case(
+        "t5 ids of another batch",
+        Kind::Shape,
+        &["key position ids", "batch 1 or 2", "[3, 1]"],
+        || {
+            let q = ids(&[vec![0], vec![1]]);
+            t5.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
+        },
+    );
+}
+
+/// The clipped bias's and Shaw's settings, and the queries and weights Shaw is given.
+fn clipped_and_shaw_configs_and_inputs(s: &mut Sweep, shaw: &ShawRelativePosition) {
+    let o = Positions::Offset(0);
     s.case(
         "clipped zero distance",
         Kind::Config,
@@ -573,6 +612,10 @@ fn relative() {
             term.expect("a value term").weighted_sum(&x(&[2, 3, 3]))
         },
     );
+}
+
+/// Relative values: a weighted sum whose output or contiguous weights pass the budget.
+fn relative_value_sums_past_the_budget(s: &mut Sweep) {
     // The weighted sum's output (batch × heads × queries × features) is budgeted before the
     // product: weights as a broadcast view and a wide table made it 2^32 floats, an
     // allocation abort (found by the fuzzer).
@@ -604,27 +647,18 @@ fn relative() {
             values.weighted_sum(&probs)
         },
     );
-    s.case(
-        "alibi causal ids of another batch",
-        Kind::Shape,
-        &["key position ids", "batch 1 or 2", "[3, 1]"],
-        || {
-            let (q, k) = (ids(&[vec![0], vec![1]]), ids(&[vec![0], vec![1], vec![2]]));
-            alibi.bias(&AttentionContext::new(&q, 1, &k, 1).with_causal(true))
-        },
-    );
-    s.case(
-        "t5 ids of another batch",
-        Kind::Shape,
-        &["key position ids", "batch 1 or 2", "[3, 1]"],
-        || {
-            let q = ids(&[vec![0], vec![1]]);
-            t5.bias(&q, 1, &ids(&[vec![0], vec![1], vec![2]]), 1)
-        },
-    );
-    // Every relative encoding checks its context's ranges the same way before computing a
-    // distance (Shaw computed 0 − i64::MIN; T5 and the clipped bias skipped the check when a
-    // side was empty, then overflowed s + len).
+}
+
+/// Every relative encoding checks its context's ranges the same way before computing a
+/// distance (Shaw computed 0 − i64::MIN; T5 and the clipped bias skipped the check when a
+/// side was empty, then overflowed s + len).
+fn relative_context_ranges(
+    s: &mut Sweep,
+    alibi: &Alibi,
+    t5: &T5RelativeBias,
+    shaw: &ShawRelativePosition,
+) {
+    let o = Positions::Offset(0);
     let far = Positions::Offset(1 << 63);
     let end = Positions::Offset(usize::MAX);
     let clipped =
@@ -665,16 +699,19 @@ fn relative() {
         &["position offset = 18446744073709551615"],
         || alibi.logits_bias(&x(&[1, 4, 1, 4]), &AttentionContext::new(&end, 1, &o, 0)),
     );
-    s.finish(30);
 }
 
 #[test]
 fn rotary() {
     let mut s = Sweep::new("rotary");
-    let dev = cpu();
-    let rope = RotaryEmbedding::new(&RopeConfig::new(8), &dev).expect("valid");
-    let q = x(&[2, 2, 3, 8]);
-    let off = Positions::Offset(0);
+    rope_configs(&mut s);
+    rope_inputs(&mut s);
+    rope_mixed_configs_and_inputs(&mut s);
+    s.finish(22);
+}
+
+/// RoPE's settings: head_dim, rotary_dim, base, xPos scale and each scaling's factors.
+fn rope_configs(s: &mut Sweep) {
     let new = |c: RopeConfig| RotaryEmbedding::new(&c, &Device::Cpu);
     s.case(
         "odd head_dim",
@@ -725,6 +762,14 @@ fn rotary() {
             )
         },
     );
+}
+
+/// RoPE's queries and keys (rank, head_dim, batch, dtype) and the positions it rotates them to.
+fn rope_inputs(s: &mut Sweep) {
+    let dev = cpu();
+    let rope = RotaryEmbedding::new(&RopeConfig::new(8), &dev).expect("valid");
+    let q = x(&[2, 2, 3, 8]);
+    let off = Positions::Offset(0);
     s.case(
         "queries of rank 3",
         Kind::Rank,
@@ -785,7 +830,13 @@ fn rotary() {
         ],
         || rope.cos_sin(&Positions::Offset(usize::MAX - 2), 4),
     );
-    // RoPE-Mixed reads its input and 2-D positions through the same checks.
+}
+
+/// RoPE-Mixed reads its input and 2-D positions through the same checks.
+fn rope_mixed_configs_and_inputs(s: &mut Sweep) {
+    let dev = cpu();
+    let q = x(&[2, 2, 3, 8]);
+    let off = Positions::Offset(0);
     let mixed_vars = VarMap::new();
     let mixed = RopeMixed::new(
         &RopeMixedConfig::new(2, 8),
@@ -844,23 +895,35 @@ fn rotary() {
             mixed.rotate(q.clone(), x(&[2, 1, 3, 8]), &ctx)
         },
     );
-    s.finish(22);
 }
 
 #[test]
 fn attention() {
     let mut s = Sweep::new("attention");
+    attention_configs(&mut s);
+    let mha = causal_rope_block();
+    attention_input_tensors(&mut s, &mha);
+    attention_masks_positions_and_cache(&mut s, &mha);
+    s.finish(16);
+}
+
+/// A causal block of 2 heads over 8 features with RoPE, its weights from a fresh `VarMap`.
+fn causal_rope_block() -> MultiHeadAttention {
     let dev = cpu();
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
     let rope = RotaryEmbedding::new(&RopeConfig::new(4), &dev).expect("valid");
-    let mha = MultiHeadAttention::new(
+    MultiHeadAttention::new(
         &AttentionConfig::new(8, 2).with_causal(true),
         Some(Arc::new(rope)),
         vb,
     )
-    .expect("valid");
-    let fwd = |x: &Tensor, o: &AttentionOptions| mha.forward_with(x, o, None).map(|o| o.output);
+    .expect("valid")
+}
+
+/// The block's settings (heads, scale, blocks, budget, sizes) and its weights' dtype.
+fn attention_configs(s: &mut Sweep) {
+    let dev = cpu();
     s.case("zero heads", Kind::Config, &["num_heads = 0"], || {
         AttentionConfig::new(8, 0).validate()
     });
@@ -913,6 +976,24 @@ fn attention() {
         MultiHeadAttention::new(&c, None, zeros_vb())
     });
     s.case(
+        "integer weights",
+        Kind::DType,
+        &["attention weights", "U32", "float"],
+        || {
+            MultiHeadAttention::new(
+                &AttentionConfig::new(8, 2),
+                None,
+                VarBuilder::zeros(DType::U32, &dev),
+            )
+        },
+    );
+}
+
+/// The input's rank, width and dtype, and weights asked for past the budget.
+fn attention_input_tensors(s: &mut Sweep, mha: &MultiHeadAttention) {
+    let dev = cpu();
+    let fwd = |x: &Tensor, o: &AttentionOptions| mha.forward_with(x, o, None).map(|o| o.output);
+    s.case(
         "input of rank 4",
         Kind::Rank,
         &["rank 4", "expected rank 3"],
@@ -930,6 +1011,45 @@ fn attention() {
             &AttentionOptions::default(),
         )
     });
+    s.case(
+        "weights of 5·10^9 entries asked for",
+        Kind::Config,
+        &[
+            "sequence length = 50000",
+            "queries per block (50000) × keys (50000)",
+            "at most",
+        ],
+        || {
+            fwd(
+                &x(&[1, 50_000, 8]),
+                &AttentionOptions {
+                    return_weights: true,
+                    ..Default::default()
+                },
+            )
+        },
+    );
+    s.case(
+        "f16 input to f32 weights",
+        Kind::DType,
+        &[
+            "attention input x",
+            "F16",
+            "f32, the dtype of the attention weights",
+        ],
+        || {
+            fwd(
+                &x(&[1, 3, 8]).to_dtype(DType::F16)?,
+                &AttentionOptions::default(),
+            )
+        },
+    );
+}
+
+/// Masks and position ids of the wrong shape, and a cache chunk of another batch.
+fn attention_masks_positions_and_cache(s: &mut Sweep, mha: &MultiHeadAttention) {
+    let dev = cpu();
+    let fwd = |x: &Tensor, o: &AttentionOptions| mha.forward_with(x, o, None).map(|o| o.output);
     s.case(
         "padding mask of wrong shape",
         Kind::Shape,
@@ -987,57 +1107,19 @@ fn attention() {
             )
         },
     );
-    s.case(
-        "weights of 5·10^9 entries asked for",
-        Kind::Config,
-        &[
-            "sequence length = 50000",
-            "queries per block (50000) × keys (50000)",
-            "at most",
-        ],
-        || {
-            fwd(
-                &x(&[1, 50_000, 8]),
-                &AttentionOptions {
-                    return_weights: true,
-                    ..Default::default()
-                },
-            )
-        },
-    );
-    s.case(
-        "integer weights",
-        Kind::DType,
-        &["attention weights", "U32", "float"],
-        || {
-            MultiHeadAttention::new(
-                &AttentionConfig::new(8, 2),
-                None,
-                VarBuilder::zeros(DType::U32, &dev),
-            )
-        },
-    );
-    s.case(
-        "f16 input to f32 weights",
-        Kind::DType,
-        &[
-            "attention input x",
-            "F16",
-            "f32, the dtype of the attention weights",
-        ],
-        || {
-            fwd(
-                &x(&[1, 3, 8]).to_dtype(DType::F16)?,
-                &AttentionOptions::default(),
-            )
-        },
-    );
-    s.finish(16);
 }
 
 #[test]
 fn configs_and_metadata() {
     let mut s = Sweep::new("configs");
+    hf_rope_configs(&mut s);
+    encoding_metadata(&mut s);
+    attention_metadata_and_checkpoint_files(&mut s);
+    s.finish(17);
+}
+
+/// RoPE read from a `config.json`: bad JSON, mistyped or missing keys, absurd sizes.
+fn hf_rope_configs(s: &mut Sweep) {
     let hf = |t: &'static str| move || RopeConfig::from_hf_json(t);
     s.case(
         "hf: not JSON",
@@ -1093,6 +1175,10 @@ fn configs_and_metadata() {
         &["rope_scaling", "an object"],
         hf(r#"{"hidden_size": 64, "num_attention_heads": 4, "rope_scaling": 2}"#),
     );
+}
+
+/// An encoding's checkpoint metadata: missing, in the old format, mistyped, not JSON, lying.
+fn encoding_metadata(s: &mut Sweep) {
     let meta = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
         pairs
             .iter()
@@ -1163,6 +1249,11 @@ fn configs_and_metadata() {
             EncodingConfig::from_metadata(&m, "m")
         },
     );
+}
+
+/// The block's metadata with a scale JSON cannot hold or a negative one; checkpoint files
+/// that do not exist or hold nothing.
+fn attention_metadata_and_checkpoint_files(s: &mut Sweep) {
     s.case(
         "attention metadata NaN scale (JSON has no NaN: written as null)",
         Kind::Checkpoint,
@@ -1198,7 +1289,6 @@ fn configs_and_metadata() {
         &["<memory>", "not a valid safetensors file"],
         || ck.map_or(Ok(()), Err),
     );
-    s.finish(17);
 }
 
 /// Every encoding behind the attention plug, for the empty-input checks.
