@@ -693,6 +693,15 @@ fn expect_config_error<T: std::fmt::Debug>(r: candle_posenc::Result<T>, name: &s
 }
 
 fn bad_input(dev: &Device) -> anyhow::Result<()> {
+    configs_are_checked(dev);
+    lazy_tables_and_xpos_refuse_far_positions(dev)?;
+    empty_sequences_rotate_to_themselves(dev)?;
+    inputs_are_checked(dev)
+}
+
+/// Each setting out of its range is an `InvalidConfig` naming it; a LongRoPE list of the
+/// right length is fine.
+fn configs_are_checked(dev: &Device) {
     let new = |c: RopeConfig| RotaryEmbedding::new(&c, dev);
     expect_config_error(new(RopeConfig::new(7)), "head_dim");
     expect_config_error(new(RopeConfig::new(0)), "head_dim");
@@ -737,7 +746,12 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
     );
     assert!(new(RopeConfig::new(8).with_scaling(longrope(4))).is_ok());
     expect_config_error(new(RopeConfig::new(8).with_xpos(0.0)), "xpos_scale_base");
-    // A huge max_position is built lazily; a position past the table cap is an error.
+}
+
+/// A huge max_position is built lazily; a position past the table cap is an error. xPos
+/// refuses positions whose key scale would overflow.
+fn lazy_tables_and_xpos_refuse_far_positions(dev: &Device) -> anyhow::Result<()> {
+    let new = |c: RopeConfig| RotaryEmbedding::new(&c, dev);
     let lazy = new(RopeConfig::new(8).with_max_position(1 << 40))?;
     let one = Tensor::zeros((1, 1, 1, 8), DType::F32, dev)?;
     match lazy.rotate_queries(&one, &Positions::Offset(1 << 29), QkLayout::Bhtd) {
@@ -747,7 +761,6 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
         }) => {}
         other => panic!("table cap: {other:?}"),
     }
-    // xPos refuses positions whose key scale would overflow.
     let xpos = new(RopeConfig::new(8).with_xpos(512.0))?;
     match xpos.rotate_queries(&one, &Positions::Offset(50_000), QkLayout::Bhtd) {
         Err(Error::InvalidConfig {
@@ -765,7 +778,12 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
         .sum_all()?
         .to_scalar::<f32>()?
         .is_finite());
-    // Empty sequences rotate to themselves.
+    Ok(())
+}
+
+/// Empty sequences rotate to themselves.
+fn empty_sequences_rotate_to_themselves(dev: &Device) -> anyhow::Result<()> {
+    let new = |c: RopeConfig| RotaryEmbedding::new(&c, dev);
     for layout in [QkLayout::Bhtd, QkLayout::Bthd] {
         let empty = match layout {
             QkLayout::Bhtd => Tensor::zeros((2, 3, 0, 8), DType::F32, dev)?,
@@ -795,7 +813,13 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
             assert_eq!(a.dims(), empty.dims());
         }
     }
+    Ok(())
+}
 
+/// Queries and keys of the wrong rank, width, batch or dtype, and positions of the wrong
+/// length or past u32, are refused with the matching error.
+fn inputs_are_checked(dev: &Device) -> anyhow::Result<()> {
+    let new = |c: RopeConfig| RotaryEmbedding::new(&c, dev);
     let rope = new(RopeConfig::new(8))?;
     let q = Tensor::zeros((1, 2, 3, 8), DType::F32, dev)?;
     let p = Positions::Offset(0);
@@ -867,21 +891,37 @@ fn hf_error(json: &str) -> (String, String) {
 /// checked against HF's frequencies; malformed ones give errors naming the key.
 fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("rotary.safetensors", dev)?;
-    let hf = |name: &str| f64s(get(&fx, &format!("freq.{name}.inv_freq")));
-    let check = |c: &RopeConfig, name: &str, seq_len: usize| -> anyhow::Result<()> {
-        let ours = c
-            .scaling
-            .frequencies(c.rotary_dim, c.base, seq_len)?
-            .inv_freq;
-        let theirs = hf(name)?;
-        assert_eq!(ours.len(), theirs.len(), "{name}");
-        for (a, b) in ours.iter().zip(&theirs) {
-            assert!((a - b).abs() <= 1e-6 * b.abs(), "{name}: {a} vs {b}");
-        }
-        Ok(())
-    };
+    llama3_scaling_as_published(&fx)?;
+    transformers5_rope_parameters(&fx)?;
+    longrope_linear_and_dynamic(&fx)?;
+    neox_and_gptj_naming()?;
+    config_class_rules(&fx)?;
+    errors_name_the_files_key();
+    Ok(())
+}
 
-    // Llama 3.1 (rope_scaling, transformers 4 style).
+/// Checks that `c`'s inverse frequencies at `seq_len` are HF's for the fixture's case `name`.
+fn inv_freq_is_hf(
+    fx: &HashMap<String, Tensor>,
+    c: &RopeConfig,
+    name: &str,
+    seq_len: usize,
+) -> anyhow::Result<()> {
+    let ours = c
+        .scaling
+        .frequencies(c.rotary_dim, c.base, seq_len)?
+        .inv_freq;
+    let theirs = f64s(get(fx, &format!("freq.{name}.inv_freq")))?;
+    assert_eq!(ours.len(), theirs.len(), "{name}");
+    for (a, b) in ours.iter().zip(&theirs) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "{name}: {a} vs {b}");
+    }
+    Ok(())
+}
+
+/// Llama 3.1 (rope_scaling, transformers 4 style) and Llama 4 Scout's published scaling:
+/// equal low and high factors.
+fn llama3_scaling_as_published(fx: &HashMap<String, Tensor>) -> anyhow::Result<()> {
     let llama = RopeConfig::from_hf_json(
         r#"{"model_type": "llama", "hidden_size": 512, "num_attention_heads": 4,
             "rope_theta": 500000.0, "max_position_embeddings": 131072,
@@ -892,17 +932,19 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
         (llama.head_dim, llama.rotary_dim, llama.max_position),
         (128, 128, 131072)
     );
-    check(&llama, "llama3", 0)?;
-    // Llama 4 Scout's published scaling: equal low and high factors.
+    inv_freq_is_hf(fx, &llama, "llama3", 0)?;
     let scout = RopeConfig::from_hf_json(
         r#"{"model_type": "llama4_text", "hidden_size": 5120, "num_attention_heads": 40,
             "head_dim": 128, "rope_theta": 500000.0, "max_position_embeddings": 10485760,
             "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}"#,
     )?;
-    check(&scout, "llama3_step", 0)?;
+    inv_freq_is_hf(fx, &scout, "llama3_step", 0)?;
+    Ok(())
+}
 
-    // transformers 5 style: rope_parameters holding the theta; old `type` key; explicit head_dim.
+/// transformers 5 style: rope_parameters holding the theta; old `type` key; explicit head_dim.
+fn transformers5_rope_parameters(fx: &HashMap<String, Tensor>) -> anyhow::Result<()> {
     let yarn = RopeConfig::from_hf_json(
         r#"{"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 64,
             "max_position_embeddings": 4096,
@@ -910,7 +952,7 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
                 "original_max_position_embeddings": 256, "beta_fast": 24, "beta_slow": 2,
                 "mscale": 0.9, "mscale_all_dim": 0.7, "truncate": false}}"#,
     )?;
-    check(&yarn, "yarn_custom", 0)?;
+    inv_freq_is_hf(fx, &yarn, "yarn_custom", 0)?;
     // An empty or null `rope_scaling` gives way to `rope_parameters`, as HF's
     // `rope_scaling or rope_parameters` does.
     for empty in ["{}", "null"] {
@@ -939,13 +981,16 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     );
     let f = yarn.scaling.frequencies(64, yarn.base, 0)?;
     assert!(
-        (f.attention_factor - f64s(get(&fx, "freq.yarn_custom.attention_factor"))?[0]).abs()
-            < 1e-12
+        (f.attention_factor - f64s(get(fx, "freq.yarn_custom.attention_factor"))?[0]).abs() < 1e-12
     );
+    Ok(())
+}
 
-    // Phi-3 style LongRoPE under its old name, original length at the top level, partial rotary.
-    let short = f64s(get(&fx, "longrope.short_factor"))?;
-    let long = f64s(get(&fx, "longrope.long_factor"))?;
+/// Phi-3 style LongRoPE under its old name, original length at the top level, partial
+/// rotary; linear and dynamic scaling.
+fn longrope_linear_and_dynamic(fx: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+    let short = f64s(get(fx, "longrope.short_factor"))?;
+    let long = f64s(get(fx, "longrope.long_factor"))?;
     let phi3 = format!(
         r#"{{"hidden_size": 256, "num_attention_heads": 4, "partial_rotary_factor": 0.5,
             "max_position_embeddings": 1024, "original_max_position_embeddings": 256,
@@ -953,23 +998,26 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     );
     let phi3 = RopeConfig::from_hf_json(&phi3)?;
     assert_eq!(phi3.rotary_dim, 32);
-    check(&phi3, "longrope_short", 100)?;
-    check(&phi3, "longrope_long", 1000)?;
+    inv_freq_is_hf(fx, &phi3, "longrope_short", 100)?;
+    inv_freq_is_hf(fx, &phi3, "longrope_long", 1000)?;
 
     // Linear and dynamic.
     let linear = RopeConfig::from_hf_json(
         r#"{"hidden_size": 256, "num_attention_heads": 4, "partial_rotary_factor": 0.5,
             "rope_scaling": {"rope_type": "linear", "factor": 4.0}}"#,
     )?;
-    check(&linear, "linear", 0)?;
+    inv_freq_is_hf(fx, &linear, "linear", 0)?;
     let dynamic = RopeConfig::from_hf_json(
         r#"{"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 256,
             "rope_scaling": {"type": "dynamic", "factor": 2.0}}"#,
     )?;
-    check(&dynamic, "dynamic_long", 768)?;
-    check(&dynamic, "dynamic_short", 100)?;
+    inv_freq_is_hf(fx, &dynamic, "dynamic_long", 768)?;
+    inv_freq_is_hf(fx, &dynamic, "dynamic_short", 100)?;
+    Ok(())
+}
 
-    // GPT-NeoX and GPT-J naming; no scaling at all.
+/// GPT-NeoX and GPT-J naming; no scaling at all.
+fn neox_and_gptj_naming() -> anyhow::Result<()> {
     let neox = RopeConfig::from_hf_json(
         r#"{"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
             "rotary_pct": 0.25, "rotary_emb_base": 10000, "rope_scaling": null}"#,
@@ -986,18 +1034,21 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
         (64, 16, RopeLayout::Interleaved)
     );
     assert_eq!(gptj.scaling, RopeScaling::None);
+    Ok(())
+}
 
-    // HF config-class rules: a zero mscale is unset; GPT-NeoX defaults rotary_pct to 0.25 and
-    // prefers rotary_emb_base; Phi-3's top-level original length (default 4096) wins; integers
-    // written as floats; rope_scaling wins over rope_parameters; interleaved model types.
+/// HF config-class rules: a zero mscale is unset; GPT-NeoX defaults rotary_pct to 0.25 and
+/// prefers rotary_emb_base; Phi-3's top-level original length (default 4096) wins; integers
+/// written as floats; rope_scaling wins over rope_parameters; interleaved model types.
+fn config_class_rules(fx: &HashMap<String, Tensor>) -> anyhow::Result<()> {
     let zero_mscale = RopeConfig::from_hf_json(
         r#"{"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 4096,
             "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0, "mscale_all_dim": 0,
                 "original_max_position_embeddings": 512.0}}"#,
     )?;
     let f = zero_mscale.scaling.frequencies(64, 1e4, 0)?;
-    assert!((f.attention_factor - f64s(get(&fx, "freq.yarn.attention_factor"))?[0]).abs() < 1e-12);
-    check(&zero_mscale, "yarn", 0)?;
+    assert!((f.attention_factor - f64s(get(fx, "freq.yarn.attention_factor"))?[0]).abs() < 1e-12);
+    inv_freq_is_hf(fx, &zero_mscale, "yarn", 0)?;
     let neox = RopeConfig::from_hf_json(
         r#"{"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8,
             "rotary_emb_base": 20000, "rope_theta": 10000}"#,
@@ -1026,8 +1077,11 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     let (key, _) =
         hf_error(r#"{"model_type": "deepseek_v3", "hidden_size": 256, "num_attention_heads": 4}"#);
     assert_eq!(key, "model_type");
+    Ok(())
+}
 
-    // Errors name the key.
+/// Errors name the key.
+fn errors_name_the_files_key() {
     let base = r#""hidden_size": 256, "num_attention_heads": 4"#;
     let (key, problem) = hf_error(&format!(
         r#"{{{base}, "rope_scaling": {{"rope_type": "foo"}}}}"#
@@ -1096,7 +1150,6 @@ fn hf_config_json(dev: &Device) -> anyhow::Result<()> {
     }
     let (key, _) = hf_error(r#"{"hidden_size": 12, "num_attention_heads": 4}"#);
     assert_eq!(key, "hidden_size / num_attention_heads");
-    Ok(())
 }
 
 /// The owned (in-place on the CPU) rotation equals the out-of-place one for every layout,
