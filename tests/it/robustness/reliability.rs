@@ -226,15 +226,26 @@ fn bucket_methods_check_their_configuration(_dev: &Device) -> anyhow::Result<()>
 /// probe found, then every scaling over a sweep of extreme values, each either refused with a
 /// typed error or giving finite rotations at positions up to 50 000.
 fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result<()> {
-    let longrope = |orig: usize, attention_factor: Option<f64>| {
-        RopeScaling::LongRope(LongRopeScaling {
-            short_factor: vec![1.0; 4],
-            long_factor: vec![2.0; 4],
-            original_max_position_embeddings: orig,
-            factor: 4.0,
-            attention_factor,
-        })
-    };
+    probed_scalings_are_refused(dev)?;
+    attention_factors_past_2_to_32_are_refused(dev)?;
+    softmax_scales_that_overflow_are_refused(dev)?;
+    accepted_scalings_rotate_to_finite_output(dev)?;
+    rope_mixed_frequencies_are_checked(dev)
+}
+
+/// LongRoPE with four short factors 1 and long factors 2, factor 4.
+fn longrope(orig: usize, attention_factor: Option<f64>) -> RopeScaling {
+    RopeScaling::LongRope(LongRopeScaling {
+        short_factor: vec![1.0; 4],
+        long_factor: vec![2.0; 4],
+        original_max_position_embeddings: orig,
+        factor: 4.0,
+        attention_factor,
+    })
+}
+
+/// The examples the probe found: each scaling is refused where it is built and validated.
+fn probed_scalings_are_refused(dev: &Device) -> anyhow::Result<()> {
     let refused = [
         (
             "subnormal linear factor",
@@ -266,10 +277,14 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
         assert!(matches!(err, Error::InvalidConfig { .. }), "{what}: {err}");
         assert!(cfg.validate().is_err(), "{what}: validate accepts it");
     }
-    // The attention factor scales queries and keys alike, so the logits by its square: past
-    // 2^±32 it is refused where the tables are built, with or without xPos (the fuzz target
-    // found f32::MAX accepted: every table entry was finite, the logits were not). Within it,
-    // xPos's key scale (at most e^60, the position limit) keeps the tables finite in f32.
+    Ok(())
+}
+
+/// The attention factor scales queries and keys alike, so the logits by its square: past
+/// 2^±32 it is refused where the tables are built, with or without xPos (the fuzz target
+/// found f32::MAX accepted: every table entry was finite, the logits were not). Within it,
+/// xPos's key scale (at most e^60, the position limit) keeps the tables finite in f32.
+fn attention_factors_past_2_to_32_are_refused(dev: &Device) -> anyhow::Result<()> {
     let yarn = |a| RopeScaling::Yarn(YarnScaling::new(4.0, 64).with_attention_factor(a));
     for a in [1e14, f32::MAX as f64, 1e-14] {
         for cfg in [
@@ -304,6 +319,11 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
             .iter()
             .all(|x| x.is_finite()));
     }
+    Ok(())
+}
+
+/// Softmax scales that would take finite logits to NaN or ∞ are refused.
+fn softmax_scales_that_overflow_are_refused(dev: &Device) -> anyhow::Result<()> {
     for scale in [1e300, 1e-300, f64::MIN_POSITIVE / 2.0] {
         let err = AttentionConfig::new(16, 4)
             .with_softmax_scale(scale)
@@ -338,7 +358,11 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
         MultiHeadAttention::new(&big, None, half),
         Err(Error::InvalidConfig { .. })
     ));
-    // The sweep: whatever is accepted rotates finite input to finite output.
+    Ok(())
+}
+
+/// The sweep: whatever is accepted rotates finite input to finite output.
+fn accepted_scalings_rotate_to_finite_output(dev: &Device) -> anyhow::Result<()> {
     let q = Tensor::ones((1, 1, 3, 8), DType::F32, dev)?;
     let mut accepted = 0;
     for v in [1e-300, 1e-30, 1e-5, 0.5, 1.0, 3.0, 1e5, 1e30, 1e300] {
@@ -381,8 +405,12 @@ fn configurations_that_cannot_give_finite_output(dev: &Device) -> anyhow::Result
         }
     }
     assert!(accepted > 30, "only {accepted} configurations accepted");
-    // RoPE-Mixed's loaded frequencies: non-finite ones, or ones whose angle at a u32 position
-    // passes f32, are refused; 2^64 (the largest allowed) rotates finitely at 2^32 − 1.
+    Ok(())
+}
+
+/// RoPE-Mixed's loaded frequencies: non-finite ones, or ones whose angle at a u32 position
+/// passes f32, are refused; 2^64 (the largest allowed) rotates finitely at 2^32 − 1.
+fn rope_mixed_frequencies_are_checked(dev: &Device) -> anyhow::Result<()> {
     use candle_posenc::rotary::mixed::{RopeMixed, RopeMixedConfig, MAX_FREQUENCY};
     let cfg = RopeMixedConfig::new(1, 4);
     let load = |f: f32| {
