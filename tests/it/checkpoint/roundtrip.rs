@@ -251,9 +251,22 @@ fn edit_json(
 }
 
 fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
-    const KEY: &str = candle_posenc::checkpoint::ENCODING_KEY;
     let base = EncodingConfig::Learned(LearnedConfig::new(8)).to_metadata();
     assert_eq!(base.keys().collect::<Vec<_>>(), [KEY]);
+    edited_fields_are_named(&base);
+    entries_that_are_not_json_or_missing();
+    non_finite_values_fail_to_load();
+    left_out_defaults_and_invalid_values(&base)?;
+    attention_metadata_that_lies();
+    Ok(())
+}
+
+/// The metadata key an encoding's configuration is stored under.
+const KEY: &str = candle_posenc::checkpoint::ENCODING_KEY;
+
+/// Each edit of `base`'s JSON (a learned encoding's) fails to load with a checkpoint error
+/// naming the file, the key and what is wrong.
+fn edited_fields_are_named(base: &HashMap<String, String>) {
     type Edit = Box<dyn FnOnce(&mut serde_json::Map<String, Value>)>;
     let cases: Vec<(Edit, Vec<&str>)> = vec![
         (
@@ -309,7 +322,7 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
         ),
     ];
     for (edit, needles) in cases {
-        let m = edit_json(&base, KEY, edit);
+        let m = edit_json(base, KEY, edit);
         let err = EncodingConfig::from_metadata(&m, "f.safetensors").unwrap_err();
         assert!(matches!(err, Error::Checkpoint { .. }), "{err}");
         let text = err.to_string();
@@ -320,7 +333,10 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
             assert!(text.contains(needle), "`{needle}` not in: {text}");
         }
     }
-    // Not JSON at all, and no entry at all.
+}
+
+/// Not JSON at all, and no entry at all.
+fn entries_that_are_not_json_or_missing() {
     for (m, needle) in [
         (
             HashMap::from([(KEY.to_string(), "kind=learned".to_string())]),
@@ -336,8 +352,11 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
             "{err}"
         );
     }
-    // JSON has no NaN or infinity (serde_json writes `null`): such a configuration fails to
-    // load, optional fields included (`null` is not read as "not set").
+}
+
+/// JSON has no NaN or infinity (serde_json writes `null`): such a configuration fails to
+/// load, optional fields included (`null` is not read as "not set").
+fn non_finite_values_fail_to_load() {
     let rope = RopeConfig::new(8);
     let yarn = YarnScaling::new(4.0, 64);
     for (enc, needle) in [
@@ -375,15 +394,18 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
             "{enc:?}: {err}"
         );
     }
-    // A field with a default may be left out: it reads back as the default.
-    let m = edit_json(&base, KEY, |m| {
+}
+
+/// A field with a default may be left out: it reads back as the default. Parsable but
+/// invalid (an odd sinusoidal width) is an invalid configuration.
+fn left_out_defaults_and_invalid_values(base: &HashMap<String, String>) -> anyhow::Result<()> {
+    let m = edit_json(base, KEY, |m| {
         m.remove("max_len");
     });
     assert_eq!(
         EncodingConfig::from_metadata(&m, "f")?,
         EncodingConfig::Learned(LearnedConfig::new(8))
     );
-    // Parsable but invalid: an odd sinusoidal width.
     let m = edit_json(
         &EncodingConfig::Sinusoidal(SinusoidalConfig::new(8)).to_metadata(),
         KEY,
@@ -398,6 +420,12 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
             ..
         })
     ));
+    Ok(())
+}
+
+/// The block's metadata: a mistyped field fails to load naming it, a parsable but invalid
+/// one is an invalid configuration.
+fn attention_metadata_that_lies() {
     let key = candle_posenc::checkpoint::ATTENTION_KEY;
     let m = edit_json(&AttentionConfig::new(16, 4).to_metadata(), key, |m| {
         m.insert("causal".into(), json!("maybe"));
@@ -421,7 +449,6 @@ fn lying_metadata(_dev: &Device) -> anyhow::Result<()> {
             ..
         })
     ));
-    Ok(())
 }
 
 /// Every encoding (every scaling too) and an attention configuration survive a saved file,
