@@ -22,80 +22,137 @@ fn budget_is_one_number() -> anyhow::Result<()> {
     assert_eq!(max_elements(), MAX_ELEMENTS);
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-    let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4), None, vb.pp("a"))?;
-    let x = Tensor::zeros((1, 64, 16), DType::F32, &dev)?;
-    let weights = AttentionOptions {
+    let parts = Parts::build(&vb)?;
+
+    let scope = BudgetScope::new(4096);
+    assert_eq!(max_elements(), 4096);
+    let mut refused = block_work_refused(&parts)?;
+    refused.extend(encoding_and_position_work_refused(&parts, &vb)?);
+    a_wide_table_still_gives_its_bias(&dev)?;
+    validate_checks_its_own_arithmetic();
+    assert_eq!(max_elements(), 4096);
+    drop(scope);
+    assert_eq!(max_elements(), MAX_ELEMENTS);
+    for (what, err) in refused {
+        assert!(
+            matches!(err, Error::InvalidConfig { .. }) && err.to_string().contains("4096"),
+            "{what}: {err}"
+        );
+    }
+    parts
+        .mha
+        .forward_with(&parts.x, &returning_weights(), None)?;
+    Ok(())
+}
+
+/// Options that ask for the attention weights.
+fn returning_weights() -> AttentionOptions<'static> {
+    AttentionOptions {
         return_weights: true,
         ..Default::default()
-    };
-    mha.forward_with(&x, &weights, None)?;
-    let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 64), vb.pp("s"))?;
-    let t5 = T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?;
-    let ids = Positions::ids(&Tensor::zeros((8, 16), DType::U32, &dev)?)?;
-    let keys = Positions::ids(&Tensor::zeros((1, 64), DType::U32, &dev)?)?;
-    let at0 = Positions::Offset(0);
-    // One head 1024 wide on a model 1 wide: its projections fit in 4096 elements.
-    let wide = MultiHeadAttention::new(
-        &AttentionConfig::new(1, 1).with_head_dim(1024),
-        None,
-        vb.pp("w"),
-    )?;
-    let eight = Tensor::zeros((1, 8, 1), DType::F32, &dev)?;
-    wide.forward(&eight)?;
-    // An f64 block (candle's ops) of constant weights in query blocks of 16: 4 × 16 × 64
-    // logits at a time.
-    let blocked = MultiHeadAttention::new(
-        &AttentionConfig::new(16, 4).with_query_block(Some(16)),
-        None,
-        VarBuilder::zeros(DType::F64, &dev),
-    )?;
-    let x64 = Tensor::zeros((1, 64, 16), DType::F64, &dev)?;
+    }
+}
+
+/// The modules and inputs that `budget_is_one_number` builds under the full budget and then
+/// calls under a budget of 4096 elements.
+struct Parts {
+    /// A block of 4 heads over 16 features, with its input of 64 tokens.
+    mha: MultiHeadAttention,
+    x: Tensor,
+    shaw: ShawRelativePosition,
+    t5: T5RelativeBias,
+    /// Ids of 8 sequences of 16 queries, and of 1 sequence of 64 keys.
+    ids: Positions,
+    keys: Positions,
+    /// One head 1024 wide on a model 1 wide, with an input of 8 tokens.
+    wide: MultiHeadAttention,
+    eight: Tensor,
+    /// An f64 block in query blocks of 16, with its input of 64 tokens.
+    blocked: MultiHeadAttention,
+    x64: Tensor,
+}
+
+impl Parts {
+    fn build(vb: &VarBuilder) -> anyhow::Result<Self> {
+        let dev = vb.device().clone();
+        let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4), None, vb.pp("a"))?;
+        let x = Tensor::zeros((1, 64, 16), DType::F32, &dev)?;
+        mha.forward_with(&x, &returning_weights(), None)?;
+        let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 64), vb.pp("s"))?;
+        let t5 = T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?;
+        let ids = Positions::ids(&Tensor::zeros((8, 16), DType::U32, &dev)?)?;
+        let keys = Positions::ids(&Tensor::zeros((1, 64), DType::U32, &dev)?)?;
+        // One head 1024 wide on a model 1 wide: its projections fit in 4096 elements.
+        let wide = MultiHeadAttention::new(
+            &AttentionConfig::new(1, 1).with_head_dim(1024),
+            None,
+            vb.pp("w"),
+        )?;
+        let eight = Tensor::zeros((1, 8, 1), DType::F32, &dev)?;
+        wide.forward(&eight)?;
+        // An f64 block (candle's ops) of constant weights in query blocks of 16: 4 × 16 × 64
+        // logits at a time.
+        let blocked = MultiHeadAttention::new(
+            &AttentionConfig::new(16, 4).with_query_block(Some(16)),
+            None,
+            VarBuilder::zeros(DType::F64, &dev),
+        )?;
+        let x64 = Tensor::zeros((1, 64, 16), DType::F64, &dev)?;
+        Ok(Self {
+            mha,
+            x,
+            shaw,
+            t5,
+            ids,
+            keys,
+            wide,
+            eight,
+            blocked,
+            x64,
+        })
+    }
+}
+
+/// The attention block's work past 4096 elements, each with what it is: logits, logits kept
+/// for the backward, queries, a KV cache, projections.
+fn block_work_refused(p: &Parts) -> anyhow::Result<Vec<(&'static str, Error)>> {
+    let dev = p.x.device();
+    let Parts {
+        mha,
+        x,
+        wide,
+        eight,
+        blocked,
+        x64,
+        ..
+    } = p;
+    let weights = returning_weights();
     let train = AttentionOptions {
         train: true,
         ..Default::default()
     };
-
-    let scope = BudgetScope::new(4096);
-    assert_eq!(max_elements(), 4096);
-    let refused: Vec<(&str, Error)> = vec![
+    Ok(vec![
         (
             "logits of 4 × 64 × 64",
-            mha.forward_with(&x, &weights, None).unwrap_err(),
+            mha.forward_with(x, &weights, None).unwrap_err(),
         ),
         (
             "logits of 4 × 64 × 64 that candle's ops keep for the backward (blocks of 4 × 16 × 64 \
              fit, and run in inference)",
             {
-                blocked.forward_with(&x64, &AttentionOptions::default(), None)?;
-                blocked.forward_with(&x64, &train, None).unwrap_err()
+                blocked.forward_with(x64, &AttentionOptions::default(), None)?;
+                blocked.forward_with(x64, &train, None).unwrap_err()
             },
         ),
         (
             "queries of 8 × 1024 (the logits of 8 × 8 fit)",
-            wide.forward_with(&eight, &AttentionOptions::default(), None)
+            wide.forward_with(eight, &AttentionOptions::default(), None)
                 .unwrap_err(),
-        ),
-        (
-            "a sinusoidal table of 512 × 16",
-            SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(16), &dev).unwrap_err(),
-        ),
-        (
-            "a learned table of 1024 × 16",
-            LearnedPositionalEncoding::new(&LearnedConfig::new(16).with_max_len(1024), vb.pp("l"))
-                .unwrap_err(),
-        ),
-        (
-            "RoPE tables for 4096 positions",
-            RotaryEmbedding::new(&RopeConfig::new(64).with_max_position(4096), &dev).unwrap_err(),
-        ),
-        (
-            "8192 position ids",
-            Positions::Offset(0).to_ids(8192, &dev).unwrap_err(),
         ),
         ("a KV cache of 1 × 4 × 2048 × 4", {
             let mut cache = KvCache::with_capacity(1);
             let opts = AttentionOptions::default();
-            let x = Tensor::zeros((1, 1, 16), DType::F32, &dev)?;
+            let x = Tensor::zeros((1, 1, 16), DType::F32, dev)?;
             let mut err = None;
             for _ in 0..2048 {
                 if let Err(e) = mha.forward_with(&x, &opts, Some(&mut cache)) {
@@ -106,13 +163,53 @@ fn budget_is_one_number() -> anyhow::Result<()> {
             err.ok_or_else(|| anyhow::anyhow!("the cache grew past the budget"))?
         }),
         (
+            "four projections of 64 × 64 (each alone fits)",
+            AttentionConfig::new(64, 4).validate().unwrap_err(),
+        ),
+    ])
+}
+
+/// The encodings' tables and biases and the positions' ids and distances past 4096 elements,
+/// each with what it is.
+fn encoding_and_position_work_refused(
+    p: &Parts,
+    vb: &VarBuilder,
+) -> anyhow::Result<Vec<(&'static str, Error)>> {
+    let dev = p.x.device();
+    let Parts {
+        shaw,
+        t5,
+        ids,
+        keys,
+        ..
+    } = p;
+    let at0 = Positions::Offset(0);
+    Ok(vec![
+        (
+            "a sinusoidal table of 512 × 16",
+            SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(16), dev).unwrap_err(),
+        ),
+        (
+            "a learned table of 1024 × 16",
+            LearnedPositionalEncoding::new(&LearnedConfig::new(16).with_max_len(1024), vb.pp("l"))
+                .unwrap_err(),
+        ),
+        (
+            "RoPE tables for 4096 positions",
+            RotaryEmbedding::new(&RopeConfig::new(64).with_max_position(4096), dev).unwrap_err(),
+        ),
+        (
+            "8192 position ids",
+            Positions::Offset(0).to_ids(8192, dev).unwrap_err(),
+        ),
+        (
             "distances of 8 sequences × 16 × 64 ids (16 × 64 alone fit)",
-            Positions::relative_distances(&ids, 16, &keys, 64, &dev).unwrap_err(),
+            Positions::relative_distances(ids, 16, keys, 64, dev).unwrap_err(),
         ),
         (
             "T5 rows for 5000 keys",
             t5.logits_bias(
-                &Tensor::zeros((1, 4, 1, 4), DType::F32, &dev)?,
+                &Tensor::zeros((1, 4, 1, 4), DType::F32, dev)?,
                 &AttentionContext::new(&at0, 1, &at0, 5000),
             )
             .unwrap_err(),
@@ -120,45 +217,46 @@ fn budget_is_one_number() -> anyhow::Result<()> {
         (
             "Shaw's products of 2 × 4 × 16 × 129 (200 keys reach every distance)",
             shaw.logits_bias(
-                &Tensor::zeros((2, 4, 16, 4), DType::F32, &dev)?,
+                &Tensor::zeros((2, 4, 16, 4), DType::F32, dev)?,
                 &AttentionContext::new(&at0, 16, &at0, 200),
             )
             .unwrap_err(),
         ),
         (
-            "four projections of 64 × 64 (each alone fits)",
-            AttentionConfig::new(64, 4).validate().unwrap_err(),
-        ),
-        (
             "positions of 2048 cached keys spread over a chunk's 8 sequences (2048 alone fit)",
-            Positions::Offset(0)
-                .extend(2048, &ids, 16, &dev)
-                .unwrap_err(),
+            Positions::Offset(0).extend(2048, ids, 16, dev).unwrap_err(),
         ),
         (
             "relative rows viewed as 8 × 4 × 64 × 16 (the 8 × 4 × 64 × 1 bias fits)",
             RelativeBias::new(
-                Tensor::zeros((1, 1, 1, 16), DType::F32, &dev)?.broadcast_as((8, 4, 64, 16))?,
+                Tensor::zeros((1, 1, 1, 16), DType::F32, dev)?.broadcast_as((8, 4, 64, 16))?,
                 Columns::Shift(0),
             )?
             .to_dense(64, 1)
             .unwrap_err(),
         ),
-    ];
-    // A table wider than the budget allows to spread over every query still gives its bias:
-    // nothing wider than the bias is built.
-    let table = Tensor::arange(0f32, 512.0, &dev)?.reshape((1, 1, 1, 512))?;
+    ])
+}
+
+/// A table wider than the budget allows to spread over every query still gives its bias:
+/// nothing wider than the bias is built.
+fn a_wide_table_still_gives_its_bias(dev: &Device) -> anyhow::Result<()> {
+    let table = Tensor::arange(0f32, 512.0, dev)?.reshape((1, 1, 1, 512))?;
     let map: Vec<u32> = (0..64u32).map(|n| n * 37 % 512).collect();
     let wide = RelativeBias::new(
         table,
-        Columns::Index(Tensor::from_vec(map.clone(), (8, 4, 2), &dev)?),
+        Columns::Index(Tensor::from_vec(map.clone(), (8, 4, 2), dev)?),
     )?
     .to_dense(4, 2)?;
     assert_eq!(wide.dims(), &[8, 1, 4, 2]);
     let got: Vec<f32> = wide.flatten_all()?.to_vec1()?;
     assert_eq!(got, map.iter().map(|&c| c as f32).collect::<Vec<_>>());
-    // With no budget at all, validate's own arithmetic is checked: 2·num_heads + 2·num_kv_heads
-    // of 2^63 heads each (one feature wide, so every product before it fits).
+    Ok(())
+}
+
+/// With no budget at all, validate's own arithmetic is checked: 2·num_heads + 2·num_kv_heads
+/// of 2^63 heads each (one feature wide, so every product before it fits).
+fn validate_checks_its_own_arithmetic() {
     let unlimited = BudgetScope::new(usize::MAX);
     let mut heads = AttentionConfig::new(1, 1).with_kv_heads(1 << 63);
     heads.num_heads = 1 << 63;
@@ -174,17 +272,6 @@ fn budget_is_one_number() -> anyhow::Result<()> {
         "{err}"
     );
     drop(unlimited);
-    assert_eq!(max_elements(), 4096);
-    drop(scope);
-    assert_eq!(max_elements(), MAX_ELEMENTS);
-    for (what, err) in refused {
-        assert!(
-            matches!(err, Error::InvalidConfig { .. }) && err.to_string().contains("4096"),
-            "{what}: {err}"
-        );
-    }
-    mha.forward_with(&x, &weights, None)?;
-    Ok(())
 }
 
 /// `set_max_elements` sets the budget of every thread of the process (a scope still wins on
