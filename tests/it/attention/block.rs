@@ -622,6 +622,17 @@ fn half_precision_block(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn bad_input(dev: &Device) -> anyhow::Result<()> {
+    invalid_configs_name_their_field(dev);
+    let mha = MultiHeadAttention::new(&base_cfg(), None, VarBuilder::zeros(DType::F32, dev))?;
+    inputs_of_the_wrong_rank_or_width(&mha, dev)?;
+    masks_and_ids_of_the_wrong_shape(&mha, dev)?;
+    caches_refuse_what_they_cannot_hold(&mha, dev)?;
+    missing_weights_name_the_tensor(dev);
+    Ok(())
+}
+
+/// Each invalid setting is an `InvalidConfig` naming its field.
+fn invalid_configs_name_their_field(dev: &Device) {
     let vb = VarBuilder::zeros(DType::F32, dev);
     let cases = [
         (AttentionConfig::new(16, 0), "num_heads"),
@@ -641,7 +652,10 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
             other => panic!("{field}: expected InvalidConfig, got {other:?}"),
         }
     }
-    let mha = MultiHeadAttention::new(&base_cfg(), None, vb.clone())?;
+}
+
+/// Input that is not (batch, seq_len, d_model) is refused: a rank error, a shape error.
+fn inputs_of_the_wrong_rank_or_width(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<()> {
     let opts = AttentionOptions::default();
     let err = mha
         .forward_with(&Tensor::zeros((2, 16), DType::F32, dev)?, &opts, None)
@@ -664,6 +678,12 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
         matches!(err, Error::Shape { .. }) && err.to_string().contains("16"),
         "{err}"
     );
+    Ok(())
+}
+
+/// A padding mask, an additive mask or position ids that do not fit the input are shape
+/// errors naming what was wrong.
+fn masks_and_ids_of_the_wrong_shape(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<()> {
     let x = Tensor::zeros((2, 3, 16), DType::F32, dev)?;
     let pad = Tensor::ones((2, 4), DType::U8, dev)?;
     let err = mha
@@ -728,7 +748,17 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
         ),
         "{err}"
     );
-    // A cache filled with batch 2 refuses a chunk of batch 1.
+    Ok(())
+}
+
+/// A cache filled with batch 2 refuses a chunk of batch 1 and is left as it was; decoding
+/// past a learned table is a typed error from the encoding.
+fn caches_refuse_what_they_cannot_hold(
+    mha: &MultiHeadAttention,
+    dev: &Device,
+) -> anyhow::Result<()> {
+    let opts = AttentionOptions::default();
+    let x = Tensor::zeros((2, 3, 16), DType::F32, dev)?;
     let mut cache = KvCache::new();
     mha.forward_with(&x, &opts, Some(&mut cache))?;
     let err = mha
@@ -740,7 +770,7 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
         .unwrap_err();
     assert!(matches!(err, Error::Shape { .. }), "{err}");
     assert_eq!(cache.len(), 3, "a refused chunk leaves the cache as it was");
-    // Decoding past a learned table is a typed error from the encoding.
+    let vb = VarBuilder::zeros(DType::F32, dev);
     let pe = LearnedPositionalEncoding::new(&LearnedConfig::new(16).with_max_len(4), vb.pp("wpe"))?;
     let mha = MultiHeadAttention::new(&base_cfg(), Some(Arc::new(pe)), vb.clone())?;
     let mut cache = KvCache::new();
@@ -767,14 +797,17 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
         ),
         "{err}"
     );
-    // Missing projection weights name the tensor.
+    Ok(())
+}
+
+/// Missing projection weights name the tensor.
+fn missing_weights_name_the_tensor(dev: &Device) {
     let empty = VarBuilder::from_tensors(HashMap::new(), DType::F32, dev);
     let err = MultiHeadAttention::new(&base_cfg(), None, empty.pp("layer")).unwrap_err();
     assert!(
         matches!(&err, Error::MissingTensor { name } if name == "layer.q_proj.weight"),
         "{err}"
     );
-    Ok(())
 }
 
 /// The weights of a block built for `cfg` under the prefix `a`, drawn from N(0, std²), as
@@ -903,10 +936,58 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
 /// setting equals the block without it given that keep-mask as an additive mask, on every path
 /// (fused core, row pass, plain ops in f64), left-padded, and decoding through a cache.
 fn windows_and_chunks_match_their_masks(dev: &Device) -> anyhow::Result<()> {
-    let (b, t, d_model, heads) = (2, 11, 16, 4);
-    let left = [0usize, 3];
-    let keep = |cfg: &AttentionConfig, bi: usize, p: usize, j: usize| -> bool {
-        let l = left[bi] as i64;
+    let s = MaskSetup::new(dev)?;
+    let base = AttentionConfig::new(s.d_model, s.heads).with_kv_heads(2);
+    let configs = [
+        base.clone().with_sliding_window(Some(2)),
+        base.clone().with_sliding_window(Some(0)),
+        base.clone().with_causal(true).with_sliding_window(Some(3)),
+        base.clone().with_causal(true).with_attention_chunk(Some(3)),
+        base.clone()
+            .with_causal(true)
+            .with_attention_chunk(Some(4))
+            .with_sliding_window(Some(3)),
+    ];
+    for cfg in &configs {
+        setting_matches_its_mask(&s, cfg, dev)?;
+    }
+    Ok(())
+}
+
+/// The input of `windows_and_chunks_match_their_masks`: 2 sequences of 11 tokens over 16
+/// features (4 heads), the second with 3 leading padded keys.
+struct MaskSetup {
+    b: usize,
+    t: usize,
+    d_model: usize,
+    heads: usize,
+    /// Each sequence's leading padded keys.
+    left: [usize; 2],
+    padding: Tensor,
+    x: Tensor,
+}
+
+impl MaskSetup {
+    fn new(dev: &Device) -> anyhow::Result<Self> {
+        let (b, t, d_model, heads) = (2, 11, 16, 4);
+        let left = [0usize, 3];
+        let padding: Vec<u8> = (0..b * t).map(|n| (n % t >= left[n / t]) as u8).collect();
+        let padding = Tensor::from_vec(padding, (b, t), dev)?;
+        let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?;
+        Ok(Self {
+            b,
+            t,
+            d_model,
+            heads,
+            left,
+            padding,
+            x,
+        })
+    }
+
+    /// Whether query `p` of sequence `bi` sees key `j` under `cfg`, by HF's formulas.
+    fn keep(&self, cfg: &AttentionConfig, bi: usize, p: usize, j: usize) -> bool {
+        let l = self.left[bi] as i64;
         let (p, j) = (p as i64, j as i64);
         let causal = !cfg.causal || j <= p;
         let window = match cfg.sliding_window.map(|w| w as i64) {
@@ -919,136 +1000,150 @@ fn windows_and_chunks_match_their_masks(dev: &Device) -> anyhow::Result<()> {
             .map(|c| c as i64)
             .is_none_or(|c| (j - l).div_euclid(c) == (p - l).div_euclid(c));
         causal && window && chunk && j >= l
+    }
+
+    /// Only the real tokens' rows: a padded row sees nothing and is uniform by convention.
+    fn real(&self, y: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(Tensor::cat(
+            &[y.i((0..1, 0..self.t))?, y.i((1..2, self.left[1]..self.t))?],
+            1,
+        )?)
+    }
+}
+
+/// The block with `cfg`'s window or chunks equals the block without them given the
+/// keep-mask as an additive mask, on the fused core, the row pass and plain ops in f64; the
+/// hidden keys get no weight; causal, decoding through a cache gives the same.
+fn setting_matches_its_mask(
+    s: &MaskSetup,
+    cfg: &AttentionConfig,
+    dev: &Device,
+) -> anyhow::Result<()> {
+    let (b, t, x) = (s.b, s.t, &s.x);
+    let weights = random_weights(cfg, 0.4, dev)?;
+    let block = |cfg: &AttentionConfig, dtype: DType| {
+        let vb = VarBuilder::from_tensors(weights.clone(), dtype, dev);
+        MultiHeadAttention::new(cfg, None, vb.pp("a"))
     };
-    let base = AttentionConfig::new(d_model, heads).with_kv_heads(2);
-    let configs = [
-        base.clone().with_sliding_window(Some(2)),
-        base.clone().with_sliding_window(Some(0)),
-        base.clone().with_causal(true).with_sliding_window(Some(3)),
-        base.clone().with_causal(true).with_attention_chunk(Some(3)),
-        base.clone()
-            .with_causal(true)
-            .with_attention_chunk(Some(4))
-            .with_sliding_window(Some(3)),
-    ];
-    let padding: Vec<u8> = (0..b * t).map(|n| (n % t >= left[n / t]) as u8).collect();
-    let padding = Tensor::from_vec(padding, (b, t), dev)?;
-    let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?;
-    for cfg in &configs {
-        let weights = random_weights(cfg, 0.4, dev)?;
-        let block = |cfg: &AttentionConfig, dtype: DType| {
-            let vb = VarBuilder::from_tensors(weights.clone(), dtype, dev);
-            MultiHeadAttention::new(cfg, None, vb.pp("a"))
-        };
-        // The reference: no window or chunk, the keep-mask added (−1e9 where hidden).
-        let plain = cfg
-            .clone()
-            .with_causal(false)
-            .with_sliding_window(None)
-            .with_attention_chunk(None);
-        let mask: Vec<f32> = (0..b * t * t)
-            .map(|n| {
-                let (bi, p, j) = (n / (t * t), n / t % t, n % t);
-                if keep(cfg, bi, p, j) {
-                    0.0
-                } else {
-                    -1e9
-                }
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (b, 1, t, t), dev)?;
-        let want = block(&plain, DType::F32)?.forward_with(
-            &x,
-            &AttentionOptions {
-                attn_mask: Some(&mask),
-                ..Default::default()
-            },
-            None,
-        )?;
-        // Only the real tokens' rows: a padded row sees nothing and is uniform by convention.
-        let real = |y: &Tensor| -> anyhow::Result<Tensor> {
-            Ok(Tensor::cat(
-                &[y.i((0..1, 0..t))?, y.i((1..2, left[1]..t))?],
-                1,
-            )?)
-        };
-        let opts = AttentionOptions {
-            padding_mask: Some(&padding),
+    // The reference: no window or chunk, the keep-mask added (−1e9 where hidden).
+    let plain = cfg
+        .clone()
+        .with_causal(false)
+        .with_sliding_window(None)
+        .with_attention_chunk(None);
+    let mask: Vec<f32> = (0..b * t * t)
+        .map(|n| {
+            let (bi, p, j) = (n / (t * t), n / t % t, n % t);
+            if s.keep(cfg, bi, p, j) {
+                0.0
+            } else {
+                -1e9
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (b, 1, t, t), dev)?;
+    let want = block(&plain, DType::F32)?.forward_with(
+        x,
+        &AttentionOptions {
+            attn_mask: Some(&mask),
             ..Default::default()
-        };
-        let fused = block(cfg, DType::F32)?.forward_with(&x, &opts, None)?;
-        let what = format!("{cfg:?}");
-        assert_close(
-            &real(&fused.output)?,
-            &real(&want.output)?,
-            1e-5,
-            &format!("fused {what}"),
-        )?;
-        let rows = block(cfg, DType::F32)?.forward_with(
-            &x,
-            &AttentionOptions {
-                return_weights: true,
-                ..opts.clone()
-            },
-            None,
-        )?;
-        assert_close(
-            &real(&rows.output)?,
-            &real(&want.output)?,
-            1e-5,
-            &format!("rows {what}"),
-        )?;
-        let ops = block(cfg, DType::F64)?.forward_with(&x.to_dtype(DType::F64)?, &opts, None)?;
-        assert_close_scaled(
-            &real(&ops.output.to_dtype(DType::F32)?)?,
-            &real(&want.output)?,
-            1e-5,
-            2e-6,
-            &format!("ops {what}"),
-        )?;
-        // The weights are exactly zero wherever the formula hides a key of a real row.
-        let w = rows
-            .weights
-            .expect("weights")
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        for bi in 0..b {
-            for p in left[bi]..t {
-                for j in (0..t).filter(|&j| !keep(cfg, bi, p, j)) {
-                    for h in 0..heads {
-                        assert_eq!(w[((bi * heads + h) * t + p) * t + j], 0.0, "{what}");
-                    }
+        },
+        None,
+    )?;
+    let real = |y: &Tensor| s.real(y);
+    let opts = AttentionOptions {
+        padding_mask: Some(&s.padding),
+        ..Default::default()
+    };
+    let fused = block(cfg, DType::F32)?.forward_with(x, &opts, None)?;
+    let what = format!("{cfg:?}");
+    assert_close(
+        &real(&fused.output)?,
+        &real(&want.output)?,
+        1e-5,
+        &format!("fused {what}"),
+    )?;
+    let rows = block(cfg, DType::F32)?.forward_with(
+        x,
+        &AttentionOptions {
+            return_weights: true,
+            ..opts.clone()
+        },
+        None,
+    )?;
+    assert_close(
+        &real(&rows.output)?,
+        &real(&want.output)?,
+        1e-5,
+        &format!("rows {what}"),
+    )?;
+    let ops = block(cfg, DType::F64)?.forward_with(&x.to_dtype(DType::F64)?, &opts, None)?;
+    assert_close_scaled(
+        &real(&ops.output.to_dtype(DType::F32)?)?,
+        &real(&want.output)?,
+        1e-5,
+        2e-6,
+        &format!("ops {what}"),
+    )?;
+    hidden_keys_get_no_weight(s, cfg, &rows.weights.expect("weights"), &what)?;
+    if cfg.causal {
+        decoding_matches_the_forward(s, &block(cfg, DType::F32)?, &fused.output, &what)?;
+    }
+    Ok(())
+}
+
+/// The weights are exactly zero wherever the formula hides a key of a real row.
+fn hidden_keys_get_no_weight(
+    s: &MaskSetup,
+    cfg: &AttentionConfig,
+    weights: &Tensor,
+    what: &str,
+) -> anyhow::Result<()> {
+    let (b, t, heads, left) = (s.b, s.t, s.heads, s.left);
+    let w = weights.flatten_all()?.to_vec1::<f32>()?;
+    for bi in 0..b {
+        for p in left[bi]..t {
+            for j in (0..t).filter(|&j| !s.keep(cfg, bi, p, j)) {
+                for h in 0..heads {
+                    assert_eq!(w[((bi * heads + h) * t + p) * t + j], 0.0, "{what}");
                 }
             }
-        }
-        // Decoding: a prefix, then one token at a time, equals the whole forward.
-        if cfg.causal {
-            let mha = block(cfg, DType::F32)?;
-            let mut cache = KvCache::new();
-            let mut outs = Vec::new();
-            let mut start = 0;
-            for n in [5, 1, 1, 2, 1, 1] {
-                let y = mha.forward_with(
-                    &x.i((.., start..start + n))?,
-                    &AttentionOptions {
-                        padding_mask: Some(&padding.i((.., 0..start + n))?),
-                        ..Default::default()
-                    },
-                    Some(&mut cache),
-                )?;
-                outs.push(y.output);
-                start += n;
-            }
-            let decoded = Tensor::cat(&outs, 1)?;
-            assert_close_scaled(
-                &real(&decoded)?,
-                &real(&fused.output)?,
-                1e-5,
-                2e-6,
-                &format!("decode {what}"),
-            )?;
         }
     }
+    Ok(())
+}
+
+/// Decoding: a prefix, then one token at a time, equals the whole forward `fused`.
+fn decoding_matches_the_forward(
+    s: &MaskSetup,
+    mha: &MultiHeadAttention,
+    fused: &Tensor,
+    what: &str,
+) -> anyhow::Result<()> {
+    let (x, padding) = (&s.x, &s.padding);
+    let mut cache = KvCache::new();
+    let mut outs = Vec::new();
+    let mut start = 0;
+    for n in [5, 1, 1, 2, 1, 1] {
+        let y = mha.forward_with(
+            &x.i((.., start..start + n))?,
+            &AttentionOptions {
+                padding_mask: Some(&padding.i((.., 0..start + n))?),
+                ..Default::default()
+            },
+            Some(&mut cache),
+        )?;
+        outs.push(y.output);
+        start += n;
+    }
+    let decoded = Tensor::cat(&outs, 1)?;
+    assert_close_scaled(
+        &s.real(&decoded)?,
+        &s.real(fused)?,
+        1e-5,
+        2e-6,
+        &format!("decode {what}"),
+    )?;
     Ok(())
 }
 
