@@ -109,13 +109,26 @@ fn every_truncation_is_an_error() {
 
 #[test]
 fn malformed_headers_are_errors() {
-    let f32x4 = [0u8; 16];
+    let mut cases = malformed_framing();
+    cases.extend(malformed_tensor_entries());
+    let mut failures = Vec::new();
+    for (label, bytes, needle) in &cases {
+        match load(label, bytes) {
+            Err(Error::Checkpoint { reason, .. }) if reason.contains(needle) => {}
+            other => failures.push(format!("{label}: {other:?}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Files whose header length, encoding or JSON is wrong: (label, bytes, the reason's words).
+fn malformed_framing() -> Vec<(&'static str, Vec<u8>, &'static str)> {
     let huge_len = |n: u64| {
         let mut b = n.to_le_bytes().to_vec();
         b.extend_from_slice(b"{}");
         b
     };
-    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+    vec![
         ("empty file", vec![], "header too small"),
         (
             "header length u64::MAX",
@@ -151,6 +164,14 @@ fn malformed_headers_are_errors() {
             raw("[1, 2]", &[]),
             "invalid JSON in header",
         ),
+    ]
+}
+
+/// Headers whose tensor entries (dtype, shape, offsets) or metadata are wrong: (label, bytes,
+/// the reason's words).
+fn malformed_tensor_entries() -> Vec<(&'static str, Vec<u8>, &'static str)> {
+    let f32x4 = [0u8; 16];
+    vec![
         (
             "unknown dtype",
             raw(
@@ -220,15 +241,7 @@ fn malformed_headers_are_errors() {
             ),
             "file not fully covered",
         ),
-    ];
-    let mut failures = Vec::new();
-    for (label, bytes, needle) in &cases {
-        match load(label, bytes) {
-            Err(Error::Checkpoint { reason, .. }) if reason.contains(needle) => {}
-            other => failures.push(format!("{label}: {other:?}")),
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    ]
 }
 
 #[test]
