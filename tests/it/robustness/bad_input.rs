@@ -413,7 +413,8 @@ fn relative() {
     let t5 = T5RelativeBias::new(&T5Config::new(2), zeros_vb()).expect("valid");
     let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 2).with_values(true), zeros_vb())
         .expect("valid");
-    alibi_configs_and_inputs(&mut s, &alibi);
+    alibi_configs(&mut s);
+    alibi_inputs(&mut s, &alibi);
     t5_configs_and_inputs(&mut s, &t5);
     clipped_and_shaw_configs_and_inputs(&mut s, &shaw);
     relative_value_sums_past_the_budget(&mut s);
@@ -421,9 +422,8 @@ fn relative() {
     s.finish(30);
 }
 
-/// ALiBi: its settings, its queries, and the positions its bias is asked for.
-fn alibi_configs_and_inputs(s: &mut Sweep, alibi: &Alibi) {
-    let o = Positions::Offset(0);
+/// ALiBi's settings: heads, head range, slopes, learnability.
+fn alibi_configs(s: &mut Sweep) {
     let dev = cpu();
     s.case(
         "alibi zero heads",
@@ -455,6 +455,12 @@ fn alibi_configs_and_inputs(s: &mut Sweep, alibi: &Alibi) {
         &["learnable = true"],
         || Alibi::new(&AlibiConfig::new(4).with_learnable(true), &dev),
     );
+}
+
+/// ALiBi's queries, and the positions its bias is asked for.
+fn alibi_inputs(s: &mut Sweep, alibi: &Alibi) {
+    let o = Positions::Offset(0);
+    let dev = cpu();
     s.case(
         "alibi queries of rank 3",
         Kind::Rank,
