@@ -105,6 +105,12 @@ pub mod plug;
 pub mod positions;
 pub mod relative;
 pub mod rotary;
+// The unit tests draw their random data as the integration tests do: seeded, the same on
+// every run.
+#[cfg(test)]
+#[allow(dead_code)] // the unit tests need only its tensors
+#[path = "../tests/it/common/seeded.rs"]
+mod seeded;
 pub mod vision;
 
 pub use absolute::learned::{Interpolation, LearnedConfig, LearnedPositionalEncoding};

@@ -188,7 +188,7 @@ mod tests {
         dtype: DType,
     ) -> candle_core::Result<Vec<(&'static str, Tensor)>> {
         let dev = Device::Cpu;
-        let randn = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, &dev)?.to_dtype(dtype);
+        let randn = |dims: &[usize]| crate::seeded::randn(0f32, 1.0, dims, &dev)?.to_dtype(dtype);
         Ok(vec![
             ("contiguous", randn(&[batch, rows, cols])?),
             ("rows-cols", randn(&[batch, cols, rows])?.transpose(1, 2)?),
@@ -284,7 +284,7 @@ mod tests {
     #[test]
     fn partial_broadcasts() -> anyhow::Result<()> {
         let dev = Device::Cpu;
-        let randn = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, &dev);
+        let randn = |dims: &[usize]| crate::seeded::randn(0f32, 1.0, dims, &dev);
         let cases = [
             (randn(&[2, 3, 4, 5])?, randn(&[1, 3, 5, 6])?),
             (randn(&[1, 3, 4, 5])?, randn(&[2, 3, 5, 6])?),
@@ -318,8 +318,8 @@ mod tests {
         let dev = Device::Cpu;
         for dtype in [DType::F32, DType::F64, DType::BF16] {
             let tol = if dtype == DType::BF16 { 0.25 } else { 1e-4 };
-            let w = Tensor::randn(0f32, 1.0, (6, 8), &dev)?.to_dtype(dtype)?;
-            let bias = Tensor::randn(0f32, 1.0, 6, &dev)?.to_dtype(dtype)?;
+            let w = crate::seeded::randn(0f32, 1.0, (6, 8), &dev)?.to_dtype(dtype)?;
+            let bias = crate::seeded::randn(0f32, 1.0, 6, &dev)?.to_dtype(dtype)?;
             for layer in [
                 Linear::new(w.clone(), None),
                 Linear::new(w.clone(), Some(bias)),

@@ -846,16 +846,16 @@ mod tests {
     fn tiles_equal_candle_ops() -> anyhow::Result<()> {
         let dev = Device::Cpu;
         let (b, h, hkv, tq, tk, d, w) = (2, 4, 2, 13, 17, 8, 5);
-        let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
+        let q = crate::seeded::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
         // Keys and values as views into a longer buffer, like a KV cache's.
-        let k = Tensor::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
-        let v = Tensor::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
-        let dense = Tensor::randn(0f32, 1.0, (1, h, 1, tk), &dev)?;
+        let k = crate::seeded::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
+        let v = crate::seeded::randn(0f32, 1.0, (b, hkv, tk + 6, d), &dev)?.narrow(2, 0, tk)?;
+        let dense = crate::seeded::randn(0f32, 1.0, (1, h, 1, tk), &dev)?;
         let relative = RelativeBias::new(
-            Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
+            crate::seeded::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
             Columns::Shift(w as i64 + 2),
         )?;
-        let table = Tensor::randn(0f32, 1.0, (w, d), &dev)?;
+        let table = crate::seeded::randn(0f32, 1.0, (w, d), &dev)?;
         // Both column rules; the map holds entries past the table, which clamp to its last row.
         let map: Vec<u32> = (0..b * tq * tk).map(|n| (n * 7 % (w + 3)) as u32).collect();
         let map = Tensor::from_vec(map, (b, tq, tk), &dev)?;
@@ -926,9 +926,9 @@ mod tests {
     fn causal_tiles_trim_hidden_keys() -> anyhow::Result<()> {
         let dev = Device::Cpu;
         let (b, h, tq, tk, d) = (1, 2, 9, 12, 4);
-        let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
-        let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
-        let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let q = crate::seeded::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
+        let k = crate::seeded::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let v = crate::seeded::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
         let rule = RowRule::causal(tk - tq);
         let keep = keep_mask(&rule, None, b, tq, tk, &dev)?.ok_or(anyhow::anyhow!("mask"))?;
         let s = apply_keep_mask(&matmul(&q, &k.t()?)?, &keep)?;
@@ -971,13 +971,13 @@ mod tests {
         let (b, h, hkv, tk, d, w) = (2, 4, 2, 600, 8, 4);
         for tq in [1, 3, 19] {
             let first = tk - tq;
-            let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
+            let q = crate::seeded::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
             let relative = RelativeBias::new(
-                Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
+                crate::seeded::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
                 Columns::Shift(w as i64 - first as i64),
             )?;
             let values = RelativeValues::new(
-                Tensor::randn(0f32, 1.0, (2 * w + 1, d), &dev)?,
+                crate::seeded::randn(0f32, 1.0, (2 * w + 1, d), &dev)?,
                 Columns::Shift(w as i64 - first as i64),
             )?;
             let mut keep = vec![1u8; b * tk];
@@ -985,8 +985,8 @@ mod tests {
             let padding = Tensor::from_vec(keep, (b, tk), &dev)?;
             for dtype in [DType::BF16, DType::F16] {
                 // Keys as a cache holds them (a head's rows end to end), values strided.
-                let k = Tensor::randn(0f32, 1.0, (b, hkv, tk, d), &dev)?.to_dtype(dtype)?;
-                let v = Tensor::randn(0f32, 1.0, (b, tk, hkv, d), &dev)?
+                let k = crate::seeded::randn(0f32, 1.0, (b, hkv, tk, d), &dev)?.to_dtype(dtype)?;
+                let v = crate::seeded::randn(0f32, 1.0, (b, tk, hkv, d), &dev)?
                     .to_dtype(dtype)?
                     .transpose(1, 2)?;
                 let (k32, v32) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
@@ -1037,15 +1037,15 @@ mod tests {
         // as stored.
         let (b, h, tq, tk, d, w) = (2, 2, 19, 31, 8, 4);
         let first = tk - tq;
-        let q = (Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev)? * 2.0)?;
-        let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
-        let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let q = (crate::seeded::randn(0f32, 1.0, (b, h, tq, d), &dev)? * 2.0)?;
+        let k = crate::seeded::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
+        let v = crate::seeded::randn(0f32, 1.0, (b, h, tk, d), &dev)?;
         let relative = RelativeBias::new(
-            Tensor::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
+            crate::seeded::randn(0f32, 1.0, (1, h, 1, 2 * w + 1), &dev)?,
             Columns::Shift(w as i64 - first as i64),
         )?;
         let values = RelativeValues::new(
-            Tensor::randn(0f32, 1.0, (2 * w + 1, d), &dev)?,
+            crate::seeded::randn(0f32, 1.0, (2 * w + 1, d), &dev)?,
             Columns::Shift(w as i64 - first as i64),
         )?;
         // Batch item 0: its first 14 keys padded, so its early causal rows are masked whole.

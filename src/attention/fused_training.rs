@@ -1238,7 +1238,7 @@ mod tests {
             (b, h, hkv, tq, tk, d, w): (usize, usize, usize, usize, usize, usize, usize),
             dev: &Device,
         ) -> anyhow::Result<Self> {
-            let r = |shape: &[usize], s: f64| Tensor::randn(0f32, s as f32, shape, dev);
+            let r = |shape: &[usize], s: f64| crate::seeded::randn(0f32, s as f32, shape, dev);
             Ok(Self {
                 q: Var::from_tensor(&r(&[b, h, tq, d], 1.5)?)?,
                 k: Var::from_tensor(&r(&[b, hkv, tk, d], 1.0)?)?,
@@ -1517,8 +1517,8 @@ mod tests {
         let table =
             RelativeValues::new(Tensor::zeros((w, 8), DType::F32, &dev)?, Columns::Shift(0))?;
         for mix_batch in [b, 1] {
-            let mix = Var::randn(0f32, 1.0, (mix_batch, h, tq, rank), &dev)?;
-            let bank = Var::randn(0f32, 1.0, (rank, w), &dev)?;
+            let mix = crate::seeded::var_randn(0f32, 1.0, (mix_batch, h, tq, rank), &dev)?;
+            let bank = crate::seeded::var_randn(0f32, 1.0, (rank, w), &dev)?;
             let relative = RelativeBias::mixed(
                 mix.as_tensor().clone(),
                 bank.as_tensor().clone(),

@@ -493,9 +493,12 @@ mod tests {
             [
                 (
                     "weight".to_string(),
-                    Tensor::randn(0f32, 1.0, (out, inner), dev)?,
+                    crate::seeded::randn(0f32, 1.0, (out, inner), dev)?,
                 ),
-                ("bias".to_string(), Tensor::randn(0f32, 1.0, out, dev)?),
+                (
+                    "bias".to_string(),
+                    crate::seeded::randn(0f32, 1.0, out, dev)?,
+                ),
             ]
             .into(),
             dtype,
@@ -513,10 +516,10 @@ mod tests {
         for bias in [false, true] {
             let linear = random_linear((40, 24), bias, DType::F32, &dev)?;
             for x in [
-                Tensor::randn(0f32, 1.0, (1, 1, 40), &dev)?,
-                Tensor::randn(0f32, 1.0, (2, 2, 40), &dev)?,
-                Tensor::randn(0f32, 1.0, (3, 7, 40), &dev)?,
-                Tensor::randn(0f32, 1.0, (7, 3, 40), &dev)?.transpose(0, 1)?,
+                crate::seeded::randn(0f32, 1.0, (1, 1, 40), &dev)?,
+                crate::seeded::randn(0f32, 1.0, (2, 2, 40), &dev)?,
+                crate::seeded::randn(0f32, 1.0, (3, 7, 40), &dev)?,
+                crate::seeded::randn(0f32, 1.0, (7, 3, 40), &dev)?.transpose(0, 1)?,
             ] {
                 let want = matmul::linear(&linear, &x)?;
                 let got = super::linear(&linear, &x)?;
@@ -546,7 +549,7 @@ mod tests {
             ];
             let refs: Vec<&Linear> = layers.iter().collect();
             for rows in [1, 2, 3, 4, 5, 40, 300] {
-                let x = Tensor::randn(0f32, 1.0, (1, rows, inner), &dev)?.to_dtype(dtype)?;
+                let x = crate::seeded::randn(0f32, 1.0, (1, rows, inner), &dev)?.to_dtype(dtype)?;
                 // bf16 past the few rows: the native products (where the CPU has them) and
                 // the widened ones they replace.
                 let mut runs = vec![project_all(&refs, &x)?];

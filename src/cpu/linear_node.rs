@@ -442,7 +442,7 @@ impl CustomOp3 for Node {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Module, Var};
+    use candle_core::{Device, Module};
 
     use super::*;
 
@@ -474,8 +474,8 @@ mod tests {
                 for strided in [false, true] {
                     for arranged in 0..3 {
                         let xv = match strided {
-                            false => Var::randn(0f32, 1.0, (b, t, inner), &dev)?,
-                            true => Var::randn(0f32, 1.0, (t, b, inner), &dev)?,
+                            false => crate::seeded::var_randn(0f32, 1.0, (b, t, inner), &dev)?,
+                            true => crate::seeded::var_randn(0f32, 1.0, (t, b, inner), &dev)?,
                         };
                         let x = match (strided, track_x) {
                             (false, true) => xv.as_tensor().clone(),
@@ -483,8 +483,8 @@ mod tests {
                             (false, false) => xv.as_tensor().detach(),
                             (true, false) => xv.as_tensor().detach().transpose(0, 1)?,
                         };
-                        let w = Var::randn(0f32, 1.0, (out, inner), &dev)?;
-                        let bv = Var::randn(0f32, 1.0, out, &dev)?;
+                        let w = crate::seeded::var_randn(0f32, 1.0, (out, inner), &dev)?;
+                        let bv = crate::seeded::var_randn(0f32, 1.0, out, &dev)?;
                         let weight = match track_w {
                             true => w.as_tensor().clone(),
                             false => w.as_tensor().detach(),
@@ -510,7 +510,7 @@ mod tests {
                         };
                         assert!(max_diff(&got, &want)? < 1e-5, "t {t} forward");
                         // A probe that is not all ones, so that each gradient mixes rows.
-                        let probe = Tensor::randn(0f32, 1.0, got.shape(), &dev)?;
+                        let probe = crate::seeded::randn(0f32, 1.0, got.shape(), &dev)?;
                         let g_got = (&got * &probe)?.sum_all()?.backward()?;
                         let g_want = (&want * &probe)?.sum_all()?.backward()?;
                         for (var, tracked) in [(&xv, track_x), (&w, track_w), (&bv, bias)] {
@@ -538,8 +538,8 @@ mod tests {
     #[test]
     fn declines_what_it_does_not_fit() -> anyhow::Result<()> {
         let dev = Device::Cpu;
-        let linear = Linear::new(Tensor::randn(0f32, 1.0, (6, 4), &dev)?, None);
-        let x = Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?;
+        let linear = Linear::new(crate::seeded::randn(0f32, 1.0, (6, 4), &dev)?, None);
+        let x = crate::seeded::randn(0f32, 1.0, (2, 3, 4), &dev)?;
         let half = Linear::new(linear.weight().to_dtype(DType::BF16)?, None);
         assert!(
             super::linear(&half, &x.to_dtype(DType::BF16)?, Arrange::Rows(vec![2, 3]))?.is_none()
@@ -554,7 +554,7 @@ mod tests {
         assert!(super::linear(&linear, &x, heads(4, 2))?.is_none());
         assert!(super::linear(&linear, &x, heads(3, 2))?.is_some());
         for other in [(2, 3, 5), (2, 2, 6)] {
-            let other = Tensor::randn(0f32, 1.0, other, &dev)?;
+            let other = crate::seeded::randn(0f32, 1.0, other, &dev)?;
             assert!(super::linear(&linear, &other, Arrange::Rows(vec![2, 3]))?.is_none());
             assert!(super::linear(&linear, &other, heads(3, 2))?.is_none());
         }

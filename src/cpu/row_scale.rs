@@ -152,7 +152,7 @@ impl InplaceOp1 for ScaleRows {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var};
+    use candle_core::Device;
 
     use super::*;
 
@@ -163,7 +163,7 @@ mod tests {
         let factors = vec![1.0f32, 1.5, 0.25, 3.0, 2.0];
         let f = Tensor::new(factors.as_slice(), &dev)?.reshape((1, 1, 5, 1))?;
         for strided in [false, true] {
-            let v = Var::randn(0f32, 1.0, (2, 3, 5, 4), &dev)?;
+            let v = crate::seeded::var_randn(0f32, 1.0, (2, 3, 5, 4), &dev)?;
             let x = match strided {
                 false => v.as_tensor().clone(),
                 // (2, 3, 4, 5) stored, read as (2, 3, 5, 4).
@@ -177,7 +177,7 @@ mod tests {
             let want = x.broadcast_mul(&f)?;
             let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff == 0.0, "strided {strided}: {diff}");
-            let probe = Tensor::randn(0f32, 1.0, (2, 3, 5, 4), &dev)?;
+            let probe = crate::seeded::randn(0f32, 1.0, (2, 3, 5, 4), &dev)?;
             let a = (&got * &probe)?.sum_all()?.backward()?;
             let b = (&want * &probe)?.sum_all()?.backward()?;
             let (a, b) = (a.get(&v).expect("grad"), b.get(&v).expect("grad"));
@@ -186,7 +186,7 @@ mod tests {
         }
         assert!(scale_rows(&Tensor::zeros(4, DType::F32, &dev)?, vec![1.0; 4]).is_err());
         // In place, outside a graph: the same values.
-        let x = Tensor::randn(0f32, 1.0, (2, 3, 5, 4), &dev)?;
+        let x = crate::seeded::randn(0f32, 1.0, (2, 3, 5, 4), &dev)?;
         let want = x.broadcast_mul(&f)?;
         let got = scale_rows_owned(x.copy()?, factors.clone())?;
         let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;

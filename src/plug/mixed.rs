@@ -812,8 +812,8 @@ mod tests {
     fn states_pack_as_their_rows() -> crate::error::Result<()> {
         let dev = Device::Cpu;
         let (b, h, r, tq, w) = (2, 3, 4, 5, 7);
-        let states = candle_core::Var::randn(0f32, 1.0, (b, h * r, tq), &dev)?;
-        let bank = candle_core::Var::randn(0f32, 1.0, (r, w), &dev)?;
+        let states = crate::seeded::var_randn(0f32, 1.0, (b, h * r, tq), &dev)?;
+        let bank = crate::seeded::var_randn(0f32, 1.0, (r, w), &dev)?;
         let scale = vec![1.0f32, 1.5, 0.5, 2.0, 1.25];
         let channels = MixedRows::channels(
             states.as_tensor().clone(),
@@ -826,7 +826,7 @@ mod tests {
         let (a, z) = (channels.packed(tq)?, rows.packed(tq)?);
         let diff = (&a - &z)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff == 0.0, "packed: {diff}");
-        let probe = Tensor::randn(0f32, 1.0, a.shape(), &dev)?;
+        let probe = crate::seeded::randn(0f32, 1.0, a.shape(), &dev)?;
         let ga = (&a * &probe)?.sum_all()?.backward()?;
         let gz = (&z * &probe)?.sum_all()?.backward()?;
         for var in [&states, &bank] {
@@ -852,8 +852,8 @@ mod tests {
     #[test]
     fn mixed_bias_expands_as_its_rows_and_checks_operands() -> crate::error::Result<()> {
         let dev = Device::Cpu;
-        let mix = Tensor::randn(0f32, 1.0, (2, 3, 4, 5), &dev)?;
-        let bank = Tensor::randn(0f32, 1.0, (5, 9), &dev)?;
+        let mix = crate::seeded::randn(0f32, 1.0, (2, 3, 4, 5), &dev)?;
+        let bank = crate::seeded::randn(0f32, 1.0, (5, 9), &dev)?;
         let mixed = RelativeBias::mixed(mix.clone(), bank.clone(), Columns::Shift(4))?;
         assert_eq!(mixed.dims(), (2, 3, 4, 9));
         let rows = RelativeBias::new(

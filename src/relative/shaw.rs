@@ -392,11 +392,11 @@ mod tests {
             [
                 (
                     "relative_keys.weight".to_string(),
-                    Tensor::randn(0f32, 1.0, (9, 4), &dev)?,
+                    crate::seeded::randn(0f32, 1.0, (9, 4), &dev)?,
                 ),
                 (
                     "relative_values.weight".to_string(),
-                    Tensor::randn(0f32, 1.0, (9, 4), &dev)?,
+                    crate::seeded::randn(0f32, 1.0, (9, 4), &dev)?,
                 ),
             ]
             .into(),
@@ -404,7 +404,7 @@ mod tests {
             &dev,
         );
         let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 4).with_values(true), vb)?;
-        let q = Tensor::randn(0f32, 1.0, (1, 2, 3, 4), &dev)?;
+        let q = crate::seeded::randn(0f32, 1.0, (1, 2, 3, 4), &dev)?;
         for (qs, ks, tk) in [(0usize, 0usize, 3usize), (7, 0, 10), (2, 0, 5)] {
             let (qp, kp) = (Positions::Offset(qs), Positions::Offset(ks));
             let all = AttentionContext::new(&qp, 3, &kp, tk).with_causal(true);
@@ -429,7 +429,7 @@ mod tests {
             let b = (half.to_dense(3, tk)?.broadcast_as((1, 2, 3, tk))? * &seen)?;
             let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff <= 1e-6, "{qs} {ks} {tk}: bias differs by {diff}");
-            let probs = (Tensor::rand(0f32, 1.0, (1, 2, 3, tk), &dev)? * &seen)?;
+            let probs = (crate::seeded::rand(0f32, 1.0, (1, 2, 3, tk), &dev)? * &seen)?;
             let value = |ctx: &AttentionContext| -> Result<Tensor> {
                 shaw.value_term(ctx)?.expect("values").weighted_sum(&probs)
             };

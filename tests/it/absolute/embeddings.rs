@@ -6,7 +6,7 @@ use crate::common;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 use candle_posenc::absolute::embeddings::{Embeddings, EmbeddingsConfig};
 use candle_posenc::{
     Error, LearnedConfig, LearnedPositionalEncoding, Positions, SinusoidalConfig,
@@ -16,7 +16,7 @@ use common::assert_close;
 
 fn embeddings_add_positions_once(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let wpe = LearnedPositionalEncoding::new(
         &LearnedConfig::new(8).with_max_len(16).with_dropout(0.5),
         vb.pp("wpe"),
@@ -70,7 +70,7 @@ fn embeddings_add_positions_once(dev: &Device) -> anyhow::Result<()> {
 
 fn bad_token_ids(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let embed = Embeddings::new(&EmbeddingsConfig::new(10, 8), None, vb.pp("wte"))?;
     let at0 = Positions::Offset(0);
     let cases = [
@@ -88,7 +88,7 @@ fn bad_token_ids(dev: &Device) -> anyhow::Result<()> {
     for bad in [EmbeddingsConfig::new(0, 8), EmbeddingsConfig::new(10, 0)] {
         assert!(matches!(bad.validate(), Err(Error::InvalidConfig { .. })));
     }
-    let ints = VarBuilder::from_varmap(&varmap, DType::U32, dev);
+    let ints = common::seeded_vb(&varmap, DType::U32, dev);
     assert!(matches!(
         Embeddings::new(&EmbeddingsConfig::new(10, 8), None, ints),
         Err(Error::DType { .. })

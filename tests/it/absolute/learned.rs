@@ -138,7 +138,7 @@ fn fixed_interpolation_length(dev: &Device) -> anyhow::Result<()> {
 
 fn varbuilder_init_and_names(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let pe =
         LearnedPositionalEncoding::new(&LearnedConfig::new(32).with_max_len(256), vb.pp("wpe"))?;
     let data = varmap.data().lock().expect("lock");
@@ -158,7 +158,7 @@ fn varbuilder_init_and_names(dev: &Device) -> anyhow::Result<()> {
 
 fn gradients_reach_the_table(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let cfg = LearnedConfig::new(4).with_max_len(8).with_dropout(0.0);
     let pe = LearnedPositionalEncoding::new(&cfg, vb)?;
     let x = Tensor::zeros((2, 3, 4), DType::F32, dev)?;
@@ -268,13 +268,13 @@ fn bad_input(dev: &Device) -> anyhow::Result<()> {
 fn fixed_length_decodes_as_one_forward(dev: &Device) -> anyhow::Result<()> {
     let (pe, _) = from_fixture(dev, Interpolation::ToLength(16))?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let attn = MultiHeadAttention::new(
         &AttentionConfig::new(6, 2).with_causal(true),
         Some(Arc::new(pe)),
         vb,
     )?;
-    let x = Tensor::randn(0f32, 1.0, (2, 12, 6), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 12, 6), dev)?;
     let full = attn.forward(&x)?;
     let mut cache = KvCache::new();
     let opts = AttentionOptions::default();

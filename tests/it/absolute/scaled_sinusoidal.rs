@@ -64,7 +64,7 @@ fn initial_scale(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("scaled_sinusoidal.safetensors", dev)?;
     for (d, base, tag) in CASES {
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, dev);
         let cfg = ScaledSinusoidalConfig::new(d).with_base(base);
         let pe = ScaledSinusoidalPositionalEncoding::new(&cfg, vb.pp("pos_emb"))?;
         let want = get(&fx, &format!("{tag}.scale_init"));
@@ -98,7 +98,7 @@ fn gradient_reaches_scale(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("scaled_sinusoidal.safetensors", dev)?;
     for (d, base, tag) in CASES {
         let mut varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, dev);
         let cfg = ScaledSinusoidalConfig::new(d).with_base(base);
         let pe = ScaledSinusoidalPositionalEncoding::new(&cfg, vb)?;
         varmap.set_one("scale", get(&fx, &format!("{tag}.scale")))?;
@@ -117,7 +117,7 @@ fn gradient_reaches_scale(dev: &Device) -> anyhow::Result<()> {
 /// and offsets read the same rows.
 fn layout_growth_and_positions(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let cfg = ScaledSinusoidalConfig::new(4).with_max_len(4);
     let pe = ScaledSinusoidalPositionalEncoding::new(&cfg, vb)?;
     // d 4: frequencies 1 and 1/100, scale 4^−0.5 = 0.5.
@@ -128,7 +128,7 @@ fn layout_growth_and_positions(dev: &Device) -> anyhow::Result<()> {
         let want = Tensor::new(&want.map(|v| v as f32), dev)?;
         assert_close(&table.i(pos)?, &want, 1e-7, &format!("row {pos}"))?;
     }
-    let x = Tensor::randn(0f32, 1.0, (2, 3, 4), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 3, 4), dev)?;
     assert_close(
         &pe.forward(&x)?,
         &x.broadcast_add(&table.i(..3)?.unsqueeze(0)?)?,
@@ -158,7 +158,7 @@ fn checkpoint_round_trip(dev: &Device) -> anyhow::Result<()> {
     );
     let mut varmap = VarMap::new();
     let built = enc
-        .build(VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("pos"))?
+        .build(common::seeded_vb(&varmap, DType::F32, dev).pp("pos"))?
         .expect("an encoding");
     varmap.set_one("pos.scale", Tensor::new(&[0.9f32], dev)?)?;
     let dir = std::env::temp_dir().join(format!("candle-posenc-ssin-{}", std::process::id()));
@@ -173,7 +173,7 @@ fn checkpoint_round_trip(dev: &Device) -> anyhow::Result<()> {
     let loaded = enc2
         .build(ckpt.var_builder(DType::F32, dev).pp("pos"))?
         .expect("an encoding");
-    let x = Tensor::randn(0f32, 1.0, (2, 5, 6), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 5, 6), dev)?;
     let positions = Positions::Offset(3);
     let ctx = candle_posenc::AttentionContext::chunk(&positions, 5);
     let want = built.add_to_input(&x, &ctx)?;
@@ -255,7 +255,7 @@ fn dropout_only_in_training(dev: &Device) -> anyhow::Result<()> {
 fn half_precision(dev: &Device) -> anyhow::Result<()> {
     for dtype in [DType::F16, DType::BF16] {
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+        let vb = common::seeded_vb(&varmap, dtype, dev);
         let pe = ScaledSinusoidalPositionalEncoding::new(&ScaledSinusoidalConfig::new(16), vb)?;
         assert_eq!(pe.scale().dtype(), dtype);
         let x = Tensor::zeros((1, 4, 16), dtype, dev)?;

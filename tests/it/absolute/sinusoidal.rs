@@ -43,7 +43,7 @@ fn seed_f32_drifts_at_large_positions(dev: &Device) -> anyhow::Result<()> {
 
 fn forward_adds_table(dev: &Device) -> anyhow::Result<()> {
     let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(8), dev)?;
-    let x = Tensor::randn(0f32, 1.0, (3, 7, 8), dev)?;
+    let x = common::randn(0f32, 1.0, (3, 7, 8), dev)?;
     let y = pe.forward(&x)?;
     let expected = x.broadcast_add(&pe.encodings(7)?.unsqueeze(0)?)?;
     assert_close(&y, &expected, 0.0, "forward")?;
@@ -55,7 +55,7 @@ fn forward_adds_table(dev: &Device) -> anyhow::Result<()> {
 
 fn offsets_and_ids(dev: &Device) -> anyhow::Result<()> {
     let pe = SinusoidalPositionalEncoding::new(&SinusoidalConfig::new(6).with_max_len(4), dev)?;
-    let x = Tensor::randn(0f32, 1.0, (2, 3, 6), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 3, 6), dev)?;
     let table = pe.encodings(20)?;
     // Offset 10 reads rows 10..13, past the initial max_len of 4.
     let y = pe.forward_with_positions(&x, &Positions::Offset(10), false)?;

@@ -207,7 +207,7 @@ type NamedEncoding = (&'static str, Option<Arc<dyn PositionalEncoding>>);
 /// Every encoding kind, in a fresh random block.
 fn encodings(dev: &Device) -> anyhow::Result<Vec<NamedEncoding>> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let learned = LearnedPositionalEncoding::new(
         &LearnedConfig::new(D_MODEL).with_max_len(32),
         vb.pp("wpe"),
@@ -242,7 +242,7 @@ fn random_block(
     dev: &Device,
 ) -> anyhow::Result<MultiHeadAttention> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     Ok(MultiHeadAttention::new(
         &base_cfg().with_causal(causal).with_bias(true),
         enc,
@@ -263,9 +263,9 @@ fn kv_cache_clones_are_independent(dev: &Device) -> anyhow::Result<()> {
 
 fn branch_and_compare(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<()> {
     let opts = AttentionOptions::default();
-    let prompt = Tensor::randn(0f32, 1.0, (2, 3, D_MODEL), dev)?;
+    let prompt = common::randn(0f32, 1.0, (2, 3, D_MODEL), dev)?;
     let branches: Vec<Tensor> = (0..3)
-        .map(|_| Tensor::randn(0f32, 1.0, (2, 6, D_MODEL), dev))
+        .map(|_| common::randn(0f32, 1.0, (2, 6, D_MODEL), dev))
         .collect::<candle_core::Result<_>>()?;
     let mut root = KvCache::with_capacity(4);
     mha.forward_with(&prompt, &opts, Some(&mut root))?;
@@ -285,7 +285,7 @@ fn branch_and_compare(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<
         assert_close(&Tensor::cat(out, 1)?, &want, 1e-5, &format!("branch {i}"))?;
     }
     assert_eq!(root.len(), 3);
-    let next = Tensor::randn(0f32, 1.0, (2, 1, D_MODEL), dev)?;
+    let next = common::randn(0f32, 1.0, (2, 1, D_MODEL), dev)?;
     let mut fresh = KvCache::new();
     mha.forward_with(&prompt, &opts, Some(&mut fresh))?;
     let want = mha.forward_with(&next, &opts, Some(&mut fresh))?.output;
@@ -298,7 +298,7 @@ fn branch_and_compare(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<
 /// that never saw the dropped tokens, with offsets and with explicit ids, for every encoding;
 /// keeping more than the cache holds is a typed error.
 fn kv_cache_truncates(dev: &Device) -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (1, 6, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 6, D_MODEL), dev)?;
     let ids = |v: &[u32]| -> anyhow::Result<Positions> {
         Ok(Positions::ids(&Tensor::new(v, dev)?.unsqueeze(0)?)?)
     };
@@ -339,12 +339,12 @@ fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
     let cfg = base_cfg().with_causal(true);
     let vb = |dtype| {
         let varmap = VarMap::new();
-        MultiHeadAttention::new(&cfg, None, VarBuilder::from_varmap(&varmap, dtype, dev))
+        MultiHeadAttention::new(&cfg, None, common::seeded_vb(&varmap, dtype, dev))
     };
     let (f32_block, f64_block) = (vb(DType::F32)?, vb(DType::F64)?);
     let opts = AttentionOptions::default();
     let mut cache = KvCache::new();
-    let x = Tensor::randn(0f32, 1.0, (1, 2, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 2, D_MODEL), dev)?;
     f32_block.forward_with(&x, &opts, Some(&mut cache))?;
     let err = f64_block
         .forward_with(&x.to_dtype(DType::F64)?, &opts, Some(&mut cache))
@@ -354,7 +354,7 @@ fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
     // An empty cache takes any chunk, whatever its storage held before: truncated to nothing
     // (found by the api fuzz target: it still asked for the old batch) or reset.
     cache.truncate(0)?;
-    let x64 = Tensor::randn(0f64, 1.0, (3, 2, D_MODEL), dev)?;
+    let x64 = common::randn(0f64, 1.0, (3, 2, D_MODEL), dev)?;
     let fresh = f64_block.forward_with(&x64, &opts, Some(&mut KvCache::new()))?;
     let reused = f64_block.forward_with(&x64, &opts, Some(&mut cache))?;
     assert_close(
@@ -371,7 +371,7 @@ fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn kv_cache_decoding_matches_full_forward(dev: &Device) -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (2, 9, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 9, D_MODEL), dev)?;
     for (name, enc) in encodings(dev)? {
         let mha = random_block(enc, true, dev)?;
         let full = mha.forward(&x)?;
@@ -404,7 +404,7 @@ fn kv_cache_decoding_matches_full_forward(dev: &Device) -> anyhow::Result<()> {
 
 fn kv_cache_with_position_ids(dev: &Device) -> anyhow::Result<()> {
     // Left padding: sequence 0 has two pad tokens, so its real tokens sit at positions 0..5.
-    let x = Tensor::randn(0f32, 1.0, (2, 7, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 7, D_MODEL), dev)?;
     let rows = [vec![0u32, 0, 0, 1, 2, 3, 4], vec![0, 1, 2, 3, 4, 5, 6]];
     let pad = Tensor::new(&[[0u8, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dev)?;
     for (name, enc) in encodings(dev)? {
@@ -453,7 +453,7 @@ fn kv_cache_with_position_ids(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn causal_weights_and_rows(dev: &Device) -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (1, 5, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 5, D_MODEL), dev)?;
     let mha = random_block(None, true, dev)?;
     let w = mha
         .forward_with(&x, &with_weights(), None)?
@@ -478,10 +478,10 @@ fn causal_weights_and_rows(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn padding_hides_keys(dev: &Device) -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (2, 6, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 6, D_MODEL), dev)?;
     let pad = Tensor::new(&[[1f32, 1., 1., 1., 0., 0.], [1., 1., 1., 1., 1., 1.]], dev)?;
     // Changing what sits in the padded slots changes nothing for the real tokens.
-    let noise = Tensor::randn(0f32, 5.0, (1, 2, D_MODEL), dev)?;
+    let noise = common::randn(0f32, 5.0, (1, 2, D_MODEL), dev)?;
     let x2 = Tensor::cat(&[&x.i((0..1, ..4))?, &noise], 1)?;
     let x2 = Tensor::cat(&[&x2, &x.i(1..2)?], 0)?;
     for (name, enc) in encodings(dev)? {
@@ -521,7 +521,7 @@ fn padding_hides_keys(dev: &Device) -> anyhow::Result<()> {
 
 fn order_matters_only_with_an_encoding(dev: &Device) -> anyhow::Result<()> {
     // Reversing the tokens permutes the outputs exactly when there is no positional information.
-    let x = Tensor::randn(0f32, 1.0, (1, 6, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 6, D_MODEL), dev)?;
     let rev = Tensor::new(&[5u32, 4, 3, 2, 1, 0], dev)?;
     let x_rev = x.index_select(&rev, 1)?;
     for (name, enc) in encodings(dev)? {
@@ -543,14 +543,14 @@ fn order_matters_only_with_an_encoding(dev: &Device) -> anyhow::Result<()> {
 
 fn training_path_is_differentiable(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let probe: Arc<dyn PositionalEncoding> = Arc::new(HookProbe {
         num_heads: HEADS,
         head_dim: HEAD_DIM,
         device: dev.clone(),
     });
     let mha = MultiHeadAttention::new(&base_cfg().with_causal(true), Some(probe), vb.pp("attn"))?;
-    let x = Tensor::randn(0f32, 1.0, (2, 5, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 5, D_MODEL), dev)?;
     let train = mha
         .forward_with(
             &x,
@@ -582,9 +582,9 @@ fn training_path_is_differentiable(dev: &Device) -> anyhow::Result<()> {
 
 fn attention_dropout_only_in_training(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let mha = MultiHeadAttention::new(&base_cfg().with_dropout(0.5), None, vb)?;
-    let x = Tensor::randn(0f32, 1.0, (1, 8, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 8, D_MODEL), dev)?;
     let eval = mha
         .forward_with(&x, &AttentionOptions::default(), None)?
         .output;
@@ -821,10 +821,10 @@ fn random_weights(
     MultiHeadAttention::new(
         cfg,
         None,
-        VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
+        common::seeded_vb(&varmap, DType::F32, dev).pp("a"),
     )?;
-    for var in varmap.all_vars() {
-        var.set(&Tensor::randn(0f32, std, var.shape(), dev)?)?;
+    for var in common::sorted_vars(&varmap) {
+        var.set(&common::randn(0f32, std, var.shape(), dev)?)?;
     }
     let data = varmap.data().lock().unwrap();
     Ok(data
@@ -870,7 +870,7 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
     // by the api fuzz target) or below its normal range gives finite output, as in f32.
     for cap in [131_008.0, 1e-6] {
         let cfg = base.clone().with_logit_softcap(Some(cap)).with_sinks(true);
-        let x = Tensor::randn(0f32, 1.0, (1, 5, 16), dev)?;
+        let x = common::randn(0f32, 1.0, (1, 5, 16), dev)?;
         let weights = random_weights(&cfg, 0.3, dev)?;
         let outs = [DType::F32, DType::F16, DType::BF16]
             .iter()
@@ -898,11 +898,11 @@ fn window_softcap_sinks(dev: &Device) -> anyhow::Result<()> {
     assert_eq!(serde_json::from_str::<AttentionConfig>(&json)?, cfg);
 
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let block = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
     let sinks = varmap.data().lock().unwrap()["attn.sinks"].clone();
     assert_eq!(sinks.as_tensor().to_vec1::<f32>()?, vec![0.0; 4]);
-    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
     let out = block.forward(&x)?;
     let grads = out.sqr()?.sum_all()?.backward()?;
     let g = grads
@@ -973,7 +973,7 @@ impl MaskSetup {
         let left = [0usize, 3];
         let padding: Vec<u8> = (0..b * t).map(|n| (n % t >= left[n / t]) as u8).collect();
         let padding = Tensor::from_vec(padding, (b, t), dev)?;
-        let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?;
+        let x = common::randn(0f32, 1.0, (b, t, d_model), dev)?;
         Ok(Self {
             b,
             t,
@@ -1180,7 +1180,7 @@ fn attention_temperature_scales_queries_by_cache_slot(dev: &Device) -> anyhow::R
     let weights = random_weights(&cfg, 0.4, dev)?;
     let vb = VarBuilder::from_tensors(weights, DType::F32, dev);
     let tuned = MultiHeadAttention::new(&cfg, None, vb.pp("a"))?;
-    let x = Tensor::randn(0f32, 1.0, (2, 9, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 9, 16), dev)?;
     // The prefix (slots 0..4) and then single tokens (slots 4..9).
     let mut cache = KvCache::new();
     let prefix = tuned.forward_with(
@@ -1274,7 +1274,7 @@ fn latent_attention_block(dev: &Device) -> anyhow::Result<()> {
     let block = MultiHeadAttention::new(
         &cfg,
         None,
-        VarBuilder::from_varmap(&varmap, DType::F32, dev).pp("a"),
+        common::seeded_vb(&varmap, DType::F32, dev).pp("a"),
     )?;
     let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
     names.sort();
@@ -1293,7 +1293,7 @@ fn latent_attention_block(dev: &Device) -> anyhow::Result<()> {
             "a.q_b_proj.weight",
         ]
     );
-    let x = Tensor::randn(0f32, 1.0, (2, 5, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 5, 16), dev)?;
     let grads = block.forward(&x)?.sqr()?.sum_all()?.backward()?;
     for var in varmap.all_vars() {
         let g = grads.get(var.as_tensor()).expect("a gradient");
@@ -1388,7 +1388,7 @@ fn streaming_case(
         (Arc::new(RotaryEmbedding::new(&longrope, dev)?), false),
         (Arc::new(Alibi::new(&AlibiConfig::new(4), dev)?), false),
     ];
-    let x = Tensor::randn(0f32, 1.0, (batch, n, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (batch, n, 16), dev)?;
     for (enc, kept) in encodings {
         assert_eq!(enc.relative_rotation(), kept, "{enc:?}");
         let block = MultiHeadAttention::new(&cfg, Some(enc), vb.pp("a"))?;
@@ -1467,13 +1467,13 @@ fn alibi_with_sinks_is_exact(dev: &Device) -> anyhow::Result<()> {
         .with_causal(true)
         .with_sinks(true);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
-    for var in varmap.all_vars() {
-        let noise = Tensor::randn(0f32, 0.5, var.shape(), dev)?;
+    for var in common::sorted_vars(&varmap) {
+        let noise = common::randn(0f32, 0.5, var.shape(), dev)?;
         var.set(&(var.as_tensor() + noise)?)?;
     }
-    let x = Tensor::randn(0f32, 1.0, (2, 9, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 9, 16), dev)?;
     let weights = |mode: AlibiMode, block: Option<usize>| -> anyhow::Result<Tensor> {
         let alibi = Alibi::new(&AlibiConfig::new(2).with_mode(mode), dev)?;
         let mha = MultiHeadAttention::new(
@@ -1511,7 +1511,7 @@ fn long_rows_span_key_tiles(dev: &Device) -> anyhow::Result<()> {
     use candle_posenc::EncodingConfig;
     use common::zoo;
     let (d_model, heads, head_dim, t) = (16, 2, 8, zoo::LEARNED_LEN);
-    let x = Tensor::randn(0f32, 1.0, (2, t, d_model), dev)?;
+    let x = common::randn(0f32, 1.0, (2, t, d_model), dev)?;
     let left = 5;
     let keep: Vec<u8> = (0..2 * t)
         .map(|n| (n / t == 0 || n % t >= left) as u8)

@@ -8,7 +8,7 @@
 
 use crate::common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use candle_posenc::{AttentionConfig, AttentionOptions, EncodingConfig, KvCache};
 
 /// Bytes allocated by one decoding step after `len` cached tokens (after three warm-up steps,
@@ -22,8 +22,8 @@ fn step_bytes(
     let dev = Device::Cpu;
     let attn = AttentionConfig::new(d_model, heads).with_causal(true);
     let (mha, _) = common::zoo::attention(config, &attn, dtype, &dev)?;
-    let prefix = Tensor::randn(0f32, 1.0, (1, len, d_model), &dev)?.to_dtype(dtype)?;
-    let token = Tensor::randn(0f32, 1.0, (1, 1, d_model), &dev)?.to_dtype(dtype)?;
+    let prefix = common::randn(0f32, 1.0, (1, len, d_model), &dev)?.to_dtype(dtype)?;
+    let token = common::randn(0f32, 1.0, (1, 1, d_model), &dev)?.to_dtype(dtype)?;
     let opts = AttentionOptions::default();
     let mut cache = KvCache::with_capacity(len + 1);
     mha.forward_with(&prefix, &opts, Some(&mut cache))?;

@@ -23,13 +23,13 @@ fn tolerance(want: &Tensor) -> anyhow::Result<f64> {
 
 fn fused_core_equals_unfused(dev: &Device) -> anyhow::Result<()> {
     let (d_model, heads, head_dim) = (32, 4, 8);
-    let x = Tensor::randn(0f32, 1.0, (2, T, d_model), dev)?;
+    let x = common::randn(0f32, 1.0, (2, T, d_model), dev)?;
     // Sequence 0: its first 3 keys padded, so its first causal rows are fully masked.
     let mut keep = vec![1u8; 2 * T];
     keep[..3].fill(0);
     keep[T + 40] = 0;
     let pad = Tensor::from_vec(keep, (2, T), dev)?;
-    let extra = Tensor::randn(0f32, 1.0, (1, heads, T, T), dev)?;
+    let extra = common::randn(0f32, 1.0, (1, heads, T, T), dev)?;
     let ids: Vec<u32> = (0..T as u32).map(|i| (i * 7) % 50).collect();
     let ids = Positions::ids(&Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?)?;
     for (i, config) in zoo::configs(d_model, heads, head_dim).iter().enumerate() {
@@ -108,7 +108,7 @@ fn fused_core_equals_unfused(dev: &Device) -> anyhow::Result<()> {
 /// fused training core.
 fn minus_infinity_in_a_mask_on_every_path(dev: &Device) -> anyhow::Result<()> {
     let t = 6;
-    let x = Tensor::randn(0f32, 1.0, (2, t, 8), dev)?;
+    let x = common::randn(0f32, 1.0, (2, t, 8), dev)?;
     let pad = Tensor::new(&[[0f32, 0., 1., 1., 1., 1.], [1., 1., 1., 1., 1., 1.]], dev)?;
     let mut m = vec![0f32; t * t];
     m[2 * t + 2] = f32::NEG_INFINITY; // row 2 of sequence 0 sees only key 2, masked by −∞

@@ -19,18 +19,18 @@ fn every_entry_point_trains(dev: &Device) -> anyhow::Result<()> {
     configs.push(EncodingConfig::Alibi(
         AlibiConfig::new(4).with_learnable(true),
     ));
-    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
-    let probe = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let probe = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
     for (i, config) in configs.iter().enumerate() {
         for causal in [false, true] {
             let varmap = VarMap::new();
-            let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+            let vb = common::seeded_vb(&varmap, DType::F32, dev);
             let attn = AttentionConfig::new(16, 4)
                 .with_kv_heads(2)
                 .with_causal(causal);
             let mha = MultiHeadAttention::new(&attn, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
-            for var in varmap.all_vars() {
-                let noise = Tensor::randn(0f32, 0.5, var.shape(), dev)?;
+            for var in common::sorted_vars(&varmap) {
+                let noise = common::randn(0f32, 0.5, var.shape(), dev)?;
                 var.set(&(var.as_tensor() + noise)?)?;
             }
             let vars = zoo::named_tensors(&varmap)?;
@@ -108,10 +108,10 @@ fn every_entry_point_trains(dev: &Device) -> anyhow::Result<()> {
 /// entry, with T5's rows and with no encoding, causal and not.
 fn learned_terms_beside_a_frozen_block(dev: &Device) -> anyhow::Result<()> {
     let (d_model, heads, len) = (16, 4, 7);
-    let x = Tensor::randn(0f32, 1.0, (2, len, d_model), dev)?;
-    let probe = Tensor::randn(0f32, 1.0, (2, len, d_model), dev)?;
-    let mask = Tensor::randn(0f32, 1.0, (1, heads, len, len), dev)?;
-    let sinks = Tensor::randn(0f32, 1.0, heads, dev)?;
+    let x = common::randn(0f32, 1.0, (2, len, d_model), dev)?;
+    let probe = common::randn(0f32, 1.0, (2, len, d_model), dev)?;
+    let mask = common::randn(0f32, 1.0, (1, heads, len, len), dev)?;
+    let sinks = common::randn(0f32, 1.0, heads, dev)?;
     let configs = [
         EncodingConfig::None,
         EncodingConfig::T5(candle_posenc::T5Config::new(heads)),
@@ -197,7 +197,7 @@ device_tests!(
 fn fused_dropout_is_seeded_and_unbiased() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let attn = AttentionConfig::new(16, 4)
         .with_kv_heads(2)
         .with_causal(true)
@@ -207,7 +207,7 @@ fn fused_dropout_is_seeded_and_unbiased() -> anyhow::Result<()> {
         EncodingConfig::Alibi(AlibiConfig::new(4).with_learnable(true)).build(vb.pp("enc"))?,
         vb.pp("attn"),
     )?;
-    let x = Tensor::randn(0f32, 1.0, (2, 9, 16), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 9, 16), &dev)?;
     let run = |seed: u64| {
         mha.forward_with(
             &x,

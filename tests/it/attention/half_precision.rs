@@ -31,7 +31,7 @@ fn half_vs_f32(dev: &Device) -> anyhow::Result<()> {
         .with_kv_heads(2)
         .with_head_dim(4)
         .with_causal(true);
-    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
     let at = Positions::Offset(100);
     let opts = AttentionOptions {
         positions: Some(&at),
@@ -165,7 +165,7 @@ fn rope_angles_at_a_million(dev: &Device) -> anyhow::Result<()> {
 /// So the row masked whole is checked on the ops path as a distribution only, in f16.
 fn rows_masked_by_the_lowest_value(dev: &Device) -> anyhow::Result<()> {
     let attn = AttentionConfig::new(16, 4).with_head_dim(4);
-    let x = Tensor::randn(0f32, 1.0, (1, 5, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 5, 16), dev)?;
     let config = &zoo::configs(16, 4, 4)[0];
     let (reference, varmap) = zoo::attention(config, &attn, DType::F32, dev)?;
     // Row 2 hidden from every key; row 3 from the first two.
@@ -237,7 +237,7 @@ fn weights_sum_to_one(dev: &Device) -> anyhow::Result<()> {
             dtype,
             dev,
         )?;
-        let x = Tensor::randn(0f32, 1.0, (2, 400, 32), dev)?.to_dtype(dtype)?;
+        let x = common::randn(0f32, 1.0, (2, 400, 32), dev)?.to_dtype(dtype)?;
         for train in [false, true] {
             let w = mha
                 .forward_with(
@@ -280,7 +280,7 @@ fn half_decoding_equals_the_full_forward(dev: &Device) -> anyhow::Result<()> {
         .with_head_dim(4)
         .with_causal(true);
     let (t, steps) = (24, 4);
-    let x = Tensor::randn(0f32, 1.0, (1, t, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (1, t, 16), dev)?;
     let opts = AttentionOptions::default();
     let mut failures = Vec::new();
     for (i, config) in zoo::configs(16, 4, 4).iter().enumerate() {

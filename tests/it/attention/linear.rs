@@ -6,16 +6,16 @@
 // through src/matmul.rs for candle's broadcast layouts, which this file does not make).
 #![allow(clippy::disallowed_methods)]
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module};
 use candle_posenc::attention::linear;
 
-use crate::common::max_abs_diff;
+use crate::common::{self, max_abs_diff};
 
 fn layer(inner: usize, out: usize, bias: bool, dtype: DType) -> anyhow::Result<Linear> {
     let dev = Device::Cpu;
-    let w = Tensor::randn(0f32, 1.0, (out, inner), &dev)?.to_dtype(dtype)?;
-    let b = Tensor::randn(0f32, 1.0, out, &dev)?.to_dtype(dtype)?;
+    let w = common::randn(0f32, 1.0, (out, inner), &dev)?.to_dtype(dtype)?;
+    let b = common::randn(0f32, 1.0, out, &dev)?.to_dtype(dtype)?;
     Ok(Linear::new(w, bias.then_some(b)))
 }
 
@@ -46,7 +46,7 @@ fn equals_the_exact_product_within_one_rounding() -> anyhow::Result<()> {
         for (inner, out, bias) in [(96, 40, true), (64, 4100, false)] {
             let layer = layer(inner, out, bias, dtype)?;
             for rows in [1, 3, 40, 300] {
-                let x = Tensor::randn(0f32, 1.0, (1, rows, inner), &dev)?.to_dtype(dtype)?;
+                let x = common::randn(0f32, 1.0, (1, rows, inner), &dev)?.to_dtype(dtype)?;
                 let y = linear(&layer, &x)?;
                 assert_eq!((y.dims(), y.dtype()), (&[1, rows, out][..], dtype));
                 let want = exact(&layer, &x)?;
@@ -69,11 +69,11 @@ fn equals_the_exact_product_within_one_rounding() -> anyhow::Result<()> {
 #[test]
 fn tracked_inputs_get_candles_gradients() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let w = Var::randn(0f32, 1.0, (24, 40), &dev)?;
-    let b = Var::randn(0f32, 1.0, 24, &dev)?;
+    let w = common::var_randn(0f32, 1.0, (24, 40), &dev)?;
+    let b = common::var_randn(0f32, 1.0, 24, &dev)?;
     let layer = Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
-    let x = Var::randn(0f32, 1.0, (2, 5, 40), &dev)?;
-    let probe = Tensor::randn(0f32, 1.0, (2, 5, 24), &dev)?;
+    let x = common::var_randn(0f32, 1.0, (2, 5, 40), &dev)?;
+    let probe = common::randn(0f32, 1.0, (2, 5, 24), &dev)?;
     let ours = linear(&layer, x.as_tensor())?;
     let theirs = layer.forward(x.as_tensor())?;
     let diff = max_abs_diff(&ours, &theirs)?;
@@ -112,11 +112,11 @@ fn an_input_that_does_not_fit_is_an_error() -> anyhow::Result<()> {
 #[test]
 fn views_and_empty_axes() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let big_w = Tensor::randn(0f32, 1.0, (10, 16), &dev)?;
-    let big_b = Tensor::randn(0f32, 1.0, 10, &dev)?;
+    let big_w = common::randn(0f32, 1.0, (10, 16), &dev)?;
+    let big_b = common::randn(0f32, 1.0, 10, &dev)?;
     let layer = Linear::new(big_w.narrow(0, 2, 8)?, Some(big_b.narrow(0, 2, 8)?));
     for rows in [2, 300] {
-        let x = Tensor::randn(0f32, 1.0, (5, rows, 16), &dev)?.narrow(0, 1, 3)?;
+        let x = common::randn(0f32, 1.0, (5, rows, 16), &dev)?.narrow(0, 1, 3)?;
         let (ours, theirs) = (linear(&layer, &x)?, layer.forward(&x)?);
         assert_eq!(ours.dims(), &[3, rows, 8]);
         let diff = max_abs_diff(&ours, &theirs)?;

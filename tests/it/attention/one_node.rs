@@ -9,7 +9,7 @@ use crate::common;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::plug::{AttentionContext, PositionalEncoding};
 use candle_posenc::{
@@ -116,13 +116,13 @@ fn compare(
     options: &AttentionOptions,
 ) -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    for var in varmap.all_vars() {
-        var.set(&Tensor::randn(0f32, 0.5, var.shape(), &dev)?)?;
+    for var in common::sorted_vars(varmap) {
+        var.set(&common::randn(0f32, 0.5, var.shape(), &dev)?)?;
     }
     let pipeline = node.clone().without_one_node();
     let vars = zoo::named_tensors(varmap)?;
-    let x = Var::randn(0f32, 1.0, (b, t, 32), &dev)?;
-    let probe = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
+    let x = common::var_randn(0f32, 1.0, (b, t, 32), &dev)?;
+    let probe = common::randn(0f32, 1.0, (b, t, 32), &dev)?;
     assert_same(
         what,
         step(node, x.as_tensor(), &probe, options, &vars)?,
@@ -151,7 +151,7 @@ fn one_node_equals_the_pipeline() -> anyhow::Result<()> {
         for &causal in rules {
             for padded in [false, true] {
                 let varmap = VarMap::new();
-                let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+                let vb = common::seeded_vb(&varmap, DType::F32, &dev);
                 let cfg = config.clone().with_causal(causal);
                 let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
                 let options = AttentionOptions {
@@ -185,7 +185,7 @@ fn one_node_with_a_rotation_equals_the_pipeline() -> anyhow::Result<()> {
     )));
     let cases = rotating_cases(&configs)?;
     for (what, cfg, encoding, varmap) in &cases {
-        let vb = VarBuilder::from_varmap(varmap, DType::F32, &dev);
+        let vb = common::seeded_vb(varmap, DType::F32, &dev);
         let node = MultiHeadAttention::new(cfg, Some(encoding.clone()), vb.pp("attn"))?;
         let options = AttentionOptions {
             train: true,
@@ -216,7 +216,7 @@ pub(super) fn cases_declaring(
     for (i, config) in configs.iter().enumerate() {
         for causal in [false, true] {
             let varmap = VarMap::new();
-            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+            let vb = common::seeded_vb(&varmap, DType::F32, &Device::Cpu);
             let Some(encoding) = config.build(vb.pp("enc"))? else {
                 continue;
             };
@@ -241,7 +241,7 @@ pub(super) fn cases_declaring(
 fn one_node_with_positions_added_to_the_input() -> anyhow::Result<()> {
     let cases = cases_declaring(&zoo::configs(32, 4, 8), |e| e.input_only())?;
     for (what, cfg, encoding, varmap) in &cases {
-        let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
+        let vb = common::seeded_vb(varmap, DType::F32, &Device::Cpu);
         let node = MultiHeadAttention::new(cfg, Some(encoding.clone()), vb.pp("attn"))?;
         let options = AttentionOptions {
             train: true,
@@ -263,7 +263,7 @@ fn one_node_with_positions_added_to_the_input() -> anyhow::Result<()> {
 fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let cfg = AttentionConfig::new(32, 4)
         .with_kv_heads(2)
         .with_bias(true)
@@ -271,13 +271,13 @@ fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
     let node = MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
     let pipeline = node.clone().without_one_node();
     let vars = zoo::named_tensors(&varmap)?;
-    let probe = Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    let probe = common::randn(0f32, 1.0, (2, 9, 32), &dev)?;
     let options = AttentionOptions {
         train: true,
         ..Default::default()
     };
     // The weights alone.
-    let x = Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 9, 32), &dev)?;
     let (out, grads) = step(&node, &x, &probe, &options, &vars)?;
     let (want, want_grads) = step(&pipeline, &x, &probe, &options, &vars)?;
     assert!(max_abs_diff(&out, &want)? < 1e-5);
@@ -298,7 +298,7 @@ fn one_node_with_some_inputs_tracking() -> anyhow::Result<()> {
         &dev,
     );
     let frozen = MultiHeadAttention::new(&cfg, None, plain.pp("attn"))?;
-    let x = Var::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    let x = common::var_randn(0f32, 1.0, (2, 9, 32), &dev)?;
     let (_, grads) = step(&frozen, x.as_tensor(), &probe, &options, &[])?;
     let (_, want_grads) = step(
         &frozen.without_one_node(),
@@ -323,7 +323,7 @@ fn one_node_twice_and_strided() -> anyhow::Result<()> {
     let pipeline = node.clone().without_one_node();
     let vars = zoo::named_tensors(&varmap)?;
     // (T, B, d) stored, read as (B, T, d).
-    let xv = Var::randn(0f32, 1.0, (7, 2, 32), &dev)?;
+    let xv = common::var_randn(0f32, 1.0, (7, 2, 32), &dev)?;
     let x = xv.as_tensor().transpose(0, 1)?;
     let options = AttentionOptions {
         train: true,
@@ -334,7 +334,7 @@ fn one_node_twice_and_strided() -> anyhow::Result<()> {
         panic!("a forward failed");
     };
     for seed in 0..2 {
-        let probe = Tensor::randn(0f32, 1.0 + seed as f32, (2, 7, 32), &dev)?;
+        let probe = common::randn(0f32, 1.0 + seed as f32, (2, 7, 32), &dev)?;
         let grads = |y: &Tensor| -> anyhow::Result<Grads> {
             let g = (y * &probe)?.sum_all()?.backward()?;
             let mut all = vec![("x".to_string(), g.get(xv.as_tensor()).cloned())];
@@ -357,7 +357,7 @@ fn gqa_block(
     encoding: Option<std::sync::Arc<dyn PositionalEncoding>>,
 ) -> anyhow::Result<(MultiHeadAttention, VarMap)> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let vb = common::seeded_vb(&varmap, DType::F32, &Device::Cpu);
     let cfg = AttentionConfig::new(32, 4)
         .with_kv_heads(2)
         .with_causal(causal);
@@ -461,11 +461,11 @@ fn a_third_party_rotation_trains_in_the_node() -> anyhow::Result<()> {
         )?;
     }
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let cfg = AttentionConfig::new(32, 4);
     let broken = std::sync::Arc::new(Stretch { adjoint: false });
     let node = MultiHeadAttention::new(&cfg, Some(broken), vb.pp("attn"))?;
-    let x = Var::randn(0f32, 1.0, (2, 6, 32), &dev)?;
+    let x = common::var_randn(0f32, 1.0, (2, 6, 32), &dev)?;
     let out = node.forward_with(
         x.as_tensor(),
         &AttentionOptions {
@@ -513,7 +513,7 @@ impl PositionalEncoding for LearnedFactor {
 #[test]
 fn a_rotation_that_trains_stays_in_the_graph() -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let vb = common::seeded_vb(&varmap, DType::F32, &Device::Cpu);
     let factor = vb.get_with_hints(1, "enc.factor", candle_nn::Init::Const(1.3))?;
     let cfg = AttentionConfig::new(32, 4).with_kv_heads(2);
     let node = MultiHeadAttention::new(

@@ -27,14 +27,15 @@ fn plain_block(
 ) -> anyhow::Result<(MultiHeadAttention, MultiHeadAttention)> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    MultiHeadAttention::new(
-        cfg,
-        None,
-        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
-    )?;
+    MultiHeadAttention::new(cfg, None, common::seeded_vb(&varmap, DType::F32, &dev))?;
     let weights = zoo::named_tensors(&varmap)?
         .into_iter()
-        .map(|(n, t)| Ok((n, (t.randn_like(0.0, 0.5)?))))
+        .map(|(n, t)| {
+            Ok((
+                n,
+                (common::randn(0f32, 0.5, t.shape(), t.device())?.to_dtype(t.dtype())?),
+            ))
+        })
         .collect::<anyhow::Result<_>>()?;
     let vb = VarBuilder::from_tensors(weights, DType::F32, &dev);
     let pass = MultiHeadAttention::new(cfg, encoding, vb)?;
@@ -69,7 +70,7 @@ fn one_pass_equals_the_pipeline() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let (b, t) = (2, 11);
     let padding = super::one_node::padded_tail(b, t)?;
-    let x = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (b, t, 32), &dev)?;
     // (Dropout's is a training call's: inference runs without it.)
     for (name, config) in super::one_node::configs() {
         let rules = if name == "chunk" {
@@ -97,7 +98,7 @@ fn one_pass_equals_the_pipeline() -> anyhow::Result<()> {
 #[test]
 fn one_pass_with_a_rotation_equals_the_pipeline() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let x = Tensor::randn(0f32, 1.0, (2, 13, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 13, 32), &dev)?;
     let cases = super::one_node::rotating_cases(&zoo::configs(32, 4, 8))?;
     for (what, cfg, encoding, _) in &cases {
         let blocks = plain_block(cfg, Some(encoding.clone()))?;
@@ -111,7 +112,7 @@ fn one_pass_with_a_rotation_equals_the_pipeline() -> anyhow::Result<()> {
 /// as in the pipeline.
 #[test]
 fn one_pass_with_positions_added_to_the_input() -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (2, 13, 32), &Device::Cpu)?;
+    let x = common::randn(0f32, 1.0, (2, 13, 32), &Device::Cpu)?;
     let cases = super::one_node::cases_declaring(&zoo::configs(32, 4, 8), |e| e.input_only())?;
     for (what, cfg, encoding, _) in &cases {
         let blocks = plain_block(cfg, Some(encoding.clone()))?;
@@ -144,7 +145,7 @@ fn kept_buffers_never_leak_into_a_call() -> anyhow::Result<()> {
     let lengths = [17, 3, 40, 1, 9, 40, 2];
     for (i, &t) in lengths.iter().enumerate() {
         let (pass, pipeline) = &blocks[i % blocks.len()];
-        let x = Tensor::randn(0f32, 1.0, (1 + i % 2, t, 32), &dev)?;
+        let x = common::randn(0f32, 1.0, (1 + i % 2, t, 32), &dev)?;
         assert_same(
             &format!("call {i}, T {t}"),
             (pass, pipeline),
@@ -153,7 +154,7 @@ fn kept_buffers_never_leak_into_a_call() -> anyhow::Result<()> {
         )?;
     }
     // Strided: (T, B, d) stored, read as (B, T, d).
-    let x = Tensor::randn(0f32, 1.0, (7, 2, 32), &dev)?.transpose(0, 1)?;
+    let x = common::randn(0f32, 1.0, (7, 2, 32), &dev)?.transpose(0, 1)?;
     assert_same(
         "strided",
         (&blocks[0].0, &blocks[0].1),
@@ -166,7 +167,7 @@ fn kept_buffers_never_leak_into_a_call() -> anyhow::Result<()> {
         padding_mask: Some(&padding),
         ..Default::default()
     };
-    let x = Tensor::randn(0f32, 1.0, (2, 5, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 5, 32), &dev)?;
     assert_same("padded whole", (&blocks[1].0, &blocks[1].1), &x, &options)?;
     // Four threads, each its own shapes, at once.
     std::thread::scope(|s| {
@@ -176,7 +177,7 @@ fn kept_buffers_never_leak_into_a_call() -> anyhow::Result<()> {
                 s.spawn(move || -> anyhow::Result<()> {
                     for round in 0..5 {
                         let t = 5 + 7 * i + round;
-                        let x = Tensor::randn(0f32, 1.0, (2, t, 32), &Device::Cpu)?;
+                        let x = common::randn(0f32, 1.0, (2, t, 32), &Device::Cpu)?;
                         let want = pipeline.forward(&x)?;
                         let got = pass.forward(&x)?;
                         let diff = max_abs_diff(&got, &want)?;
@@ -222,7 +223,7 @@ fn a_rotation_keeps_what_it_is_handed() -> anyhow::Result<()> {
     let keeper = Arc::new(Keeper::default());
     let cfg = AttentionConfig::new(32, 4).with_kv_heads(2);
     let (pass, pipeline) = plain_block(&cfg, Some(keeper.clone()))?;
-    let x = Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 9, 32), &dev)?;
     assert_same("keeper", (&pass, &pipeline), &x, &Default::default())?;
     let first: Vec<Tensor> = keeper.0.lock().expect("lock")[..2].to_vec();
     let copies = first
@@ -230,7 +231,7 @@ fn a_rotation_keeps_what_it_is_handed() -> anyhow::Result<()> {
         .map(|t| t.copy())
         .collect::<candle_core::Result<Vec<_>>>()?;
     for _ in 0..3 {
-        pass.forward(&Tensor::randn(0f32, 1.0, (2, 9, 32), &dev)?)?;
+        pass.forward(&common::randn(0f32, 1.0, (2, 9, 32), &dev)?)?;
     }
     for (kept, copy) in first.iter().zip(&copies) {
         assert_eq!(max_abs_diff(kept, copy)?, 0.0, "a kept tensor changed");
@@ -244,7 +245,7 @@ fn a_rotation_keeps_what_it_is_handed() -> anyhow::Result<()> {
 fn one_pass_with_positions_given() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let (b, t) = (2, 9);
-    let x = Tensor::randn(0f32, 1.0, (b, t, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (b, t, 32), &dev)?;
     let ids: Vec<u32> = (0..b * t).map(|i| ((i * 7) % 23) as u32).collect();
     let ids = Positions::Ids(PositionIds::new(&Tensor::from_vec(ids, (b, t), &dev)?)?);
     let base = AttentionConfig::new(32, 4)
@@ -286,7 +287,7 @@ fn one_pass_with_sinks_and_long_calls() -> anyhow::Result<()> {
             padding_mask: Some(&padding),
             ..Default::default()
         };
-        let x = Tensor::randn(0f32, 1.0, (2, 5, 32), &dev)?;
+        let x = common::randn(0f32, 1.0, (2, 5, 32), &dev)?;
         let what = format!("sinks, rows masked whole, causal {causal}");
         assert_same(&what, (&blocks.0, &blocks.1), &x, &options)?;
         let cfg = cfg
@@ -300,10 +301,10 @@ fn one_pass_with_sinks_and_long_calls() -> anyhow::Result<()> {
             padding_mask: Some(&padding),
             ..Default::default()
         };
-        let x = Tensor::randn(0f32, 1.0, (2, t, 32), &dev)?;
+        let x = common::randn(0f32, 1.0, (2, t, 32), &dev)?;
         let what = format!("T {t}, causal {causal}");
         assert_same(&what, (&blocks.0, &blocks.1), &x, &options)?;
-        let x = Tensor::randn(0f32, 1.0, (1, 300, 32), &dev)?;
+        let x = common::randn(0f32, 1.0, (1, 300, 32), &dev)?;
         let what = format!("T 300 after T {t}, causal {causal}");
         assert_same(&what, (&blocks.0, &blocks.1), &x, &Default::default())?;
     }
@@ -330,8 +331,8 @@ fn a_learned_rotation_keeps_its_gradient() -> anyhow::Result<()> {
         .with_causal(true);
     let learned = super::one_node::LearnedFactor(factor.as_tensor().clone());
     let (pass, pipeline) = plain_block(&cfg, Some(Arc::new(learned)))?;
-    let x = Tensor::randn(0f32, 1.0, (2, 7, 32), &dev)?;
-    let probe = Tensor::randn(0f32, 1.0, (2, 7, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 7, 32), &dev)?;
+    let probe = common::randn(0f32, 1.0, (2, 7, 32), &dev)?;
     let grad = |m: &MultiHeadAttention| -> anyhow::Result<f32> {
         let y = m.forward(&x)?;
         let g = (y * &probe)?.sum_all()?.backward()?;
@@ -373,7 +374,7 @@ impl PositionalEncoding for Bad {
 #[test]
 fn a_bad_rotation_is_an_error() -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let x = Tensor::randn(0f32, 1.0, (2, 8, 32), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 8, 32), &dev)?;
     let cfg = AttentionConfig::new(32, 4)
         .with_kv_heads(2)
         .with_causal(true);
@@ -405,7 +406,7 @@ fn kept_buffers_under_rayon_and_training() -> anyhow::Result<()> {
     let results: Vec<anyhow::Result<f64>> = (0..16usize)
         .into_par_iter()
         .map(|i| {
-            let x = Tensor::randn(0f32, 1.0, (2, 20 + 13 * i, 32), &Device::Cpu)?;
+            let x = common::randn(0f32, 1.0, (2, 20 + 13 * i, 32), &Device::Cpu)?;
             max_abs_diff(&pass.forward(&x)?, &pipeline.forward(&x)?)
         })
         .collect();
@@ -414,20 +415,20 @@ fn kept_buffers_under_rayon_and_training() -> anyhow::Result<()> {
         assert!(diff < 1e-5, "call {i} in the pool: {diff}");
     }
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let train = MultiHeadAttention::new(&cfg, Some(rope(8)?), vb)?;
     let options = AttentionOptions {
         train: true,
         ..Default::default()
     };
     for t in [50, 7, 130] {
-        let x = Tensor::randn(0f32, 1.0, (2, t, 32), &dev)?;
+        let x = common::randn(0f32, 1.0, (2, t, 32), &dev)?;
         train
             .forward_with(&x, &options, None)?
             .output
             .sum_all()?
             .backward()?;
-        let x = Tensor::randn(0f32, 1.0, (1, t + 3, 32), &dev)?;
+        let x = common::randn(0f32, 1.0, (1, t + 3, 32), &dev)?;
         assert_same(
             &format!("after a step at T {t}"),
             (&pass, &pipeline),

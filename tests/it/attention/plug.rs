@@ -86,7 +86,7 @@ fn block(
     dev: &Device,
 ) -> Result<MultiHeadAttention> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let cfg = AttentionConfig::new(D_MODEL, HEADS)
         .with_kv_heads(2)
         .with_causal(causal)
@@ -97,9 +97,9 @@ fn block(
 /// Every shift, however far outside the window, reads the columns its clamp gives, on the
 /// fused core (no weights returned), the row pass (weights returned) and the training ops.
 fn every_shift_on_every_path(dev: &Device) -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (2, 8, D_MODEL), dev)?;
-    let rows = Tensor::randn(0f32, 1.0, (1, HEADS, 1, WIDTH), dev)?;
-    let table = Tensor::randn(0f32, 1.0, (WIDTH, HEAD_DIM), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 8, D_MODEL), dev)?;
+    let rows = common::randn(0f32, 1.0, (1, HEADS, 1, WIDTH), dev)?;
+    let table = common::randn(0f32, 1.0, (WIDTH, HEAD_DIM), dev)?;
     for shift in [
         i64::MIN,
         i64::MIN + 1,
@@ -143,9 +143,9 @@ fn every_shift_on_every_path(dev: &Device) -> anyhow::Result<()> {
 /// queries at 0, keys at 1000, and the reverse; the shifted forms equal explicit ids.
 fn shaw_far_apart(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let shaw = ShawRelativePosition::new(&ShawConfig::new(HEAD_DIM, 3), vb)?;
-    let q = Tensor::randn(0f32, 1.0, (2, HEADS, 5, HEAD_DIM), dev)?;
+    let q = common::randn(0f32, 1.0, (2, HEADS, 5, HEAD_DIM), dev)?;
     let ids = |start: u32, len: usize| -> anyhow::Result<Positions> {
         Ok(Positions::ids(
             &Tensor::arange(start, start + len as u32, dev)?.unsqueeze(0)?,
@@ -170,7 +170,7 @@ fn shaw_far_apart(dev: &Device) -> anyhow::Result<()> {
             1e-6,
             &what,
         )?;
-        let probs = Tensor::rand(0f32, 1.0, shape, dev)?;
+        let probs = common::rand(0f32, 1.0, shape, dev)?;
         let sum = |ctx| -> anyhow::Result<Tensor> {
             Ok(shaw
                 .value_term(ctx)?
@@ -189,11 +189,11 @@ fn shaw_far_apart(dev: &Device) -> anyhow::Result<()> {
 fn shaw_reads_reachable_rows(dev: &Device) -> anyhow::Result<()> {
     let k = 65_536;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let shaw = ShawRelativePosition::new(&ShawConfig::new(HEAD_DIM, k), vb)?;
-    let table = Tensor::randn(0f32, 1.0, (2 * k + 1, HEAD_DIM), dev)?;
+    let table = common::randn(0f32, 1.0, (2 * k + 1, HEAD_DIM), dev)?;
     varmap.data().lock().unwrap()["relative_keys.weight"].set(&table)?;
-    let q = Tensor::randn(0f32, 1.0, (1, HEADS, 29, HEAD_DIM), dev)?;
+    let q = common::randn(0f32, 1.0, (1, HEADS, 29, HEAD_DIM), dev)?;
     for (qs, ks, width) in [(0usize, 0usize, 57usize), (500, 490, 57), (0, 100_000, 1)] {
         let (qp, kp) = (Positions::Offset(qs), Positions::Offset(ks));
         let ctx = AttentionContext::new(&qp, 29, &kp, 29);
@@ -384,7 +384,7 @@ impl PositionalEncoding for Misfit {
 }
 
 fn misfits_are_typed_errors(dev: &Device) -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (2, 6, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 6, D_MODEL), dev)?;
     let misfits = [
         Misfit::RowsWithHeads(3),
         Misfit::RowsWithRows(2),
@@ -433,7 +433,7 @@ fn keys_as_values_keep_their_own_storage(dev: &Device) -> anyhow::Result<()> {
         let cfg = AttentionConfig::new(D_MODEL, HEADS)
             .with_kv_heads(kv_heads)
             .with_causal(true);
-        let w = |rows: usize| Tensor::randn(0f32, 0.5, (rows, D_MODEL), dev);
+        let w = |rows: usize| common::randn(0f32, 0.5, (rows, D_MODEL), dev);
         let k_proj = w(kv_heads * HEAD_DIM)?;
         let mut weights = std::collections::HashMap::new();
         weights.insert("q_proj.weight".to_string(), w(D_MODEL)?);
@@ -449,7 +449,7 @@ fn keys_as_values_keep_their_own_storage(dev: &Device) -> anyhow::Result<()> {
         };
         let shared = block(&cfg.clone().with_k_eq_v(true), &weights)?;
         let reference = block(&cfg, &separate)?;
-        let x = Tensor::randn(0f32, 1.0, (2, 5, D_MODEL), dev)?;
+        let x = common::randn(0f32, 1.0, (2, 5, D_MODEL), dev)?;
         let want = reference.forward(&x)?;
         assert_close(&shared.forward(&x)?, &want, 1e-6, &format!("kv {kv_heads}"))?;
         let mut cache = KvCache::new();
@@ -529,7 +529,7 @@ impl PositionalEncoding for Widening {
 /// of one block (for the zero bias, of the block without an encoding).
 fn rows_size_fused_blocks_once(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let trained = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let trained = common::seeded_vb(&varmap, DType::F32, dev);
     let shaw = |vb: &VarBuilder, k: usize| -> anyhow::Result<Arc<dyn PositionalEncoding>> {
         Ok(Arc::new(ShawRelativePosition::new(
             &ShawConfig::new(HEAD_DIM, k),
@@ -552,8 +552,8 @@ fn rows_size_fused_blocks_once(dev: &Device) -> anyhow::Result<()> {
         DType::F32,
         dev,
     );
-    let x = Tensor::randn(0f32, 1.0, (2, 40, D_MODEL), dev)?;
-    let cached = Tensor::randn(0f32, 1.0, (2, 25, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 40, D_MODEL), dev)?;
+    let cached = common::randn(0f32, 1.0, (2, 25, D_MODEL), dev)?;
     // One query's logits: 2 items × 4 heads × 4 bytes a key (1280 bytes for 40 keys, 2080 for
     // 65); each budget holds 4 queries' logits. A query's rows of W columns take 32·W bytes.
     let blocks = |sizes: &[usize]| sizes.to_vec();

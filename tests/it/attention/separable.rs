@@ -8,7 +8,7 @@ use crate::common;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 use candle_posenc::plug::{AttentionContext, LogitsBias, PositionalEncoding, SeparableBias};
 use candle_posenc::{AttentionConfig, AttentionOptions, MultiHeadAttention, Positions, Result};
 use common::{assert_close, assert_close_scaled};
@@ -52,7 +52,7 @@ fn block(
     varmap: &VarMap,
     dev: &Device,
 ) -> Result<MultiHeadAttention> {
-    let vb = VarBuilder::from_varmap(varmap, DType::F32, dev);
+    let vb = common::seeded_vb(varmap, DType::F32, dev);
     let cfg = AttentionConfig::new(D_MODEL, HEADS)
         .with_kv_heads(2)
         .with_causal(causal)
@@ -63,8 +63,8 @@ fn block(
 /// Forward on every path, untracked pairs: separable equals dense.
 fn separable_equals_dense_forward(dev: &Device) -> anyhow::Result<()> {
     for (b, t) in [(2, 8), (1, 1100)] {
-        let x = Tensor::randn(0f32, 1.0, (b, t, D_MODEL), dev)?;
-        let r = |batch| Tensor::randn(0f32, 1.0, (batch, HEADS, t), dev);
+        let x = common::randn(0f32, 1.0, (b, t, D_MODEL), dev)?;
+        let r = |batch| common::randn(0f32, 1.0, (batch, HEADS, t), dev);
         let varmap = VarMap::new();
         for (causal, two) in [(true, false), (false, false), (false, true), (true, true)] {
             let after = match two {
@@ -107,10 +107,10 @@ fn separable_equals_dense_forward(dev: &Device) -> anyhow::Result<()> {
 /// tiles.
 fn separable_equals_dense_gradients(dev: &Device) -> anyhow::Result<()> {
     for (b, t) in [(2, 7), (1, 300)] {
-        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, t, D_MODEL), dev)?)?;
-        let probe = Tensor::randn(0f32, 1.0, (b, t, D_MODEL), dev)?;
+        let x = Var::from_tensor(&common::randn(0f32, 1.0, (b, t, D_MODEL), dev)?)?;
+        let probe = common::randn(0f32, 1.0, (b, t, D_MODEL), dev)?;
         let r = |batch| -> anyhow::Result<Var> {
-            Ok(Var::from_tensor(&Tensor::randn(
+            Ok(Var::from_tensor(&common::randn(
                 0f32,
                 1.0,
                 (batch, HEADS, t),

@@ -10,7 +10,7 @@ use crate::common;
 use std::sync::{Arc, Barrier};
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 use candle_posenc::{
     AttentionConfig, AttentionOptions, Checkpoint, EncodingConfig, KvCache, LongRopeScaling,
     MultiHeadAttention, PositionIds, PositionalEncoding, Positions, RopeConfig, RopeScaling,
@@ -148,7 +148,7 @@ fn one_encoding_shared_by_four_threads_matches_sequential_runs() -> anyhow::Resu
         // reference, one shared by the threads (its caches start cold, so they fill under
         // contention).
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, &dev);
         let build = || -> anyhow::Result<MultiHeadAttention> {
             Ok(MultiHeadAttention::new(
                 &attn,
@@ -157,8 +157,8 @@ fn one_encoding_shared_by_four_threads_matches_sequential_runs() -> anyhow::Resu
             )?)
         };
         let sequential = build()?;
-        for var in varmap.all_vars() {
-            var.set(&Tensor::randn(0f32, 0.5, var.shape(), &dev)?)?;
+        for var in common::sorted_vars(&varmap) {
+            var.set(&common::randn(0f32, 0.5, var.shape(), &dev)?)?;
         }
         let shared = Arc::new(build()?);
         let work = workloads();

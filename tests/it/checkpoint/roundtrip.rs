@@ -39,7 +39,7 @@ fn self_describing_round_trip(dev: &Device) -> anyhow::Result<()> {
             .with_causal(true)
             .with_bias(true);
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, dev);
         let mha = MultiHeadAttention::new(&attn, enc.build(vb.pp("pos"))?, vb.pp("attn"))?;
         let mut meta = enc.to_metadata();
         meta.extend(attn.to_metadata());
@@ -54,7 +54,7 @@ fn self_describing_round_trip(dev: &Device) -> anyhow::Result<()> {
         assert_eq!(attn2, attn);
         let vb2 = ckpt.var_builder(DType::F32, dev);
         let mha2 = MultiHeadAttention::new(&attn2, enc2.build(vb2.pp("pos"))?, vb2.pp("attn"))?;
-        let x = Tensor::randn(0f32, 1.0, (2, 5, 16), dev)?;
+        let x = common::randn(0f32, 1.0, (2, 5, 16), dev)?;
         // The VarMap's block tracks gradients (so it takes the differentiable path); compare
         // the loaded block with the same weights as plain tensors, on the same path.
         let plain: HashMap<String, Tensor> = varmap
@@ -83,7 +83,7 @@ fn self_describing_round_trip(dev: &Device) -> anyhow::Result<()> {
 fn load_into_restores_a_varmap(dev: &Device) -> anyhow::Result<()> {
     let make = || -> anyhow::Result<(VarMap, LearnedPositionalEncoding)> {
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, dev);
         let pe =
             LearnedPositionalEncoding::new(&LearnedConfig::new(4).with_max_len(6), vb.pp("wpe"))?;
         Ok((varmap, pe))
@@ -100,7 +100,7 @@ fn load_into_restores_a_varmap(dev: &Device) -> anyhow::Result<()> {
 
 fn load_into_is_all_or_nothing(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let a = vb.get((2, 2), "a")?;
     let _b = vb.get((3,), "b")?;
     let before = a.copy()?;

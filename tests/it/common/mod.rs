@@ -1,7 +1,10 @@
 //! Shared test helpers: fixture loading, closeness checks, and the per-device test macro.
 
 pub mod peak;
+pub mod seeded;
 pub mod zoo;
+
+pub use seeded::{proptest_config, rand, randn, seeded_vb, sorted_vars, var_randn};
 
 use std::collections::HashMap;
 
@@ -55,13 +58,6 @@ pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) -> anyhow::Res
     Ok(())
 }
 
-/// Asserts `|a - b| <= max(abs, rel · max |b|)` everywhere: for two f32 computations of the
-/// same values whose sums run in another order (another path, shape or blocking), where the
-/// rounding grows with the values. Random blocks give outputs up to ~15 and gradients up to
-/// ~1000, where an f32 ulp is 1e-6 and 6e-5; a fixed 1e-5 is then a few ulps, and such
-/// comparisons failed now and then on random inputs (measured over repeated runs: see
-/// `docs/exactness.md`, "Tolerances").
-#[track_caller]
 /// Whether `dev` runs kernels on tensors of no elements. candle 0.11's CUDA backend does not:
 /// it launches them with a grid of 0 blocks, which the driver refuses
 /// (`CUDA_ERROR_INVALID_VALUE`; `zeros` passes, a memset, but `ones` or any op after does not,
@@ -73,6 +69,13 @@ pub fn holds_empty(dev: &Device) -> bool {
         .is_ok()
 }
 
+/// Asserts `|a - b| <= max(abs, rel · max |b|)` everywhere: for two f32 computations of the
+/// same values whose sums run in another order (another path, shape or blocking), where the
+/// rounding grows with the values. Random blocks give outputs up to ~15 and gradients up to
+/// ~1000, where an f32 ulp is 1e-6 and 6e-5; a fixed 1e-5 is then a few ulps, and such
+/// comparisons failed now and then on random inputs (measured over repeated runs: see
+/// `docs/exactness.md`, "Tolerances").
+#[track_caller]
 pub fn assert_close_scaled(
     a: &Tensor,
     b: &Tensor,

@@ -98,12 +98,12 @@ pub fn attention(
     device: &Device,
 ) -> anyhow::Result<(MultiHeadAttention, VarMap)> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
+    let vb = super::seeded_vb(&varmap, dtype, device);
     let enc = config.build(vb.pp("enc"))?;
     MultiHeadAttention::new(attn, enc, vb.pp("attn"))?;
     // Randomise the learned tables that a VarMap creates as zeros or constants.
-    for var in varmap.all_vars() {
-        let noise = Tensor::randn(0f32, 0.5, var.shape(), device)?.to_dtype(var.dtype())?;
+    for var in super::sorted_vars(&varmap) {
+        let noise = super::randn(0f32, 0.5, var.shape(), device)?.to_dtype(var.dtype())?;
         var.set(&(var.as_tensor() + noise)?)?;
     }
     let mha = attention_from(config, attn, &varmap, dtype, device)?;
@@ -112,13 +112,16 @@ pub fn attention(
 
 /// The variables of `varmap` by name, as the tensors they hold (still tracked).
 pub fn named_tensors(varmap: &VarMap) -> anyhow::Result<Vec<(String, Tensor)>> {
-    Ok(varmap
+    let mut named: Vec<(String, Tensor)> = varmap
         .data()
         .lock()
         .map_err(|_| anyhow::anyhow!("a VarMap's lock was poisoned"))?
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect())
+        .collect();
+    // In name order: draws made per tensor go to the same one on every run.
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(named)
 }
 
 /// The same block with plain (untracked) copies of the weights of `varmap`, converted to

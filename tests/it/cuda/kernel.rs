@@ -84,7 +84,7 @@ fn run(case: &Case) -> anyhow::Result<u64> {
     let on_gpu = common::zoo::attention_from(case.config, &case.attn, &varmap, case.dtype, &gpu)?;
     let on_cpu = common::zoo::attention_from(case.config, &case.attn, &varmap, DType::F64, &cpu)?;
     let x =
-        Tensor::randn(0f32, 1.0, (case.batch, case.len, d_model), &cpu)?.to_dtype(case.dtype)?;
+        common::randn(0f32, 1.0, (case.batch, case.len, d_model), &cpu)?.to_dtype(case.dtype)?;
     let pad = case
         .padded
         .map(|n| -> anyhow::Result<Tensor> {
@@ -360,7 +360,7 @@ fn decoding_equals_the_whole_forward() -> anyhow::Result<()> {
                     common::zoo::attention_from(&config, attn, &varmap, DType::BF16, &gpu)?;
                 let on_cpu = common::zoo::attention_from(&config, attn, &varmap, DType::F64, &cpu)?;
                 let len = prefill + 3;
-                let x = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+                let x = common::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
                 let want = on_cpu.forward(&x.to_dtype(DType::F64)?)?;
                 let xg = x.to_device(&gpu)?;
                 let mut cache = KvCache::new();
@@ -424,8 +424,8 @@ fn rotation_in_place_equals_the_cpu() -> anyhow::Result<()> {
                         &(ids_gpu.clone(), ids_gpu.clone()),
                     ),
                 ] {
-                    let q = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
-                    let k = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let q = common::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let k = common::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
                     let (qc, kc) = on_cpu.rotate_queries_keys_owned(
                         q.copy()?,
                         k.copy()?,
@@ -484,8 +484,8 @@ fn rotation_gradient_equals_the_cpu() -> anyhow::Result<()> {
             };
             for dtype in [DType::F32, DType::F64, DType::BF16] {
                 for by_ids in [false, true] {
-                    let x = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
-                    let probe = Tensor::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let x = common::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
+                    let probe = common::randn(0f32, 1.0, shape, &cpu)?.to_dtype(dtype)?;
                     let grad_on = |dev: &Device| -> anyhow::Result<Tensor> {
                         let rope = RotaryEmbedding::new(&cfg, dev)?;
                         let var = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
@@ -600,9 +600,9 @@ fn training_equals_f64() -> anyhow::Result<()> {
                     let (_, varmap) = common::zoo::attention(config, &attn, DType::BF16, &cpu)?;
                     tame_logits(&varmap)?;
                     let (len, batch) = (100, 2);
-                    let x = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?
+                    let x = common::randn(0f32, 1.0, (batch, len, d_model), &cpu)?
                         .to_dtype(DType::BF16)?;
-                    let probe = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?;
+                    let probe = common::randn(0f32, 1.0, (batch, len, d_model), &cpu)?;
                     let mut pad = vec![1u8; batch * len];
                     if let Some(n) = padded {
                         pad[len..len + n].fill(0);
@@ -655,8 +655,8 @@ fn training_with_a_learned_mask() -> anyhow::Result<()> {
     let config = EncodingConfig::None;
     let (_, varmap) = common::zoo::attention(&config, &attn, DType::BF16, &cpu)?;
     tame_logits(&varmap)?;
-    let x = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
-    let mask = Tensor::randn(0f32, 1.0, (1, 1, len, len), &cpu)?;
+    let x = common::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+    let mask = common::randn(0f32, 1.0, (1, 1, len, len), &cpu)?;
     let grads_on = |dev: &Device, dtype: DType| -> anyhow::Result<(Tensor, u64)> {
         let mha = common::zoo::attention_from(&config, &attn, &varmap, dtype, dev)?;
         let m = candle_core::Var::from_tensor(&mask.to_dtype(dtype)?.to_device(dev)?)?;
@@ -699,7 +699,7 @@ fn training_gives_learned_terms_their_gradients() -> anyhow::Result<()> {
 /// [`training_gives_learned_terms_their_gradients`] for a block in `dtype`, every gradient
 /// within `tol` of the largest of the f64 block's.
 fn learned_term_gradients(dtype: DType, tol: f64) -> anyhow::Result<()> {
-    use candle_nn::{VarBuilder, VarMap};
+    use candle_nn::VarMap;
     use candle_posenc::{AlibiConfig, AlibiMode, ClippedBiasConfig, MultiHeadAttention, T5Config};
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let _kernel = FusedKernelScope::new(true);
@@ -727,8 +727,8 @@ fn learned_term_gradients(dtype: DType, tol: f64) -> anyhow::Result<()> {
             .with_logit_softcap(Some(4.0)),
     ];
     let (batch, len) = (2, 90);
-    let x = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
-    let probe = Tensor::randn(0f32, 1.0, (batch, len, d_model), &cpu)?;
+    let x = common::randn(0f32, 1.0, (batch, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+    let probe = common::randn(0f32, 1.0, (batch, len, d_model), &cpu)?;
     let mut keep = vec![1u8; batch * len];
     keep[len..len + 11].fill(0);
     let pad = Tensor::from_vec(keep, (batch, len), &cpu)?;
@@ -737,10 +737,10 @@ fn learned_term_gradients(dtype: DType, tol: f64) -> anyhow::Result<()> {
             for padded in [false, true] {
                 // The variables drawn once on the CPU, then copied to each side's own VarMap.
                 let start = VarMap::new();
-                let vb = VarBuilder::from_varmap(&start, DType::F32, &cpu);
+                let vb = common::seeded_vb(&start, DType::F32, &cpu);
                 MultiHeadAttention::new(attn, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
-                for var in start.all_vars() {
-                    let noise = Tensor::randn(0f32, 0.3, var.shape(), &cpu)?;
+                for var in common::sorted_vars(&start) {
+                    let noise = common::randn(0f32, 0.3, var.shape(), &cpu)?;
                     var.set(
                         &(var.as_tensor() + noise)?
                             .to_dtype(DType::BF16)?
@@ -764,7 +764,7 @@ fn learned_term_gradients(dtype: DType, tol: f64) -> anyhow::Result<()> {
                             data.insert(name.clone(), var);
                         }
                     }
-                    let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+                    let vb = common::seeded_vb(&varmap, dtype, dev);
                     let mha =
                         MultiHeadAttention::new(attn, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
                     let pad = pad.to_device(dev)?;
@@ -866,11 +866,11 @@ fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
     let budget = 8 * heads * len * 2;
     let attn = AttentionConfig::new(d_model, heads).with_causal(true);
     let start = VarMap::new();
-    let vb = VarBuilder::from_varmap(&start, DType::F32, &cpu);
+    let vb = common::seeded_vb(&start, DType::F32, &cpu);
     ShawRelativePosition::new(&shaw, vb.pp("enc"))?;
     MultiHeadAttention::new(&attn, None, vb.pp("attn"))?;
-    for var in start.all_vars() {
-        let noise = Tensor::randn(0f32, 0.3, var.shape(), &cpu)?;
+    for var in common::sorted_vars(&start) {
+        let noise = common::randn(0f32, 0.3, var.shape(), &cpu)?;
         var.set(
             &(var.as_tensor() + noise)?
                 .to_dtype(DType::BF16)?
@@ -879,8 +879,8 @@ fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
     }
     tame_logits(&start)?;
     let values = common::zoo::named_tensors(&start)?;
-    let x = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
-    let probe = Tensor::randn(0f32, 1.0, (1, len, d_model), &cpu)?;
+    let x = common::randn(0f32, 1.0, (1, len, d_model), &cpu)?.to_dtype(DType::BF16)?;
+    let probe = common::randn(0f32, 1.0, (1, len, d_model), &cpu)?;
     for train in [false, true] {
         // (output, gradients of every variable, the hook's calls, kernel launches)
         type Side = (Tensor, Vec<Tensor>, Vec<(usize, usize, usize)>, u64);
@@ -900,7 +900,7 @@ fn shaw_rows_fit_the_budget() -> anyhow::Result<()> {
                 }
             }
             let vb = match train {
-                true => VarBuilder::from_varmap(&varmap, dtype, dev),
+                true => common::seeded_vb(&varmap, dtype, dev),
                 false => VarBuilder::from_tensors(
                     vars.iter()
                         .zip(&values)

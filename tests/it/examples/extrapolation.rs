@@ -6,6 +6,8 @@
 #[path = "../../../examples/lm/mod.rs"]
 mod lm;
 
+use crate::common;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
@@ -128,7 +130,7 @@ fn training_is_deterministic() -> anyhow::Result<()> {
 #[test]
 fn fused_training_follows_the_unfused_loss_curve() -> anyhow::Result<()> {
     use candle_core::{DType, Device};
-    use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+    use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarMap};
     let s = Settings {
         steps: 150,
         ..Settings::tiny()
@@ -143,7 +145,7 @@ fn fused_training_follows_the_unfused_loss_curve() -> anyhow::Result<()> {
     for encoding in &encodings {
         let curve = |unfused: bool| -> anyhow::Result<Vec<f32>> {
             let varmap = VarMap::new();
-            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+            let vb = common::seeded_vb(&varmap, DType::F32, &Device::Cpu);
             let lm = Lm::new(&s.model, encoding, vb)?.with_unfused_attention(unfused);
             lm::model::seeded_init(&varmap, s.seed)?;
             let params = ParamsAdamW {
@@ -465,7 +467,7 @@ fn text_model(s: &TextSettings, encoding: &EncodingConfig) -> anyhow::Result<Lm>
     let lm = Lm::new(
         &s.train.model,
         encoding,
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        common::seeded_vb(&varmap, DType::F32, &Device::Cpu),
     )?;
     lm::model::seeded_init(&varmap, 3)?;
     Ok(lm)

@@ -19,7 +19,7 @@ use kerple::Kerple;
 
 fn kerple_through_every_path(dev: &Device) -> anyhow::Result<()> {
     let (t, d_model, heads) = (37, 32, 4);
-    let x = Tensor::randn(0f32, 1.0, (2, t, d_model), dev)?;
+    let x = common::randn(0f32, 1.0, (2, t, d_model), dev)?;
     let ids = Positions::ids(&Tensor::arange(5u32, 5 + t as u32, dev)?.unsqueeze(0)?)?;
     for causal in [false, true] {
         let cfg = AttentionConfig::new(d_model, heads)
@@ -34,7 +34,7 @@ fn kerple_through_every_path(dev: &Device) -> anyhow::Result<()> {
         // Training through a VarMap's variables; inference on the same values as plain
         // tensors (a block whose weights track gradients takes the differentiable path).
         let varmap = VarMap::new();
-        let (trained, _) = build(&VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
+        let (trained, _) = build(&common::seeded_vb(&varmap, DType::F32, dev))?;
         let plain: HashMap<String, Tensor> = varmap
             .data()
             .lock()

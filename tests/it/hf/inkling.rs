@@ -10,7 +10,7 @@
 use crate::common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 use candle_posenc::attention::{AttentionOptions, KvCache, MultiHeadAttention};
 use candle_posenc::checkpoint::Checkpoint;
 use candle_posenc::encoding::EncodingConfig;
@@ -102,7 +102,7 @@ fn tracked(
 ) -> anyhow::Result<(MultiHeadAttention, VarMap)> {
     let (config, prefix) = config(ckpt, tag)?;
     let varmap = VarMap::new();
-    let block = config.load(VarBuilder::from_varmap(&varmap, DType::F32, dev).pp(&prefix))?;
+    let block = config.load(common::seeded_vb(&varmap, DType::F32, dev).pp(&prefix))?;
     let mut set = 0;
     for (name, var) in varmap.data().lock().unwrap().iter() {
         var.set(get(ckpt.tensors(), name))?;

@@ -1075,7 +1075,7 @@ fn qk_norm_config_and_formula(dev: &Device) -> anyhow::Result<()> {
     }
     // A VarMap block starts with the identity scale (stored as 0 with the unit offset).
     let varmap = candle_nn::VarMap::new();
-    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     MultiHeadAttention::new(&cfg, None, vb.pp("attn"))?;
     let vars = varmap.data().lock().unwrap();
     assert_eq!(vars["attn.q_norm.weight"].dims(), &[16]);
@@ -1115,7 +1115,7 @@ fn qk_norm_config_and_formula(dev: &Device) -> anyhow::Result<()> {
     let block = MultiHeadAttention::new(&cfg, None, vb)?;
     // The same block without norms, fed pre-normalised projections through its weights:
     // n(x W) for one head = x W diag(w / rms) — check instead against plain ops.
-    let x = Tensor::randn(0f32, 1.0, (1, 3, d), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 3, d), dev)?;
     let rms_norm = |y: &Tensor, s: &Tensor| -> anyhow::Result<Tensor> {
         let y = y.reshape((1, 3, h, hd))?;
         let ms = y.sqr()?.mean_keepdim(3)?;

@@ -1,10 +1,12 @@
 //! A model's layers loaded through one `SharedEncodings`: one `Arc` encoding per distinct
 //! configuration, and the same outputs as layers that each built their own.
 
+use crate::common;
+
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_core::{DType, Device, Module};
+use candle_nn::VarMap;
 use candle_posenc::hf::{HfAttentionConfig, SharedEncodings};
 use candle_posenc::MultiHeadAttention;
 
@@ -17,7 +19,7 @@ fn load_layers(
     varmap: &VarMap,
     dev: &Device,
 ) -> anyhow::Result<Vec<MultiHeadAttention>> {
-    let vb = VarBuilder::from_varmap(varmap, DType::F32, dev);
+    let vb = common::seeded_vb(varmap, DType::F32, dev);
     (0..n)
         .map(|i| {
             let config = HfAttentionConfig::from_json_layer(json, i)?;
@@ -44,8 +46,8 @@ fn a_llama_stack_shares_one_rope_and_answers_as_unshared_layers() -> anyhow::Res
     assert_eq!(shared.len(), 1);
     assert!(same_arc(&layers[0], &layers[1]) && same_arc(&layers[1], &layers[2]));
     // The same tensors through `load`, each layer with its own table, answer the same.
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-    let x = Tensor::randn(0f32, 1.0, (1, 7, 32), &dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
+    let x = common::randn(0f32, 1.0, (1, 7, 32), &dev)?;
     for (i, layer) in layers.iter().enumerate() {
         let own = HfAttentionConfig::from_json(json)?
             .load(vb.pp(format!("model.layers.{i}.self_attn")))?;
@@ -83,7 +85,7 @@ fn t5_layers_share_the_first_layers_table() -> anyhow::Result<()> {
     let json = r#"{"model_type": "t5", "d_model": 16, "num_heads": 2, "d_kv": 8}"#;
     let config = HfAttentionConfig::from_json(json)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let mut shared = SharedEncodings::new();
     let prefix = |i: usize| format!("encoder.block.{i}.layer.0.SelfAttention");
     let first = config.load_shared(&mut shared, vb.pp(prefix(0)))?;

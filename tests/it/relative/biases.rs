@@ -106,9 +106,9 @@ fn alibi_forms_and_modes(dev: &Device) -> anyhow::Result<()> {
         }
     }
     // The per-key and pairwise causal forms give the same attention, in full and when decoding.
-    let x = Tensor::randn(0f32, 1.0, (2, 9, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 9, 16), dev)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let cfg = AttentionConfig::new(16, 4).with_causal(true);
     let per_key = MultiHeadAttention::new(
         &cfg,
@@ -154,9 +154,9 @@ fn alibi_forms_and_modes(dev: &Device) -> anyhow::Result<()> {
 /// the explicit causal mode still gives its per-key row on purpose.
 fn alibi_follows_the_block(dev: &Device) -> anyhow::Result<()> {
     let (t, heads) = (9, 4);
-    let x = Tensor::randn(0f32, 1.0, (2, t, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, t, 16), dev)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let weights = AttentionOptions {
         return_weights: true,
         ..Default::default()
@@ -220,8 +220,8 @@ fn alibi_follows_the_block(dev: &Device) -> anyhow::Result<()> {
 /// keys is a typed error.
 fn bias_modules_add_to_logits(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let logits = Tensor::randn(0f32, 1.0, (2, 4, 3, 7), dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
+    let logits = common::randn(0f32, 1.0, (2, 4, 3, 7), dev)?;
     let (q, k) = (Positions::Offset(4), Positions::Offset(0));
     let alibi = Alibi::new(&AlibiConfig::new(4), dev)?;
     let t5 = T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?;
@@ -268,7 +268,7 @@ fn alibi_head_range_learnable_and_cache(dev: &Device) -> anyhow::Result<()> {
     }
     // Learnable slopes start at the paper's values and receive gradients.
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let learn = Alibi::new_learnable(&AlibiConfig::new(4).with_learnable(true), vb.pp("alibi"))?;
     let data = varmap
         .data()
@@ -303,7 +303,7 @@ fn alibi_head_range_learnable_and_cache(dev: &Device) -> anyhow::Result<()> {
             .lock()
             .expect("lock")
             .insert("alibi.slopes".into(), var.clone());
-        let vb = VarBuilder::from_varmap(&held, dtype, dev);
+        let vb = common::seeded_vb(&held, dtype, dev);
         let cfg = AlibiConfig::new(4).with_learnable(true);
         let learn_held = Alibi::new_learnable(&cfg, vb.pp("alibi"))?;
         for causal in [false, true] {
@@ -436,7 +436,7 @@ fn shaw_gradients_match_torch(dev: &Device) -> anyhow::Result<()> {
     let fx = fixture("relative.safetensors", dev)?;
     for causal in [false, true] {
         let mut varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, dev);
         let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 2), vb.clone())?;
         let cfg = AttentionConfig::new(16, 4).with_causal(causal);
         let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(shaw)), vb.clone())?;
@@ -489,7 +489,7 @@ fn ids_from(start: u32, len: usize, dev: &Device) -> anyhow::Result<Positions> {
 /// dense `bias`.
 fn relative_forms_agree(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let mut encs = relative_encodings(dev, &vb)?;
     encs.push((
         "alibi_pairwise",
@@ -503,7 +503,7 @@ fn relative_forms_agree(dev: &Device) -> anyhow::Result<()> {
         vb.pp("t5b"),
     )?;
     encs.push(("t5_bidirectional", Arc::new(t5.clone())));
-    let q = Tensor::randn(0f32, 1.0, (2, 4, 5, 4), dev)?;
+    let q = common::randn(0f32, 1.0, (2, 4, 5, 4), dev)?;
     let mut shifted = 0;
     for (name, enc) in &encs {
         for (qs, ks, tk) in [(0, 0, 5), (0, 0, 30), (20, 0, 25), (3, 9, 7), (40, 0, 1)] {
@@ -541,7 +541,7 @@ fn relative_forms_agree(dev: &Device) -> anyhow::Result<()> {
                     )?;
                 }
                 if let Some(values) = enc.value_term(&by_offset)? {
-                    let probs = Tensor::rand(0f32, 1.0, shape, dev)?;
+                    let probs = common::rand(0f32, 1.0, shape, dev)?;
                     let want = enc
                         .value_term(&by_ids)?
                         .expect("ids too")
@@ -560,10 +560,10 @@ fn relative_forms_agree(dev: &Device) -> anyhow::Result<()> {
 /// every encoding that enters attention.
 fn query_blocks_equal_one_block(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let x = Tensor::randn(0f32, 1.0, (2, 10, 16), dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
+    let x = common::randn(0f32, 1.0, (2, 10, 16), dev)?;
     let pad = Tensor::new(&[[0u8, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1; 10]], dev)?;
-    let extra = Tensor::randn(0f32, 1.0, (1, 4, 10, 10), dev)?;
+    let extra = common::randn(0f32, 1.0, (1, 4, 10, 10), dev)?;
     let ids = Positions::ids(&Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6, 5, 3]], dev)?)?;
     let encs = relative_and_rotary_encodings(dev, &vb)?;
     for causal in [false, true] {
@@ -679,13 +679,13 @@ fn query_blocks_equal_one_block(dev: &Device) -> anyhow::Result<()> {
 /// shape, and repeated forwards build nothing.
 fn bias_tables_built_once_per_shape(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let t5 = Arc::new(T5RelativeBias::new(&T5Config::new(4), vb.pp("t5"))?);
     let alibi = Arc::new(Alibi::new(
         &AlibiConfig::new(4).with_mode(AlibiMode::Symmetric),
         dev,
     )?);
-    let x = Tensor::randn(0f32, 1.0, (2, 12, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 12, 16), dev)?;
     for block in [None, Some(4)] {
         let cfg = AttentionConfig::new(16, 4).with_query_block(block);
         let t5_attn = MultiHeadAttention::new(&cfg, Some(t5.clone()), vb.pp("a"))?;
@@ -761,8 +761,8 @@ fn relative_and_rotary_encodings(
 
 fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let x = Tensor::randn(0f32, 1.0, (2, 10, 16), dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
+    let x = common::randn(0f32, 1.0, (2, 10, 16), dev)?;
     let cfg = AttentionConfig::new(16, 4)
         .with_kv_heads(2)
         .with_causal(true);
@@ -807,10 +807,10 @@ fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
 /// with causality, padding (one sequence fully padded), an additive mask and a KV cache.
 fn fused_inference_equals_unfused(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
+    let x = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
     let pad = Tensor::new(&[[0u8, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1]], dev)?;
-    let extra = Tensor::randn(0f32, 1.0, (1, 4, 6, 6), dev)?;
+    let extra = common::randn(0f32, 1.0, (1, 4, 6, 6), dev)?;
     let encs = relative_and_rotary_encodings(dev, &vb)?;
     for causal in [false, true] {
         for (name, enc) in &encs {
@@ -847,8 +847,8 @@ fn fused_inference_equals_unfused(dev: &Device) -> anyhow::Result<()> {
 
 fn masks_are_respected(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
+    let x = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
     let pad = Tensor::new(&[[1u8, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dev)?;
     for causal in [false, true] {
         for (name, enc) in relative_encodings(dev, &vb)? {
@@ -887,8 +887,8 @@ fn masks_are_respected(dev: &Device) -> anyhow::Result<()> {
 
 fn relative_order_matters(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let x = Tensor::randn(0f32, 1.0, (1, 6, 16), dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
+    let x = common::randn(0f32, 1.0, (1, 6, 16), dev)?;
     let rev = Tensor::new(&[5u32, 4, 3, 2, 1, 0], dev)?;
     for (name, enc) in relative_encodings(dev, &vb)? {
         if name == "alibi" {
@@ -931,7 +931,7 @@ fn configs_round_trip_metadata(dev: &Device) -> anyhow::Result<()> {
         assert_eq!(back, cfg);
         let varmap = VarMap::new();
         assert!(back
-            .build(VarBuilder::from_varmap(&varmap, DType::F32, dev))?
+            .build(common::seeded_vb(&varmap, DType::F32, dev))?
             .is_some());
     }
     Ok(())
@@ -1097,15 +1097,15 @@ fn alibi_falcon_rounds_as_bfloat16(dev: &Device) -> anyhow::Result<()> {
 /// without.
 fn shaw_offsets_equal_ids_in_causal_blocks(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let shaw = ShawRelativePosition::new(&ShawConfig::new(4, 3).with_values(true), vb.pp("shaw"))?;
     let cfg = AttentionConfig::new(16, 4).with_causal(true);
     let mha = MultiHeadAttention::new(&cfg, Some(Arc::new(shaw)), vb.pp("attn"))?;
-    for var in varmap.all_vars() {
-        let noise = Tensor::randn(0f32, 0.5, var.shape(), dev)?;
+    for var in common::sorted_vars(&varmap) {
+        let noise = common::randn(0f32, 0.5, var.shape(), dev)?;
         var.set(&(var.as_tensor() + noise)?)?;
     }
-    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
     let ids = Positions::ids(&Tensor::arange(0u32, 6, dev)?.unsqueeze(0)?)?;
     let padded = Tensor::new(&[[0u8, 0, 1, 1, 1, 1], [1; 6]], dev)?;
     for padding in [None, Some(&padded)] {

@@ -47,7 +47,7 @@ fn block(
     let causal = !case.starts_with("bidirectional");
     let config = mha_fox_config(case);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let fox = ForgettingGates::new(&config, vb.pp("enc"))?;
     let attn = AttentionConfig::new(D_MODEL, HEADS).with_causal(causal);
     let mha = MultiHeadAttention::new(&attn, Some(Arc::new(fox)), vb.pp("attn"))?;
@@ -135,7 +135,7 @@ fn blocks(causal: bool, dev: &Device) -> anyhow::Result<(MultiHeadAttention, Mul
         .with_kv_heads(2)
         .with_causal(causal);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let fox = EncodingConfig::Fox(config.clone()).build(vb.pp("enc"))?;
     let tracked = MultiHeadAttention::new(&attn, fox, vb.pp("attn"))?;
     let plain = plain_tensors(&varmap);
@@ -155,7 +155,7 @@ fn decoding_equals_one_forward(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn decodes_as_one_forward(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (2, 11, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 11, D_MODEL), dev)?;
     let opts = AttentionOptions::default();
     let want = mha.forward_with(&x, &opts, None)?.output;
     for chunks in [vec![1; 11], vec![4, 1, 6], vec![3, 8]] {
@@ -178,7 +178,7 @@ fn decodes_as_one_forward(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Res
     // A cache cloned after a prefix: each clone continues with its own tokens as one forward
     // over the prefix and those tokens does (the states are written in place, never into
     // storage the other clone reads).
-    let y = Tensor::randn(0f32, 1.0, (2, 4, D_MODEL), dev)?;
+    let y = common::randn(0f32, 1.0, (2, 4, D_MODEL), dev)?;
     let want_y = mha
         .forward_with(&Tensor::cat(&[&x.narrow(1, 0, 7)?, &y], 1)?, &opts, None)?
         .output
@@ -217,7 +217,7 @@ fn streaming_cache_runs(dev: &Device) -> anyhow::Result<()> {
     let mut shared = KvCache::streaming(1, 3);
     let opts = AttentionOptions::default();
     for step in 0..7 {
-        let x = Tensor::randn(0f32, 1.0, (2, 1, D_MODEL), dev)?;
+        let x = common::randn(0f32, 1.0, (2, 1, D_MODEL), dev)?;
         let out = mha.forward_with(&x, &opts, Some(&mut cache))?.output;
         let top = out.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(top.is_finite(), "step {step}");
@@ -233,11 +233,11 @@ fn streaming_cache_runs(dev: &Device) -> anyhow::Result<()> {
 fn refusals(dev: &Device) -> anyhow::Result<()> {
     let causal_gates = random_block(true, dev)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let fox = EncodingConfig::Fox(FoxConfig::new(D_MODEL, HEADS)).build(vb.pp("enc"))?;
     let attn = AttentionConfig::new(D_MODEL, HEADS).with_causal(false);
     let bidirectional = MultiHeadAttention::new(&attn, fox, vb.pp("attn"))?;
-    let x = Tensor::randn(0f32, 1.0, (1, 3, D_MODEL), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 3, D_MODEL), dev)?;
     let opts = AttentionOptions::default();
     let err = bidirectional.forward_with(&x, &opts, None).unwrap_err();
     assert!(
@@ -267,7 +267,7 @@ fn config_round_trips(dev: &Device) -> anyhow::Result<()> {
     let bad: EncodingConfig = serde_json::from_str(bad)?;
     assert!(bad.validate().is_err());
     let varmap = VarMap::new();
-    config.build(VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
+    config.build(common::seeded_vb(&varmap, DType::F32, dev))?;
     let bias = varmap.data().lock().unwrap()["to_forget_gates.0.bias"].clone();
     let want = fixture("fox.safetensors", dev)?["bias_init"].clone();
     assert_close(bias.as_tensor(), &want, 0.0, "initial bias")?;

@@ -98,7 +98,7 @@ fn a_fused_step_holds_no_rows() -> anyhow::Result<()> {
     }
     let dev = Device::Cpu;
     let varmap = candle_nn::VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let (d_model, heads, t, extent) = (64, 4, 1024, 4096);
     let config = InklingConfig::new(d_model, heads).with_rel_extent(extent);
     let rel = InklingRelativeLogits::new(&config, vb.pp("rel"))?;
@@ -115,8 +115,8 @@ fn a_fused_step_holds_no_rows() -> anyhow::Result<()> {
         Ok(())
     };
     // A small step first: the thread pool and its arenas are not the step's.
-    step(&candle_core::Var::randn(0f32, 1.0, (1, 16, d_model), &dev)?)?;
-    let x = candle_core::Var::randn(0f32, 1.0, (1, t, d_model), &dev)?;
+    step(&common::var_randn(0f32, 1.0, (1, 16, d_model), &dev)?)?;
+    let x = common::var_randn(0f32, 1.0, (1, t, d_model), &dev)?;
     let peak = common::peak::peak_of(|| step(&x))?;
     let rows = heads * t * (extent + 2) * 4;
     println!("peak {peak} bytes; the rows would be {rows}");

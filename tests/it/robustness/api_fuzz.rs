@@ -164,7 +164,7 @@ fn integer_tensors_at_the_plug(dev: &Device) -> anyhow::Result<()> {
 /// answer that does not fit, a mask) used to leave the chunk in the cache.
 fn cache_positions_after_an_undo(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let mha = MultiHeadAttention::new(&AttentionConfig::new(8, 2), None, vb.pp("a"))?;
     let x = Tensor::ones((1, 3, 8), DType::F32, dev)?;
     fn at(p: &Positions) -> AttentionOptions<'_> {
@@ -232,15 +232,11 @@ fn cache_positions_after_an_undo(dev: &Device) -> anyhow::Result<()> {
 /// to the largest.
 fn chunks_of_any_size(dev: &Device) -> anyhow::Result<()> {
     let (b, t, d) = (2, 6, 8);
-    let x = Tensor::randn(0f32, 1.0, (b, t, d), dev)?;
+    let x = common::randn(0f32, 1.0, (b, t, d), dev)?;
     let padding = Tensor::from_vec(vec![0u8, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], (b, t), dev)?;
     let varmap = VarMap::new();
     let base = AttentionConfig::new(d, 2).with_causal(true);
-    MultiHeadAttention::new(
-        &base,
-        None,
-        VarBuilder::from_varmap(&varmap, DType::F32, dev),
-    )?;
+    MultiHeadAttention::new(&base, None, common::seeded_vb(&varmap, DType::F32, dev))?;
     let weights: std::collections::HashMap<String, Tensor> = varmap
         .data()
         .lock()

@@ -264,7 +264,7 @@ fn chunk_inputs(
 ) -> Result<Option<Chunk>, TestCaseError> {
     let dev = Device::Cpu;
     let (h, d_model) = (built.heads, built.d_model);
-    let x = Tensor::randn(0f32, 1.0, (case.batch, t, d_model), &dev)
+    let x = common::randn(0f32, 1.0, (case.batch, t, d_model), &dev)
         .and_then(|x| x.to_dtype(built.dtype))
         .map_err(|e| fail(e.into()))?;
     let positions = if case.ids {
@@ -355,7 +355,7 @@ fn other_paths_agree(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(128))]
 
     #[test]
     fn random_api_use_is_ok_or_a_typed_error(case in cases()) {

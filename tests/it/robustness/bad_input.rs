@@ -7,6 +7,8 @@
 //! Cases are grouped by area; each area is one test that runs all its cases and reports every
 //! failure at once.
 
+use crate::common;
+
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -846,7 +848,7 @@ fn rope_mixed_configs_and_inputs(s: &mut Sweep) {
     let mixed_vars = VarMap::new();
     let mixed = RopeMixed::new(
         &RopeMixedConfig::new(2, 8),
-        VarBuilder::from_varmap(&mixed_vars, DType::F32, &dev),
+        common::seeded_vb(&mixed_vars, DType::F32, &dev),
     )
     .expect("valid");
     let grid = Positions::Ids(
@@ -861,7 +863,7 @@ fn rope_mixed_configs_and_inputs(s: &mut Sweep) {
             let vm = VarMap::new();
             RopeMixed::new(
                 &RopeMixedConfig::new(2, 6),
-                VarBuilder::from_varmap(&vm, DType::F32, &dev),
+                common::seeded_vb(&vm, DType::F32, &dev),
             )
         },
     );
@@ -917,7 +919,7 @@ fn attention() {
 fn causal_rope_block() -> MultiHeadAttention {
     let dev = cpu();
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let rope = RotaryEmbedding::new(&RopeConfig::new(4), &dev).expect("valid");
     MultiHeadAttention::new(
         &AttentionConfig::new(8, 2).with_causal(true),

@@ -21,7 +21,7 @@ fn budget_is_one_number() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     assert_eq!(max_elements(), MAX_ELEMENTS);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let parts = Parts::build(&vb)?;
 
     let scope = BudgetScope::new(4096);
@@ -332,7 +332,7 @@ fn set_max_elements_is_process_wide() -> anyhow::Result<()> {
 fn work_follows_what_a_call_reads() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let cfg = LearnedConfig::new(16)
         .with_max_len(16)
         .with_interpolation(candle_posenc::Interpolation::ToSequenceLength);
@@ -387,7 +387,7 @@ fn a_call_at_the_budget_peaks_under_its_bound() -> anyhow::Result<()> {
     set_max_elements(E);
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let rope = std::sync::Arc::new(RotaryEmbedding::new(&RopeConfig::new(64), &dev)?);
     // Query blocks of 32, so that the projections, not the logits, bound the fused call.
     let cfg = AttentionConfig::new(512, 8)
@@ -395,7 +395,7 @@ fn a_call_at_the_budget_peaks_under_its_bound() -> anyhow::Result<()> {
         .with_query_block(Some(32));
     let mha = MultiHeadAttention::new(&cfg, Some(rope), vb.pp("a"))?;
     // One small call of each kind first: the thread pool and its arenas are not the call's.
-    let small = Tensor::randn(0f32, 1.0, (1, 64, 512), &dev)?;
+    let small = common::randn(0f32, 1.0, (1, 64, 512), &dev)?;
     let small_var = candle_core::Var::from_tensor(&small)?;
     for options in [
         AttentionOptions::default(),
@@ -414,7 +414,7 @@ fn a_call_at_the_budget_peaks_under_its_bound() -> anyhow::Result<()> {
     let mut peaks = Vec::new();
     // Weights returned: 8 heads × T × T logits at the budget.
     let t = ((E / 8) as f64).sqrt() as usize;
-    let x = Tensor::randn(0f32, 1.0, (1, t, 512), &dev)?;
+    let x = common::randn(0f32, 1.0, (1, t, 512), &dev)?;
     let weights = AttentionOptions {
         return_weights: true,
         ..Default::default()
@@ -433,7 +433,7 @@ fn a_call_at_the_budget_peaks_under_its_bound() -> anyhow::Result<()> {
     ));
     // The fused core: the projections (T × 3 × 512) at the budget.
     let t = E / (3 * 512);
-    let x = Tensor::randn(0f32, 1.0, (1, t, 512), &dev)?;
+    let x = common::randn(0f32, 1.0, (1, t, 512), &dev)?;
     peaks.push((
         "fused",
         crate::common::peak::peak_of(|| Ok(mha.forward(&x)?))?,
@@ -458,8 +458,8 @@ fn a_call_at_the_budget_peaks_under_its_bound() -> anyhow::Result<()> {
             Ok(rope.cos_sin(&Positions::Offset(0), E / 64 - 1)?)
         })?,
     ));
-    let token = Tensor::randn(0f32, 1.0, (1, 1, 512), &dev)?;
-    let chunk = Tensor::randn(0f32, 1.0, (1, 128, 512), &dev)?;
+    let token = common::randn(0f32, 1.0, (1, 1, 512), &dev)?;
+    let chunk = common::randn(0f32, 1.0, (1, 128, 512), &dev)?;
     peaks.push((
         "kv cache",
         crate::common::peak::peak_of(|| {

@@ -12,7 +12,7 @@
 use crate::common;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 use candle_posenc::{
     AttentionConfig, AttentionContext, AttentionOptions, AxialRope, Checkpoint, EncodingConfig,
     Error, HfAttentionConfig, KvCache, MultiHeadAttention, PositionIds, PositionalEncoding,
@@ -200,8 +200,8 @@ fn axial_rope_refuses_one_position_per_token(dev: &Device) -> anyhow::Result<()>
             let rope = RotaryEmbedding::new(&config, dev)?;
             for dtype in FLOATS {
                 let case = format!("{layout:?} {kernel:?} {dtype:?}");
-                let q = Tensor::randn(0f32, 1.0, (2, 2, 6, 16), dev)?.to_dtype(dtype)?;
-                let k = Tensor::randn(0f32, 1.0, (2, 1, 6, 16), dev)?.to_dtype(dtype)?;
+                let q = common::randn(0f32, 1.0, (2, 2, 6, 16), dev)?.to_dtype(dtype)?;
+                let k = common::randn(0f32, 1.0, (2, 1, 6, 16), dev)?.to_dtype(dtype)?;
                 for (bad, given) in one_per_token(2, 6, dev)? {
                     let case = format!("{case} at {given}");
                     refused_everywhere(&rope, (&q, &k), (&bad, &grid), &given, &case)?;
@@ -320,8 +320,8 @@ fn mrope_keeps_hf_meaning_of_one_position_per_token(dev: &Device) -> anyhow::Res
             }
             for dtype in FLOATS {
                 let case = format!("{name} {kernel:?} {dtype:?}");
-                let q = Tensor::randn(0f32, 1.0, (2, 2, 6, 32), dev)?.to_dtype(dtype)?;
-                let k = Tensor::randn(0f32, 1.0, (2, 1, 6, 32), dev)?.to_dtype(dtype)?;
+                let q = common::randn(0f32, 1.0, (2, 2, 6, 32), dev)?.to_dtype(dtype)?;
+                let k = common::randn(0f32, 1.0, (2, 1, 6, 32), dev)?.to_dtype(dtype)?;
                 for (one, given) in one_per_token(2, 6, dev)? {
                     let case = format!("{case} at {given}");
                     let ids = one.to_ids(6, dev)?;
@@ -353,7 +353,7 @@ fn mrope_keeps_hf_meaning_of_one_position_per_token(dev: &Device) -> anyhow::Res
 fn rope_mixed_refuses_one_position_per_token(dev: &Device) -> anyhow::Result<()> {
     let what = "RoPE-Mixed positions";
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let mixed = RopeMixed::new(&RopeMixedConfig::new(2, 8), vb.pp("rope"))?;
     let block = MultiHeadAttention::new(
         &AttentionConfig::new(16, 2),
@@ -362,7 +362,7 @@ fn rope_mixed_refuses_one_position_per_token(dev: &Device) -> anyhow::Result<()>
     )?;
     let grid = two_grids(dev)?;
     for dtype in FLOATS {
-        let q = Tensor::randn(0f32, 1.0, (2, 2, 6, 8), dev)?.to_dtype(dtype)?;
+        let q = common::randn(0f32, 1.0, (2, 2, 6, 8), dev)?.to_dtype(dtype)?;
         for (bad, given) in one_per_token(2, 6, dev)? {
             let case = format!("{dtype:?} at {given}");
             refused(mixed.rotate_one(&q, &bad), what, &given, &case);
@@ -383,7 +383,7 @@ fn rope_mixed_refuses_one_position_per_token(dev: &Device) -> anyhow::Result<()>
         }
         assert_eq!(mixed.rotate_one(&q, &grid)?.dims(), q.dims(), "{dtype:?}");
     }
-    let x = Tensor::randn(0f32, 1.0, (2, 6, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 6, 16), dev)?;
     for (bad, given) in one_per_token(2, 6, dev)? {
         let opts = AttentionOptions {
             positions: Some(&bad),

@@ -181,7 +181,7 @@ fn factors_fit_the_dtype_or_are_refused(dev: &Device) -> anyhow::Result<()> {
         for dtype in DTYPES {
             let what = format!("{label}, {dtype:?}");
             let varmap = VarMap::new();
-            let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+            let vb = common::seeded_vb(&varmap, dtype, dev);
             let built = MultiHeadAttention::new(&config, None, vb);
             match refusal(dtype) {
                 Some((name, says)) => {
@@ -196,7 +196,7 @@ fn factors_fit_the_dtype_or_are_refused(dev: &Device) -> anyhow::Result<()> {
                         continue;
                     }
                     let (plain, _) = zoo::attention(&EncodingConfig::None, &config, dtype, dev)?;
-                    let x = Tensor::randn(0f32, 1.0, (2, 5, 64), dev)?.to_dtype(dtype)?;
+                    let x = common::randn(0f32, 1.0, (2, 5, 64), dev)?.to_dtype(dtype)?;
                     for mha in [&tracked, &plain] {
                         for (i, out) in every_path(mha, &x)?.iter().enumerate() {
                             assert!(all_finite(out)?, "{what}: output {i} is not finite");
@@ -265,7 +265,7 @@ fn rotary_attention_factor_in_every_dtype(dev: &Device) -> anyhow::Result<()> {
         for dtype in DTYPES {
             let what = format!("attention factor {a}, {dtype:?}");
             let (mha, _) = zoo::attention(&config, &attn, dtype, dev)?;
-            let x = (Tensor::randn(0f32, 1.0, (1, 4, 64), dev)? * 1e-3)?.to_dtype(dtype)?;
+            let x = (common::randn(0f32, 1.0, (1, 4, 64), dev)? * 1e-3)?.to_dtype(dtype)?;
             let outs = every_path(&mha, &x);
             if dtype == DType::F16 && a > 2f64.powi(8) {
                 refused(&what, outs, "rope attention factor", &["f16"]);
@@ -346,7 +346,7 @@ fn bias_values_past_the_logits_dtype(dev: &Device) -> anyhow::Result<()> {
             // Plain (zero) weights: inference takes the fused paths.
             let vb = VarBuilder::zeros(block, dev);
             let mha = MultiHeadAttention::new(&attn, Some(Arc::new(enc)), vb)?;
-            let x = Tensor::randn(0f32, 1.0, (1, 4, 32), dev)?.to_dtype(block)?;
+            let x = common::randn(0f32, 1.0, (1, 4, 32), dev)?.to_dtype(block)?;
             for opts in [AttentionOptions::default(), weights.clone()] {
                 let what = format!("{what}, weights returned {}", opts.return_weights);
                 let out = mha.forward_with(&x, &opts, None);
@@ -384,9 +384,9 @@ fn bias_values_past_the_logits_dtype(dev: &Device) -> anyhow::Result<()> {
         rows: false,
         dtype: DType::F32,
     };
-    let vb = VarBuilder::from_varmap(&VarMap::new(), DType::F16, dev);
+    let vb = common::seeded_vb(&VarMap::new(), DType::F16, dev);
     let mha = MultiHeadAttention::new(&attn, Some(Arc::new(enc)), vb)?;
-    let x = Tensor::randn(0f32, 1.0, (1, 4, 32), dev)?.to_dtype(DType::F16)?;
+    let x = common::randn(0f32, 1.0, (1, 4, 32), dev)?.to_dtype(DType::F16)?;
     let out = mha.forward_with(&x, &weights, None)?;
     assert!(values(&out.output)?.iter().all(|v| v.is_nan()));
     Ok(())
@@ -427,7 +427,7 @@ fn alibi_far_from_its_keys(dev: &Device) -> anyhow::Result<()> {
     };
     for dtype in DTYPES {
         let (mha, _) = zoo::attention(&config, &attn, dtype, dev)?;
-        let x = Tensor::randn(0f32, 1.0, (1, 2, 64), dev)?.to_dtype(dtype)?;
+        let x = common::randn(0f32, 1.0, (1, 2, 64), dev)?.to_dtype(dtype)?;
         let out = mha.forward_with(&x, &opts, None);
         if dtype == DType::F16 {
             refused(
@@ -687,7 +687,7 @@ fn every_constructor(vb: &VarBuilder) -> Vec<(String, candle_posenc::Result<()>)
 fn one_dtype_rule_for_every_var_builder(dev: &Device) -> anyhow::Result<()> {
     for dtype in [DType::U8, DType::U32, DType::I64, DType::F8E4M3] {
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+        let vb = common::seeded_vb(&varmap, dtype, dev);
         for (name, result) in every_constructor(&vb) {
             match result {
                 Err(Error::DType { what, got, .. }) => {
@@ -705,7 +705,7 @@ fn one_dtype_rule_for_every_var_builder(dev: &Device) -> anyhow::Result<()> {
     // Every float builder builds them all.
     for dtype in DTYPES {
         let varmap = VarMap::new();
-        for (name, result) in every_constructor(&VarBuilder::from_varmap(&varmap, dtype, dev)) {
+        for (name, result) in every_constructor(&common::seeded_vb(&varmap, dtype, dev)) {
             result.map_err(|e| anyhow::anyhow!("{name} in {dtype:?}: {e}"))?;
         }
     }
@@ -713,7 +713,7 @@ fn one_dtype_rule_for_every_var_builder(dev: &Device) -> anyhow::Result<()> {
     // builder: refused by the constructor that reads it, naming the tensor (not the builder);
     // every other constructor builds.
     let varmap = VarMap::new();
-    for (name, result) in every_constructor(&VarBuilder::from_varmap(&varmap, DType::F32, dev)) {
+    for (name, result) in every_constructor(&common::seeded_vb(&varmap, DType::F32, dev)) {
         result.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     }
     let shapes: Vec<(String, Vec<usize>)> = zoo::named_tensors(&varmap)?
@@ -724,7 +724,7 @@ fn one_dtype_rule_for_every_var_builder(dev: &Device) -> anyhow::Result<()> {
     for (path, shape) in shapes {
         let varmap = VarMap::new();
         varmap.get(shape.as_slice(), &path, Init::Const(1.0), DType::U32, dev)?;
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, dev);
         let mut refusals = 0;
         for (name, result) in every_constructor(&vb) {
             match result {
@@ -746,7 +746,7 @@ fn one_dtype_rule_for_every_var_builder(dev: &Device) -> anyhow::Result<()> {
     let want = cfg.initial_freqs();
     for dtype in DTYPES {
         let varmap = VarMap::new();
-        let rope = RopeMixed::new(&cfg, VarBuilder::from_varmap(&varmap, dtype, dev))?;
+        let rope = RopeMixed::new(&cfg, common::seeded_vb(&varmap, dtype, dev))?;
         let got = values(rope.freqs())?;
         let tol = match dtype {
             DType::BF16 => 1e-2,
@@ -804,14 +804,14 @@ fn one_check_for_the_input_hook(dev: &Device) -> anyhow::Result<()> {
             let what = format!("{label}, {dtype:?} model");
             let enc: Arc<dyn PositionalEncoding> = Arc::new(InputAnswer(answer.0));
             let varmap = VarMap::new();
-            let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+            let vb = common::seeded_vb(&varmap, dtype, dev);
             let embed = Embeddings::new(
                 &EmbeddingsConfig::new(8, d),
                 Some(enc.clone()),
                 vb.pp("wte"),
             )?;
             let mha = MultiHeadAttention::new(&AttentionConfig::new(d, 2), Some(enc), vb.pp("a"))?;
-            let x = Tensor::randn(0f32, 1.0, (1, 3, d), dev)?.to_dtype(dtype)?;
+            let x = common::randn(0f32, 1.0, (1, 3, d), dev)?.to_dtype(dtype)?;
             let from_embeddings = embed
                 .forward_with(&tokens, &Positions::Offset(0), false)
                 .unwrap_err();
@@ -834,7 +834,7 @@ fn one_check_for_the_input_hook(dev: &Device) -> anyhow::Result<()> {
         // An answer that fits (the input plus one) is the output of the input layer.
         let plus_one: Arc<dyn PositionalEncoding> = Arc::new(InputAnswer(|x| x + 1.0));
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+        let vb = common::seeded_vb(&varmap, dtype, dev);
         let embed = Embeddings::new(&EmbeddingsConfig::new(8, d), Some(plus_one), vb.pp("wte"))?;
         let got = embed.forward_with(&tokens, &Positions::Offset(0), false)?;
         let want = (embed.weight().index_select(&tokens.flatten_all()?, 0)? + 1.0)?.unsqueeze(0)?;

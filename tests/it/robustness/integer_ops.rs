@@ -26,7 +26,7 @@ fn ids(dtype: DType, dev: &Device) -> anyhow::Result<Tensor> {
 fn ids_and_padding_of_every_dtype(dev: &Device) -> anyhow::Result<()> {
     let cpu = Device::Cpu;
     let (d_model, heads) = (32, 4);
-    let x = Tensor::randn(0f32, 1.0, (2, 5, d_model), &cpu)?;
+    let x = common::randn(0f32, 1.0, (2, 5, d_model), &cpu)?;
     let shapes = [
         AttentionConfig::new(d_model, heads)
             .with_kv_heads(2)
@@ -92,7 +92,7 @@ fn ids_and_padding_of_every_dtype(dev: &Device) -> anyhow::Result<()> {
 fn cache_with_ids_of_every_dtype(dev: &Device) -> anyhow::Result<()> {
     let (d_model, heads) = (32, 4);
     let attn = AttentionConfig::new(d_model, heads).with_causal(true);
-    let x = Tensor::randn(0f32, 1.0, (2, 5, d_model), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 5, d_model), dev)?;
     for (i, config) in common::zoo::configs(d_model, heads, 8).iter().enumerate() {
         let (mha, _) = common::zoo::attention(config, &attn, DType::F32, dev)?;
         for id_dtype in [DType::U8, DType::U32, DType::I64] {
@@ -219,7 +219,7 @@ fn padding_of_other_integer_dtypes_is_refused(dev: &Device) -> anyhow::Result<()
 /// rows.
 fn token_ids_are_checked_on_every_device(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::BF16, &Device::Cpu);
+    let vb = common::seeded_vb(&varmap, DType::BF16, &Device::Cpu);
     let config = EmbeddingsConfig::new(10, 8);
     let on_cpu = Embeddings::new(&config, None, vb)?;
     let table = on_cpu.weight().clone();

@@ -1,6 +1,8 @@
 //! Memory follows what a KV cache holds: storage grows with the tokens held (doubling), whatever
 //! capacity a streaming window or a hint names, and never past the budget.
 
+use crate::common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::limits::BudgetScope;
@@ -11,7 +13,7 @@ use candle_posenc::{
 /// A causal RoPE block with 8 KV heads of 16 features.
 fn block(dev: &Device) -> anyhow::Result<MultiHeadAttention> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let rope = RotaryEmbedding::new(&RopeConfig::new(16), dev)?;
     Ok(MultiHeadAttention::new(
         &AttentionConfig::new(128, 8).with_causal(true),
@@ -26,7 +28,7 @@ fn block(dev: &Device) -> anyhow::Result<MultiHeadAttention> {
 fn streaming_storage_follows_the_tokens_held(dev: &Device) -> anyhow::Result<()> {
     let mha = block(dev)?;
     let opts = AttentionOptions::default();
-    let token = Tensor::randn(0f32, 1.0, (1, 1, 128), dev)?;
+    let token = common::randn(0f32, 1.0, (1, 1, 128), dev)?;
     for (sinks, window) in [(4, 1 << 20), (usize::MAX, 4), (4, usize::MAX), (0, 1 << 30)] {
         let mut cache = KvCache::streaming(sinks, window);
         assert_eq!(
@@ -46,7 +48,7 @@ fn streaming_storage_follows_the_tokens_held(dev: &Device) -> anyhow::Result<()>
     }
     // 2 sinks and a window of 600: a chunk of 700 tokens, then single tokens past the window.
     let mut cache = KvCache::streaming(2, 600);
-    let chunk = Tensor::randn(0f32, 1.0, (1, 700, 128), dev)?;
+    let chunk = common::randn(0f32, 1.0, (1, 700, 128), dev)?;
     mha.forward_with(&chunk, &opts, Some(&mut cache))?;
     for _ in 0..5 {
         mha.forward_with(&token, &opts, Some(&mut cache))?;
@@ -68,7 +70,7 @@ fn capacity_hints_stay_within_the_budget(dev: &Device) -> anyhow::Result<()> {
     let opts = AttentionOptions::default();
     let _budget = BudgetScope::new(1 << 16);
     let mut cache = KvCache::with_capacity(1_000_000_000_000);
-    let token = Tensor::randn(0f32, 1.0, (1, 1, 128), dev)?;
+    let token = common::randn(0f32, 1.0, (1, 1, 128), dev)?;
     mha.forward_with(&token, &opts, Some(&mut cache))?;
     assert_eq!(cache.capacity(), 512);
     Ok(())
@@ -95,11 +97,7 @@ fn kept_buffers_stay_bounded_and_release() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let varmap = VarMap::new();
     let cfg = AttentionConfig::new(128, 8).with_causal(true);
-    MultiHeadAttention::new(
-        &cfg,
-        None,
-        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
-    )?;
+    MultiHeadAttention::new(&cfg, None, common::seeded_vb(&varmap, DType::F32, &dev))?;
     let plain: std::collections::HashMap<String, Tensor> = varmap
         .data()
         .lock()
@@ -114,7 +112,7 @@ fn kept_buffers_stay_bounded_and_release() -> anyhow::Result<()> {
     )?;
     release_kept();
     assert_eq!(kept_bytes(), 0);
-    let x = Tensor::randn(0f32, 1.0, (2, 300, 128), &dev)?;
+    let x = common::randn(0f32, 1.0, (2, 300, 128), &dev)?;
     let first = mha.forward(&x)?;
     // q, k, v and the attention output at least (2 × 300 × 128 f32 each).
     let held = kept_bytes();
@@ -122,7 +120,7 @@ fn kept_buffers_stay_bounded_and_release() -> anyhow::Result<()> {
     // Calls of other sizes leave the total under the bound (`cpu::workspace`'s unit test
     // covers the cap itself).
     for t in [1000, 7, 2000] {
-        mha.forward(&Tensor::randn(0f32, 1.0, (2, t, 128), &dev)?)?;
+        mha.forward(&common::randn(0f32, 1.0, (2, t, 128), &dev)?)?;
         assert!(
             kept_bytes() <= KEPT_BYTES_MAX,
             "{} bytes kept",

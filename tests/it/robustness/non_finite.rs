@@ -21,7 +21,7 @@ fn non_finite(t: &Tensor) -> anyhow::Result<usize> {
 
 fn poisoned_input(value: f32) -> anyhow::Result<Tensor> {
     // Batch 2, 5 tokens, d_model 8; token 2 of sequence 0 holds `value` in feature 3.
-    let x = Tensor::randn(0f32, 1.0, (2, 5, 8), &Device::Cpu)?;
+    let x = common::randn(0f32, 1.0, (2, 5, 8), &Device::Cpu)?;
     let mut v = x.flatten_all()?.to_vec1::<f32>()?;
     v[2 * 8 + 3] = value;
     Ok(Tensor::from_vec(v, (2, 5, 8), &Device::Cpu)?)
@@ -100,7 +100,7 @@ fn non_finite_values_in_masks_and_encodings_propagate() -> anyhow::Result<()> {
         DType::F32,
         &dev,
     )?;
-    let x = Tensor::randn(0f32, 1.0, (1, 4, 8), &dev)?;
+    let x = common::randn(0f32, 1.0, (1, 4, 8), &dev)?;
     // A NaN in the additive mask at (query 1, key 3) makes query 1's row NaN, on both paths.
     let mut m = vec![0f32; 16];
     m[4 + 3] = f32::NAN;
@@ -182,7 +182,7 @@ fn wide_masks_saturate_when_cast() -> anyhow::Result<()> {
             dtype,
             &dev,
         )?;
-        let x = Tensor::randn(0f32, 1.0, (1, 4, 8), &dev)?.to_dtype(dtype)?;
+        let x = common::randn(0f32, 1.0, (1, 4, 8), &dev)?.to_dtype(dtype)?;
         let run = |mask: &Tensor| -> anyhow::Result<Tensor> {
             let o = AttentionOptions {
                 attn_mask: Some(mask),

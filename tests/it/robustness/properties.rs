@@ -16,7 +16,6 @@
 use crate::common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
 use candle_posenc::{
     Alibi, AlibiConfig, AlibiMode, AttentionConfig, AttentionContext, AttentionOptions,
     ClippedBiasConfig, ClippedRelativeBias, KvCache, PositionIds, PositionalEncoding, Positions,
@@ -82,7 +81,7 @@ fn attn_config(s: &Shapes) -> AttentionConfig {
 }
 
 fn input(s: &Shapes, len: usize, dtype: DType) -> anyhow::Result<Tensor> {
-    Ok(Tensor::randn(0f32, 1.0, (s.batch, len, s.d_model), &Device::Cpu)?.to_dtype(dtype)?)
+    Ok(common::randn(0f32, 1.0, (s.batch, len, s.d_model), &Device::Cpu)?.to_dtype(dtype)?)
 }
 
 /// Chunk lengths: a random split of `len` into 1 to 4 pieces (single tokens included).
@@ -236,8 +235,8 @@ fn rope_case(
 ) -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let rope = RotaryEmbedding::new(config, &dev)?;
-    let q = Tensor::randn(0f32, 1.0, (1, heads, 1, config.head_dim), &dev)?;
-    let k = Tensor::randn(0f32, 1.0, (1, heads, 1, config.head_dim), &dev)?;
+    let q = common::randn(0f32, 1.0, (1, heads, 1, config.head_dim), &dev)?;
+    let k = common::randn(0f32, 1.0, (1, heads, 1, config.head_dim), &dev)?;
     let dot = |m: usize, n: usize| -> anyhow::Result<Vec<f32>> {
         let (rq, rk) = rope.rotate_queries_keys(
             &q,
@@ -290,7 +289,7 @@ fn bias_encodings(
 ) -> anyhow::Result<Vec<(String, Box<dyn PositionalEncoding>)>> {
     let dev = Device::Cpu;
     let varmap = candle_nn::VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, &dev);
     let mut out: Vec<(String, Box<dyn PositionalEncoding>)> = Vec::new();
     for mode in [
         AlibiMode::Causal,
@@ -323,8 +322,8 @@ fn bias_encodings(
             vb.pp("shaw"),
         )?),
     ));
-    for var in varmap.all_vars() {
-        var.set(&Tensor::randn(0f32, 1.0, var.shape(), &dev)?)?;
+    for var in common::sorted_vars(&varmap) {
+        var.set(&common::randn(0f32, 1.0, var.shape(), &dev)?)?;
     }
     Ok(out)
 }
@@ -340,7 +339,7 @@ fn bias_case(
     let dev = Device::Cpu;
     let head_dim = 4;
     // The same query vector at every row, so Shaw's q-dependent bias is comparable across rows.
-    let q = Tensor::randn(0f32, 1.0, (1, heads, 1, head_dim), &dev)?.repeat((1, 1, tq, 1))?;
+    let q = common::randn(0f32, 1.0, (1, heads, 1, head_dim), &dev)?.repeat((1, 1, tq, 1))?;
     let ids = |s: usize, n: usize| -> anyhow::Result<Positions> {
         Ok(Positions::Ids(PositionIds::from_rows(
             &[(s as u32..(s + n) as u32).collect()],
@@ -397,7 +396,7 @@ fn bias_case(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(24))]
 
     /// KV-cache decoding in random chunks equals the full forward pass, for every encoding.
     #[test]
@@ -418,7 +417,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(64))]
 
     /// Rotations preserve norms and make `q·k` a function of `m − n`.
     #[test]

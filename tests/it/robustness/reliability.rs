@@ -71,7 +71,7 @@ fn position_ids_past_u32(dev: &Device) -> anyhow::Result<()> {
 /// answer); masks are checked on empty chunks too.
 fn masks_of_the_wrong_kind(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4), None, vb)?;
     // T = 0 where the device holds empty tensors (common::holds_empty).
     for t in [3usize, 0]
@@ -116,7 +116,7 @@ fn masks_of_the_wrong_kind(dev: &Device) -> anyhow::Result<()> {
 fn one_dtype_rule_for_every_table(dev: &Device) -> anyhow::Result<()> {
     for dtype in [DType::U8, DType::U32, DType::I64, DType::F8E4M3] {
         let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, dtype, dev);
+        let vb = common::seeded_vb(&varmap, dtype, dev);
         let results = [
             (
                 "attention",
@@ -338,7 +338,7 @@ fn softmax_scales_that_overflow_are_refused(dev: &Device) -> anyhow::Result<()> 
     // fuzz target: moderate input overflowed f16's logits) is refused, the default scale of
     // the same width and the same scale over 64 features are not.
     let varmap = VarMap::new();
-    let half = VarBuilder::from_varmap(&varmap, DType::F16, dev);
+    let half = common::seeded_vb(&varmap, DType::F16, dev);
     let wide = AttentionConfig::new(13, 1).with_head_dim(65536);
     assert!(matches!(
         MultiHeadAttention::new(&wide.clone().with_softmax_scale(1.69), None, half.pp("a")),
@@ -472,10 +472,10 @@ fn hooks_may_answer_strided_views(dev: &Device) -> anyhow::Result<()> {
     // No grouped heads: the keys reach the products as the hook gave them.
     let cfg = AttentionConfig::new(16, 4).with_causal(true);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let plain = MultiHeadAttention::new(&cfg, None, vb.clone())?;
     let strided = MultiHeadAttention::new(&cfg, Some(std::sync::Arc::new(StridedAnswers)), vb)?;
-    let x = Tensor::randn(0f32, 1.0, (2, 5, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 5, 16), dev)?;
     for (weights, train) in [(false, false), (true, false), (false, true)] {
         let o = AttentionOptions {
             return_weights: weights,
@@ -549,7 +549,7 @@ fn empty_batches_of_huge_chunks(dev: &Device) -> anyhow::Result<()> {
     };
     let huge = candle_posenc::limits::max_elements() + 1;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let mha = MultiHeadAttention::new(&AttentionConfig::new(16, 4).with_causal(true), None, vb)?;
     let weights = AttentionOptions {
         return_weights: true,
@@ -651,7 +651,7 @@ fn half_precision_rotations_stay_in_range(dev: &Device) -> anyhow::Result<()> {
     // The fuzz target's case as a block: f16, xPos γ = 16, decoding 35 tokens at a time through
     // a cache. Every chunk either gives finite output or is refused, with the cache unchanged.
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F16, dev);
+    let vb = common::seeded_vb(&varmap, DType::F16, dev);
     let rope = std::sync::Arc::new(RotaryEmbedding::new(
         &RopeConfig::new(4).with_xpos(16.0),
         dev,
@@ -743,7 +743,7 @@ fn inputs_in_any_layout(dev: &Device) -> anyhow::Result<()> {
                 continue;
             }
             let (_, varmap) = zoo::attention(config, block, DType::F32, dev)?;
-            let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+            let vb = common::seeded_vb(&varmap, DType::F32, dev);
             let tracked =
                 MultiHeadAttention::new(block, config.build(vb.pp("enc"))?, vb.pp("attn"))?;
             for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
@@ -753,7 +753,7 @@ fn inputs_in_any_layout(dev: &Device) -> anyhow::Result<()> {
                     blocks.push(("tracked", &tracked));
                 }
                 for (b, t) in [(2, 5), (3, 1)] {
-                    let x = Tensor::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(dtype)?;
+                    let x = common::randn(0f32, 1.0, (b, t, d_model), dev)?.to_dtype(dtype)?;
                     for (layout, view) in layouts_of(&x)? {
                         let copy = view.contiguous()?;
                         for (kind, mha) in &blocks {
@@ -878,7 +878,7 @@ fn streaming_cache_refuses_input_encodings(dev: &Device) -> anyhow::Result<()> {
     {
         let (mha, _vars) = zoo::attention(config, &attn, DType::F32, dev)?;
         let mut cache = KvCache::streaming(1, 2);
-        let x = Tensor::randn(0f32, 1.0, (1, 1, d_model), dev)?;
+        let x = common::randn(0f32, 1.0, (1, 1, d_model), dev)?;
         let what = zoo::label(i, config);
         let input = matches!(
             config,
@@ -912,11 +912,11 @@ fn value_terms_need_full_width_values(dev: &Device) -> anyhow::Result<()> {
     let latent = AttentionConfig::new(32, 4)
         .with_causal(true)
         .with_latent(Some(LatentConfig::new(Some(12), 10, 4, 6)));
-    let x = Tensor::randn(0f32, 1.0, (2, 5, 32), dev)?;
+    let x = common::randn(0f32, 1.0, (2, 5, 32), dev)?;
     for values in [true, false] {
         let shaw = EncodingConfig::Shaw(ShawConfig::new(8, 2).with_values(values));
         let (frozen, varmap) = zoo::attention(&shaw, &latent, DType::F32, dev)?;
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let vb = common::seeded_vb(&varmap, DType::F32, dev);
         let tracked = MultiHeadAttention::new(&latent, shaw.build(vb.pp("enc"))?, vb.pp("attn"))?;
         for (train, return_weights) in [(false, false), (false, true), (true, false)] {
             let opts = AttentionOptions {

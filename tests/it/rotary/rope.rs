@@ -402,8 +402,8 @@ fn fused_gradients(dev: &Device) -> anyhow::Result<()> {
 
     // Central finite differences in f64 on a small input, loss = sum(w · rope(x)²) (non-linear).
     let rope = RotaryEmbedding::new(&RopeConfig::new(8).with_xpos(8.0), dev)?;
-    let x0 = Tensor::randn(0f64, 1.0, (1, 2, 3, 8), dev)?;
-    let wx = Tensor::randn(0f64, 1.0, (1, 2, 3, 8), dev)?;
+    let x0 = common::randn(0f64, 1.0, (1, 2, 3, 8), dev)?;
+    let wx = common::randn(0f64, 1.0, (1, 2, 3, 8), dev)?;
     let loss = |x: &Tensor| -> anyhow::Result<Tensor> {
         let y = rope.rotate_queries(x, &Positions::Offset(7), QkLayout::Bhtd)?;
         Ok((y.sqr()? * &wx)?.sum_all()?)
@@ -475,14 +475,14 @@ fn properties(dev: &Device) -> anyhow::Result<()> {
             &RopeConfig::new(32).with_layout(layout).with_rotary_dim(24),
             dev,
         )?;
-        let x = Tensor::randn(0f32, 1.0, (2, 3, 48, 32), dev)?;
+        let x = common::randn(0f32, 1.0, (2, 3, 48, 32), dev)?;
         let y = rope.forward(&x)?;
         let norms = |t: &Tensor| -> anyhow::Result<Tensor> { Ok(t.sqr()?.sum(D::Minus1)?.sqrt()?) };
         assert_close(&norms(&y)?, &norms(&x)?, 1e-5, &format!("{layout:?} norms"))?;
 
         // The same q and k vector at every position.
-        let q = Tensor::randn(0f32, 1.0, (1, 1, 1, 32), dev)?.repeat((1, 1, 48, 1))?;
-        let k = Tensor::randn(0f32, 1.0, (1, 1, 1, 32), dev)?.repeat((1, 1, 48, 1))?;
+        let q = common::randn(0f32, 1.0, (1, 1, 1, 32), dev)?.repeat((1, 1, 48, 1))?;
+        let k = common::randn(0f32, 1.0, (1, 1, 1, 32), dev)?.repeat((1, 1, 48, 1))?;
         let p = Positions::Offset(0);
         let (qr, kr) = rope.rotate_queries_keys(&q, &k, &p, &p, QkLayout::Bhtd)?;
         let dots: Vec<Vec<f32>> = qr.matmul(&kr.t()?)?.squeeze(0)?.squeeze(0)?.to_vec2()?;
@@ -506,8 +506,8 @@ fn properties(dev: &Device) -> anyhow::Result<()> {
 /// xPos rotary embeddings; explicit ids equal to the offsets give the same result.
 fn decode_with_cache_equals_full_forward(dev: &Device) -> anyhow::Result<()> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-    let x = Tensor::randn(0f32, 1.0, (2, 10, 32), dev)?;
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
+    let x = common::randn(0f32, 1.0, (2, 10, 32), dev)?;
     let cfg = AttentionConfig::new(32, 4)
         .with_kv_heads(2)
         .with_causal(true);
@@ -596,8 +596,8 @@ fn dynamic_rows_from_the_first_position(dev: &Device) -> anyhow::Result<()> {
             (9, 2, 0, 11),
             (40, 1, 12, 29),
         ] {
-            let q = Tensor::randn(0f32, 1.0, (1, 2, len, 8), dev)?;
-            let k = Tensor::randn(0f32, 1.0, (1, 2, k_len, 8), dev)?;
+            let q = common::randn(0f32, 1.0, (1, 2, len, 8), dev)?;
+            let k = common::randn(0f32, 1.0, (1, 2, k_len, 8), dev)?;
             let (qo, ko) = (Positions::Offset(start), Positions::Offset(k_start));
             let (qi, ki) = (as_ids(start, len)?, as_ids(k_start, k_len)?);
             let what = format!("{config:?} at {start}+{len}, keys {k_start}+{k_len}");
@@ -629,7 +629,7 @@ fn dynamic_rows_from_the_first_position(dev: &Device) -> anyhow::Result<()> {
 fn table_cache(dev: &Device) -> anyhow::Result<()> {
     let rope = RotaryEmbedding::new(&RopeConfig::new(8).with_max_position(4), dev)?;
     assert_eq!(rope.table_builds(), 1);
-    let x = Tensor::randn(0f32, 1.0, (1, 1, 3, 8), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 1, 3, 8), dev)?;
     for _ in 0..3 {
         rope.forward(&x)?;
     }
@@ -1168,8 +1168,8 @@ fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
             for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
                 for (pos_q, pos_k) in [(&Positions::Offset(4), &Positions::Offset(0)), (&ids, &ids)]
                 {
-                    let q = Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?;
-                    let k = Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?;
+                    let q = common::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?;
+                    let k = common::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?;
                     let (qe, ke) = rope.rotate_queries_keys(&q, &k, pos_q, pos_k, layout)?;
                     let (qo, ko) =
                         rope.rotate_queries_keys_owned(q.copy()?, k.copy()?, pos_q, pos_k, layout)?;
@@ -1199,7 +1199,7 @@ fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
     }
     // q and k sharing one storage: each is rotated once.
     let rope16 = RotaryEmbedding::new(&RopeConfig::new(16), dev)?;
-    let x = Tensor::randn(0f32, 1.0, (1, 2, 3, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (1, 2, 3, 16), dev)?;
     let (expect, _) = rope16.rotate_queries_keys(
         &x,
         &x,
@@ -1219,7 +1219,7 @@ fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
     assert_close(&ks, &expect, 1e-6, "shared k")?;
     // In a graph: falls back to the differentiable fused path.
     let rope = RotaryEmbedding::new(&RopeConfig::new(8), dev)?;
-    let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 3, 8), dev)?)?;
+    let q = Var::from_tensor(&common::randn(0f32, 1.0, (1, 2, 3, 8), dev)?)?;
     let (qr, _) = rope.rotate_queries_keys_owned(
         q.as_tensor().clone(),
         q.as_tensor().clone(),
@@ -1233,7 +1233,7 @@ fn owned_rotation_matches(dev: &Device) -> anyhow::Result<()> {
         "gradient through the owned path"
     );
     // Not contiguous: falls back, same values.
-    let x = Tensor::randn(0f32, 1.0, (1, 3, 2, 8), dev)?.transpose(1, 2)?;
+    let x = common::randn(0f32, 1.0, (1, 3, 2, 8), dev)?.transpose(1, 2)?;
     let (a, _) = rope.rotate_queries_keys(
         &x,
         &x,
@@ -1406,7 +1406,7 @@ fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
     let equal = Positions::Ids(PositionIds::multimodal(
         &text.unsqueeze(0)?.repeat((3, 1, 1))?,
     )?);
-    let q = Tensor::randn(0f32, 1.0, (1, 2, 8, 32), dev)?;
+    let q = common::randn(0f32, 1.0, (1, 2, 8, 32), dev)?;
     let a = rope.rotate_queries(&q, &equal, QkLayout::Bhtd)?;
     let b = rope.rotate_queries(&q, &Positions::offset(4), QkLayout::Bhtd)?;
     assert_close(&a, &b, 1e-6, "text axes")?;
@@ -1415,10 +1415,10 @@ fn mrope_matches_hf(dev: &Device) -> anyhow::Result<()> {
     let cfg = cfg.with_kernel(RopeKernel::Fused);
     let attn = AttentionConfig::new(128, 4).with_causal(true);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let block =
         MultiHeadAttention::new(&attn, Some(Arc::new(RotaryEmbedding::new(&cfg, dev)?)), vb)?;
-    let x = Tensor::randn(0f32, 1.0, (1, t + 1, 128), dev)?;
+    let x = common::randn(0f32, 1.0, (1, t + 1, 128), dev)?;
     let mut cache = KvCache::new();
     let opts = AttentionOptions {
         positions: Some(&positions),
@@ -1467,12 +1467,12 @@ fn adjoint_is_the_transpose(dev: &Device) -> anyhow::Result<()> {
     let check = |rope: &RotaryEmbedding, positions: &Positions, t: usize| -> anyhow::Result<()> {
         let d = rope.config().head_dim;
         let (q, k) = (
-            Tensor::randn(0f32, 1.0, (1, 4, t, d), dev)?,
-            Tensor::randn(0f32, 1.0, (1, 2, t, d), dev)?,
+            common::randn(0f32, 1.0, (1, 4, t, d), dev)?,
+            common::randn(0f32, 1.0, (1, 2, t, d), dev)?,
         );
         let (gq, gk) = (
-            Tensor::randn(0f32, 1.0, q.shape(), dev)?,
-            Tensor::randn(0f32, 1.0, k.shape(), dev)?,
+            common::randn(0f32, 1.0, q.shape(), dev)?,
+            common::randn(0f32, 1.0, k.shape(), dev)?,
         );
         let ctx = AttentionContext::chunk(positions, t);
         let (rq, rk) = rope.rotate(q.copy()?, k.copy()?, &ctx)?;
@@ -1599,7 +1599,7 @@ fn rope_mixed_matches_timm(dev: &Device) -> anyhow::Result<()> {
     let positions = Positions::Ids(PositionIds::multimodal(&axes)?);
     // Trained through a VarMap: set to timm's frequencies, then differentiated.
     let varmap = VarMap::new();
-    let rope = RopeMixed::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
+    let rope = RopeMixed::new(&cfg, common::seeded_vb(&varmap, DType::F32, dev))?;
     let initial = Tensor::from_vec(cfg.initial_freqs(), (2, 2, 4), dev)?;
     assert_close(
         rope.freqs(),
@@ -1639,9 +1639,9 @@ fn rope_mixed_matches_timm(dev: &Device) -> anyhow::Result<()> {
     assert_eq!(EncodingConfig::from_metadata(&meta, "test")?, encoding);
     let attn_cfg = AttentionConfig::new(16, 2);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+    let vb = common::seeded_vb(&varmap, DType::F32, dev);
     let block = MultiHeadAttention::new(&attn_cfg, encoding.build(vb.pp("rope"))?, vb.pp("attn"))?;
-    let x = Tensor::randn(0f32, 1.0, (1, n, 16), dev)?;
+    let x = common::randn(0f32, 1.0, (1, n, 16), dev)?;
     let opts = AttentionOptions {
         positions: Some(&positions),
         ..Default::default()
