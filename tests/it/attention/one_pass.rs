@@ -170,14 +170,22 @@ fn kept_buffers_never_leak_into_a_call() -> anyhow::Result<()> {
     let x = common::randn(0f32, 1.0, (2, 5, 32), &dev)?;
     assert_same("padded whole", (&blocks[1].0, &blocks[1].1), &x, &options)?;
     // Four threads, each its own shapes, at once.
+    // Each thread's inputs drawn here, on the test's thread (threads it starts may not draw).
+    let inputs = (0..4)
+        .map(|i| {
+            (0..5)
+                .map(|round| common::randn(0f32, 1.0, (2, 5 + 7 * i + round, 32), &dev))
+                .collect::<candle_core::Result<Vec<_>>>()
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
             .map(|i| {
                 let (pass, pipeline) = &blocks[i % blocks.len()];
+                let inputs = &inputs[i];
                 s.spawn(move || -> anyhow::Result<()> {
-                    for round in 0..5 {
-                        let t = 5 + 7 * i + round;
-                        let x = common::randn(0f32, 1.0, (2, t, 32), &Device::Cpu)?;
+                    for (round, x) in inputs.iter().enumerate() {
+                        let x = x.clone();
                         let want = pipeline.forward(&x)?;
                         let got = pass.forward(&x)?;
                         let diff = max_abs_diff(&got, &want)?;
@@ -403,12 +411,13 @@ fn kept_buffers_under_rayon_and_training() -> anyhow::Result<()> {
         .with_causal(true)
         .with_sinks(true);
     let (pass, pipeline) = plain_block(&cfg, Some(rope(8)?))?;
-    let results: Vec<anyhow::Result<f64>> = (0..16usize)
+    // The inputs drawn on the test's thread, the calls made from the pool's.
+    let inputs = (0..16usize)
+        .map(|i| common::randn(0f32, 1.0, (2, 20 + 13 * i, 32), &dev))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let results: Vec<anyhow::Result<f64>> = inputs
         .into_par_iter()
-        .map(|i| {
-            let x = common::randn(0f32, 1.0, (2, 20 + 13 * i, 32), &Device::Cpu)?;
-            max_abs_diff(&pass.forward(&x)?, &pipeline.forward(&x)?)
-        })
+        .map(|x| max_abs_diff(&pass.forward(&x)?, &pipeline.forward(&x)?))
         .collect();
     for (i, diff) in results.into_iter().enumerate() {
         let diff = diff?;

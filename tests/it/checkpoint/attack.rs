@@ -4,6 +4,8 @@
 //! Every case must end in a typed error (never a panic), and a failed load must leave nothing
 //! half-loaded.
 
+use crate::common;
+
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -548,7 +550,7 @@ fn corrupted_json() -> impl Strategy<Value = String> {
 
 proptest! {
     // Bounded for CI: 256 corrupted files, 256 corrupted configs.
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(256))]
 
     /// Corrupted bytes never panic: the load fails with `Error::Checkpoint`, or it succeeds and
     /// using the checkpoint either works or fails with a typed error.

@@ -5,7 +5,8 @@
 //! twenty-five of the suite). Every random tensor and every fresh variable of a test comes
 //! from here instead: a SplitMix64 stream per thread, seeded from the thread's name (the test
 //! harness names each test's thread after the test), so a test draws the same values whatever
-//! runs beside it, and a failure seen once is seen again.
+//! runs beside it, and a failure seen once is seen again. Threads a test starts have no name
+//! and may not draw: the test draws for them.
 //!
 //! ```text
 //! state += 0x9E37_79B9_7F4A_7C15;  z = mix(state)            SplitMix64 (Steele et al., 2014)
@@ -24,8 +25,16 @@ thread_local! {
 }
 
 /// The thread's name hashed (FNV-1a): each test's own seed.
+///
+/// # Panics
+/// On a thread without a name (rayon's, or one a test spawned): what such a thread draws
+/// depends on which of them runs first, so a test draws its data on its own thread and hands
+/// it to the others.
 fn thread_seed() -> u64 {
-    let name = std::thread::current().name().unwrap_or("").to_string();
+    let thread = std::thread::current();
+    let name = thread
+        .name()
+        .expect("test data drawn on an unnamed thread: draw it on the test's own thread");
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
@@ -120,11 +129,14 @@ impl SimpleBackend for Seeded {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        if dtype.is_float() && !self.0.contains_tensor(name) {
-            let var = Var::from_tensor(&initial(&shape, init, dtype, dev)?)?;
-            self.0.data().lock().unwrap().insert(name.to_string(), var);
+        if dtype.is_float() {
+            let mut data = self.0.data().lock().unwrap();
+            if !data.contains_key(name) {
+                let var = Var::from_tensor(&initial(&shape, init, dtype, dev)?)?;
+                data.insert(name.to_string(), var);
+            }
         }
-        // The map's own checks (shape, dtype) and, for other dtypes, its own init.
+        // The map's own shape check and, for other dtypes, its own init.
         self.0.get(shape, name, init, dtype, dev)
     }
 
