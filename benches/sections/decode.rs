@@ -20,15 +20,14 @@ fn lens(bench: &Bench) -> &'static [usize] {
 /// `--only decode`: one decoding step (one query) against a cache of L keys; time should grow
 /// as O(L).
 pub(crate) fn steps(bench: &Bench) -> Result<()> {
-    let Bench {
-        heads,
-        head_dim,
-        d_model,
-        runs,
-        json,
-        ref dev,
-        ..
-    } = *bench;
+    let (heads, head_dim, d_model, runs, json) = (
+        bench.heads,
+        bench.head_dim,
+        bench.d_model,
+        bench.runs,
+        bench.json,
+    );
+    let dev = &bench.dev;
     println!(
         "\none decoding step, B1 H{heads} D{head_dim}, cache of L keys (ratio: vs the previous L):"
     );
@@ -67,12 +66,7 @@ pub(crate) fn steps(bench: &Bench) -> Result<()> {
 /// A decoding step in half precision against the same step in f32, paired: the cache is read
 /// in its dtype (half the bytes) and widened a key tile at a time.
 pub(crate) fn half_steps(bench: &Bench) -> Result<()> {
-    let Bench {
-        heads,
-        head_dim,
-        d_model,
-        ..
-    } = *bench;
+    let (heads, head_dim, d_model) = (bench.heads, bench.head_dim, bench.d_model);
     println!("\none decoding step in half precision, B1 H{heads} D{head_dim}, against f32:");
     println!(
         "{:<18} {:>8} {:>6} {:>12} {:>12} {:>10}",
@@ -103,13 +97,8 @@ fn half_step_row(
     dtype: candle_core::DType,
     len: usize,
 ) -> Result<()> {
-    let Bench {
-        d_model,
-        runs,
-        json,
-        ref dev,
-        ..
-    } = *bench;
+    let (d_model, runs, json) = (bench.d_model, bench.runs, bench.json);
+    let dev = &bench.dev;
     let prefix = Tensor::randn(0f32, 1.0, (1, len, d_model), dev)?;
     let token = Tensor::randn(0f32, 1.0, (1, 1, d_model), dev)?;
     let (prefix_h, token_h) = (prefix.to_dtype(dtype)?, token.to_dtype(dtype)?);

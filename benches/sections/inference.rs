@@ -16,15 +16,8 @@ use crate::{common, json_line, Bench};
 /// (both see the same machine state; the ratio is of the two medians), and alone in a fresh
 /// process as a user's runs it (the figure to publish; on the CPU at B2, the child's shape).
 pub(crate) fn encodings(bench: &Bench) -> Result<()> {
-    let Bench {
-        b,
-        heads,
-        head_dim,
-        t,
-        runs,
-        ref dev,
-        ..
-    } = *bench;
+    let (b, heads, head_dim, t, runs) = (bench.b, bench.heads, bench.head_dim, bench.t, bench.runs);
+    let dev = &bench.dev;
     println!(
         "attention block B{b} H{heads} T{t} D{head_dim} f32 on {dev:?}: median of {runs} runs, paired with the block without an encoding in this process (for causes);\nown proc: the block alone in a fresh process, as a user's runs it (the figure to publish)"
     );
@@ -45,17 +38,15 @@ pub(crate) fn encodings(bench: &Bench) -> Result<()> {
 
 /// One encoding's row: its block paired with `none`, and its block in a child process.
 fn encoding_row(bench: &Bench, case: &Case, causal: bool, none: &MultiHeadAttention) -> Result<()> {
-    let Bench {
-        b,
-        heads,
-        d_model,
-        t,
-        runs,
-        json,
-        ref dev,
-        ref x,
-        ..
-    } = *bench;
+    let (b, heads, d_model, t, runs, json) = (
+        bench.b,
+        bench.heads,
+        bench.d_model,
+        bench.t,
+        bench.runs,
+        bench.json,
+    );
+    let (dev, x) = (&bench.dev, &bench.x);
     let mha = block(case, causal, d_model, heads, &bench.vb)?;
     let opts = AttentionOptions::default();
     let common::Paired {
@@ -93,14 +84,8 @@ fn encoding_row(bench: &Bench, case: &Case, causal: bool, none: &MultiHeadAttent
 /// alone (many runs, so a small figure is steady), its share of the block bounds their cost
 /// more tightly than the ratio of two noisy block medians.
 fn input_hooks(bench: &Bench, causal: bool, none: &MultiHeadAttention) -> Result<()> {
-    let Bench {
-        t,
-        runs,
-        json,
-        ref dev,
-        ref x,
-        ..
-    } = *bench;
+    let (t, runs, json) = (bench.t, bench.runs, bench.json);
+    let (dev, x) = (&bench.dev, &bench.x);
     let positions = Positions::Offset(0);
     for case in bench
         .all
@@ -139,16 +124,9 @@ fn input_hooks(bench: &Bench, causal: bool, none: &MultiHeadAttention) -> Result
 
 /// The same computation as plain candle ops on the same weights and input.
 fn plain_candle(bench: &Bench, causal: bool, none: &MultiHeadAttention) -> Result<()> {
-    let Bench {
-        heads,
-        d_model,
-        t,
-        runs,
-        json,
-        ref dev,
-        ref x,
-        ..
-    } = *bench;
+    let (heads, d_model, t, runs, json) =
+        (bench.heads, bench.d_model, bench.t, bench.runs, bench.json);
+    let (dev, x) = (&bench.dev, &bench.x);
     let plain = PlainAttention::new(d_model, heads, t, causal, &bench.vb)?;
     let (base, ms) = common::paired_median_ms(
         runs,
@@ -181,18 +159,16 @@ fn plain_candle(bench: &Bench, causal: bool, none: &MultiHeadAttention) -> Resul
 
 /// `--only half`: the block in bf16 and f16 against the same block in f32, paired.
 pub(crate) fn half(bench: &Bench) -> Result<()> {
-    let Bench {
-        b,
-        heads,
-        head_dim,
-        d_model,
-        t,
-        runs,
-        json,
-        ref dev,
-        ref x,
-        ..
-    } = *bench;
+    let (b, heads, head_dim, d_model, t, runs, json) = (
+        bench.b,
+        bench.heads,
+        bench.head_dim,
+        bench.d_model,
+        bench.t,
+        bench.runs,
+        bench.json,
+    );
+    let (dev, x) = (&bench.dev, &bench.x);
     println!("\nhalf precision, B{b} H{heads} T{t} D{head_dim}: against f32 (target <= 1.30x)");
     println!(
         "{:<18} {:>8} {:>6} {:>12} {:>10}",
@@ -236,17 +212,15 @@ pub(crate) fn half(bench: &Bench) -> Result<()> {
 /// `--only blocks`: the automatic query block size against fixed ones, causal, no encoding
 /// and ALiBi.
 pub(crate) fn query_blocks(bench: &Bench) -> Result<()> {
-    let Bench {
-        b,
-        heads,
-        d_model,
-        t,
-        runs,
-        json,
-        ref dev,
-        ref x,
-        ..
-    } = *bench;
+    let (b, heads, d_model, t, runs, json) = (
+        bench.b,
+        bench.heads,
+        bench.d_model,
+        bench.t,
+        bench.runs,
+        bench.json,
+    );
+    let (dev, x) = (&bench.dev, &bench.x);
     println!(
         "\nquery blocks, B{b} H{heads} T{t}, causal (auto = {} queries):",
         AttentionConfig::new(d_model, heads).query_block_for(b, t, t, 4)

@@ -61,12 +61,8 @@ pub(crate) fn lengths(bench: &Bench) -> Result<()> {
 
 /// One forward without an encoding at length `t`: (T, seconds).
 fn length_point(bench: &Bench, t: usize, causal: bool) -> Result<(f64, f64)> {
-    let Bench {
-        heads,
-        d_model,
-        ref dev,
-        ..
-    } = *bench;
+    let (heads, d_model) = (bench.heads, bench.d_model);
+    let dev = &bench.dev;
     let secs = if t <= 8192 {
         let mha = block(&bench.all[0], causal, d_model, heads, &bench.vb)?;
         let x = Tensor::randn(0f32, 1.0, (1, t, d_model), dev)?;

@@ -15,17 +15,15 @@ use crate::{common, json_line, Bench};
 /// candle's ops (the path that returns the weights), paired in this process (for causes), and
 /// the fused step alone in a fresh process (the figure to publish).
 pub(crate) fn steps(bench: &Bench) -> Result<()> {
-    let Bench {
-        b,
-        heads,
-        head_dim,
-        t,
-        quick,
-        json,
-        ref dev,
-        ref x,
-        ..
-    } = *bench;
+    let (b, heads, head_dim, t, quick, json) = (
+        bench.b,
+        bench.heads,
+        bench.head_dim,
+        bench.t,
+        bench.quick,
+        bench.json,
+    );
+    let (dev, x) = (&bench.dev, &bench.x);
     println!(
         "\ntraining step (forward + backward), B{b} H{heads} T{t} D{head_dim}: fused core vs candle ops, paired in this process (for causes);\nown proc: the fused step alone in a fresh process, as a user's runs (the figure to publish)"
     );
