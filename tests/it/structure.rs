@@ -1,6 +1,7 @@
 //! The layering of ARCHITECTURE.md, checked on the sources: the base imports nothing above it,
 //! the encodings never import the block (nor the block an encoding), and the `cuda` feature is
-//! named outside a `cuda/` folder only where candle's op traits need a `cuda_fwd` method.
+//! named outside a `cuda/` folder only where candle's op traits need a `cuda_fwd` method; and
+//! the tests draw their random data only from the seeded stream.
 
 use std::path::{Path, PathBuf};
 
@@ -114,4 +115,42 @@ fn the_cuda_feature_is_named_in_cuda_folders_and_at_most_three_places_besides() 
         })
         .collect();
     assert!(outside.len() <= 3, "{outside:?}");
+}
+
+/// Tests draw their random data from `tests/it/common/seeded.rs`, never from candle's unseeded
+/// generator, so that every run checks the same values: no code line of `src/` or `tests/it/`
+/// (doc examples aside, which draw as a user's code would) calls candle's random constructors,
+/// and no test builds a `VarMap`'s variables through `VarBuilder::from_varmap`.
+#[test]
+fn tests_draw_only_seeded_data() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The stream itself, and this file, which names the calls.
+    let allowed = [
+        root.join("tests/it/common/seeded.rs"),
+        root.join("tests/it/structure.rs"),
+    ];
+    let unseeded = [
+        "Tensor::randn(",
+        "Tensor::rand(",
+        "Var::randn(",
+        "Var::rand(",
+        "randn_like(",
+        "rand_like(",
+        "VarBuilder::from_varmap(",
+    ];
+    let mut found = Vec::new();
+    for file in sources(&root.join("src"))
+        .into_iter()
+        .chain(sources(&root.join("tests/it")))
+    {
+        if allowed.contains(&file) {
+            continue;
+        }
+        for (line, code) in code_lines(&file) {
+            if let Some(call) = unseeded.iter().find(|c| code.contains(*c)) {
+                found.push(format!("{}:{line}: {call}", file.display()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "unseeded draws: {found:#?}");
 }
