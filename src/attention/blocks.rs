@@ -63,6 +63,18 @@ impl Path {
         matches!(self, Path::Fused | Path::FusedTrain | Path::RowPass)
     }
 
+    /// The dtype the path adds dense terms (a mask, an encoding's dense bias) to the logits in,
+    /// for a block computing in `dtype`: the CUDA kernels sum logits in f32 and read every term
+    /// as f32, so a term is handed over unrounded (ALiBi's causal row of a long prefill holds
+    /// `m·(j − i_last)` down to `−m·T`, which bf16 would round by whole units); the other paths
+    /// add in the logits' own dtype.
+    fn terms_dtype(self, dtype: DType) -> DType {
+        match self {
+            Path::Cuda(_) => DType::F32,
+            _ => dtype,
+        }
+    }
+
     /// Whether the path is a fused core (CPU or CUDA), which allocates no logits and reads
     /// grouped KV heads in place.
     fn is_fused(self) -> bool {
@@ -668,7 +680,8 @@ impl Chunk<'_> {
 
 /// The additive terms of one query block's logits, in the forms its path reads.
 pub(crate) struct LogitTerms {
-    /// Broadcastable to `(B, H, n, kv)`, in the logits' dtype.
+    /// Broadcastable to `(B, H, n, kv)`, in the dtype the path adds them in
+    /// ([`Path::terms_dtype`]).
     pub(crate) dense: Vec<Tensor>,
     /// f32 rows with shifted columns (fused core and row pass only).
     pub(crate) rows: Vec<RelativeBias>,
@@ -679,7 +692,8 @@ pub(crate) struct LogitTerms {
 impl LogitTerms {
     /// Checks the encoding's bias and the mask against the block's `dims` and converts them to
     /// what `path` reads: shifted rows stay rows on the fused paths; everything else is dense,
-    /// in q's dtype (the mask saturated to the block's dtype `range` first).
+    /// in the dtype `path` adds it in, q's or f32 (the mask saturated to the block's dtype
+    /// `range` first).
     fn new(
         bias: Option<LogitsBias>,
         mask: Option<Tensor>,
@@ -688,7 +702,7 @@ impl LogitTerms {
         q: &Tensor,
         range: DType,
     ) -> Result<Self> {
-        let (dtype, device) = (q.dtype(), q.device());
+        let (dtype, device) = (path.terms_dtype(q.dtype()), q.device());
         let mut terms = Self {
             dense: Vec::new(),
             rows: Vec::new(),
@@ -927,4 +941,47 @@ fn cat(mut parts: Vec<Tensor>, dim: usize) -> Result<Tensor> {
         1 => parts.swap_remove(0),
         _ => Tensor::cat(&parts, dim)?,
     })
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod cuda {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::{LogitTerms, Path};
+    use crate::attention::cuda::Mode;
+    use crate::plug::LogitsBias;
+
+    /// The CUDA path takes a bf16 block's dense terms in f32, unrounded: ALiBi's causal row of a
+    /// 600-token prefill holds `m·(j − 599)` down to −149.75, where bf16 steps by whole units
+    /// (before, decoding with ALiBi after 600 cached keys failed on an H100 by that rounding).
+    /// Builds the terms only, on the CPU: no GPU is needed.
+    #[test]
+    fn dense_terms_reach_the_kernel_unrounded() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let row: Vec<f32> = (0..600).map(|j| 0.25 * (j as f32 - 599.0)).collect();
+        let bias = Tensor::from_vec(row.clone(), (1, 1, 1, 600), &dev)?;
+        let q = Tensor::zeros((1, 1, 600, 64), DType::BF16, &dev)?;
+        for (path, rounded) in [(Path::Cuda(Mode::Infer), false), (Path::Ops, true)] {
+            let terms = LogitTerms::new(
+                Some(LogitsBias::Dense(bias.clone())),
+                None,
+                (1, 1, 600, 600),
+                path,
+                &q,
+                DType::BF16,
+            )?;
+            let got = terms.dense[0]
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let exact = got == row;
+            assert_eq!(
+                exact,
+                !rounded,
+                "{path:?}: dtype {:?}",
+                terms.dense[0].dtype()
+            );
+        }
+        Ok(())
+    }
 }
