@@ -120,9 +120,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--max-t", type=int, default=None,
                         help="with --device cuda: only lengths up to this (a short GPU session)")
+    parser.add_argument("--sdpa-only", action="store_true",
+                        help="with --device cuda: SDPA alone, without FlexAttention's compiles")
     args = parser.parse_args()
     if args.device != "cpu" or args.tiny:
-        gpu_table(torch.device(args.device), args.tiny, args.json, args.max_t)
+        gpu_table(torch.device(args.device), args.tiny, args.json, args.max_t, args.sdpa_only)
         return
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -492,7 +494,7 @@ def long_context(proj, h: int, d: int, as_json: bool) -> None:
                 print(json.dumps({"bench": "pytorch", "case": name, "median_ms": round(ms, 3)}))
 
 
-def gpu_table(dev: torch.device, tiny: bool, as_json: bool, max_t=None) -> None:
+def gpu_table(dev: torch.device, tiny: bool, as_json: bool, max_t=None, sdpa_only=False) -> None:
     """The GPU table of `--device cuda` (see the module docs)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -607,7 +609,8 @@ def gpu_table(dev: torch.device, tiny: bool, as_json: bool, max_t=None) -> None:
 
                     kind = "train" if train else "infer"
                     best = None
-                    for how, fn in (("sdpa", sdpa), ("flex", flex_block)):
+                    ways = (("sdpa", sdpa),) if sdpa_only else (("sdpa", sdpa), ("flex", flex_block))
+                    for how, fn in ways:
                         why = "oom"
                         try:
                             with torch.inference_mode(not train):

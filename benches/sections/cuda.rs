@@ -1,6 +1,8 @@
 //! `--only cuda` (with `--features cuda`, on GPU 0): the fused CUDA kernels against candle's
 //! ops, inference and training steps, then long training steps with the device memory they
-//! took.
+//! took. `--max-t N` keeps lengths up to N; `--kernel-only` times the kernels alone (candle's
+//! ops take most of the section's time, Shaw's training step seconds per run), to fit a short
+//! GPU session.
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
@@ -18,7 +20,27 @@ pub(crate) fn section(bench: &Bench) -> Result<()> {
     let max_t = bench
         .arg_after("--max-t")
         .map_or(Ok(usize::MAX), |v| v.parse())?;
-    cuda_kernel(&bench.dev, bench.quick, max_t, bench.json)
+    let ops = !bench.args.iter().any(|a| a == "--kernel-only");
+    cuda_kernel(&bench.dev, (bench.quick, ops), max_t, bench.json)
+}
+
+/// Times `kernel` and, with `ops`, candle's ops in alternation ([`common::paired`]); without,
+/// the kernel alone (the ops' time and the ratio are then NaN).
+fn timed(
+    runs: usize,
+    ops: bool,
+    on_ops: impl FnMut() -> Result<()>,
+    mut kernel: impl FnMut() -> Result<()>,
+) -> Result<common::Paired> {
+    if ops {
+        return common::paired(runs, on_ops, kernel);
+    }
+    let kernel_ms = common::median_ms(runs, &mut kernel)?;
+    Ok(common::Paired {
+        a_ms: f64::NAN,
+        b_ms: kernel_ms,
+        ratio: f64::NAN,
+    })
 }
 
 /// The fused CUDA kernel against candle's ops on the same GPU: bf16, B4 d_model 1024 H16 D64
@@ -26,7 +48,7 @@ pub(crate) fn section(bench: &Bench) -> Result<()> {
 /// alternation (medians and the median per-pair ratio), and the attention's rate with the
 /// kernel: 4·B·H·T²·D FLOP (half of it causal) over the whole block's time, a lower bound.
 /// Then f32 (each product as three TF32 ones) for three encodings, and training steps.
-fn cuda_kernel(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
+fn cuda_kernel(dev: &Device, (quick, ops): (bool, bool), max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
     use candle_posenc::cuda::set_fused_kernel;
     let names = [
@@ -39,17 +61,24 @@ fn cuda_kernel(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()
         "shaw_k64",
     ];
     let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096, 16384] };
-    kernel_against_ops(dev, DType::BF16, &upto(lengths, max_t), &names, quick, json)?;
+    kernel_against_ops(
+        dev,
+        DType::BF16,
+        &upto(lengths, max_t),
+        &names,
+        (quick, ops),
+        json,
+    )?;
     let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
     kernel_against_ops(
         dev,
         DType::F32,
         &upto(lengths, max_t),
         &["none", "alibi", "t5"],
-        quick,
+        (quick, ops),
         json,
     )?;
-    cuda_training(dev, quick, max_t, json)?;
+    cuda_training(dev, (quick, ops), max_t, json)?;
     cuda_long_training(dev, quick, max_t.saturating_mul(4), json)?;
     set_fused_kernel(false);
     Ok(())
@@ -66,7 +95,7 @@ fn kernel_against_ops(
     dtype: candle_core::DType,
     lengths: &[usize],
     names: &[&str],
-    quick: bool,
+    (quick, ops): (bool, bool),
     json: bool,
 ) -> Result<()> {
     use candle_posenc::cuda::set_fused_kernel;
@@ -99,7 +128,7 @@ fn kernel_against_ops(
                         Ok(())
                     }
                 };
-                let p = common::paired(runs, run(false), run(true))?;
+                let p = timed(runs, ops, run(false), run(true))?;
                 let flop =
                     4.0 * (b * heads * t * t * head_dim) as f64 / if causal { 2.0 } else { 1.0 };
                 let bench = format!("cuda_kernel_{kind}");
@@ -115,7 +144,7 @@ fn kernel_against_ops(
 /// 4096: candle's ops against the fused kernels (forward and backward), paired, and the
 /// attention's rate with the kernels, counting the backward as 2.5 forwards (its five products
 /// against the forward's two): 3.5 · 4·B·H·T²·D FLOP, half of it causal.
-fn cuda_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
+fn cuda_training(dev: &Device, (quick, ops): (bool, bool), max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
     use candle_posenc::cuda::set_fused_kernel;
     let (heads, head_dim, b) = (16, 64, 4);
@@ -153,7 +182,7 @@ fn cuda_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<
                         train_step(mha, xv, probe, opts, dev)
                     }
                 };
-                let p = common::paired(runs, step(false), step(true))?;
+                let p = timed(runs, ops, step(false), step(true))?;
                 let flop = 3.5 * 4.0 * (b * heads * t * t * head_dim) as f64
                     / if causal { 2.0 } else { 1.0 };
                 cuda_row("cuda_training", name, (t, causal), &p, flop, json);
