@@ -60,7 +60,9 @@ fn patch_positions_are_hf(dev: &Device) -> anyhow::Result<()> {
         assert_eq!(got, want, "{tag}");
     }
     let spans = cu_seqlens(&grids(&ckpt, "qwen2_vl")?)?;
+    // HF's i32, widened on the CPU: candle's CUDA kernels cast nothing from i32.
     let want: Vec<i64> = get(ckpt.tensors(), "qwen2_vl.cu_seqlens")
+        .to_device(&Device::Cpu)?
         .to_dtype(DType::I64)?
         .to_vec1()?;
     assert_eq!(spans.iter().map(|&v| v as i64).collect::<Vec<_>>(), want);

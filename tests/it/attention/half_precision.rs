@@ -199,7 +199,16 @@ fn rows_masked_by_the_lowest_value(dev: &Device) -> anyhow::Result<()> {
         let (fused, ops) = (run(&half, &x, &mask, false)?, run(&half, &x, &mask, true)?);
         let tol = 16.0 * unit_roundoff(dtype) * scale;
         let all = [0usize, 1, 2, 3, 4];
-        let err = max_abs_diff(&rows(&fused.output, &all)?, &rows(&want, &all)?)?;
+        // Candle's ops (the call returning weights, and on a device other than the CPU, which
+        // alone has the fused core, both calls): in f16 their row masked whole is checked
+        // below as a distribution only.
+        let on_ops: &[usize] = if dtype == DType::BF16 {
+            &all
+        } else {
+            &[0, 1, 3, 4]
+        };
+        let fused_rows = if dev.is_cpu() { &all[..] } else { on_ops };
+        let err = max_abs_diff(&rows(&fused.output, fused_rows)?, &rows(&want, fused_rows)?)?;
         assert!(err <= tol, "{dtype:?} fused: {err:e} > {tol:e}");
         let w = ops.weights.expect("asked for").to_dtype(DType::F32)?;
         let row2 = w.i((0, .., 2))?.to_vec2::<f32>()?;
@@ -215,12 +224,7 @@ fn rows_masked_by_the_lowest_value(dev: &Device) -> anyhow::Result<()> {
                 assert!(r2.iter().all(|&p| (p - 0.2).abs() < 1e-2), "{r2:?}");
             }
         }
-        let checked: &[usize] = if dtype == DType::BF16 {
-            &all
-        } else {
-            &[0, 1, 3, 4]
-        };
-        let err = max_abs_diff(&rows(&ops.output, checked)?, &rows(&want, checked)?)?;
+        let err = max_abs_diff(&rows(&ops.output, on_ops)?, &rows(&want, on_ops)?)?;
         assert!(err <= tol, "{dtype:?} ops: {err:e} > {tol:e}");
     }
     Ok(())
