@@ -106,7 +106,8 @@ impl Path {
     /// The path for rotated `q` (not yet scaled), `k` and `v`, and the dtype it computes in:
     /// the CUDA kernels where they are on and take the call; on the CPU a fused core or the
     /// row pass for f32, and the fused core in f32 for a half-precision block without
-    /// gradients or returned weights; plain ops otherwise.
+    /// gradients or returned weights; plain ops otherwise. `rules`: the call has sinks, a
+    /// sliding window or chunks (the CUDA path's default reach reads it).
     fn choose(
         q: &Tensor,
         k: &Tensor,
@@ -114,10 +115,11 @@ impl Path {
         differentiable: bool,
         weights: bool,
         dropout: bool,
+        rules: bool,
     ) -> (Path, Compute) {
         let tracked = [q, k, v].iter().any(|t| t.track_op());
         let grads = differentiable || tracked;
-        if let Some(mode) = Mode::choose((q, k, v), grads, weights, dropout) {
+        if let Some(mode) = Mode::choose((q, k, v), grads, weights, dropout, rules) {
             return (Path::Cuda(mode), Compute::AsGiven);
         }
         // (The scaled queries are a fresh, packed tensor.)
@@ -316,6 +318,7 @@ impl Chunk<'_> {
             self.differentiable,
             self.return_weights,
             dropout,
+            self.sinks.is_some() || self.window.is_some() || self.chunk.is_some(),
         );
         self.prepare(compute)?;
         let mut plan = self.plan(path)?;

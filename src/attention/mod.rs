@@ -19,8 +19,9 @@
 //!   FlashAttention-2 backward recomputes each tile's weights, giving q, k, v and every
 //!   tracked term, table and sink their gradients without a `(B, H, T, T)` tensor; attention
 //!   dropout is drawn from a seed (`dropout.rs`), again in the backward;
-//! - the fused CUDA kernels (`cuda/`, the `cuda` feature, off by default): inference and
-//!   training without returned weights on a CUDA device, when switched on ([`crate::cuda`]);
+//! - the fused CUDA kernels (`cuda/`, the `cuda` feature): inference and training without
+//!   returned weights on a CUDA device, by default for the calls that have passed on a GPU
+//!   ([`crate::cuda`]);
 //! - plain candle ops (`unfused.rs`): training with returned weights, other devices and
 //!   dtypes; differentiable.
 

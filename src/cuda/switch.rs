@@ -3,8 +3,22 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// 0: not yet read from the environment; 1: off; 2: on.
+/// 0: not yet read from the environment; 1: off; 2: on for every call the kernels take; 3: the
+/// default, on for the calls that have run on a GPU ([`Reach::Proven`]).
 static ENABLED: AtomicU8 = AtomicU8::new(0);
+
+/// What the switch lets the crate's CUDA kernels take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// Candle's ops for every call.
+    Off,
+    /// The default: the kernels for the calls that passed against the f64 block on a GPU, and
+    /// candle's ops for those that have not yet run there (docs/gpu.md;
+    /// `untried` in `attention/cuda/mod.rs` holds the list).
+    Proven,
+    /// Switched on explicitly: every call the kernels take.
+    All,
+}
 
 thread_local! {
     /// Launches of the crate's CUDA kernels by this thread's calls.
@@ -24,9 +38,9 @@ pub(crate) fn count_launch() {
     LAUNCHES.with(|n| n.set(n.get() + 1));
 }
 
-/// Turns the fused CUDA kernel on or off for every block in this process (default: off, or
-/// on when `CANDLE_POSENC_CUDA_KERNEL=1` is set). It is experimental: see [`crate::cuda`] for
-/// what an H100 run showed.
+/// Turns the fused CUDA kernels on for every call they take, or off, for every block in this
+/// process. Without it they are on for the calls that passed against the f64 block on a GPU
+/// (docs/gpu.md), or as `CANDLE_POSENC_CUDA_KERNEL` says: `1` on for every call, `0` off.
 pub fn set_fused_kernel(on: bool) {
     ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
@@ -63,18 +77,33 @@ impl Drop for FusedKernelScope {
     }
 }
 
-/// Whether the fused CUDA kernel is on: this thread's [`FusedKernelScope`] if it has one, else
-/// [`set_fused_kernel`]'s setting.
+/// Whether the fused CUDA kernels are on (for every call they take, or by default for those
+/// proven on a GPU): this thread's [`FusedKernelScope`] if it has one, else
+/// [`set_fused_kernel`]'s setting, else the environment's, else on.
 pub fn fused_kernel() -> bool {
+    reach() != Reach::Off
+}
+
+/// What the kernels take for this thread's calls (see [`fused_kernel`]).
+pub(crate) fn reach() -> Reach {
     if let Some(on) = SCOPED.with(std::cell::Cell::get) {
-        return on;
+        return if on { Reach::All } else { Reach::Off };
     }
-    match ENABLED.load(Ordering::Relaxed) {
+    let state = match ENABLED.load(Ordering::Relaxed) {
         0 => {
-            let on = std::env::var("CANDLE_POSENC_CUDA_KERNEL").is_ok_and(|v| v == "1");
-            set_fused_kernel(on);
-            on
+            let state = match std::env::var("CANDLE_POSENC_CUDA_KERNEL").as_deref() {
+                Ok("1") => 2,
+                Ok("0") => 1,
+                _ => 3,
+            };
+            ENABLED.store(state, Ordering::Relaxed);
+            state
         }
-        state => state == 2,
+        state => state,
+    };
+    match state {
+        1 => Reach::Off,
+        2 => Reach::All,
+        _ => Reach::Proven,
     }
 }

@@ -11,13 +11,12 @@
 //! (`posenc_flash_backward`, through `training.rs`) gives q, k, v, the sinks, every term
 //! (dense or relative rows) and a value term's table their gradients.
 //!
-//! **Off by default.** The kernels are compiled (NVRTC, every specialisation,
-//! `.ci/cuda-kernels`) and run against f64 on a CPU emulator (`tests/cuda_emulator`,
-//! `.ci/cuda-emulate`). On an H100 (docs/gpu.md) they matched the f64 block for every encoding,
-//! forward and backward, with no memcheck error and no racecheck hazard, and ran 3–30× faster
-//! than candle's ops; one case still failed there (decoding with ALiBi after 600 cached keys),
-//! so they stay off until it is explained. The switch is [`crate::cuda`]'s; otherwise a CUDA
-//! block runs on candle's ops.
+//! **On by default for what has passed on a GPU.** The kernels are compiled (NVRTC, every
+//! specialisation, `.ci/cuda-kernels`) and run against f64 on a CPU emulator
+//! (`tests/cuda_emulator`, `.ci/cuda-emulate`). On an H100 and an H200 (docs/gpu.md) they
+//! matched the f64 block for every encoding but Inkling, forward and backward, with no memcheck
+//! error, and ran 3–30× faster than candle's ops. The calls not yet run there ([`untried`])
+//! take candle's ops unless the switch ([`crate::cuda`]'s) is on for every call.
 //!
 //! Compiled with NVRTC at first use (the crate's one cache, `crate::cuda::nvrtc`), one module
 //! per head dimension and dtype, cached per process (the PTX) and per device (the module, by
@@ -88,14 +87,25 @@ pub(crate) enum Mode {}
 impl Mode {
     /// The mode for scaled, rotated `q`, `k` and `v`, when the kernels are on for their device
     /// and take them ([`kernel::takes`]): inference, or training (`grads`) without `dropout`
-    /// (the backward draws none), never returning the weights.
+    /// (the backward draws none), never returning the weights. `rules`: the call has sinks, a
+    /// sliding window or chunks. By default the kernels take only what has passed on a GPU
+    /// ([`untried`]).
     pub(crate) fn choose(
         (q, k, v): (&Tensor, &Tensor, &Tensor),
         grads: bool,
         weights: bool,
         dropout: bool,
+        rules: bool,
     ) -> Option<Mode> {
-        if weights || !crate::cuda::kernels_on(q.device()) || !kernel::takes(q, k, v) {
+        use crate::cuda::{kernel_reach, Reach};
+        let reach = kernel_reach(q.device());
+        let untried = || untried(q.dim(2).unwrap_or(0), k.dim(2).unwrap_or(0), rules, None);
+        let declined = match reach {
+            Reach::Off => true,
+            Reach::Proven => untried(),
+            Reach::All => false,
+        };
+        if weights || declined || !kernel::takes(q, k, v) {
             return None;
         }
         match (grads, dropout) {
@@ -127,7 +137,9 @@ impl Mode {
             (_, false) => true,
         };
         let values_shifted = values.is_none_or(|v| shifted(v.columns()));
-        (keeps && values_shifted).then_some(self)
+        let proven =
+            crate::cuda::switch_reach() == crate::cuda::Reach::All || !untried(0, 0, false, bias);
+        (keeps && values_shifted && proven).then_some(self)
     }
 
     /// Whether blocks come back token-major, `(B, n, H, D)` (training); inference writes the
@@ -173,6 +185,22 @@ impl Mode {
     }
 }
 
+/// Whether a call is one the kernels take but that has not yet passed against the f64 block on
+/// a GPU, which the default reach ([`crate::cuda::Reach::Proven`]) leaves to candle's ops
+/// (docs/gpu.md, the H200 run of 2026-11-28): `tq` queries against `tk` keys with `rules`
+/// (sinks, a window or chunks), or the encoding's `bias`.
+///
+/// | call | why not yet |
+/// |---|---|
+/// | one tile of queries against more keys (decoding: keys split across blocks) with sinks, a window or chunks | run on the CPU emulator only |
+/// | rows mixed from a bank (Inkling's) | built in bf16 they missed the f64 block by 1.4%; built from f32 factors since, not rerun |
+#[cfg(feature = "cuda")]
+fn untried(tq: usize, tk: usize, rules: bool, bias: Option<&LogitsBias>) -> bool {
+    let split_keys = tq > 0 && tq <= kernel::TILE && tk > kernel::TILE;
+    let mixed = matches!(bias, Some(LogitsBias::Relative(r)) if r.mixed_rows().is_some());
+    (split_keys && rules) || mixed
+}
+
 /// Without the `cuda` feature no value of [`Mode`] exists: these are never called.
 #[cfg(not(feature = "cuda"))]
 impl Mode {
@@ -181,6 +209,7 @@ impl Mode {
         _grads: bool,
         _weights: bool,
         _dropout: bool,
+        _rules: bool,
     ) -> Option<Mode> {
         None
     }
@@ -207,5 +236,33 @@ impl Mode {
 
     pub(crate) fn run(self, _: &CudaCore, _: Option<&Tensor>, _: usize) -> Result<Option<Tensor>> {
         match self {}
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::untried;
+    use crate::plug::{Columns, LogitsBias, RelativeBias};
+
+    /// The default reach's list: decoding with sinks, a window or chunks, and mixed rows, are
+    /// left to candle's ops; a prefill with them, decoding without them and plain rows are not.
+    #[test]
+    fn untried_calls_are_the_listed_ones() -> anyhow::Result<()> {
+        assert!(untried(1, 600, true, None), "decoding with rules");
+        assert!(untried(64, 65, true, None), "one tile against two");
+        assert!(!untried(65, 600, true, None), "a prefill with rules");
+        assert!(!untried(1, 600, false, None), "decoding without rules");
+        assert!(!untried(1, 64, true, None), "one tile of keys: no split");
+        let dev = Device::Cpu;
+        let rows = Tensor::zeros((1, 2, 1, 9), DType::F32, &dev)?;
+        let plain = LogitsBias::Relative(RelativeBias::new(rows, Columns::Shift(4))?);
+        assert!(!untried(100, 100, false, Some(&plain)), "plain rows");
+        let mix = Tensor::zeros((1, 2, 5, 3), DType::F32, &dev)?;
+        let bank = Tensor::zeros((3, 9), DType::F32, &dev)?;
+        let mixed = LogitsBias::Relative(RelativeBias::mixed(mix, bank, Columns::Shift(4))?);
+        assert!(untried(100, 100, false, Some(&mixed)), "mixed rows");
+        Ok(())
     }
 }

@@ -16,8 +16,8 @@
 //! The output is grafted onto q, k, v (and the sinks, each term, dense or relative rows, and
 //! the value table, when they take a gradient) one link each;
 //! the outermost link, the first the backward pass reaches, runs the kernels and the others
-//! take their share. Like the forward, **off by default** (checked on the CPU emulator,
-//! `tests/cuda_emulator`, and on an H100: see docs/gpu.md).
+//! take their share. Like the forward, on by default where it has passed on a GPU (checked on
+//! the CPU emulator, `tests/cuda_emulator`, and on an H100 and an H200: see docs/gpu.md).
 
 use std::sync::{Arc, Mutex};
 
