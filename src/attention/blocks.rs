@@ -63,18 +63,6 @@ impl Path {
         matches!(self, Path::Fused | Path::FusedTrain | Path::RowPass)
     }
 
-    /// The dtype the path adds dense terms (a mask, an encoding's dense bias) to the logits in,
-    /// for a block computing in `dtype`: the CUDA kernels sum logits in f32 and read every term
-    /// as f32, so a term is handed over unrounded (ALiBi's causal row of a long prefill holds
-    /// `m·(j − i_last)` down to `−m·T`, which bf16 would round by whole units); the other paths
-    /// add in the logits' own dtype.
-    fn terms_dtype(self, dtype: DType) -> DType {
-        match self {
-            Path::Cuda(_) => DType::F32,
-            _ => dtype,
-        }
-    }
-
     /// Whether the path is a fused core (CPU or CUDA), which allocates no logits and reads
     /// grouped KV heads in place.
     fn is_fused(self) -> bool {
@@ -681,10 +669,23 @@ impl Chunk<'_> {
     }
 }
 
+/// The dtype every path adds dense terms (a mask, an encoding's dense bias) to the logits in,
+/// for a block computing in `dtype`: f32 at least (f64 for an f64 block). A term rounded to a
+/// half format first loses what the logits keep: ALiBi's causal row of a long prefill holds
+/// `m·(j − i_last)` down to `−m·T`, which bf16 rounds by whole units (a bf16 block on candle's
+/// ops was 21% of the largest output off f64 at T = 600, and the CUDA kernel failed a decoding
+/// test by it).
+fn terms_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
 /// The additive terms of one query block's logits, in the forms its path reads.
 pub(crate) struct LogitTerms {
-    /// Broadcastable to `(B, H, n, kv)`, in the dtype the path adds them in
-    /// ([`Path::terms_dtype`]).
+    /// Broadcastable to `(B, H, n, kv)`, in the dtype every path adds them in
+    /// ([`terms_dtype`]).
     pub(crate) dense: Vec<Tensor>,
     /// f32 rows with shifted columns (fused core and row pass only).
     pub(crate) rows: Vec<RelativeBias>,
@@ -695,8 +696,7 @@ pub(crate) struct LogitTerms {
 impl LogitTerms {
     /// Checks the encoding's bias and the mask against the block's `dims` and converts them to
     /// what `path` reads: shifted rows stay rows on the fused paths; everything else is dense,
-    /// in the dtype `path` adds it in, q's or f32 (the mask saturated to the block's dtype
-    /// `range` first).
+    /// in f32 (f64 for an f64 block; the mask saturated to the block's dtype `range` first).
     fn new(
         bias: Option<LogitsBias>,
         mask: Option<Tensor>,
@@ -705,7 +705,7 @@ impl LogitTerms {
         q: &Tensor,
         range: DType,
     ) -> Result<Self> {
-        let (dtype, device) = (path.terms_dtype(q.dtype()), q.device());
+        let (dtype, device) = (terms_dtype(q.dtype()), q.device());
         let mut terms = Self {
             dense: Vec::new(),
             rows: Vec::new(),
@@ -790,10 +790,9 @@ impl LogitTerms {
 }
 
 /// `bias` (`what`: an encoding's answer) cast to `dtype`, the dtype its path adds it to the
-/// logits in. A finite value the cast would turn into ±∞ (an f32 bias past f16's range: a
-/// causal ALiBi row far from its keys in an f16 block trained on candle's ops) is refused:
-/// as a logit it would make its row NaN, or, saturated, weigh its keys wrongly. NaN and ±∞
-/// the encoding answered pass as they are.
+/// logits in ([`terms_dtype`]). A finite value the cast would turn into ±∞ (an f64 bias past
+/// f32's range) is refused: as a logit it would make its row NaN, or, saturated, weigh its
+/// keys wrongly. NaN and ±∞ the encoding answered pass as they are.
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] naming `what`, the largest such magnitude and `dtype`'s range.
@@ -956,17 +955,17 @@ mod cuda {
     use crate::attention::cuda::Mode;
     use crate::plug::LogitsBias;
 
-    /// The CUDA path takes a bf16 block's dense terms in f32, unrounded: ALiBi's causal row of a
-    /// 600-token prefill holds `m·(j − 599)` down to −149.75, where bf16 steps by whole units
-    /// (before, decoding with ALiBi after 600 cached keys failed on an H100 by that rounding).
-    /// Builds the terms only, on the CPU: no GPU is needed.
+    /// The CUDA path and candle's ops take a bf16 block's dense terms in f32, unrounded: ALiBi's
+    /// causal row of a 600-token prefill holds `m·(j − 599)` down to −149.75, where bf16 steps
+    /// by whole units (before, decoding with ALiBi after 600 cached keys failed on an H100 by
+    /// that rounding). Builds the terms only, on the CPU: no GPU is needed.
     #[test]
     fn dense_terms_reach_the_kernel_unrounded() -> anyhow::Result<()> {
         let dev = Device::Cpu;
         let row: Vec<f32> = (0..600).map(|j| 0.25 * (j as f32 - 599.0)).collect();
         let bias = Tensor::from_vec(row.clone(), (1, 1, 1, 600), &dev)?;
         let q = Tensor::zeros((1, 1, 600, 64), DType::BF16, &dev)?;
-        for (path, rounded) in [(Path::Cuda(Mode::Infer), false), (Path::Ops, true)] {
+        for path in [Path::Cuda(Mode::Infer), Path::Ops] {
             let terms = LogitTerms::new(
                 Some(LogitsBias::Dense(bias.clone())),
                 None,
@@ -979,13 +978,7 @@ mod cuda {
                 .to_dtype(DType::F32)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
-            let exact = got == row;
-            assert_eq!(
-                exact,
-                !rounded,
-                "{path:?}: dtype {:?}",
-                terms.dense[0].dtype()
-            );
+            assert_eq!(got, row, "{path:?}: dtype {:?}", terms.dense[0].dtype());
         }
         Ok(())
     }

@@ -1060,7 +1060,7 @@ const F16_MAX_LOGIT_REACH: f64 = 256.0;
 /// the three together may reach 2^8 ([`F16_MAX_LOGIT_REACH`]), leaving 2^8 for the products
 /// themselves. The default scale 1/√head_dim gives √head_dim, within it up to head_dim =
 /// 65536. (A rotary encoding's attention factor is checked where the encoding rotates, against
-/// the dtype it is handed; bias values where the block casts them to the logits' dtype.)
+/// the dtype it is handed; bias values where the block casts them to f32 to add them.)
 ///
 /// [`AttentionTemperature::largest_factor`]: super::AttentionTemperature::largest_factor
 fn check_factors(config: &AttentionConfig, dtype: DType) -> Result<()> {

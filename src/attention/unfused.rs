@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! s = cap(q kᵀ) + Σ terms             q already scaled; terms dense (B, H, n, kv), shifted rows
-//!                                     or separable pairs (the row pass)
-//! α = softmax(s masked ‖ sink)[..kv]  masked logits filled with the dtype's lowest value; a
+//!                                     or separable pairs (the row pass); summed in f32 (f64)
+//! α = softmax(s masked ‖ sink)[..kv]  masked logits filled with f32's (f64's) lowest value; a
 //!                                     head's sink logit joins the softmax and is dropped after
 //! out = dropout(α) v + Σ_j dropout(α)_ij table[c(i, j)]
 //! ```
@@ -30,7 +30,7 @@ pub(crate) fn attend(
     differentiable: bool,
     dropout: f32,
 ) -> Result<(Tensor, Tensor)> {
-    let mut scores = matmul(&part.q, &part.k.t()?)?;
+    let scores = matmul(&part.q, &part.k.t()?)?;
     let rule = &part.rule;
     let probs = if row_pass {
         fused_softmax::bias_mask_softmax_in_place(
@@ -45,40 +45,36 @@ pub(crate) fn attend(
         )?;
         scores
     } else {
-        if let Some(c) = rule.softcap {
-            // In f32 at least: a cap outside f16's range (or near bf16's top) would turn finite
-            // logits into NaN in their own dtype.
-            let c = f64::from(c);
-            let dtype = scores.dtype();
-            let wide = match dtype {
-                DType::F16 | DType::BF16 => scores.to_dtype(DType::F32)?,
-                _ => scores,
-            };
-            scores = ((wide / c)?.tanh()? * c)?.to_dtype(dtype)?;
-        }
-        for term in &terms.dense {
-            scores = scores.broadcast_add(term)?;
-        }
-        let (b, h, n, kv) = scores.dims4()?;
-        let keep = keep_mask(rule, part.padding, b, n, kv, scores.device())?;
-        if let Some(keep) = keep {
-            scores = apply_keep_mask(&scores, &keep)?;
-        }
-        if let Some(sinks) = part.sinks {
-            let column = sinks
-                .to_dtype(scores.dtype())?
-                .reshape((1, h, 1, 1))?
-                .broadcast_as((b, h, n, 1))?;
-            scores = Tensor::cat(&[&scores, &column], 3)?;
-        }
-        // In f32 for half formats: a row's sum of exponentials accumulated in bf16 (8 bits of
-        // mantissa) drifts by whole percents over a few hundred keys, so its weights no longer
-        // sum to one; the weights return to the block's dtype after.
+        // Caps, terms, masks, sinks and the softmax in f32 for half formats, as the terms come
+        // (`LogitTerms`): a term rounded to the logits' half format would lose its low bits,
+        // a cap outside f16's range (or near bf16's top) would turn finite logits into NaN,
+        // and a row's sum of exponentials accumulated in bf16 (8 bits of mantissa) drifts by
+        // whole percents over a few hundred keys. The weights return to the block's dtype
+        // after.
         let dtype = scores.dtype();
-        let wide = match dtype {
+        let mut wide = match dtype {
             DType::F16 | DType::BF16 => scores.to_dtype(DType::F32)?,
             _ => scores,
         };
+        if let Some(c) = rule.softcap {
+            let c = f64::from(c);
+            wide = ((wide / c)?.tanh()? * c)?;
+        }
+        for term in &terms.dense {
+            wide = wide.broadcast_add(term)?;
+        }
+        let (b, h, n, kv) = wide.dims4()?;
+        let keep = keep_mask(rule, part.padding, b, n, kv, wide.device())?;
+        if let Some(keep) = keep {
+            wide = apply_keep_mask(&wide, &keep)?;
+        }
+        if let Some(sinks) = part.sinks {
+            let column = sinks
+                .to_dtype(wide.dtype())?
+                .reshape((1, h, 1, 1))?
+                .broadcast_as((b, h, n, 1))?;
+            wide = Tensor::cat(&[&wide, &column], 3)?;
+        }
         let probs = if differentiable {
             candle_nn::ops::softmax(&wide, D::Minus1)?
         } else {

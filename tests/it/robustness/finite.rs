@@ -311,10 +311,10 @@ impl PositionalEncoding for FixedBias {
     }
 }
 
-/// A bias cast into the logits' dtype must stay finite there: a finite value the cast would
-/// turn into ±∞ is refused (naming the bias, its magnitude and the dtype's limit), on every
-/// path and in both forms; where the path's logits hold it, it is used. NaN and ±∞ the encoding
-/// answers pass as they are.
+/// Every path adds a bias to the logits in f32 (f64 for an f64 block), so a half block takes
+/// values past its own range (1e5 into f16: before, refused there); a finite value past f32's
+/// range (from f64) would become ±∞ and is refused (naming the bias, its magnitude and f32's
+/// limit), on every path and in both forms. NaN and ±∞ the encoding answers pass as they are.
 fn bias_values_past_the_logits_dtype(dev: &Device) -> anyhow::Result<()> {
     let attn = AttentionConfig::new(32, 2).with_causal(true);
     let weights = AttentionOptions {
@@ -350,17 +350,14 @@ fn bias_values_past_the_logits_dtype(dev: &Device) -> anyhow::Result<()> {
             for opts in [AttentionOptions::default(), weights.clone()] {
                 let what = format!("{what}, weights returned {}", opts.return_weights);
                 let out = mha.forward_with(&x, &opts, None);
-                // The CPU's inference of a half-precision block computes its logits in f32;
-                // every other path in the block's dtype.
-                let half = matches!(block, DType::F16 | DType::BF16);
-                let logits = match dev.is_cpu() && half && !opts.return_weights {
-                    true => DType::F32,
-                    false => block,
+                // The terms are added in f32, in f64 for an f64 block, on every path.
+                let logits = match block {
+                    DType::F64 => DType::F64,
+                    _ => DType::F32,
                 };
-                // (A GPU's paths may compute in another dtype: there either answer is right.)
                 let holds = fits || value.abs() <= largest(logits);
                 match out {
-                    Ok(out) if holds || !dev.is_cpu() => {
+                    Ok(out) if holds => {
                         assert!(all_finite(&out.output)?, "{what}");
                         // A constant bias leaves the weights as they were: causal row 0
                         // attends to key 0 only, in both heads.
@@ -415,7 +412,8 @@ fn limit_of(dtype: DType) -> String {
 /// A causal ALiBi row far from its keys: in the per-key form, query 0 at position 0 of a chunk
 /// whose last token sits at 200 000 has the bias −m·200 000 on its one key. f16 logits held it
 /// as −∞ and the row's only finite logit was the masked future key (found weight 1: attention
-/// to the future). Now refused where the logits are f16, and right where they are wider.
+/// to the future). Then refused where the logits were f16; now right in every dtype, since
+/// every path adds the terms in f32 (f64).
 fn alibi_far_from_its_keys(dev: &Device) -> anyhow::Result<()> {
     let attn = AttentionConfig::new(64, 8).with_causal(true);
     let config = EncodingConfig::Alibi(AlibiConfig::new(8));
@@ -428,17 +426,7 @@ fn alibi_far_from_its_keys(dev: &Device) -> anyhow::Result<()> {
     for dtype in DTYPES {
         let (mha, _) = zoo::attention(&config, &attn, dtype, dev)?;
         let x = common::randn(0f32, 1.0, (1, 2, 64), dev)?.to_dtype(dtype)?;
-        let out = mha.forward_with(&x, &opts, None);
-        if dtype == DType::F16 {
-            refused(
-                "f16",
-                out,
-                "dense logits bias from the encoding",
-                &["65504", "1e5"],
-            );
-            continue;
-        }
-        let out = out?;
+        let out = mha.forward_with(&x, &opts, None)?;
         assert!(all_finite(&out.output)?, "{dtype:?}");
         let w = out.weights.expect("weights");
         // Query 0 attends to key 0 only, in every head.
