@@ -699,7 +699,8 @@ impl MultiHeadAttention {
     /// logits (all queries' when the weights are returned) can be allocated.
     fn check_logits(&self, b: usize, t: usize, tk: usize, weights: bool) -> Result<usize> {
         let cfg = &self.config;
-        let elem = self.o_proj.weight().dtype().size_in_bytes();
+        // The logits are f32 at least on every path (a half block's widened with its terms).
+        let elem = self.o_proj.weight().dtype().size_in_bytes().max(4);
         let block = cfg.query_block_for(b, t, tk, elem);
         let rows = if weights { t } else { block };
         check_elements(
