@@ -50,7 +50,6 @@ fn timed(
 /// Then f32 (each product as three TF32 ones) for three encodings, and training steps.
 fn cuda_kernel(dev: &Device, (quick, ops): (bool, bool), max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
-    use candle_posenc::cuda::set_fused_kernel;
     let names = [
         "none",
         "rope",
@@ -79,9 +78,7 @@ fn cuda_kernel(dev: &Device, (quick, ops): (bool, bool), max_t: usize, json: boo
         json,
     )?;
     cuda_training(dev, (quick, ops), max_t, json)?;
-    cuda_long_training(dev, quick, max_t.saturating_mul(4), json)?;
-    set_fused_kernel(false);
-    Ok(())
+    cuda_long_training(dev, quick, max_t.saturating_mul(4), json)
 }
 
 /// The lengths of `lengths` up to `max_t` (`--max-t`, to fit a short GPU session).
@@ -98,7 +95,7 @@ fn kernel_against_ops(
     (quick, ops): (bool, bool),
     json: bool,
 ) -> Result<()> {
-    use candle_posenc::cuda::set_fused_kernel;
+    use candle_posenc::cuda::FusedKernelScope;
     let (heads, head_dim) = (16, 64);
     let d_model = heads * head_dim;
     let vb = common::inference_vb_of(dev, dtype);
@@ -121,7 +118,7 @@ fn kernel_against_ops(
                 let run = |on: bool| {
                     let (mha, x, opts) = (&mha, &x, &opts);
                     move || -> Result<()> {
-                        set_fused_kernel(on);
+                        let _kernels = FusedKernelScope::new(on);
                         let y = mha.forward_with(x, opts, None)?.output;
                         dev.synchronize()?;
                         drop(y);
@@ -146,7 +143,7 @@ fn kernel_against_ops(
 /// against the forward's two): 3.5 · 4·B·H·T²·D FLOP, half of it causal.
 fn cuda_training(dev: &Device, (quick, ops): (bool, bool), max_t: usize, json: bool) -> Result<()> {
     use candle_core::DType;
-    use candle_posenc::cuda::set_fused_kernel;
+    use candle_posenc::cuda::FusedKernelScope;
     let (heads, head_dim, b) = (16, 64, 4);
     let d_model = heads * head_dim;
     let lengths: &[usize] = if quick { &[1024] } else { &[1024, 4096] };
@@ -178,7 +175,7 @@ fn cuda_training(dev: &Device, (quick, ops): (bool, bool), max_t: usize, json: b
                 let step = |on: bool| {
                     let (mha, xv, probe, opts) = (&mha, &xv, &probe, &opts);
                     move || -> Result<()> {
-                        set_fused_kernel(on);
+                        let _kernels = FusedKernelScope::new(on);
                         train_step(mha, xv, probe, opts, dev)
                     }
                 };
@@ -201,7 +198,7 @@ fn cuda_training(dev: &Device, (quick, ops): (bool, bool), max_t: usize, json: b
 fn cuda_long_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Result<()> {
     use candle_core::cuda_backend::cudarc;
     use candle_core::DType;
-    use candle_posenc::cuda::set_fused_kernel;
+    use candle_posenc::cuda::FusedKernelScope;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let (heads, head_dim) = (16, 64);
     let d_model = heads * head_dim;
@@ -215,7 +212,7 @@ fn cuda_long_training(dev: &Device, quick: bool, max_t: usize, json: bool) -> Re
         "{:<18} {:>6} {:>10} {:>14} {:>9}",
         "encoding", "T", "seconds", "device MiB", "TFLOP/s"
     );
-    set_fused_kernel(true);
+    let _kernels = FusedKernelScope::new(true);
     for name in ["none", "alibi", "t5", "shaw_k64"] {
         for &t in &lengths {
             let (_varmap, mha) = trained_block(
