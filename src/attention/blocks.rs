@@ -43,7 +43,8 @@ pub(crate) enum Path {
     /// Candle ops throughout (training, other dtypes and devices): differentiable.
     Ops,
     /// The fused CUDA kernels (`cuda/`), inference or training, without returned weights,
-    /// when switched on ([`crate::cuda`]); never chosen without the `cuda` feature.
+    /// where the switch lets them ([`crate::cuda`]; by default, what has passed on a GPU);
+    /// never chosen without the `cuda` feature.
     Cuda(Mode),
 }
 
@@ -94,8 +95,7 @@ impl Path {
     /// The path for rotated `q` (not yet scaled), `k` and `v`, and the dtype it computes in:
     /// the CUDA kernels where they are on and take the call; on the CPU a fused core or the
     /// row pass for f32, and the fused core in f32 for a half-precision block without
-    /// gradients or returned weights; plain ops otherwise. `rules`: the call has sinks, a
-    /// sliding window or chunks (the CUDA path's default reach reads it).
+    /// gradients or returned weights; plain ops otherwise.
     fn choose(
         q: &Tensor,
         k: &Tensor,
@@ -103,11 +103,10 @@ impl Path {
         differentiable: bool,
         weights: bool,
         dropout: bool,
-        rules: bool,
     ) -> (Path, Compute) {
         let tracked = [q, k, v].iter().any(|t| t.track_op());
         let grads = differentiable || tracked;
-        if let Some(mode) = Mode::choose((q, k, v), grads, weights, dropout, rules) {
+        if let Some(mode) = Mode::choose((q, k, v), grads, weights, dropout) {
             return (Path::Cuda(mode), Compute::AsGiven);
         }
         // (The scaled queries are a fresh, packed tensor.)
@@ -212,9 +211,6 @@ pub(crate) struct Chunk<'a> {
     pub(crate) logits_budget: usize,
     pub(crate) return_weights: bool,
     pub(crate) encoding: Option<&'a dyn PositionalEncoding>,
-    /// The block's own dtype (q, k and v may be widened to f32 for the fused core): an
-    /// additive mask saturates to its range, as it would on the block's own ops.
-    pub(crate) dtype: DType,
     /// `(B, C, Tk)`: every key's per-token states, for an encoding that reads the block's
     /// input (the chunk's tokens are the last `T`).
     pub(crate) states: Option<Tensor>,
@@ -306,7 +302,6 @@ impl Chunk<'_> {
             self.differentiable,
             self.return_weights,
             dropout,
-            self.sinks.is_some() || self.window.is_some() || self.chunk.is_some(),
         );
         self.prepare(compute)?;
         let mut plan = self.plan(path)?;
@@ -521,7 +516,7 @@ impl Chunk<'_> {
             .as_ref()
             .map(|m| narrowed(m, 2, start, n, t))
             .transpose()?;
-        let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q, self.dtype)?;
+        let terms = LogitTerms::new(bias, mask, (b, h, n, kv), path, &self.q)?;
         if let Path::Cuda(mode) = path {
             let core = self.cuda_core(&part, &terms, values.as_ref());
             return mode.run(&core, operands.merged.as_ref(), start);
@@ -696,14 +691,13 @@ pub(crate) struct LogitTerms {
 impl LogitTerms {
     /// Checks the encoding's bias and the mask against the block's `dims` and converts them to
     /// what `path` reads: shifted rows stay rows on the fused paths; everything else is dense,
-    /// in f32 (f64 for an f64 block; the mask saturated to the block's dtype `range` first).
-    fn new(
+    /// in f32 (f64 for an f64 block; a mask of a half format widened, a wider one saturated).
+    pub(super) fn new(
         bias: Option<LogitsBias>,
         mask: Option<Tensor>,
         dims: (usize, usize, usize, usize),
         path: Path,
         q: &Tensor,
-        range: DType,
     ) -> Result<Self> {
         let (dtype, device) = (terms_dtype(q.dtype()), q.device());
         let mut terms = Self {
@@ -712,10 +706,11 @@ impl LogitTerms {
             separable: Vec::new(),
         };
         if let Some(mask) = mask {
-            let mask = cast_mask(&mask, range)?;
-            terms.dense.push(match mask.dtype() == dtype {
-                true => mask,
-                false => widened_mask(&mask, dtype)?,
+            // A half-format mask widened (its lowest value becomes the wider format's lowest);
+            // a wider one kept, saturated to the terms' range (f64::MIN for f32 logits).
+            terms.dense.push(match mask.dtype() {
+                DType::F16 | DType::BF16 => widened_mask(&mask, dtype)?,
+                _ => cast_mask(&mask, dtype)?,
             });
         }
         match bias {
@@ -778,10 +773,11 @@ impl LogitTerms {
                     true => terms.separable.extend(SeparableTerm::of(
                         &s.map(|t| bias_in(what, t, DType::F32))?,
                     )?),
-                    // Each pair summed in f32 and cast after, as the fused paths add it.
-                    false => terms
-                        .dense
-                        .push(bias_in(what, &s.to_dense(dims.2, dims.3)?, dtype)?),
+                    // Each pair cast, then summed, as the fused paths add it.
+                    false => terms.dense.push(
+                        s.map(|t| bias_in(what, t, dtype))?
+                            .to_dense(dims.2, dims.3)?,
+                    ),
                 }
             }
         }
@@ -947,73 +943,45 @@ fn cat(mut parts: Vec<Tensor>, dim: usize) -> Result<Tensor> {
     })
 }
 
-#[cfg(all(test, feature = "cuda"))]
-mod cuda {
+#[cfg(test)]
+pub(crate) mod terms {
     use candle_core::{DType, Device, Tensor};
 
     use super::{LogitTerms, Path};
-    use crate::attention::cuda::Mode;
     use crate::plug::LogitsBias;
 
-    /// The CUDA path and candle's ops take a bf16 block's dense terms in f32, unrounded: ALiBi's
-    /// causal row of a 600-token prefill holds `m·(j − 599)` down to −149.75, where bf16 steps
-    /// by whole units (before, decoding with ALiBi after 600 cached keys failed on an H100 by
-    /// that rounding). Builds the terms only, on the CPU: no GPU is needed.
-    #[test]
-    fn dense_terms_reach_the_kernel_unrounded() -> anyhow::Result<()> {
+    /// ALiBi's causal row of a 600-token prefill, `0.25·(j − 599)` down to −149.75, and the
+    /// terms `path` builds from it for a bf16 block, given as both a dense bias and a mask
+    /// (in that order in `dense`: the mask, then the bias).
+    pub(crate) fn long_row_terms(path: Path) -> anyhow::Result<(Vec<f32>, LogitTerms)> {
         let dev = Device::Cpu;
         let row: Vec<f32> = (0..600).map(|j| 0.25 * (j as f32 - 599.0)).collect();
         let bias = Tensor::from_vec(row.clone(), (1, 1, 1, 600), &dev)?;
         let q = Tensor::zeros((1, 1, 600, 64), DType::BF16, &dev)?;
-        for path in [Path::Cuda(Mode::Infer), Path::Ops] {
-            let terms = LogitTerms::new(
-                Some(LogitsBias::Dense(bias.clone())),
-                None,
-                (1, 1, 600, 600),
-                path,
-                &q,
-                DType::BF16,
-            )?;
-            let got = terms.dense[0]
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            assert_eq!(got, row, "{path:?}: dtype {:?}", terms.dense[0].dtype());
-        }
-        Ok(())
+        let terms = LogitTerms::new(
+            Some(LogitsBias::Dense(bias.clone())),
+            Some(bias),
+            (1, 1, 600, 600),
+            path,
+            &q,
+        )?;
+        Ok((row, terms))
     }
 
-    /// Mixed rows (Inkling's: each query's mix of a bank) reach the kernel built from f32
-    /// factors: the product of bf16 factors rounded to bf16 and cast after was 1.4% of the
-    /// largest output off the f64 block on an H200.
+    /// Every path (the CUDA kernels' too: `attention::cuda`'s tests) takes a bf16 block's dense
+    /// terms and masks in f32, unrounded: where bf16 steps by whole units, candle's ops were 21%
+    /// of the largest output off f64 by that rounding, and decoding with ALiBi after 600 cached
+    /// keys failed on an H100 by it; an f32 mask keeps its low bits too. Builds the terms only.
     #[test]
-    fn mixed_rows_reach_the_kernel_built_in_f32() -> anyhow::Result<()> {
-        use crate::plug::{Columns, RelativeBias};
-        let dev = Device::Cpu;
-        let (mix, bank): (Vec<f32>, Vec<f32>) = (
-            (0..2 * 5 * 3).map(|i| 1.0 + i as f32 / 64.0).collect(),
-            (0..3 * 7).map(|i| 1.0 + i as f32 / 128.0).collect(),
-        );
-        let mix = Tensor::from_vec(mix, (1, 2, 5, 3), &dev)?.to_dtype(DType::BF16)?;
-        let bank = Tensor::from_vec(bank, (3, 7), &dev)?.to_dtype(DType::BF16)?;
-        let want = crate::matmul::broadcast_matmul(
-            &mix.to_dtype(DType::F32)?,
-            &bank.to_dtype(DType::F32)?,
-        )?;
-        let rows = RelativeBias::mixed(mix, bank, Columns::Shift(4))?;
-        let q = Tensor::zeros((1, 2, 5, 64), DType::BF16, &dev)?;
-        let terms = LogitTerms::new(
-            Some(LogitsBias::Relative(rows)),
-            None,
-            (1, 2, 5, 3),
-            Path::Cuda(Mode::Infer),
-            &q,
-            DType::BF16,
-        )?;
-        let got = terms.rows[0].values()?;
-        assert_eq!(got.dtype(), DType::F32);
-        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-6, "rows off the f32 product by {diff}");
+    fn dense_terms_and_masks_reach_every_path_unrounded() -> anyhow::Result<()> {
+        for path in [Path::Ops, Path::Fused, Path::RowPass, Path::FusedTrain] {
+            let (row, terms) = long_row_terms(path)?;
+            for (t, what) in terms.dense.iter().zip(["mask", "bias"]) {
+                assert_eq!(t.dtype(), DType::F32, "{path:?} {what}");
+                let got = t.flatten_all()?.to_vec1::<f32>()?;
+                assert_eq!(got, row, "{path:?} {what}");
+            }
+        }
         Ok(())
     }
 }

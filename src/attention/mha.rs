@@ -295,13 +295,7 @@ impl MultiHeadAttention {
         };
         let dtype = v.dtype();
         let q = self.temper_queries(q, &call)?;
-        let mut chunk = self.chunk(
-            &call,
-            (q, k, v, dtype),
-            &k_positions,
-            differentiable,
-            options,
-        );
+        let mut chunk = self.chunk(&call, (q, k, v), &k_positions, differentiable, options);
         chunk.states = states;
         chunk.q_scaled = q_scaled;
         let attended = chunk.attend()?;
@@ -609,11 +603,11 @@ impl MultiHeadAttention {
         })
     }
 
-    /// The chunk as the execution paths take it (`dtype`: the block's, before any widening).
+    /// The chunk as the execution paths take it.
     fn chunk<'a>(
         &'a self,
         call: &'a Call,
-        (q, k, v, dtype): (Tensor, Tensor, Tensor, DType),
+        (q, k, v): (Tensor, Tensor, Tensor),
         k_positions: &'a Positions,
         differentiable: bool,
         options: &AttentionOptions,
@@ -646,7 +640,6 @@ impl MultiHeadAttention {
             logits_budget: cfg.logits_budget,
             return_weights: options.return_weights,
             encoding: self.encoding.as_deref(),
-            dtype,
             states: None,
         }
     }

@@ -24,16 +24,6 @@ pub(crate) use switch::{count_launch, Reach};
 #[cfg(feature = "cuda")]
 pub use switch::{fused_kernel, set_fused_kernel, FusedKernelScope};
 
-/// What the crate's CUDA kernels may take for tensors on `device`: nothing off a CUDA device
-/// or without the `cuda` feature, else the switch's reach for this thread's calls.
-#[cfg(feature = "cuda")]
-pub(crate) fn kernel_reach(device: &candle_core::Device) -> Reach {
-    match device.is_cuda() {
-        true => switch::reach(),
-        false => Reach::Off,
-    }
-}
-
 /// The switch's reach for this thread's calls, whatever the device.
 #[cfg(feature = "cuda")]
 pub(crate) fn switch_reach() -> Reach {

@@ -13,8 +13,8 @@ pub(crate) enum Reach {
     /// Candle's ops for every call.
     Off,
     /// The default: the kernels for the calls that passed against the f64 block on a GPU, and
-    /// candle's ops for those that have not yet run there (docs/gpu.md;
-    /// `untried` in `attention/cuda/mod.rs` holds the list).
+    /// candle's ops (or unsplit keys) for those that have not yet run there (docs/gpu.md; the
+    /// table above `proven_bias` in `attention/cuda/mod.rs` holds the list).
     Proven,
     /// Switched on explicitly: every call the kernels take.
     All,
@@ -40,7 +40,8 @@ pub(crate) fn count_launch() {
 
 /// Turns the fused CUDA kernels on for every call they take, or off, for every block in this
 /// process. Without it they are on for the calls that passed against the f64 block on a GPU
-/// (docs/gpu.md), or as `CANDLE_POSENC_CUDA_KERNEL` says: `1` on for every call, `0` off.
+/// (docs/gpu.md), or as `CANDLE_POSENC_CUDA_KERNEL` says: `1` (`true`, `on`) on for every
+/// call, any other non-empty value (`0`, `false`, `off`) off.
 pub fn set_fused_kernel(on: bool) {
     ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
@@ -50,9 +51,10 @@ thread_local! {
     static SCOPED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// The fused CUDA kernel on or off for the calls this thread makes while the value lives, in
-/// place of [`set_fused_kernel`]'s process-wide setting (scopes nest; dropping one restores
-/// what was in force when it was taken). The block chooses its path on the calling thread.
+/// The fused CUDA kernels on for every call they take, or off, for the calls this thread makes
+/// while the value lives, in place of [`set_fused_kernel`]'s process-wide setting or the
+/// default (scopes nest; dropping one restores what was in force when it was taken). The block
+/// chooses its path on the calling thread.
 #[derive(Debug)]
 #[must_use = "the setting holds only while the scope lives"]
 pub struct FusedKernelScope {
@@ -91,13 +93,19 @@ pub(crate) fn reach() -> Reach {
     }
     let state = match ENABLED.load(Ordering::Relaxed) {
         0 => {
-            let state = match std::env::var("CANDLE_POSENC_CUDA_KERNEL").as_deref() {
-                Ok("1") => 2,
-                Ok("0") => 1,
-                _ => 3,
+            // Unset (or empty): the default; `1`, `true` or `on`: every call; any other value
+            // (`0`, `false`, `off`, a typo): off, as before the default changed.
+            let var = std::env::var("CANDLE_POSENC_CUDA_KERNEL").unwrap_or_default();
+            let state = match var.trim().to_ascii_lowercase().as_str() {
+                "" => 3,
+                "1" | "true" | "on" => 2,
+                _ => 1,
             };
-            ENABLED.store(state, Ordering::Relaxed);
-            state
+            // A `set_fused_kernel` on another thread meanwhile wins.
+            match ENABLED.compare_exchange(0, state, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => state,
+                Err(set) => set,
+            }
         }
         state => state,
     };

@@ -602,7 +602,7 @@ impl RotaryEmbedding {
     }
 
     /// Rotates `x` in place when it is a contiguous CPU tensor outside any graph (or a CUDA
-    /// one, with the crate's CUDA kernels switched on), else out of place.
+    /// one, with the crate's CUDA kernels on: by default), else out of place.
     fn apply_owned(
         &self,
         x: Tensor,

@@ -140,7 +140,16 @@ impl CudaCore<'_> {
         self.check_output(out, first_row)?;
         let (b, h, tq, d) = self.q.dims4()?;
         let tk = self.k.dim(2)?;
-        let (splits, key_split) = key_splits(b * h, tq, tk, multiprocessors(self.q));
+        let rules = self.sinks.is_some()
+            || self.rule.window.is_some()
+            || self.rule.chunk.is_some()
+            || self.rule.softcap.is_some()
+            || self.padding.is_some()
+            || self.dense_masks;
+        let (splits, key_split) = match super::proven_split(rules) {
+            true => key_splits(b * h, tq, tk, multiprocessors(self.q)),
+            false => (1, 0),
+        };
         let partial = match splits {
             1 => None,
             _ => Some(Tensor::zeros(

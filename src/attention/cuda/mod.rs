@@ -15,8 +15,9 @@
 //! specialisation, `.ci/cuda-kernels`) and run against f64 on a CPU emulator
 //! (`tests/cuda_emulator`, `.ci/cuda-emulate`). On an H100 and an H200 (docs/gpu.md) they
 //! matched the f64 block for every encoding but Inkling, forward and backward, with no memcheck
-//! error, and ran 3–30× faster than candle's ops. The calls not yet run there ([`untried`])
-//! take candle's ops unless the switch ([`crate::cuda`]'s) is on for every call.
+//! error, and ran 3–30× faster than candle's ops. What has not yet passed there (the table
+//! above `proven_bias`) takes candle's ops, or keeps its keys unsplit, unless the switch
+//! ([`crate::cuda`]'s) is on for every call.
 //!
 //! Compiled with NVRTC at first use (the crate's one cache, `crate::cuda::nvrtc`), one module
 //! per head dimension and dtype, cached per process (the PTX) and per device (the module, by
@@ -87,25 +88,14 @@ pub(crate) enum Mode {}
 impl Mode {
     /// The mode for scaled, rotated `q`, `k` and `v`, when the kernels are on for their device
     /// and take them ([`kernel::takes`]): inference, or training (`grads`) without `dropout`
-    /// (the backward draws none), never returning the weights. `rules`: the call has sinks, a
-    /// sliding window or chunks. By default the kernels take only what has passed on a GPU
-    /// ([`untried`]).
+    /// (the backward draws none), never returning the weights.
     pub(crate) fn choose(
         (q, k, v): (&Tensor, &Tensor, &Tensor),
         grads: bool,
         weights: bool,
         dropout: bool,
-        rules: bool,
     ) -> Option<Mode> {
-        use crate::cuda::{kernel_reach, Reach};
-        let reach = kernel_reach(q.device());
-        let untried = || untried(q.dim(2).unwrap_or(0), k.dim(2).unwrap_or(0), rules, None);
-        let declined = match reach {
-            Reach::Off => true,
-            Reach::Proven => untried(),
-            Reach::All => false,
-        };
-        if weights || declined || !kernel::takes(q, k, v) {
+        if weights || !crate::cuda::kernels_on(q.device()) || !kernel::takes(q, k, v) {
             return None;
         }
         match (grads, dropout) {
@@ -119,7 +109,8 @@ impl Mode {
     /// track gradients leave inference; the backward gives dense terms, relative rows and a
     /// value table read through a shift their gradients (a separable bias, which this path
     /// reads summed, takes candle's ops). A value term read through an index
-    /// map takes candle's ops either way.
+    /// map takes candle's ops either way, and by default so do rows not yet proven on a GPU
+    /// ([`proven_bias`]).
     pub(crate) fn rechoose(
         self,
         tracked: bool,
@@ -137,9 +128,7 @@ impl Mode {
             (_, false) => true,
         };
         let values_shifted = values.is_none_or(|v| shifted(v.columns()));
-        let proven =
-            crate::cuda::switch_reach() == crate::cuda::Reach::All || !untried(0, 0, false, bias);
-        (keeps && values_shifted && proven).then_some(self)
+        (keeps && values_shifted && proven_bias(bias)).then_some(self)
     }
 
     /// Whether blocks come back token-major, `(B, n, H, D)` (training); inference writes the
@@ -185,20 +174,29 @@ impl Mode {
     }
 }
 
-/// Whether a call is one the kernels take but that has not yet passed against the f64 block on
-/// a GPU, which the default reach ([`crate::cuda::Reach::Proven`]) leaves to candle's ops
-/// (docs/gpu.md, the H200 run of 2026-11-28): `tq` queries against `tk` keys with `rules`
-/// (sinks, a window or chunks), or the encoding's `bias`.
-///
-/// | call | why not yet |
-/// |---|---|
-/// | one tile of queries against more keys (decoding: keys split across blocks) with sinks, a window or chunks | run on the CPU emulator only |
-/// | rows mixed from a bank (Inkling's) | built in bf16 they missed the f64 block by 1.4%; built from f32 factors since, not rerun |
+// What the kernels take but have not yet passed against the f64 block on a GPU (docs/gpu.md,
+// the H200 run of 2026-11-28), and what the default reach (`crate::cuda::Reach::Proven`) does
+// with it; switched on explicitly (`Reach::All`) the kernels take all of it:
+//
+// | call | by default | why not yet |
+// |---|---|---|
+// | rows mixed from a bank (Inkling's) | candle's ops | built in bf16 they missed the f64 block by 1.4%; built from f32 factors since, not rerun |
+// | keys split across thread blocks (a few queries against many keys: decoding) with sinks, a window, chunks, padding, a mask or a soft cap | the kernel, keys unsplit | split so, run on the CPU emulator only; split with every encoding's terms, and unsplit with each of these, passed |
+
+/// Whether the encoding's `bias` has passed on a GPU, or the kernels are on for every call
+/// (the table above).
 #[cfg(feature = "cuda")]
-fn untried(tq: usize, tk: usize, rules: bool, bias: Option<&LogitsBias>) -> bool {
-    let split_keys = tq > 0 && tq <= kernel::TILE && tk > kernel::TILE;
+fn proven_bias(bias: Option<&LogitsBias>) -> bool {
     let mixed = matches!(bias, Some(LogitsBias::Relative(r)) if r.mixed_rows().is_some());
-    (split_keys && rules) || mixed
+    !mixed || crate::cuda::switch_reach() == crate::cuda::Reach::All
+}
+
+/// Whether keys may be split across thread blocks for a call with `rules` (sinks, a window,
+/// chunks, padding, a mask or a soft cap): none, or the kernels on for every call (the table
+/// above).
+#[cfg(feature = "cuda")]
+fn proven_split(rules: bool) -> bool {
+    !rules || crate::cuda::switch_reach() == crate::cuda::Reach::All
 }
 
 /// Without the `cuda` feature no value of [`Mode`] exists: these are never called.
@@ -209,7 +207,6 @@ impl Mode {
         _grads: bool,
         _weights: bool,
         _dropout: bool,
-        _rules: bool,
     ) -> Option<Mode> {
         None
     }
@@ -243,26 +240,81 @@ impl Mode {
 mod tests {
     use candle_core::{DType, Device, Tensor};
 
-    use super::untried;
+    use super::{proven_bias, proven_split, Mode};
+    use crate::attention::blocks::{LogitTerms, Path};
+    use crate::cuda::FusedKernelScope;
     use crate::plug::{Columns, LogitsBias, RelativeBias};
 
-    /// The default reach's list: decoding with sinks, a window or chunks, and mixed rows, are
-    /// left to candle's ops; a prefill with them, decoding without them and plain rows are not.
+    /// The default reach's table: mixed rows go to candle's ops and calls with rules keep their
+    /// keys whole, unless the kernels are on for every call; plain rows and calls without
+    /// rules are proven.
     #[test]
-    fn untried_calls_are_the_listed_ones() -> anyhow::Result<()> {
-        assert!(untried(1, 600, true, None), "decoding with rules");
-        assert!(untried(64, 65, true, None), "one tile against two");
-        assert!(!untried(65, 600, true, None), "a prefill with rules");
-        assert!(!untried(1, 600, false, None), "decoding without rules");
-        assert!(!untried(1, 64, true, None), "one tile of keys: no split");
+    fn the_default_reach_leaves_out_the_listed_calls() -> anyhow::Result<()> {
         let dev = Device::Cpu;
         let rows = Tensor::zeros((1, 2, 1, 9), DType::F32, &dev)?;
         let plain = LogitsBias::Relative(RelativeBias::new(rows, Columns::Shift(4))?);
-        assert!(!untried(100, 100, false, Some(&plain)), "plain rows");
         let mix = Tensor::zeros((1, 2, 5, 3), DType::F32, &dev)?;
         let bank = Tensor::zeros((3, 9), DType::F32, &dev)?;
         let mixed = LogitsBias::Relative(RelativeBias::mixed(mix, bank, Columns::Shift(4))?);
-        assert!(untried(100, 100, false, Some(&mixed)), "mixed rows");
+        // The process-wide default (no scope, nothing set, CANDLE_POSENC_CUDA_KERNEL unset).
+        if std::env::var_os("CANDLE_POSENC_CUDA_KERNEL").is_none() {
+            assert!(proven_bias(None) && proven_bias(Some(&plain)));
+            assert!(!proven_bias(Some(&mixed)), "mixed rows");
+            assert!(
+                proven_split(false) && !proven_split(true),
+                "split keys with rules"
+            );
+        }
+        let _all = FusedKernelScope::new(true);
+        assert!(
+            proven_bias(Some(&mixed)) && proven_split(true),
+            "on for every call"
+        );
+        Ok(())
+    }
+
+    /// The kernels take a bf16 block's dense terms and masks in f32, unrounded, as every path
+    /// does (`blocks::terms`): decoding with ALiBi after 600 cached keys failed on an H100 when
+    /// its causal row, down to −149.75, reached the kernel rounded to bf16.
+    #[test]
+    fn dense_terms_reach_the_kernel_unrounded() -> anyhow::Result<()> {
+        let (row, terms) =
+            crate::attention::blocks::terms::long_row_terms(Path::Cuda(Mode::Infer))?;
+        for t in &terms.dense {
+            assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, row);
+        }
+        Ok(())
+    }
+
+    /// Mixed rows (Inkling's: each query's mix of a bank) reach the kernel built from f32
+    /// factors: the product of bf16 factors rounded to bf16 and cast after was 1.4% of the
+    /// largest output off the f64 block on an H200.
+    #[test]
+    fn mixed_rows_reach_the_kernel_built_in_f32() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let (mix, bank): (Vec<f32>, Vec<f32>) = (
+            (0..2 * 5 * 3).map(|i| 1.0 + i as f32 / 64.0).collect(),
+            (0..3 * 7).map(|i| 1.0 + i as f32 / 128.0).collect(),
+        );
+        let mix = Tensor::from_vec(mix, (1, 2, 5, 3), &dev)?.to_dtype(DType::BF16)?;
+        let bank = Tensor::from_vec(bank, (3, 7), &dev)?.to_dtype(DType::BF16)?;
+        let want = crate::matmul::broadcast_matmul(
+            &mix.to_dtype(DType::F32)?,
+            &bank.to_dtype(DType::F32)?,
+        )?;
+        let rows = RelativeBias::mixed(mix, bank, Columns::Shift(4))?;
+        let q = Tensor::zeros((1, 2, 5, 64), DType::BF16, &dev)?;
+        let terms = LogitTerms::new(
+            Some(LogitsBias::Relative(rows)),
+            None,
+            (1, 2, 5, 3),
+            Path::Cuda(Mode::Infer),
+            &q,
+        )?;
+        let got = terms.rows[0].values()?;
+        assert_eq!(got.dtype(), DType::F32);
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "rows off the f32 product by {diff}");
         Ok(())
     }
 }
