@@ -116,6 +116,19 @@ impl Bench {
         })
     }
 
+    /// The block's shape and the run settings most sections read: `(B, H, d_model, T, runs per
+    /// median, --json)`.
+    pub(crate) fn settings(&self) -> (usize, usize, usize, usize, usize, bool) {
+        (
+            self.b,
+            self.heads,
+            self.d_model,
+            self.t,
+            self.runs,
+            self.json,
+        )
+    }
+
     /// The value after `flag` on the command line.
     pub(crate) fn arg_after(&self, flag: &str) -> Option<&String> {
         let i = self.args.iter().position(|a| a == flag)?;

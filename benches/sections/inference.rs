@@ -38,14 +38,7 @@ pub(crate) fn encodings(bench: &Bench) -> Result<()> {
 
 /// One encoding's row: its block paired with `none`, and its block in a child process.
 fn encoding_row(bench: &Bench, case: &Case, causal: bool, none: &MultiHeadAttention) -> Result<()> {
-    let (b, heads, d_model, t, runs, json) = (
-        bench.b,
-        bench.heads,
-        bench.d_model,
-        bench.t,
-        bench.runs,
-        bench.json,
-    );
+    let (b, heads, d_model, t, runs, json) = bench.settings();
     let (dev, x) = (&bench.dev, &bench.x);
     let mha = block(case, causal, d_model, heads, &bench.vb)?;
     let opts = AttentionOptions::default();
@@ -212,14 +205,7 @@ pub(crate) fn half(bench: &Bench) -> Result<()> {
 /// `--only blocks`: the automatic query block size against fixed ones, causal, no encoding
 /// and ALiBi.
 pub(crate) fn query_blocks(bench: &Bench) -> Result<()> {
-    let (b, heads, d_model, t, runs, json) = (
-        bench.b,
-        bench.heads,
-        bench.d_model,
-        bench.t,
-        bench.runs,
-        bench.json,
-    );
+    let (b, heads, d_model, t, runs, json) = bench.settings();
     let (dev, x) = (&bench.dev, &bench.x);
     println!(
         "\nquery blocks, B{b} H{heads} T{t}, causal (auto = {} queries):",
