@@ -117,6 +117,10 @@ pub fn patch_rows_cols(grids: &[PatchGrid], order: PatchOrder) -> Result<Vec<[u3
     let mut out = Vec::with_capacity(n);
     for grid in grids {
         order.check(grid)?;
+        if grid.t == 0 {
+            // No frames: its patches are not in the count budgeted above.
+            continue;
+        }
         let frame: Vec<[u32; 2]> = (0..grid.frame()?)
             .map(|k| {
                 let (r, c) = order.at(k, grid.w);
@@ -135,9 +139,23 @@ pub fn patch_rows_cols(grids: &[PatchGrid], order: PatchOrder) -> Result<Vec<[u3
 /// frames attend apart, as `get_vision_cu_seqlens` gives them), starting at 0.
 ///
 /// # Errors
-/// [`Error::InvalidConfig`] when the count overflows `usize`.
+/// [`Error::InvalidConfig`] when the count overflows `usize`, or the frames are more than the
+/// element budget ([`crate::limits`]) allows.
 pub fn cu_seqlens(grids: &[PatchGrid]) -> Result<Vec<usize>> {
-    let mut out = vec![0];
+    // One boundary per frame: counted and budgeted before any is written (a grid of no
+    // patches still has its frames).
+    let frames = grids
+        .iter()
+        .try_fold(1usize, |n, g| n.checked_add(g.t))
+        .ok_or_else(|| Error::config("patch grids", "their frames", "a count within usize"))?;
+    check_elements(
+        "patch grids",
+        format_args!("{} frames", frames - 1),
+        "span boundaries (one per frame, and 0)",
+        &[frames],
+    )?;
+    let mut out = Vec::with_capacity(frames);
+    out.push(0);
     let mut end = 0usize;
     for grid in grids {
         let frame = grid.frame()?;

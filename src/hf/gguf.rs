@@ -53,7 +53,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
@@ -61,6 +61,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Map};
 
 use crate::error::{check_float, Error, Result};
+use crate::limits::check_elements;
 use crate::rotary::RopeLayout;
 
 /// An architecture this reader knows: its name in GGUF, its HF `model_type`, and whether the
@@ -208,10 +209,28 @@ impl GgufFile {
     ///
     /// # Errors
     /// [`Error::Io`] when the file cannot be opened; [`Error::Checkpoint`] when it is not a
-    /// GGUF file candle reads, or its `general.architecture` is missing or not one read here.
+    /// GGUF file candle reads, its `general.alignment` is 0, or its `general.architecture` is
+    /// missing or not one read here; [`Error::InvalidConfig`] for a tensor whose element count
+    /// overflows or passes the budget ([`crate::limits`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let content = Content::read(&mut open(&path)?).map_err(|e| bad(&path, e.to_string()))?;
+        let mut reader = open(&path)?;
+        // candle divides by the alignment it reads: refused here first, then read back from
+        // the start.
+        if header::alignment(&mut reader) == Some(0) {
+            return Err(bad(
+                &path,
+                "`general.alignment` is 0, expected a positive alignment",
+            ));
+        }
+        reader
+            .seek(SeekFrom::Start(0))
+            .map_err(|source| Error::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let content = Content::read(&mut reader).map_err(|e| bad(&path, e.to_string()))?;
+        check_tensor_infos(&path, &content)?;
         let name = match content.metadata.get("general.architecture") {
             Some(Value::String(s)) => s.clone(),
             _ => return Err(bad(&path, "no `general.architecture` string")),
@@ -365,7 +384,13 @@ impl GgufFile {
             return Ok(v);
         }
         match self.content.tensor_infos.get("token_embd.weight") {
-            Some(info) => Ok(info.shape.dims()[0]),
+            Some(info) => match info.shape.dims() {
+                &[rows, _] => Ok(rows),
+                dims => Err(bad(
+                    &self.path,
+                    format!("`token_embd.weight` is {dims:?}, expected (vocab_size, hidden)"),
+                )),
+            },
             None => Err(bad(
                 &self.path,
                 "no `vocab_size` and no `token_embd.weight`",
@@ -459,6 +484,20 @@ impl GgufFile {
     }
 }
 
+/// Refuses a tensor whose element count overflows or passes the budget ([`crate::limits`]):
+/// each is dequantized to f32, and candle's reader multiplies its dimensions unchecked.
+fn check_tensor_infos(path: &Path, content: &Content) -> Result<()> {
+    for (name, info) in &content.tensor_infos {
+        check_elements(
+            "GGUF tensor",
+            format_args!("`{name}` of {:?} in {}", info.shape.dims(), path.display()),
+            "elements (dequantized to f32)",
+            info.shape.dims(),
+        )?;
+    }
+    Ok(())
+}
+
 /// The sizes the tensors' layout depends on.
 struct Sizes {
     hidden: usize,
@@ -480,5 +519,95 @@ fn bad(path: &Path, reason: impl Into<String>) -> Error {
     Error::Checkpoint {
         path: path.display().to_string(),
         reason: reason.into(),
+    }
+}
+
+/// The one header value candle's GGUF reader takes unchecked, found by walking the metadata
+/// without allocating: anything unexpected ends the walk, and candle's reader reports it.
+mod header {
+    use std::io::{Read, Seek, SeekFrom};
+
+    const KEY: &[u8] = b"general.alignment";
+
+    fn bytes<const N: usize>(r: &mut impl Read) -> Option<[u8; N]> {
+        let mut b = [0u8; N];
+        r.read_exact(&mut b).ok().map(|()| b)
+    }
+
+    fn u32(r: &mut impl Read) -> Option<u32> {
+        bytes(r).map(u32::from_le_bytes)
+    }
+
+    /// A length: u32 in version 1, u64 after.
+    fn len(r: &mut impl Read, v1: bool) -> Option<u64> {
+        match v1 {
+            true => u32(r).map(u64::from),
+            false => bytes(r).map(u64::from_le_bytes),
+        }
+    }
+
+    fn skip(r: &mut impl Seek, n: u64) -> Option<()> {
+        r.seek(SeekFrom::Current(i64::try_from(n).ok()?))
+            .ok()
+            .map(drop)
+    }
+
+    /// Bytes of a scalar of GGUF type `t`, `None` for strings and arrays.
+    fn scalar_size(t: u32) -> Option<u64> {
+        match t {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        }
+    }
+
+    /// Steps over a value of type `t` (arrays nested at most 64 deep, as candle reads them).
+    fn skip_value(r: &mut (impl Read + Seek), t: u32, v1: bool, depth: usize) -> Option<()> {
+        if let Some(n) = scalar_size(t) {
+            return skip(r, n);
+        }
+        match t {
+            8 => len(r, v1).and_then(|n| skip(r, n)),
+            9 if depth < 64 => {
+                let (inner, n) = (u32(r)?, len(r, v1)?);
+                match scalar_size(inner) {
+                    Some(size) => skip(r, size.checked_mul(n)?),
+                    None => (0..n).try_for_each(|_| skip_value(r, inner, v1, depth + 1)),
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// `general.alignment` as candle reads it (an unsigned or non-negative integer of at most
+    /// 32 bits), if the walk finds it.
+    pub(super) fn alignment(r: &mut (impl Read + Seek)) -> Option<u64> {
+        let (_magic, version) = (u32(r)?, u32(r)?);
+        let v1 = version == 1;
+        let (_tensors, entries) = (len(r, v1)?, len(r, v1)?);
+        for _ in 0..entries {
+            let key_len = len(r, v1)?;
+            let is_key = key_len == KEY.len() as u64 && bytes::<{ KEY.len() }>(r)? == *KEY;
+            if key_len != KEY.len() as u64 {
+                skip(r, key_len)?;
+            }
+            let t = u32(r)?;
+            if !is_key {
+                skip_value(r, t, v1, 0)?;
+                continue;
+            }
+            return match t {
+                0 => bytes::<1>(r).map(|b| u64::from(b[0])),
+                1 => bytes::<1>(r).and_then(|b| u64::try_from(i8::from_le_bytes(b)).ok()),
+                2 => bytes(r).map(|b| u64::from(u16::from_le_bytes(b))),
+                3 => bytes(r).and_then(|b| u64::try_from(i16::from_le_bytes(b)).ok()),
+                4 => u32(r).map(u64::from),
+                5 => bytes(r).and_then(|b| u64::try_from(i32::from_le_bytes(b)).ok()),
+                _ => None,
+            };
+        }
+        None
     }
 }

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_posenc::attention::AttentionOptions;
 use candle_posenc::checkpoint::Checkpoint;
 use candle_posenc::hf::HfAttentionConfig;
+use candle_posenc::limits::BudgetScope;
 use candle_posenc::positions::{PositionIds, Positions};
 use candle_posenc::vision::{
     block_diagonal_mask, cu_seqlens, patch_rows_cols, PatchGrid, PatchOrder,
@@ -155,6 +156,48 @@ fn helpers_refuse_what_hf_cannot_mean(dev: &Device) -> anyhow::Result<()> {
     let row: Vec<f32> = mask.flatten_all()?.narrow(0, 6, 3)?.to_vec1()?;
     assert_eq!(row, [f32::MIN, f32::MIN, 0.0]);
     Ok(())
+}
+
+/// Grids whose frames, or whose patches in frames never repeated, pass the budget: the
+/// helpers wrote one boundary per frame, and built a grid of no frames patch by patch, before
+/// any count was checked (an allocation abort for `t` or `h × w` near 2^40).
+#[test]
+fn frames_are_budgeted_before_they_are_written() {
+    let _scope = BudgetScope::new(1000);
+    let many = [PatchGrid {
+        t: 1 << 40,
+        h: 0,
+        w: 0,
+    }];
+    for got in [
+        cu_seqlens(&many).map(drop),
+        patch_rows_cols(&many, PatchOrder::RowMajor).map(drop),
+    ] {
+        let e = got.expect_err("2^40 frames");
+        assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains("1099511627776 frames"), "{text}");
+        assert!(
+            text.contains("span boundaries (one per frame, and 0) at most 1000"),
+            "{text}"
+        );
+    }
+    // No frames: nothing to lay out, however large the frame.
+    let none = [
+        PatchGrid {
+            t: 0,
+            h: 1 << 20,
+            w: 1 << 20,
+        },
+        PatchGrid::image(2, 2),
+    ];
+    assert_eq!(
+        patch_rows_cols(&none, PatchOrder::RowMajor)
+            .expect("4 patches")
+            .len(),
+        4
+    );
+    assert_eq!(cu_seqlens(&none).expect("one frame"), [0, 4]);
 }
 
 device_tests!(

@@ -6,6 +6,7 @@ mod bad_input;
 mod budget;
 mod fallbacks;
 mod finite;
+mod gguf;
 mod integer_ops;
 mod memory;
 mod non_finite;
