@@ -582,8 +582,9 @@ impl AttentionConfig {
 /// Per-call options of [`MultiHeadAttention::forward_with`](super::MultiHeadAttention::forward_with).
 #[derive(Debug, Clone, Default)]
 pub struct AttentionOptions<'a> {
-    /// Positions of the chunk's tokens. Default: continue the cache (`Offset(cache.next_position())`),
-    /// or `Offset(0)` without one.
+    /// Positions of the chunk's tokens. Default: continue the cache
+    /// ([`KvCache::continuation`](super::KvCache::continuation): each sequence one past its
+    /// own largest cached position), or `Offset(0)` without one.
     pub positions: Option<&'a Positions>,
     /// `(B, T_keys)`, non-zero for real tokens and 0 for padding; covers cached keys too.
     pub padding_mask: Option<&'a Tensor>,

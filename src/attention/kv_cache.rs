@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use super::short_conv::ConvState;
 use crate::error::{Error, Result};
 use crate::limits::max_elements;
-use crate::positions::Positions;
+use crate::positions::{PositionIds, Positions};
 
 /// Positions a cache's first storage holds unless asked otherwise.
 const DEFAULT_CAPACITY: usize = 512;
@@ -212,9 +212,44 @@ impl KvCache {
     }
 
     /// The position a chunk that continues the cache starts at: one past the last cached
-    /// offset, or one past the largest cached id.
+    /// offset, or one past the largest cached id of any sequence (a call given no positions
+    /// continues each sequence at its own: [`Self::continuation`]).
     pub fn next_position(&self) -> usize {
         self.positions.as_ref().map_or(0, |p| p.end(self.len()))
+    }
+
+    /// The positions of a chunk of `len` tokens that continues the cache, as a call given no
+    /// positions takes them: each sequence one past its own largest cached id (on any axis of
+    /// multimodal ids), so that a left-padded batch, whose rows end at different ids,
+    /// continues every row where it stopped; an offset when the rows end alike (or the cache
+    /// holds an offset). Reads the rows' ends back to the host when the cache holds ids.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if a continued position would pass
+    /// [`crate::positions::MAX_POSITION`]; device errors.
+    pub fn continuation(&self, len: usize) -> Result<Positions> {
+        let Some(Positions::Ids(ids)) = &self.positions else {
+            return Ok(Positions::Offset(self.next_position()));
+        };
+        // (B, T) ids, or (3, B, T) axes: the largest per row over every axis.
+        let ends: Vec<u32> = match ids.axes() {
+            Some(axes) => axes.max(2)?.max(0)?.to_vec1::<u32>()?,
+            None => ids.ids().max(1)?.to_vec1::<u32>()?,
+        };
+        let first = ends.first().copied();
+        if ends.iter().all(|&e| Some(e) == first) || ends.is_empty() {
+            return Ok(Positions::Offset(self.next_position()));
+        }
+        let rows = ends
+            .iter()
+            .map(|&e| {
+                let start = e as usize + 1;
+                let row = Positions::Offset(start);
+                row.check(1, len)?;
+                Ok((start..start + len).map(|p| p as u32).collect())
+            })
+            .collect::<Result<Vec<Vec<u32>>>>()?;
+        Ok(PositionIds::from_rows(&rows, ids.ids().device())?.into())
     }
 
     /// Keeps the first `len` cached tokens and forgets the rest (a rejected draft in

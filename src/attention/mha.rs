@@ -326,7 +326,11 @@ impl MultiHeadAttention {
         }
         let positions = match options.positions {
             Some(p) => p.clone(),
-            None => Positions::Offset(cache.map_or(0, KvCache::next_position)),
+            // Each sequence continues where the cache's left it.
+            None => match cache {
+                Some(c) => c.continuation(x.dims().get(1).copied().unwrap_or(0))?,
+                None => Positions::Offset(0),
+            },
         };
         let (b, t) = self.check_input(x, &positions)?;
         let cached = cache.map_or(0, KvCache::len);

@@ -452,6 +452,68 @@ fn kv_cache_with_position_ids(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A call given no positions continues each sequence one past its own largest cached id: a
+/// left-padded prompt (rows ending at ids 2 and 4) decoded in chunks without ids equals the
+/// whole forward with every row's ids. (Every row continued at one past the largest id of the
+/// batch, so the shorter rows skipped positions: silently another answer.)
+fn kv_cache_continues_each_row(dev: &Device) -> anyhow::Result<()> {
+    fn opts<'a>(p: Option<&'a Positions>, m: Option<&'a Tensor>) -> AttentionOptions<'a> {
+        AttentionOptions {
+            positions: p,
+            padding_mask: m,
+            ..Default::default()
+        }
+    }
+    let x = common::randn(0f32, 1.0, (2, 8, D_MODEL), dev)?;
+    let rows = [
+        vec![0u32, 0, 0, 1, 2, 3, 4, 5],
+        vec![0, 1, 2, 3, 4, 5, 6, 7],
+    ];
+    let pad = Tensor::new(&[[0u8, 0, 1, 1, 1, 1, 1, 1], [1; 8]], dev)?;
+    let ids =
+        |n: usize| PositionIds::from_rows(&[rows[0][..n].to_vec(), rows[1][..n].to_vec()], dev);
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, true, dev)?;
+        let all = Positions::from(ids(8)?);
+        let full = mha.forward_with(&x, &opts(Some(&all), Some(&pad)), None)?;
+        let mut cache = KvCache::new();
+        let prompt = Positions::from(ids(5)?);
+        let first = pad.narrow(1, 0, 5)?;
+        let mut outs = vec![
+            mha.forward_with(
+                &x.narrow(1, 0, 5)?,
+                &opts(Some(&prompt), Some(&first)),
+                Some(&mut cache),
+            )?
+            .output,
+        ];
+        for (start, len) in [(5, 1), (6, 2)] {
+            let seen = pad.narrow(1, 0, start + len)?;
+            let part = x.narrow(1, start, len)?;
+            outs.push(
+                mha.forward_with(&part, &opts(None, Some(&seen)), Some(&mut cache))?
+                    .output,
+            );
+        }
+        let decoded = Tensor::cat(&outs, 1)?;
+        for (row, from) in [(0, 2), (1, 0)] {
+            let (got, want) = (decoded.i((row, from..))?, full.output.i((row, from..))?);
+            assert_close(&got, &want, 1e-5, &format!("{name} seq {row}"))?;
+        }
+    }
+    // Rows that end alike continue at one offset.
+    let mut cache = KvCache::new();
+    let mha = random_block(None, true, dev)?;
+    let same = Positions::from(PositionIds::from_rows(&[vec![3, 4], vec![0, 4]], dev)?);
+    let o = AttentionOptions {
+        positions: Some(&same),
+        ..Default::default()
+    };
+    mha.forward_with(&x.narrow(1, 0, 2)?, &o, Some(&mut cache))?;
+    assert!(matches!(cache.continuation(3)?, Positions::Offset(5)));
+    Ok(())
+}
+
 fn causal_weights_and_rows(dev: &Device) -> anyhow::Result<()> {
     let x = common::randn(0f32, 1.0, (1, 5, D_MODEL), dev)?;
     let mha = random_block(None, true, dev)?;
@@ -1579,6 +1641,7 @@ device_tests!(
     kv_cache_truncates,
     kv_cache_refuses_another_dtype,
     kv_cache_with_position_ids,
+    kv_cache_continues_each_row,
     causal_weights_and_rows,
     padding_hides_keys,
     order_matters_only_with_an_encoding,
