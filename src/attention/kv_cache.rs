@@ -22,9 +22,10 @@ const DEFAULT_CAPACITY: usize = 512;
 /// the tokens held ([`Self::capacity`]).
 ///
 /// Beside the keys it keeps the per-token states of an encoding that reads the block's input
-/// ([`Content::Input`](crate::plug::Content::Input): FoX's cumulative log gates), so that a
-/// chunk continues them; truncating, a failed call and a streaming cache's eviction treat them
-/// as the keys. It also keeps the state of a block's short convolutions
+/// ([`Content::Input`](crate::plug::Content::Input), or FoX's cumulative log gates,
+/// [`Content::RunningSums`](crate::plug::Content::RunningSums)), so that a chunk continues
+/// them; truncating, a failed call and a streaming cache's eviction treat them as the keys
+/// (eviction also takes the forgotten tokens' terms out of running sums). It also keeps the state of a block's short convolutions
 /// ([`AttentionConfig::short_conv`](crate::AttentionConfig::short_conv): the last inputs of
 /// its key and value convolutions), which eviction leaves as it is (it is the newest tokens')
 /// and which cannot be truncated back.
@@ -83,6 +84,9 @@ pub struct KvCache {
     /// `(B, C, capacity)` storage the states are written into (doubling as they grow), and
     /// its owner, shared by clones as `owner` is for the keys.
     state_store: Option<(Tensor, Arc<()>)>,
+    /// Whether the states are running sums ([`Content::RunningSums`](crate::plug::Content)),
+    /// which eviction rebases.
+    sums: bool,
     /// The short convolutions' last inputs after the held tokens, when the block has them.
     conv: Option<ConvState>,
 }
@@ -122,6 +126,7 @@ impl KvCache {
             streaming: None,
             states: None,
             state_store: None,
+            sums: false,
             conv: None,
         }
     }
@@ -334,12 +339,14 @@ impl KvCache {
 
     /// Appends the states `(B, C, n)` of the chunk [`Self::append`] just appended (its last
     /// `n` tokens), returning every held token's, the chunk's still in the graph of `states`.
+    /// `sums`: the states are running sums, which eviction rebases.
     ///
     /// # Errors
     /// [`Error::Shape`] for states whose batch or channels differ from the held ones, or
     /// [`Error::InvalidConfig`] when the tokens held before the chunk were appended without
     /// states (by a block whose encoding reads no input).
-    pub(crate) fn append_states(&mut self, states: &Tensor) -> Result<Tensor> {
+    pub(crate) fn append_states(&mut self, states: &Tensor, sums: bool) -> Result<Tensor> {
+        self.sums = sums;
         let (b, c, n) = states.dims3()?;
         let before = self.len.checked_sub(n).ok_or_else(|| {
             Error::config("token states", n, "no more than the tokens just appended")
@@ -446,6 +453,7 @@ impl KvCache {
         self.owner = Arc::new(());
         self.states = None;
         self.state_store = None;
+        self.sums = false;
         self.conv = None;
     }
 
@@ -571,6 +579,10 @@ impl KvCache {
             // The sinks' states, then the window's: moved within this cache's own storage
             // (a packed copy first: the slots may overlap), else into a fresh tensor.
             let window = s.narrow(2, self.len - (keep - sinks), keep - sinks)?;
+            let window = match self.sums {
+                true => without_forgotten(s, sinks, self.len - (keep - sinks), &window)?,
+                false => window,
+            };
             self.states = Some(match &self.state_store {
                 Some((store, owner))
                     if Arc::strong_count(owner) == 1 && crate::plug::shares_storage(s, store) =>
@@ -717,6 +729,17 @@ impl KvCache {
         self.start = 0;
         Ok(())
     }
+}
+
+/// Running sums `window` of the held states `s` `(B, C, len)` with the terms of the forgotten
+/// tokens `sinks..first` taken out: less `s[first − 1] − s[sinks − 1]` (`s[−1] = 0`), so that
+/// the first kept token after the sinks continues the sinks' sum.
+fn without_forgotten(s: &Tensor, sinks: usize, first: usize, window: &Tensor) -> Result<Tensor> {
+    let mut forgotten = s.narrow(2, first - 1, 1)?;
+    if sinks > 0 {
+        forgotten = (forgotten - s.narrow(2, sinks - 1, 1)?)?;
+    }
+    Ok(window.broadcast_sub(&forgotten)?)
 }
 
 /// The error for storage that should be there (after an append) and is not.

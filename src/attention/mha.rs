@@ -290,7 +290,13 @@ impl MultiHeadAttention {
         let fresh = self.token_states(input, &ctx, cache.get().map(|c| &*c))?;
         let (q, k, v, k_positions) = self.rotate_and_cache(q, k, v, &call, &ctx, cache.get())?;
         let states = match (fresh, cache.get()) {
-            (Some(fresh), Some(cache)) => Some(cache.append_states(&fresh)?),
+            (Some(fresh), Some(cache)) => {
+                let sums = self
+                    .encoding
+                    .as_ref()
+                    .is_some_and(|e| e.content() == Content::RunningSums);
+                Some(cache.append_states(&fresh, sums)?)
+            }
             (fresh, _) => fresh,
         };
         let dtype = v.dtype();
@@ -420,7 +426,7 @@ impl MultiHeadAttention {
         let Some(e) = self.encoding.as_deref() else {
             return Ok(None);
         };
-        if e.content() != Content::Input {
+        if !e.content().reads_input() {
             return Ok(None);
         }
         let carried = cache.and_then(KvCache::states);

@@ -163,6 +163,20 @@ pub enum Content {
     /// [`KvCache`](crate::KvCache) holds the cached tokens' states) and hands each query
     /// block's to the bias and value hooks ([`AttentionContext::states`]).
     Input,
+    /// As [`Content::Input`], with states that are running sums over the sequence of a
+    /// per-token term (FoX's cumulative log gates), read only through their differences: a
+    /// streaming cache that forgets tokens takes their terms out of the sums of the tokens
+    /// it keeps after them, so that the held tokens' states are those of the held tokens in
+    /// a row (as their positions are their slots).
+    RunningSums,
+}
+
+impl Content {
+    /// Whether the answers read per-token states from the block's input
+    /// ([`Content::Input`] or [`Content::RunningSums`]).
+    pub fn reads_input(self) -> bool {
+        matches!(self, Content::Input | Content::RunningSums)
+    }
 }
 
 /// The per-token states of one query block's queries and keys, as the block hands them to

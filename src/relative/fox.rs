@@ -28,8 +28,11 @@
 //!
 //! Decoding is exact: the KV cache keeps every held token's sums and a step continues them.
 //! (x-transformers' own cached decoding computes the gates of the new tokens only, so a step
-//! forgets nothing of the cached ones.) A streaming cache keeps the sums of the tokens it keeps:
-//! the bias between two held tokens still counts the gates of the evicted ones between them.
+//! forgets nothing of the cached ones.) The sums are [`Content::RunningSums`]: a streaming cache
+//! takes the gates of the tokens it forgets out of the sums of the tokens it keeps after them,
+//! so that the bias between two held tokens counts the gates of the held tokens between them,
+//! as one forward over the held tokens in a row does (every other encoding sees the held
+//! tokens at their slots), and the sums stay bounded however long the stream.
 
 use std::sync::Arc;
 
@@ -256,7 +259,7 @@ impl PositionalEncoding for ForgettingGates {
     }
 
     fn content(&self) -> Content {
-        Content::Input
+        Content::RunningSums
     }
 
     /// `c_i − c_j` as a [`SeparableBias`], with the reverse half bidirectional.

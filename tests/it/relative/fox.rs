@@ -8,7 +8,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
     AttentionConfig, AttentionOptions, EncodingConfig, Error, ForgettingGates, FoxConfig, KvCache,
@@ -207,24 +207,49 @@ fn decodes_as_one_forward(mha: &MultiHeadAttention, dev: &Device) -> anyhow::Res
     Ok(())
 }
 
-/// A streaming cache keeps the sums of the tokens it keeps: every step runs, finite, past
-/// the first evictions, alike whether it moves the states in its own storage or not.
-fn streaming_cache_runs(dev: &Device) -> anyhow::Result<()> {
-    let (_, mha) = blocks(true, dev)?;
-    let mut cache = KvCache::streaming(1, 3);
-    // A second cache whose storage a clone shares at every step: its evictions move the
-    // states into fresh tensors, the first cache's within its own storage; the same outputs.
-    let mut shared = KvCache::streaming(1, 3);
+/// A streaming cache takes the gates of the tokens it forgets out of the sums of those it
+/// keeps: each chunk's output equals one forward over the held tokens and the chunk in a row
+/// (as every encoding's does at its slots), causal and bidirectional, token by token and in
+/// uneven chunks, alike whether the cache moves the states in its own storage or, shared by a
+/// clone, into fresh tensors. (The sums kept the forgotten gates, so the sinks' bias fell
+/// without bound as the stream grew: another answer, silently.)
+fn streaming_cache_holds_the_kept_tokens_in_a_row(dev: &Device) -> anyhow::Result<()> {
+    let (sinks, window) = (1, 3);
+    let x = common::randn(0f32, 1.0, (2, 16, D_MODEL), dev)?;
     let opts = AttentionOptions::default();
-    for step in 0..7 {
-        let x = common::randn(0f32, 1.0, (2, 1, D_MODEL), dev)?;
-        let out = mha.forward_with(&x, &opts, Some(&mut cache))?.output;
-        let top = out.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(top.is_finite(), "step {step}");
-        assert_eq!(cache.len(), (step + 1).min(4), "step {step}");
-        let _held = shared.clone();
-        let other = mha.forward_with(&x, &opts, Some(&mut shared))?.output;
-        assert_close(&other, &out, 1e-6, &format!("step {step}, storage shared"))?;
+    for (causal, chunks) in [
+        (true, vec![1; 16]),
+        (true, vec![2, 3, 1, 4, 1, 5]),
+        (false, vec![2, 3, 1, 4, 1, 5]),
+    ] {
+        let (_, mha) = blocks(causal, dev)?;
+        let (mut cache, mut shared) = (
+            KvCache::streaming(sinks, window),
+            KvCache::streaming(sinks, window),
+        );
+        let (mut held, mut at): (Vec<usize>, usize) = (Vec::new(), 0);
+        for n in chunks {
+            let part = x.narrow(1, at, n)?;
+            let got = mha.forward_with(&part, &opts, Some(&mut cache))?.output;
+            let _clone = shared.clone();
+            let other = mha.forward_with(&part, &opts, Some(&mut shared))?.output;
+            held.extend(at..at + n);
+            let rows = held
+                .iter()
+                .map(|&j| x.narrow(1, j, 1))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let want = mha
+                .forward(&Tensor::cat(&rows, 1)?)?
+                .narrow(1, held.len() - n, n)?;
+            let what = format!("causal {causal}, tokens {at}..{}", at + n);
+            assert_close(&got, &want, 1e-5, &what)?;
+            assert_close(&other, &got, 1e-6, &format!("{what}, storage shared"))?;
+            if held.len() > sinks + window {
+                held.drain(sinks..held.len() - window);
+            }
+            assert_eq!(cache.len(), held.len(), "{what}");
+            at += n;
+        }
     }
     Ok(())
 }
@@ -282,7 +307,7 @@ case_tests!(matches_x_transformers:
 
 device_tests!(
     decoding_equals_one_forward,
-    streaming_cache_runs,
+    streaming_cache_holds_the_kept_tokens_in_a_row,
     refusals,
     config_round_trips
 );
