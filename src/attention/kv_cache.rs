@@ -319,10 +319,12 @@ impl KvCache {
         self.conv = conv;
     }
 
-    /// The short convolutions' state after the held tokens, when they left one (none in an
-    /// empty cache).
+    /// The short convolutions' state after the tokens seen, when they left one: kept by a
+    /// streaming cache that holds no token (`streaming(0, 0)` forgets every token after its
+    /// chunk, not the inputs the next chunk's convolutions read); none in a new, reset or
+    /// truncated-to-nothing cache.
     pub(crate) fn conv_state(&self) -> Option<&ConvState> {
-        self.conv.as_ref().filter(|_| self.len > 0)
+        self.conv.as_ref()
     }
 
     /// Keeps the short convolutions' state after the chunk just appended.

@@ -395,15 +395,17 @@ impl MultiHeadAttention {
         if self.short_conv.is_none() {
             return Ok(None);
         }
-        let state = match cache {
-            Some(c) if !c.is_empty() => Some(c.conv_state().cloned().ok_or_else(|| {
-                Error::config(
+        // The state continues the tokens seen, which a streaming cache may hold none of.
+        let state = match cache.map(|c| (c.conv_state(), c.is_empty())) {
+            Some((Some(state), _)) => Some(state.clone()),
+            Some((None, false)) => {
+                return Err(Error::config(
                     "KV cache",
                     "tokens held without a short convolution state",
                     "a cache filled by this block (its keys and values are convolved over \
                      the tokens before the chunk)",
-                )
-            })?),
+                ))
+            }
             _ => None,
         };
         let keep = call

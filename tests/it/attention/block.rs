@@ -1521,6 +1521,45 @@ fn streaming_case(
     Ok(())
 }
 
+/// A streaming cache forgets keys, not the inputs its block's short convolutions read next:
+/// fed token by token, each token's keys and values are convolved over the tokens just before
+/// it, and it attends to the held ones: the whole forward with the forgotten keys masked out.
+/// Checked for every split of sinks and window, `streaming(0, 0)` (which holds no token
+/// between calls) included. (That one dropped the state with its tokens: each step convolved
+/// over zeros, silently.)
+fn streaming_cache_keeps_the_convolution_state(dev: &Device) -> anyhow::Result<()> {
+    let cfg = AttentionConfig::new(16, 4)
+        .with_causal(true)
+        .with_short_conv(Some(3));
+    let vb = VarBuilder::from_tensors(random_weights(&cfg, 0.4, dev)?, DType::F32, dev);
+    let block = MultiHeadAttention::new(&cfg, None, vb.pp("a"))?;
+    let x = common::randn(0f32, 1.0, (2, 8, 16), dev)?;
+    for (sinks, window) in [(0, 0), (0, 2), (1, 0), (1, 2)] {
+        let mut cache = KvCache::streaming(sinks, window);
+        let mut held: Vec<usize> = Vec::new();
+        for t in 0..8 {
+            let opts = AttentionOptions::default();
+            let got = block.forward_with(&x.i((.., t..t + 1))?, &opts, Some(&mut cache))?;
+            held.push(t);
+            let keep: Vec<f32> = (0..=t)
+                .map(|j| if held.contains(&j) { 0.0 } else { f32::MIN })
+                .collect();
+            let mask = Tensor::from_vec(keep, (1, 1, 1, t + 1), dev)?;
+            let opts = AttentionOptions {
+                attn_mask: Some(&mask),
+                ..Default::default()
+            };
+            let want = block.forward_with(&x.i((.., ..=t))?, &opts, None)?.output;
+            let what = format!("streaming({sinks}, {window}), token {t}");
+            assert_close(&got.output, &want.i((.., t..t + 1))?, 1e-5, &what)?;
+            if held.len() > sinks + window {
+                held.drain(sinks..held.len() - window);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// With sinks the softmax no longer ignores a constant along a row, so ALiBi gives its
 /// formula `−m·(i − j)` exactly rather than its per-key form (which shifted each row by its
 /// query's position: query blocks of different sizes gave different answers).
@@ -1631,6 +1670,7 @@ device_tests!(
     attention_temperature_scales_queries_by_cache_slot,
     latent_attention_block,
     streaming_cache_keeps_sinks_and_a_window,
+    streaming_cache_keeps_the_convolution_state,
     alibi_with_sinks_is_exact,
     parity_plain,
     parity_sinusoidal_causal_bias,
