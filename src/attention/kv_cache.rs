@@ -30,6 +30,10 @@ const DEFAULT_CAPACITY: usize = 512;
 /// its key and value convolutions), which eviction leaves as it is (it is the newest tokens')
 /// and which cannot be truncated back.
 ///
+/// A cache belongs to the block that filled it (and its clones): another block's call is
+/// refused with [`Error::InvalidConfig`] until the cache is emptied ([`Self::reset`], or
+/// [`Self::truncate`] to nothing), since its keys and values would be another layer's.
+///
 /// A clone is an independent cache (beam search, branching): clones share storage only until
 /// one of them appends, which first copies what it holds (copy on write), so no clone ever sees
 /// another's keys.
@@ -89,6 +93,23 @@ pub struct KvCache {
     sums: bool,
     /// The short convolutions' last inputs after the held tokens, when the block has them.
     conv: Option<ConvState>,
+    /// The block whose chunks filled the cache, until it is emptied (reset or truncated to
+    /// nothing).
+    block: Option<BlockId>,
+}
+
+/// A block's identity for the caches it fills: fresh for each block built, kept by its
+/// clones, so that a cache continues only the block that filled it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockId(u64);
+
+impl BlockId {
+    /// An identity no other block has.
+    pub(crate) fn fresh() -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
 }
 
 /// What [`KvCache::append`], [`KvCache::append_states`] and [`KvCache::set_conv_state`]
@@ -128,6 +149,7 @@ impl KvCache {
             state_store: None,
             sums: false,
             conv: None,
+            block: None,
         }
     }
 
@@ -284,6 +306,7 @@ impl KvCache {
         }
         if len == 0 {
             self.conv = None;
+            self.block = None;
         }
         if len == 0 {
             self.positions = None;
@@ -317,6 +340,25 @@ impl KvCache {
         self.positions = positions;
         self.states = states;
         self.conv = conv;
+    }
+
+    /// Checks that `block` may continue the cache: it is empty (new, reset or truncated to
+    /// nothing) or was filled by `block` (or a clone of it).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a cache filled by another block: its keys and values are
+    /// another layer's (or rotated by another encoding), which no answer of this block could
+    /// read.
+    pub(crate) fn check_block(&self, block: BlockId) -> Result<()> {
+        match self.block {
+            Some(filler) if filler != block => Err(Error::config(
+                "KV cache",
+                "filled by another block",
+                "a cache filled by this block or a clone of it (one cache per layer; \
+                 reset or truncate it to nothing to reuse it)",
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The short convolutions' state after the tokens seen, when they left one: kept by a
@@ -457,6 +499,7 @@ impl KvCache {
         self.state_store = None;
         self.sums = false;
         self.conv = None;
+        self.block = None;
     }
 
     /// Appends a chunk and returns every cached key and value with the keys' positions.
@@ -784,11 +827,12 @@ impl<'c> CacheGuard<'c> {
         self.cache.as_deref_mut()
     }
 
-    /// Keeps the chunk: a streaming cache forgets what falls between its sinks and its window.
-    /// If that fails, the cache is put back.
-    pub(crate) fn commit(mut self) -> Result<()> {
+    /// Keeps the chunk, as `block`'s: a streaming cache forgets what falls between its sinks
+    /// and its window. If that fails, the cache is put back.
+    pub(crate) fn commit(mut self, block: BlockId) -> Result<()> {
         if let Some(cache) = self.cache.as_deref_mut() {
             cache.evict()?;
+            cache.block = Some(block);
         }
         self.mark = None;
         Ok(())

@@ -34,7 +34,7 @@ use super::blocks::Chunk;
 use super::config::{AttentionConfig, AttentionOptions, AttentionOutput};
 use super::dropout::{fresh_seed, Dropout};
 use super::fused_softmax::RowRule;
-use super::kv_cache::{CacheGuard, KvCache};
+use super::kv_cache::{BlockId, CacheGuard, KvCache};
 use super::latent::LatentProjections;
 use super::mask::check_padding;
 use super::projection::{self, parts};
@@ -92,6 +92,8 @@ pub struct MultiHeadAttention {
     /// Whether a call may run as one node or one pass ([`train_node`], [`one_pass`]); off
     /// only in tests that compare them with the pipeline.
     one_node: bool,
+    /// Which block a cache was filled by (a clone is the same block; another encoding is not).
+    id: BlockId,
 }
 
 /// Where q, k and v come from.
@@ -188,6 +190,7 @@ impl MultiHeadAttention {
             sinks,
             encoding,
             one_node: true,
+            id: BlockId::fresh(),
         };
         // A `VarMap` hands back a variable it already holds in the variable's own dtype.
         for t in block.held() {
@@ -207,8 +210,12 @@ impl MultiHeadAttention {
     }
 
     /// Replaces the encoding (the projections are kept).
+    ///
+    /// The block is then another one for a [`KvCache`]: the keys it caches are rotated by the
+    /// new encoding.
     pub fn with_encoding(mut self, encoding: Option<Arc<dyn PositionalEncoding>>) -> Self {
         self.encoding = encoding;
+        self.id = BlockId::fresh();
         self
     }
 
@@ -307,7 +314,7 @@ impl MultiHeadAttention {
         let attended = chunk.attend()?;
         let heads = attended.out.to_dtype(dtype)?;
         let output = self.merge_and_project(&heads, (call.b, call.t), differentiable)?;
-        cache.commit()?;
+        cache.commit(self.id)?;
         Ok(AttentionOutput {
             output,
             weights: attended.weights,
@@ -322,6 +329,9 @@ impl MultiHeadAttention {
         options: &AttentionOptions,
         cache: Option<&KvCache>,
     ) -> Result<Call> {
+        if let Some(c) = cache {
+            c.check_block(self.id)?;
+        }
         let streaming = cache.is_some_and(|c| c.streaming_window().is_some());
         if streaming && options.positions.is_some() {
             return Err(Error::config(

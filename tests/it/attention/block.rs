@@ -334,7 +334,8 @@ fn kv_cache_truncates(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A cache filled by an f32 block refuses the keys of an f64 block with a typed error.
+/// A cache filled by an f32 block refuses the chunks of an f64 block with a typed error, and
+/// takes them once emptied.
 fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
     let cfg = base_cfg().with_causal(true);
     let vb = |dtype| {
@@ -349,7 +350,7 @@ fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
     let err = f64_block
         .forward_with(&x.to_dtype(DType::F64)?, &opts, Some(&mut cache))
         .unwrap_err();
-    assert!(matches!(err, Error::DType { .. }), "{err}");
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
     assert_eq!(cache.len(), 2);
     // An empty cache takes any chunk, whatever its storage held before: truncated to nothing
     // (found by the api fuzz target: it still asked for the old batch) or reset.
@@ -367,6 +368,46 @@ fn kv_cache_refuses_another_dtype(dev: &Device) -> anyhow::Result<()> {
     cache.reset();
     f32_block.forward_with(&x, &opts, Some(&mut cache))?;
     assert_eq!(cache.len(), 2);
+    Ok(())
+}
+
+/// A cache belongs to the block that filled it: another block of the same shapes (the next
+/// layer, or the same weights under another encoding) is refused with a typed error and leaves
+/// the cache as it was, a clone of the block continues it, and an emptied cache takes any
+/// block. (One cache handed to two layers appended the second layer's keys after the first's
+/// and attended to both: another answer, silently.)
+fn kv_cache_belongs_to_its_block(dev: &Device) -> anyhow::Result<()> {
+    let (first, second) = (
+        random_block(None, true, dev)?,
+        random_block(None, true, dev)?,
+    );
+    let rotated = first
+        .clone()
+        .with_encoding(encodings(dev)?.pop().and_then(|(_, e)| e));
+    let x = common::randn(0f32, 1.0, (1, 3, D_MODEL), dev)?;
+    let opts = AttentionOptions::default();
+    let mut cache = KvCache::new();
+    first.forward_with(&x, &opts, Some(&mut cache))?;
+    for other in [&second, &rotated] {
+        let err = other.forward_with(&x, &opts, Some(&mut cache)).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidConfig { name, .. } if *name == "KV cache"),
+            "{err}"
+        );
+        assert_eq!(cache.len(), 3);
+    }
+    let mut whole = KvCache::new();
+    let want = first.forward_with(&Tensor::cat(&[&x, &x], 1)?, &opts, Some(&mut whole))?;
+    let got = first.clone().forward_with(&x, &opts, Some(&mut cache))?;
+    assert_close(&got.output, &want.output.narrow(1, 3, 3)?, 1e-5, "a clone")?;
+    for emptied in [true, false] {
+        match emptied {
+            true => cache.truncate(0)?,
+            false => cache.reset(),
+        }
+        second.forward_with(&x, &opts, Some(&mut cache))?;
+        assert_eq!(cache.len(), 3);
+    }
     Ok(())
 }
 
@@ -1680,6 +1721,7 @@ device_tests!(
     kv_cache_clones_are_independent,
     kv_cache_truncates,
     kv_cache_refuses_another_dtype,
+    kv_cache_belongs_to_its_block,
     kv_cache_with_position_ids,
     kv_cache_continues_each_row,
     causal_weights_and_rows,

@@ -3,6 +3,7 @@
 
 use crate::common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -202,14 +203,16 @@ fn cache_positions_after_an_undo(dev: &Device) -> anyhow::Result<()> {
         common::assert_close(&a.output, &b.output, 0.0, "after truncate")?;
     }
     // A failed chunk leaves the cache as it was, then the cache works on.
-    let t5 = T5RelativeBias::new(&T5Config::new(3), vb.pp("t5"))?; // 3 heads for a 2-head block
-    let bad = mha.clone().with_encoding(Some(Arc::new(t5)));
+    let misfit = Arc::new(Misfit::default());
+    let mha = mha.with_encoding(Some(misfit.clone()));
     let mut cache = KvCache::new();
     mha.forward_with(&x, &Default::default(), Some(&mut cache))?;
     let before = (cache.len(), cache.next_position());
-    let err = bad
+    misfit.0.store(true, Ordering::Relaxed);
+    let err = mha
         .forward_with(&x, &Default::default(), Some(&mut cache))
         .unwrap_err();
+    misfit.0.store(false, Ordering::Relaxed);
     assert!(matches!(err, Error::Shape { .. }), "{err}");
     assert_eq!((cache.len(), cache.next_position()), before);
     let mask = Tensor::zeros((1, 2, 3, 6), DType::F32, dev)?;
@@ -224,6 +227,25 @@ fn cache_positions_after_an_undo(dev: &Device) -> anyhow::Result<()> {
     mha.forward_with(&x, &Default::default(), Some(&mut cache))?;
     assert_eq!((cache.len(), cache.next_position()), (6, 6));
     Ok(())
+}
+
+/// An encoding whose bias, while armed, has 3 heads (for a 2-head block): a chunk that fails
+/// after it was appended.
+#[derive(Debug, Default)]
+struct Misfit(AtomicBool);
+
+impl PositionalEncoding for Misfit {
+    fn logits_bias(
+        &self,
+        q: &Tensor,
+        ctx: &AttentionContext,
+    ) -> candle_posenc::Result<Option<LogitsBias>> {
+        if !self.0.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let bias = Tensor::zeros((1, 3, 1, ctx.k_len), DType::F32, q.device())?;
+        Ok(Some(LogitsBias::Dense(bias)))
+    }
 }
 
 /// A chunk longer than every index is a valid setting: it splits a padded sequence only at its
