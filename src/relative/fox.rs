@@ -240,7 +240,9 @@ impl ForgettingGates {
 }
 
 impl PositionalEncoding for ForgettingGates {
-    /// The cumulative log gates of the chunk's tokens, continuing the last of `carried`.
+    /// The cumulative log gates of the chunk's tokens, continuing the last of `carried`
+    /// (`(B, G, T_cached)`, the chunk's batch and gates: checked, since sums of another
+    /// batch × gates of the same count would be continued row for row).
     fn token_states(
         &self,
         x: &Tensor,
@@ -248,6 +250,16 @@ impl PositionalEncoding for ForgettingGates {
         _ctx: &AttentionContext,
     ) -> Result<Option<Tensor>> {
         let log_f = self.log_gates(x)?;
+        let (b, g, _) = log_f.dims3()?;
+        if let Some(c) = carried {
+            if c.rank() != 3 || c.dims()[..2] != [b, g] {
+                return Err(Error::shape(
+                    "forget gates' carried sums",
+                    format!("({b}, {g}, T) = (batch, gates, cached tokens) like the chunk's"),
+                    c.shape(),
+                ));
+            }
+        }
         let start = match carried {
             Some(c) if c.dim(2)? > 0 => {
                 let last = c.narrow(2, c.dim(2)? - 1, 1)?;

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::{
-    AttentionConfig, AttentionOptions, EncodingConfig, Error, ForgettingGates, FoxConfig, KvCache,
-    MultiHeadAttention,
+    AttentionConfig, AttentionContext, AttentionOptions, EncodingConfig, Error, ForgettingGates,
+    FoxConfig, KvCache, MultiHeadAttention, PositionalEncoding, Positions,
 };
 use common::{assert_close, fixture};
 
@@ -254,7 +254,9 @@ fn streaming_cache_holds_the_kept_tokens_in_a_row(dev: &Device) -> anyhow::Resul
     Ok(())
 }
 
-/// Causal gates refuse bidirectional attention; a cache filled without states is refused.
+/// Causal gates refuse bidirectional attention; a cache filled without states is refused;
+/// the content hook refuses carried sums of another batch × gates, even of the same count
+/// (they were continued row for row: sequence 1's gates after sequence 0's sums).
 fn refusals(dev: &Device) -> anyhow::Result<()> {
     let causal_gates = random_block(true, dev)?;
     let varmap = VarMap::new();
@@ -277,6 +279,17 @@ fn refusals(dev: &Device) -> anyhow::Result<()> {
         .unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
     assert_eq!(cache.len(), 3, "the refused chunk left nothing");
+    let gates = ForgettingGates::new(&FoxConfig::new(D_MODEL, HEADS), vb.pp("gates"))?;
+    let two = common::randn(0f32, 1.0, (2, 3, D_MODEL), dev)?;
+    let at = Positions::Offset(5);
+    let ctx = AttentionContext::chunk(&at, 3);
+    for carried in [(1, 2 * HEADS, 5), (2, HEADS + 1, 5)] {
+        let carried = Tensor::zeros(carried, DType::F32, dev)?;
+        let err = gates.token_states(&two, Some(&carried), &ctx).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "{err}");
+    }
+    let fits = Tensor::zeros((2, HEADS, 5), DType::F32, dev)?;
+    assert!(gates.token_states(&two, Some(&fits), &ctx)?.is_some());
     Ok(())
 }
 
