@@ -493,18 +493,47 @@ fn kv_cache_with_position_ids(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Options with these positions and padding mask.
+fn opts<'a>(p: Option<&'a Positions>, m: Option<&'a Tensor>) -> AttentionOptions<'a> {
+    AttentionOptions {
+        positions: p,
+        padding_mask: m,
+        ..Default::default()
+    }
+}
+
+/// A chunk given an offset that is not the cache's length (a gap, or back over cached
+/// positions) sits where it says: decoding equals the whole forward with those positions as
+/// ids, and the chunk after it continues from them.
+fn kv_cache_offsets_of_their_own(dev: &Device) -> anyhow::Result<()> {
+    let x = common::randn(0f32, 1.0, (2, 7, D_MODEL), dev)?;
+    for (name, enc) in encodings(dev)? {
+        let mha = random_block(enc, true, dev)?;
+        for (at, row) in [(9, [0u32, 1, 2, 9, 10, 11, 12]), (1, [0, 1, 2, 1, 2, 3, 4])] {
+            let ids = Positions::from(PositionIds::from_rows(&[row.to_vec()], dev)?);
+            let full = mha.forward_with(&x, &opts(Some(&ids), None), None)?;
+            let mut cache = KvCache::new();
+            let offset = Positions::Offset(at);
+            let mut outs = Vec::new();
+            for (start, len, positions) in [(0, 3, None), (3, 2, Some(&offset)), (5, 2, None)] {
+                let part = x.narrow(1, start, len)?;
+                outs.push(
+                    mha.forward_with(&part, &opts(positions, None), Some(&mut cache))?
+                        .output,
+                );
+            }
+            let what = format!("{name} at {at}");
+            assert_close(&Tensor::cat(&outs, 1)?, &full.output, 1e-5, &what)?;
+        }
+    }
+    Ok(())
+}
+
 /// A call given no positions continues each sequence one past its own largest cached id: a
 /// left-padded prompt (rows ending at ids 2 and 4) decoded in chunks without ids equals the
 /// whole forward with every row's ids. (Every row continued at one past the largest id of the
 /// batch, so the shorter rows skipped positions: silently another answer.)
 fn kv_cache_continues_each_row(dev: &Device) -> anyhow::Result<()> {
-    fn opts<'a>(p: Option<&'a Positions>, m: Option<&'a Tensor>) -> AttentionOptions<'a> {
-        AttentionOptions {
-            positions: p,
-            padding_mask: m,
-            ..Default::default()
-        }
-    }
     let x = common::randn(0f32, 1.0, (2, 8, D_MODEL), dev)?;
     let rows = [
         vec![0u32, 0, 0, 1, 2, 3, 4, 5],
@@ -1724,6 +1753,7 @@ device_tests!(
     kv_cache_belongs_to_its_block,
     kv_cache_with_position_ids,
     kv_cache_continues_each_row,
+    kv_cache_offsets_of_their_own,
     causal_weights_and_rows,
     padding_hides_keys,
     order_matters_only_with_an_encoding,
