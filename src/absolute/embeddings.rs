@@ -10,7 +10,9 @@
 //! [`MultiHeadAttention`](crate::attention::MultiHeadAttention), its input hook adds the
 //! positions to that block's input again, which is what the original Transformer's encoder
 //! stack does not do. Decoding continues the positions from a cache: pass
-//! `Positions::Offset(cache.next_position())` for each new chunk.
+//! `cache.continuation(chunk_len)?` for each new chunk (each sequence one past its own last
+//! position, which a left-padded batch needs; `Positions::Offset(cache.next_position())` where
+//! every row ends alike).
 
 use std::sync::Arc;
 
