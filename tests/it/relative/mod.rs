@@ -2,4 +2,5 @@
 
 mod biases;
 mod fox;
+mod gradients;
 mod inkling;
