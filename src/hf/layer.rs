@@ -17,7 +17,7 @@ use super::inkling;
 use super::json::{first, parse_root, problem, Obj};
 use super::llama4;
 use super::pattern::{
-    check_layer, layer_kind, layers_differ, refuse_windowed, uses_rope, LayerKind,
+    bidirectional, check_layer, layer_kind, layers_differ, refuse_windowed, uses_rope, LayerKind,
 };
 use super::registry::{
     self, Bias, HeadDim, LayerRope, ModelSpec, PerTypeRope, QkNorm, Quirks, Scale, TextConfig,
@@ -144,7 +144,9 @@ impl HfFamily {
 ///   `attn_scale`, `floor_scale`);
 /// - sliding windows (`sliding_window` with its class default: Mistral, StarCoder2, Phi-3, and
 ///   per layer Ministral, Qwen2/3, Gemma 2/3 and gpt-oss, see [`Self::from_json_layer`]; ModernBERT's
-///   bidirectional `local_attention / 2` on either side), Gemma 2's logit soft cap
+///   bidirectional `local_attention / 2` on either side; Gemma 3's under
+///   `use_bidirectional_attention`, EmbeddingGemma's: bidirectional, `sliding_window / 2` on
+///   either side, its full layers too), Gemma 2's logit soft cap
 ///   (`attn_logit_softcapping`, 50 by default; Gemma 3's attention ignores the key, as HF's
 ///   `Gemma3Attention` does), gpt-oss's sink logits;
 /// - the encoding: RoPE through [`RopeConfig::from_hf_json`] (every scaling, partial and
@@ -644,7 +646,7 @@ impl LayerFile<'_> {
                 }
             }
         }
-        attention = attention.with_causal(self.spec.causal);
+        attention = attention.with_causal(self.spec.causal && !bidirectional(top, self.spec)?);
         // Gemma 2's attention caps its logits; Gemma 3's (and Gemma 4's) never passes
         // `attn_logit_softcapping` to its attention function, so a cap in the file is not read.
         if self.spec.logit_softcap {

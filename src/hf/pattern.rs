@@ -44,8 +44,16 @@ fn window_size(top: &Obj, spec: &ModelSpec) -> Result<Option<usize>> {
         // says (modeling_smollm3.py), the switch only shaping its default layer types.
         Window::QwenSwitch if top.bool("use_sliding_window")? != Some(true) => None,
         Window::None => None,
+        Window::SlidingOrBidirectional if bidirectional(top, spec)? => window.map(|w| w / 2),
         _ => window,
     })
+}
+
+/// Whether the model attends both ways: Gemma 3's `use_bidirectional_attention` (null or
+/// absent is false, as in its class and model).
+pub(super) fn bidirectional(top: &Obj, spec: &ModelSpec) -> Result<bool> {
+    Ok(spec.window == Window::SlidingOrBidirectional
+        && top.bool("use_bidirectional_attention")? == Some(true))
 }
 
 /// The kind of layer `layer`: from `layer_types` where the model reads it, else from the

@@ -160,6 +160,11 @@ pub(crate) enum Window {
     None,
     /// `sliding_window`, with the class default.
     Sliding,
+    /// As `Sliding`, but under `use_bidirectional_attention` the model attends both ways:
+    /// every key on full layers, the keys within `sliding_window / 2` on either side on
+    /// sliding ones (Gemma 3, EmbeddingGemma: the class makes the window `w / 2 + 1`,
+    /// exclusive, and the mask `|i − j| < w / 2 + 1`).
+    SlidingOrBidirectional,
     /// `sliding_window`, only under `use_sliding_window` (Qwen2, Qwen3).
     QwenSwitch,
     /// ModernBERT's `local_attention / 2` on either side (128 by default).
@@ -617,7 +622,7 @@ pub(crate) const MODELS: &[ModelSpec] = &[
         defaults: defaults(1_000_000.0, Some(4), Some(256), 131_072, Some(4096)),
         scale: Scale::QueryPreAttnScalar,
         qk_norm: QkNorm::UnitOffset,
-        window: Window::Sliding,
+        window: Window::SlidingOrBidirectional,
         layers: Layers::EveryNth {
             key: Some("sliding_window_pattern"),
             every: 6,
