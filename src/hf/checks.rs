@@ -11,6 +11,7 @@
 //! | the heads divide the width | `even_split` rows, and rows whose head width is the width over the heads | the class's `validate_architecture`, or the attention's split |
 //! | `head_dim` × heads = width | `HeadDim::MustSplit` (a given `head_dim`), `HeadDim::FillsWidth` (given or the class's) | the attention splits the width, or its output takes it |
 //! | CodeGen's shards | `codegen` | `hf::codegen` |
+//! | `layer_types` has `num_hidden_layers` entries | every row, where the file gives both | `PreTrainedConfig.validate_layer_type` |
 
 use serde_json::Value;
 
@@ -27,7 +28,28 @@ use crate::error::{Error, Result};
 pub(super) fn check_file(top: &Obj, spec: &ModelSpec) -> Result<()> {
     refuse_unsupported(top, spec)?;
     refuse_typed_nulls(top, spec)?;
+    check_layer_count(top)?;
     check_head_width(top, spec)
+}
+
+/// Refuses a `layer_types` list whose length is not `num_hidden_layers`, as every HF class
+/// does (`validate_layer_type`): which entry belongs to which layer is then unknown.
+fn check_layer_count(top: &Obj) -> Result<()> {
+    let (Some(Value::Array(types)), Some(layers)) =
+        (top.get("layer_types"), top.usize("num_hidden_layers")?)
+    else {
+        return Ok(());
+    };
+    if types.len() == layers {
+        return Ok(());
+    }
+    Err(problem(
+        "layer_types",
+        format!(
+            "has {} entries for num_hidden_layers = {layers}, expected one per layer (HF's configuration refuses the file)",
+            types.len()
+        ),
+    ))
 }
 
 /// The head-width rules of the row's class.

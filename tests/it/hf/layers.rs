@@ -1026,13 +1026,19 @@ fn layers_past_the_model_or_its_layer_types() -> anyhow::Result<()> {
         matches!(&err, Error::HfConfig { key, .. } if key == "num_hidden_layers"),
         "{err}"
     );
-    let short =
-        ckpt.metadata()["gemma2.0"].replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3");
-    let err = HfAttentionConfig::from_json_layer(&short, 2).unwrap_err();
-    assert!(
-        matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
-        "{err}"
-    );
+    // A list shorter or longer than the layers (HF's classes refuse both) is refused for
+    // every layer, not read entry by entry.
+    for (layers, layer) in [(3, 2), (3, 0), (1, 0)] {
+        let text = ckpt.metadata()["gemma2.0"].replace(
+            "\"num_hidden_layers\": 2",
+            &format!("\"num_hidden_layers\": {layers}"),
+        );
+        let err = HfAttentionConfig::from_json_layer(&text, layer).unwrap_err();
+        assert!(
+            matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
+            "{layers} layers, layer {layer}: {err}"
+        );
+    }
     let err = HfAttentionConfig::from_json(&ckpt.metadata()["gpt_oss.0"]).unwrap_err();
     assert!(
         matches!(&err, Error::HfConfig { key, .. } if key == "layer_types"),
