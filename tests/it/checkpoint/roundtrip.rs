@@ -872,3 +872,38 @@ fn names_and_dtypes_that_lose_data_are_refused() -> anyhow::Result<()> {
     std::fs::remove_file(&path)?;
     Ok(())
 }
+
+/// Every option of the block (window, chunks, temperature, soft cap, sinks, q/k norm, Gemma
+/// 4's keys as values with a value norm; short convolutions; latent attention) is written to
+/// the metadata and read back as it was.
+#[test]
+fn every_attention_option_round_trips_through_metadata() -> anyhow::Result<()> {
+    use candle_posenc::attention::{AttentionTemperature, LatentConfig, QkNormConfig};
+    let options = AttentionConfig::new(32, 4)
+        .with_kv_heads(1)
+        .with_head_dim(8)
+        .with_causal(true)
+        .with_sliding_window(Some(5))
+        .with_attention_chunk(Some(3))
+        .with_attention_temperature(Some(AttentionTemperature::new(0.25, 7)))
+        .with_logit_softcap(Some(30.0))
+        .with_sinks(true)
+        .with_qk_norm(Some(
+            QkNormConfig::new().with_unit_offset(true).with_eps(1e-5),
+        ))
+        .with_k_eq_v(true)
+        .with_value_norm(Some(1e-4));
+    let conv = AttentionConfig::new(32, 4)
+        .with_short_conv(Some(3))
+        .with_bias(true)
+        .with_out_bias(false)
+        .with_dropout(0.5);
+    let latent = AttentionConfig::new(32, 4)
+        .with_latent(Some(LatentConfig::new(Some(12), 10, 4, 6)))
+        .with_softmax_scale(0.125);
+    for attn in [options, conv, latent] {
+        let back = AttentionConfig::from_metadata(&attn.to_metadata(), "m")?;
+        assert_eq!(back, attn);
+    }
+    Ok(())
+}
