@@ -10,10 +10,12 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_posenc::checkpoint::{save, save_varmap};
 use candle_posenc::{
-    AlibiConfig, AlibiMode, AttentionConfig, Checkpoint, ClippedBiasConfig, EncodingConfig, Error,
-    Interpolation, LearnedConfig, LearnedPositionalEncoding, LongRopeScaling, MultiHeadAttention,
-    RopeConfig, RopeKernel, RopeLayout, RopeScaling, ShawConfig, SinusoidalConfig, T5Config,
-    YarnScaling, DEFAULT_LOGITS_BUDGET,
+    AlibiConfig, AlibiMode, AttentionConfig, AttentionOptions, Checkpoint, ClippedBiasConfig,
+    EncodingConfig, Error, FoxConfig, InklingConfig, Interpolation, LearnedConfig,
+    LearnedPositionalEncoding, LogScaling, LongRopeScaling, MultiHeadAttention, PositionIds,
+    Positions, QkNormConfig, RopeConfig, RopeKernel, RopeLayout, RopeMixedConfig, RopeScaling,
+    ScaledSinusoidalConfig, ShawConfig, SinusoidalConfig, T5Config, YarnScaling,
+    DEFAULT_LOGITS_BUDGET,
 };
 use common::{assert_close, fixture, get};
 use serde_json::{json, Value};
@@ -578,6 +580,32 @@ fn all_encodings() -> Vec<EncodingConfig> {
                 .with_xpos(512.0)
                 .with_kernel(RopeKernel::Ops),
         ),
+        EncodingConfig::RopeMixed(RopeMixedConfig::new(4, 8)),
+        EncodingConfig::RopeMixed(RopeMixedConfig::new(2, 12).with_theta(100.5).with_seed(7)),
+        EncodingConfig::ScaledSinusoidal(ScaledSinusoidalConfig::new(16)),
+        EncodingConfig::ScaledSinusoidal(
+            ScaledSinusoidalConfig::new(8)
+                .with_max_len(33)
+                .with_base(321.5)
+                .with_dropout(0.2),
+        ),
+        EncodingConfig::Fox(FoxConfig::new(16, 4)),
+        EncodingConfig::Fox(
+            FoxConfig::new(8, 2)
+                .with_bidirectional(true)
+                .with_bias_init(-1.5)
+                .with_post_log_scale(0.25),
+        ),
+        EncodingConfig::Inkling(InklingConfig::new(16, 4)),
+        EncodingConfig::Inkling(
+            InklingConfig::new(8, 2)
+                .with_d_rel(3)
+                .with_rel_extent(5)
+                .with_log_scaling(Some(LogScaling {
+                    n_floor: 4,
+                    alpha: 0.1 + 0.2,
+                })),
+        ),
     ];
     for scaling in all_scalings() {
         v.push(EncodingConfig::Rotary(
@@ -603,7 +631,7 @@ fn every_config_round_trips_through_json() -> anyhow::Result<()> {
     }
     // The kinds and scalings above are all there are.
     let kinds: std::collections::BTreeSet<_> = all_encodings().iter().map(|c| c.kind()).collect();
-    assert_eq!(kinds.len(), 8, "{kinds:?}");
+    assert_eq!(kinds.len(), 12, "{kinds:?}");
     let names: std::collections::BTreeSet<_> = all_scalings().iter().map(|s| s.name()).collect();
     assert_eq!(names.len(), 7, "{names:?}");
 
@@ -777,6 +805,7 @@ device_tests!(
     lying_metadata,
     every_config_round_trips_through_a_checkpoint,
     shared_encoding_is_arc,
+    learned_parameters_survive_a_checkpoint,
 );
 
 /// Eight threads saving different checkpoints into one folder at once: every file holds its
@@ -904,6 +933,85 @@ fn every_attention_option_round_trips_through_metadata() -> anyhow::Result<()> {
     for attn in [options, conv, latent] {
         let back = AttentionConfig::from_metadata(&attn.to_metadata(), "m")?;
         assert_eq!(back, attn);
+    }
+    Ok(())
+}
+
+/// Every encoding with learned parameters, in a block with its own learned parts (sinks, q/k
+/// norm scales, a short convolution, biases), all set away from their initial values: saved,
+/// then rebuilt from the file alone (`from_metadata` and `var_builder`) and restored into a
+/// fresh `VarMap` (`load_into`), both give the saved block's outputs bit for bit.
+fn learned_parameters_survive_a_checkpoint(dev: &Device) -> anyhow::Result<()> {
+    let attn = AttentionConfig::new(16, 4)
+        .with_causal(true)
+        .with_bias(true)
+        .with_sinks(true)
+        .with_short_conv(Some(3))
+        .with_qk_norm(Some(QkNormConfig::new()));
+    let mut configs = common::zoo::configs(16, 4, 4);
+    configs.extend([
+        EncodingConfig::Learned(
+            LearnedConfig::new(16)
+                .with_max_len(6)
+                .with_dropout(0.0)
+                .with_interpolation(Interpolation::ToSequenceLength),
+        ),
+        EncodingConfig::Learned(
+            LearnedConfig::new(16)
+                .with_max_len(6)
+                .with_dropout(0.0)
+                .with_interpolation(Interpolation::ToLength(24)),
+        ),
+        EncodingConfig::Alibi(AlibiConfig::new(4).with_learnable(true)),
+        EncodingConfig::Alibi(
+            AlibiConfig::new(4)
+                .with_learnable(true)
+                .with_mode(AlibiMode::Symmetric),
+        ),
+        EncodingConfig::Fox(FoxConfig::new(16, 4)),
+        EncodingConfig::RopeMixed(RopeMixedConfig::new(4, 4).with_seed(3)),
+    ]);
+    // Multimodal positions for RoPE-Mixed (time, row, column: 7 patches of a grid 5 wide).
+    let axes = Tensor::new(
+        &[
+            [[0u32; 7]],
+            [[0, 0, 0, 0, 0, 1, 1]],
+            [[0, 1, 2, 3, 4, 0, 1]],
+        ],
+        dev,
+    )?;
+    let grid = Positions::Ids(PositionIds::multimodal(&axes)?);
+    let x = common::randn(0f32, 1.0, (1, 7, 16), dev)?;
+    for (i, enc) in configs.iter().enumerate() {
+        let what = common::zoo::label(i, enc);
+        let mixed = matches!(enc, EncodingConfig::RopeMixed(_));
+        // RoPE-Mixed rotates each head by its own frequencies: no grouped keys.
+        let attn = attn.clone().with_kv_heads(if mixed { 4 } else { 2 });
+        let opts = AttentionOptions {
+            positions: mixed.then_some(&grid),
+            ..Default::default()
+        };
+        let run = |mha: &MultiHeadAttention| mha.forward_with(&x, &opts, None);
+        let (saved, varmap) = common::zoo::attention(enc, &attn, DType::F32, dev)?;
+        let mut meta = enc.to_metadata();
+        meta.extend(attn.to_metadata());
+        let path = tmp(&format!("learned_{i}.safetensors"));
+        save_varmap(&path, &varmap, &meta)?;
+        let ckpt = Checkpoint::load(&path, dev)?;
+        std::fs::remove_file(&path)?;
+        let enc2 = EncodingConfig::from_metadata(ckpt.metadata(), ckpt.source())?;
+        let attn2 = AttentionConfig::from_metadata(ckpt.metadata(), ckpt.source())?;
+        let vb = ckpt.var_builder(DType::F32, dev);
+        let rebuilt = MultiHeadAttention::new(&attn2, enc2.build(vb.pp("enc"))?, vb.pp("attn"))?;
+        let want = run(&saved)?.output;
+        assert_close(&run(&rebuilt)?.output, &want, 0.0, &what)?;
+        // A fresh VarMap (other random values) restored from the file.
+        let (_, fresh) = common::zoo::attention(enc, &attn, DType::F32, dev)?;
+        ckpt.load_into(&fresh)?;
+        let restored = common::zoo::attention_from(enc, &attn, &fresh, DType::F32, dev)?;
+        assert_close(&run(&restored)?.output, &want, 0.0, &what)?;
+        // Every variable is in the file: none kept a default the file would not restore.
+        assert_eq!(ckpt.tensors().len(), varmap.all_vars().len(), "{what}");
     }
     Ok(())
 }
