@@ -203,7 +203,8 @@ fn distance_from_hf(
 }
 
 /// The family's layer equals HF's on every path: the fused core, the row pass (weights
-/// returned), plain ops (training mode), and token-by-token decoding with a KV cache.
+/// returned), plain ops (training mode), and decoding with a KV cache, token by token and in
+/// uneven steps after a prefill past the layer's window or chunk.
 fn every_family_matches_hf(tag: &str, dev: &Device) -> anyhow::Result<()> {
     let ckpt = fixtures(dev)?;
     let (_, block) = layer(&ckpt, tag)?;
@@ -255,36 +256,60 @@ fn every_family_matches_hf(tag: &str, dev: &Device) -> anyhow::Result<()> {
         &format!("{tag} plain ops"),
     )?;
     if block.config().causal {
-        let mut cache = KvCache::new();
-        let steps = (0..x.dim(1)?)
-            .map(|t| {
-                let here = at(t, 1)?;
-                let seen = padding.map(|p| p.narrow(1, 0, t + 1)).transpose()?;
-                let step = block.forward_with(
-                    &x.narrow(1, t, 1)?,
-                    &AttentionOptions {
-                        positions: Some(&here),
-                        padding_mask: seen.as_ref(),
-                        ..Default::default()
-                    },
-                    Some(&mut cache),
-                )?;
-                Ok(step.output)
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let decoded = Tensor::cat(&steps, 1)?;
-        // A padded query sees no real key: its output depends on how many keys the call
-        // holds (uniform over them), in HF as here, so decoding compares the real rows.
-        let (decoded, want) = match padding {
-            Some(p) => {
-                let keep = p.to_dtype(DType::F32)?.unsqueeze(2)?;
-                (decoded.broadcast_mul(&keep)?, want.broadcast_mul(&keep)?)
-            }
-            None => (decoded, want.clone()),
-        };
-        assert_close(&decoded, &want, 1e-5, &format!("{tag} decoded"))?;
+        // Token by token, and in uneven steps whose first (4 keys) is past every fixture's
+        // window and chunk (3) and whose later ones cross their edges.
+        let t = x.dim(1)?;
+        for sizes in [vec![1; t], vec![4, 1, t - 5], vec![2, 3, t - 5]] {
+            let decoded = decode_in_steps(&block, x, &at, padding, &sizes)?;
+            // A padded query sees no real key: its output depends on how many keys the call
+            // holds (uniform over them), in HF as here, so decoding compares the real rows.
+            let (decoded, want) = match padding {
+                Some(p) => {
+                    let keep = p.to_dtype(DType::F32)?.unsqueeze(2)?;
+                    (decoded.broadcast_mul(&keep)?, want.broadcast_mul(&keep)?)
+                }
+                None => (decoded, want.clone()),
+            };
+            assert_close(
+                &decoded,
+                &want,
+                1e-5,
+                &format!("{tag} decoded in {sizes:?}"),
+            )?;
+        }
     }
     Ok(())
+}
+
+/// `block` over `x` through one KV cache, in steps of `sizes` tokens, each at its positions
+/// (`at(start, len)`) with the padding mask of the keys seen so far.
+fn decode_in_steps(
+    block: &MultiHeadAttention,
+    x: &Tensor,
+    at: &dyn Fn(usize, usize) -> anyhow::Result<Positions>,
+    padding: Option<&Tensor>,
+    sizes: &[usize],
+) -> anyhow::Result<Tensor> {
+    let mut cache = KvCache::new();
+    let mut steps = Vec::with_capacity(sizes.len());
+    let mut start = 0;
+    for &n in sizes {
+        let here = at(start, n)?;
+        let seen = padding.map(|p| p.narrow(1, 0, start + n)).transpose()?;
+        let step = block.forward_with(
+            &x.narrow(1, start, n)?,
+            &AttentionOptions {
+                positions: Some(&here),
+                padding_mask: seen.as_ref(),
+                ..Default::default()
+            },
+            Some(&mut cache),
+        )?;
+        steps.push(step.output);
+        start += n;
+    }
+    assert_eq!(start, x.dim(1)?, "the steps cover the input");
+    Ok(Tensor::cat(&steps, 1)?)
 }
 
 /// What each family's `config.json` sets, as read.
