@@ -12,6 +12,7 @@
 //! | `head_dim` × heads = width | `HeadDim::MustSplit` (a given `head_dim`), `HeadDim::FillsWidth` (given or the class's) | the attention splits the width, or its output takes it |
 //! | CodeGen's shards | `codegen` | `hf::codegen` |
 //! | `layer_types` has `num_hidden_layers` entries | every row, where the file gives both | `PreTrainedConfig.validate_layer_type` |
+//! | settings whose answer depends on HF's attention backend refused | [`BACKEND_DEPENDENT`]: `gemma`, `gemma2` with `use_bidirectional_attention: true` | the attention's `is_causal` against the model's causal mask |
 
 use serde_json::Value;
 
@@ -163,8 +164,28 @@ fn refuse_typed_nulls(top: &Obj, spec: &ModelSpec) -> Result<()> {
     Ok(())
 }
 
-/// Refuses the settings that would change HF's answer and that the block does not have.
+/// Settings under which HF's model gives different answers on different attention backends,
+/// so no reading of the file is HF's: `(model_type, key set to true, why)`.
+const BACKEND_DEPENDENT: &[(&str, &str, &str)] = &[
+    ("gemma", "use_bidirectional_attention", GEMMA_BIDIRECTIONAL),
+    ("gemma2", "use_bidirectional_attention", GEMMA_BIDIRECTIONAL),
+];
+
+/// Why Gemma's and Gemma 2's `use_bidirectional_attention` is refused (transformers 5.24).
+const GEMMA_BIDIRECTIONAL: &str = "is true, which HF's model answers differently per attention \
+    backend: its attention sets is_causal = False, but the model still builds a causal mask, \
+    so eager attention is causal, sdpa attends both ways unless a padding mask is given, and \
+    flash attention attends both ways; set it false (causal) or read the file as Gemma 3, \
+    whose model builds bidirectional masks";
+
+/// Refuses the settings that would change HF's answer and that the block does not have, and
+/// those of [`BACKEND_DEPENDENT`].
 fn refuse_unsupported(top: &Obj, spec: &ModelSpec) -> Result<()> {
+    for &(model_type, key, why) in BACKEND_DEPENDENT {
+        if spec.model_type == model_type && top.bool(key)? == Some(true) {
+            return Err(problem(key, why));
+        }
+    }
     let unsupported = |key: &str, what: &str| -> Error {
         problem(
             key,
