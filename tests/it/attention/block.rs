@@ -1733,7 +1733,45 @@ fn long_rows_span_key_tiles(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every encoding in a causal block with a window of 3 keys, and with chunks of 4 under that
+/// window, decoded through a KV cache after a prefill of 5 tokens (past both) in uneven steps,
+/// equals the block's whole forward.
+fn windows_and_chunks_decode_with_every_encoding(dev: &Device) -> anyhow::Result<()> {
+    let base = AttentionConfig::new(16, 4)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let settings = [
+        base.clone().with_sliding_window(Some(3)),
+        base.with_sliding_window(Some(3))
+            .with_attention_chunk(Some(4)),
+    ];
+    let x = common::randn(0f32, 1.0, (2, 11, 16), dev)?;
+    for cfg in &settings {
+        for (i, enc) in common::zoo::configs(16, 4, 4).iter().enumerate() {
+            let what = format!("{} {cfg:?}", common::zoo::label(i, enc));
+            let (block, _) = common::zoo::attention(enc, cfg, DType::F32, dev)?;
+            let whole = block.forward(&x)?;
+            let mut cache = KvCache::new();
+            let mut steps = Vec::new();
+            let mut start = 0;
+            for n in [5, 1, 2, 1, 2] {
+                let step = block.forward_with(
+                    &x.i((.., start..start + n))?,
+                    &AttentionOptions::default(),
+                    Some(&mut cache),
+                )?;
+                steps.push(step.output);
+                start += n;
+            }
+            let decoded = Tensor::cat(&steps, 1)?;
+            assert_close_scaled(&decoded, &whole, 1e-5, 2e-6, &what)?;
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
+    windows_and_chunks_decode_with_every_encoding,
     long_rows_span_key_tiles,
     window_softcap_sinks,
     windows_and_chunks_match_their_masks,
