@@ -6,6 +6,10 @@
 //! backward: ∂L/∂x = B(∂L/∂y)                   (B: the op's adjoint, e.g. a rotation by −θ)
 //! ```
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::thread::ThreadId;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
@@ -94,5 +98,56 @@ impl<B: GraftBackward> CustomOp2 for Graft<B> {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let through = self.1.then(|| grad_res.clone());
         Ok((Some(self.0.grad(grad_res)?), through))
+    }
+}
+
+/// Gradients one node's backward computes for others of the same graph to hand to candle (a
+/// node's links), kept apart per thread: candle differentiates a graph on the thread that
+/// calls `backward`, and two threads may differentiate one graph at once (two losses of one
+/// output). With one slot for all, one thread's links could take the other's gradients.
+pub(crate) struct Handoff<T>(Mutex<HashMap<ThreadId, T>>);
+
+impl<T> Default for Handoff<T> {
+    fn default() -> Self {
+        Self(Mutex::new(HashMap::new()))
+    }
+}
+
+impl<T> Handoff<T> {
+    fn lock(&self) -> candle_core::Result<std::sync::MutexGuard<'_, HashMap<ThreadId, T>>> {
+        self.0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("gradient handoff: a lock was poisoned".into()))
+    }
+
+    /// Leaves `value` for the backward running on `thread` (replacing what an earlier one,
+    /// stopped by an error, left behind).
+    pub(crate) fn put(&self, thread: ThreadId, value: T) -> candle_core::Result<()> {
+        self.lock()?.insert(thread, value);
+        Ok(())
+    }
+
+    /// `f` with what was left for the calling thread's backward, if anything; `done` says
+    /// whether it is used up (then it is dropped).
+    pub(crate) fn take_mine<R>(
+        &self,
+        f: impl FnOnce(&mut T) -> Option<R>,
+        done: impl FnOnce(&T) -> bool,
+    ) -> candle_core::Result<Option<R>> {
+        let mut map = self.lock()?;
+        let me = std::thread::current().id();
+        let Some(value) = map.get_mut(&me) else {
+            return Ok(None);
+        };
+        let got = f(value);
+        if done(value) {
+            map.remove(&me);
+        }
+        Ok(got)
+    }
+
+    /// What was left for the calling thread's backward, removed.
+    pub(crate) fn remove_mine(&self) -> candle_core::Result<Option<T>> {
+        Ok(self.lock()?.remove(&std::thread::current().id()))
     }
 }

@@ -30,7 +30,7 @@
 //! that hands its own share of the same pass's results to candle (the outermost link, reached
 //! first by the backward, runs the pass once for all of them).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
@@ -40,7 +40,7 @@ use super::fused_softmax::{add_shifted_row, read_storage, TermGuards};
 use crate::cpu::gemm::product;
 use crate::cpu::zeroed;
 use crate::error::{Error, Result};
-use crate::graft::{graft_through, GraftBackward};
+use crate::graft::{graft_through, GraftBackward, Handoff};
 use crate::limits::check_elements;
 use crate::plug::relative::add_indexed_sums;
 
@@ -89,7 +89,7 @@ impl TrainCore<'_> {
         let (backward, wanted) = self.pass()?;
         let (b, h, tq, _, d) = backward.spec.dims;
         let backward = Arc::new(backward);
-        let cache = Arc::new(Mutex::new(None));
+        let cache = Arc::new(Handoff::default());
         let op = TrainOp {
             backward: backward.clone(),
             cache: cache.clone(),
@@ -145,7 +145,7 @@ impl TrainCore<'_> {
             tq,
             Some(OutPtr(stats.as_mut_ptr())),
         )?;
-        *lock(&backward.stats)? = stats;
+        backward.set_stats(stats)?;
         Ok((out, Pass(backward), wanted))
     }
 
@@ -218,7 +218,7 @@ impl TrainCore<'_> {
         };
         let backward = Backward {
             spec,
-            stats: Mutex::new(Vec::new()),
+            stats: OnceLock::new(),
             terms,
             table,
             sinks,
@@ -308,8 +308,11 @@ struct TermGrad {
 /// What the backward pass needs besides q, k, v, O and dO.
 struct Backward {
     spec: CoreSpec,
-    /// `(B, H, Tq, 2)`: each row's softmax maximum and inverse sum, from the forward.
-    stats: Mutex<Vec<f32>>,
+    /// `(B, H, Tq, 2)`: each row's softmax maximum and inverse sum, set once by the forward.
+    /// Not a lock held through the backward: its parallel stages may run another backward
+    /// of the same graph on the same thread (rayon steals work while it waits), which would
+    /// wait forever on a lock its own thread holds.
+    stats: OnceLock<Vec<f32>>,
     terms: Vec<TermGrad>,
     /// The value table's place among the extras, if it gets a gradient.
     table: Option<usize>,
@@ -348,13 +351,13 @@ impl Pass {
 /// The fused forward as candle's op of q, k and v.
 struct TrainOp {
     backward: Arc<Backward>,
-    cache: Arc<Mutex<Option<Grads>>>,
+    cache: Arc<Handoff<Grads>>,
 }
 
 /// What the links share: the pass, its results, and its tensors.
 struct Shared {
     backward: Arc<Backward>,
-    cache: Arc<Mutex<Option<Grads>>>,
+    cache: Arc<Handoff<Grads>>,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -368,24 +371,21 @@ struct Link {
     outermost: bool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> candle_core::Result<std::sync::MutexGuard<'_, T>> {
-    m.lock()
-        .map_err(|_| candle_core::Error::Msg("fused training: a lock was poisoned".into()))
-}
-
 impl GraftBackward for Link {
     const NAME: &'static str = "posenc-fused-attention-term-grad";
 
     fn grad(&self, grad_y: &Tensor) -> candle_core::Result<Tensor> {
         let s = &self.shared;
-        let mut cache = lock(&s.cache)?;
         if self.outermost {
-            *cache = Some(s.backward.grads(&s.q, &s.k, &s.v, &s.o, grad_y)?);
+            let grads = s.backward.grads(&s.q, &s.k, &s.v, &s.o, grad_y)?;
+            s.cache.put(std::thread::current().id(), grads)?;
         }
-        let grad = cache
-            .as_mut()
-            .and_then(|g| g.extras.get_mut(self.extra))
-            .and_then(Option::take);
+        // The forward's op takes the rest, where it is in the graph (q, k or v tracks); else
+        // the innermost link, the last to run, drops it.
+        let grad = s.cache.take_mine(
+            |g| g.extras.get_mut(self.extra).and_then(Option::take),
+            |_| self.extra == 0 && !s.o.track_op(),
+        )?;
         grad.ok_or_else(|| {
             candle_core::Error::Msg("fused training: a term's gradient was not computed".into())
         })
@@ -416,7 +416,7 @@ impl CustomOp3 for TrainOp {
             tq,
             Some(OutPtr(stats.as_mut_ptr())),
         )?;
-        *lock(&self.backward.stats)? = stats;
+        self.backward.set_stats(stats)?;
         Ok((CpuStorage::F32(out), Shape::from((b, tq, h, d))))
     }
 
@@ -429,7 +429,7 @@ impl CustomOp3 for TrainOp {
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // Computed by the outermost link when there is one; else here.
-        let cached = lock(&self.cache)?.take();
+        let cached = self.cache.remove_mine()?;
         let mut grads = match cached {
             Some(g) => g,
             None => self.backward.grads(q, k, v, res, grad_res)?,
@@ -484,6 +484,13 @@ unsafe impl Send for Outs {}
 unsafe impl Sync for Outs {}
 
 impl Backward {
+    /// Keeps the forward's row statistics for the backward.
+    fn set_stats(&self, stats: Vec<f32>) -> candle_core::Result<()> {
+        self.stats
+            .set(stats)
+            .map_err(|_| candle_core::Error::Msg("fused training: the forward ran twice".into()))
+    }
+
     /// The gradients of q, k, v and every extra from `dO` = `grad_o` `(B, Tq, H, D)`.
     fn grads(
         &self,
@@ -505,7 +512,7 @@ impl Backward {
         if grad_o.dims() != [b, tq, h, d] || o.dims() != [b, tq, h, d] {
             candle_core::bail!("fused training: the output gradient must be (B, Tq, H, D)");
         }
-        let stats = lock(&self.stats)?;
+        let stats = self.stats.get().map_or(&[][..], Vec::as_slice);
         if stats.len() != b * h * tq * 2 {
             candle_core::bail!("fused training: backward before forward");
         }
@@ -548,7 +555,7 @@ impl Backward {
         let ctx = Ctx {
             spec,
             pass: &pass,
-            stats: &stats,
+            stats,
             delta: &delta,
             grad_o: do_host,
             views,
@@ -583,7 +590,7 @@ impl Backward {
             extras[extra] = Some(self.extra(extra, grad)?);
         }
         if let (Some(extra), Some(sinks)) = (self.sinks, &spec.rule.sinks) {
-            let grad = sink_grads(sinks, &stats, &delta, spec.dims);
+            let grad = sink_grads(sinks, stats, &delta, spec.dims);
             extras[extra] = Some(self.extra(extra, grad)?);
         }
         let dev = candle_core::Device::Cpu;

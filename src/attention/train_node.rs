@@ -23,6 +23,7 @@
 //! node (`MultiHeadAttention`'s `one_node` decides).
 
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use candle_nn::Linear;
@@ -37,7 +38,7 @@ use crate::cpu::linear_node::{
 use crate::cpu::pool::on_pool;
 use crate::cpu::{gemm, zeroed};
 use crate::error::{Error, Result};
-use crate::graft::{graft_through, GraftBackward};
+use crate::graft::{graft_through, GraftBackward, Handoff};
 use crate::plug::{AttentionContext, PositionalEncoding};
 use crate::positions::Positions;
 
@@ -197,7 +198,7 @@ pub(crate) fn forward(parts: Parts) -> Result<Option<Tensor>> {
             pass,
         },
         slots: linked.iter().map(|(_, s)| *s).collect(),
-        grads: Mutex::new(Vec::new()),
+        grads: Handoff::default(),
     });
     let mut anchor = Tensor::zeros(1, DType::F32, x.device())?;
     for (slot, (tensor, _)) in linked.iter().enumerate() {
@@ -292,8 +293,8 @@ struct State {
     saved: Saved,
     /// The linked tensors' sources, in link order.
     slots: Vec<Slot>,
-    /// Their gradients, left by the backward for the links to take.
-    grads: Mutex<Vec<Option<Tensor>>>,
+    /// Their gradients, left by each backward for its thread's links to take.
+    grads: Handoff<Vec<Option<Tensor>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> candle_core::Result<std::sync::MutexGuard<'_, T>> {
@@ -334,8 +335,14 @@ pub(crate) fn with_linear<R>(
 }
 
 impl State {
-    /// ∂x (where x tracks), with every linked tensor's gradient left in `grads`.
-    fn backward(&self, x: &Tensor, grad_y: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    /// ∂x (where x tracks), with every linked tensor's gradient left in `grads` for the
+    /// links of the backward running on `caller`.
+    fn backward(
+        &self,
+        x: &Tensor,
+        grad_y: &Tensor,
+        caller: ThreadId,
+    ) -> candle_core::Result<Option<Tensor>> {
         let saved = &self.saved;
         let mut weight_grads: [WeightGrads; 4] = Default::default();
         let d_o = self.output_grads(grad_y, &mut weight_grads[3])?;
@@ -351,7 +358,7 @@ impl State {
             None => (dq, dk),
         };
         let dx = self.projection_grads(x, [&dq, &dk, &dv], &mut weight_grads)?;
-        self.hand_out(weight_grads, core.extras)?;
+        self.hand_out(weight_grads, core.extras, caller)?;
         Ok(dx)
     }
 
@@ -424,12 +431,13 @@ impl State {
             .transpose()
     }
 
-    /// Each linked tensor's gradient, left in `grads` for its link: the projections' from
-    /// `weights`, the core's extras from `extras`.
+    /// Each linked tensor's gradient, left in `grads` for its link on `caller`: the
+    /// projections' from `weights`, the core's extras from `extras`.
     fn hand_out(
         &self,
         mut weights: [WeightGrads; 4],
         mut extras: Vec<Option<Tensor>>,
+        caller: ThreadId,
     ) -> candle_core::Result<()> {
         let mut grads = Vec::with_capacity(self.slots.len());
         for slot in &self.slots {
@@ -447,8 +455,7 @@ impl State {
             };
             grads.push(grad);
         }
-        *lock(&self.grads)? = grads;
-        Ok(())
+        self.grads.put(caller, grads)
     }
 
     /// Which of a projection's gradients are wanted: (∂W, ∂b).
@@ -492,7 +499,9 @@ impl CustomOp2 for BlockOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = on_pool(|| self.state.backward(x, grad))?;
+        // The links run on this thread, the backward on the pool.
+        let caller = std::thread::current().id();
+        let dx = on_pool(|| self.state.backward(x, grad, caller))?;
         let d_anchor = match anchor.track_op() {
             true => Some(anchor.zeros_like()?),
             false => None,
@@ -511,9 +520,10 @@ impl GraftBackward for Link {
     const NAME: &'static str = "posenc-attention-block-link";
 
     fn grad(&self, _grad_y: &Tensor) -> candle_core::Result<Tensor> {
-        let grad = lock(&self.state.grads)?
-            .get_mut(self.slot)
-            .and_then(Option::take);
+        let grad = self.state.grads.take_mine(
+            |grads| grads.get_mut(self.slot).and_then(Option::take),
+            |grads| grads.iter().all(Option::is_none),
+        )?;
         grad.ok_or_else(|| {
             candle_core::Error::Msg("training block: a weight's gradient was not computed".into())
         })
