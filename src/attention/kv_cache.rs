@@ -31,7 +31,7 @@ const DEFAULT_CAPACITY: usize = 512;
 /// and which cannot be truncated back.
 ///
 /// A cache belongs to the block that filled it (and its clones): another block's call is
-/// refused with [`Error::InvalidConfig`] until the cache is emptied ([`Self::reset`], or
+/// refused with [`Error::InvalidConfig`] until the cache is reset ([`Self::reset`], or
 /// [`Self::truncate`] to nothing), since its keys and values would be another layer's.
 ///
 /// A clone is an independent cache (beam search, branching): clones share storage only until
@@ -342,8 +342,9 @@ impl KvCache {
         self.conv = conv;
     }
 
-    /// Checks that `block` may continue the cache: it is empty (new, reset or truncated to
-    /// nothing) or was filled by `block` (or a clone of it).
+    /// Checks that `block` may continue the cache: it is new, reset or truncated to nothing
+    /// (a `streaming(0, 0)` cache holds no token after a call but still keeps its block's
+    /// state), or was filled by `block` (or a clone of it).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a cache filled by another block: its keys and values are

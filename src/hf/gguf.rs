@@ -525,7 +525,7 @@ fn bad(path: &Path, reason: impl Into<String>) -> Error {
 /// The one header value candle's GGUF reader takes unchecked, found by walking the metadata
 /// without allocating: anything unexpected ends the walk, and candle's reader reports it.
 mod header {
-    use std::io::{Read, Seek, SeekFrom};
+    use std::io::{Read, Seek};
 
     const KEY: &[u8] = b"general.alignment";
 
@@ -547,9 +547,8 @@ mod header {
     }
 
     fn skip(r: &mut impl Seek, n: u64) -> Option<()> {
-        r.seek(SeekFrom::Current(i64::try_from(n).ok()?))
-            .ok()
-            .map(drop)
+        // Relative, so a `BufReader` keeps its buffer (`seek` drops it on every call).
+        r.seek_relative(i64::try_from(n).ok()?).ok()
     }
 
     /// Bytes of a scalar of GGUF type `t`, `None` for strings and arrays.
@@ -582,8 +581,16 @@ mod header {
     }
 
     /// `general.alignment` as candle reads it (an unsigned or non-negative integer of at most
-    /// 32 bits), if the walk finds it.
+    /// 32 bits), if the walk finds it: the last one, as candle keeps the last of a repeated key.
     pub(super) fn alignment(r: &mut (impl Read + Seek)) -> Option<u64> {
+        let mut found = None;
+        walk(r, &mut found);
+        found
+    }
+
+    /// Walks the metadata, leaving each `general.alignment` it meets in `found` (`None` for
+    /// one that is no such integer); stops at anything unexpected.
+    fn walk(r: &mut (impl Read + Seek), found: &mut Option<u64>) -> Option<()> {
         let (_magic, version) = (u32(r)?, u32(r)?);
         let v1 = version == 1;
         let (_tensors, entries) = (len(r, v1)?, len(r, v1)?);
@@ -594,20 +601,21 @@ mod header {
                 skip(r, key_len)?;
             }
             let t = u32(r)?;
-            if !is_key {
+            if !is_key || t > 5 {
+                *found = if is_key { None } else { *found };
                 skip_value(r, t, v1, 0)?;
                 continue;
             }
-            return match t {
-                0 => bytes::<1>(r).map(|b| u64::from(b[0])),
-                1 => bytes::<1>(r).and_then(|b| u64::try_from(i8::from_le_bytes(b)).ok()),
-                2 => bytes(r).map(|b| u64::from(u16::from_le_bytes(b))),
-                3 => bytes(r).and_then(|b| u64::try_from(i16::from_le_bytes(b)).ok()),
-                4 => u32(r).map(u64::from),
-                5 => bytes(r).and_then(|b| u64::try_from(i32::from_le_bytes(b)).ok()),
-                _ => None,
+            // Read whole (the value's bytes are consumed either way).
+            *found = match t {
+                0 => u64::from(bytes::<1>(r)?[0]).into(),
+                1 => u64::try_from(i8::from_le_bytes(bytes(r)?)).ok(),
+                2 => u64::from(u16::from_le_bytes(bytes(r)?)).into(),
+                3 => u64::try_from(i16::from_le_bytes(bytes(r)?)).ok(),
+                4 => u64::from(u32(r)?).into(),
+                _ => u64::try_from(i32::from_le_bytes(bytes(r)?)).ok(),
             };
         }
-        None
+        Some(())
     }
 }

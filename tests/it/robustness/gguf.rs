@@ -112,6 +112,12 @@ fn an_alignment_of_zero_is_refused() {
         text.contains("`general.alignment` is 0, expected a positive alignment"),
         "{text}"
     );
+    // Repeated, candle keeps the last: 32 then 0 is an alignment of 0.
+    let mut meta = llama(&[]);
+    meta.push(("general.alignment", Meta::U32(32)));
+    meta.push(("general.alignment", Meta::U32(0)));
+    let e = open("align32then0", &gguf(&meta, &[], 0), |_| Ok(()));
+    assert!(e.to_string().contains("`general.alignment` is 0"), "{e}");
 }
 
 /// Token embeddings of no dimensions and no `vocab_size`: the vocabulary was read as their
